@@ -1,0 +1,321 @@
+-- Operator functions: replay, cancel, the topic registry. None of these is on the
+-- hot path, so they are plain PL/pgSQL; each pins search_path and qualifies every
+-- object it names.
+
+-- Shared check for topic names and claim/replay patterns. Returns the pattern kind:
+-- 'all' for '*', 'prefix' for 'a.b.*', 'exact' otherwise; raises 22023 when bad.
+CREATE FUNCTION outbox._pattern_kind(pattern text) RETURNS text
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pattern IS NULL THEN
+        RAISE EXCEPTION 'outbox: topic pattern must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF pattern OPERATOR(pg_catalog.=) '*' THEN
+        RETURN 'all';
+    END IF;
+    IF pg_catalog.length(pattern) OPERATOR(pg_catalog.>) 255
+       OR pattern OPERATOR(pg_catalog.!~) '^[a-z0-9_-]+(\.[a-z0-9_-]+)*(\.\*)?$' COLLATE "C" THEN
+        RAISE EXCEPTION 'outbox: invalid topic pattern %', pg_catalog.quote_literal(pattern)
+            USING ERRCODE = '22023',
+                  HINT = 'Use an exact topic (a.b.c), a prefix (a.b.*) or *.';
+    END IF;
+    IF pg_catalog.right(pattern, 2) OPERATOR(pg_catalog.=) '.*' THEN
+        RETURN 'prefix';
+    END IF;
+    RETURN 'exact';
+END
+$$;
+
+-- True when topic matches one pattern (exact, 'a.b.*' or '*').
+CREATE FUNCTION outbox._topic_matches(topic text, pattern text) RETURNS boolean
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE outbox._pattern_kind(pattern)
+        WHEN 'all' THEN true
+        WHEN 'prefix' THEN pg_catalog.starts_with(topic, pg_catalog.left(pattern, -1))
+        ELSE topic OPERATOR(pg_catalog.=) pattern
+    END
+$$;
+
+CREATE FUNCTION outbox.replay(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    -- Dead events live in the hot relation: flip them back to pending.
+    UPDATE outbox.event_queue q
+       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+           lease_token = NULL, leased_by = NULL, leased_at = NULL,
+           dead_at = NULL, blocks_subject = false
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        PERFORM outbox._wake(NULL);
+        RETURN true;
+    END IF;
+    -- Cancelled events live in the archive: move them back, keeping id and history.
+    WITH moved AS (
+        DELETE FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled'
+        RETURNING a.*
+    )
+    INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
+                                    attempts, max_attempts, visible_at, last_error, errors, published_at)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
+           0, m.max_attempts, pg_catalog.clock_timestamp(), m.last_error, m.errors, m.published_at
+      FROM moved m;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n OPERATOR(pg_catalog.>) 0;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.replay(bigint) IS
+'Move a dead or cancelled event back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
+'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Follows seed 004 (dead-lettered rows are kept for replay) and pg-boss redrive.';
+
+CREATE FUNCTION outbox.replay_dead(
+    topic_pattern text        DEFAULT NULL,
+    dead_since    timestamptz DEFAULT NULL,
+    dead_until    timestamptz DEFAULT NULL,
+    dry_run       boolean     DEFAULT false
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    IF topic_pattern IS NOT NULL THEN
+        PERFORM outbox._pattern_kind(topic_pattern);
+    END IF;
+    IF dry_run IS NULL THEN
+        RAISE EXCEPTION 'outbox: dry_run must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF dry_run THEN
+        SELECT pg_catalog.count(*) INTO n
+          FROM outbox.event_queue q
+         WHERE q.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
+           AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
+        RETURN n;
+    END IF;
+    UPDATE outbox.event_queue q
+       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+           lease_token = NULL, leased_by = NULL, leased_at = NULL,
+           dead_at = NULL, blocks_subject = false
+     WHERE q.state OPERATOR(pg_catalog.=) 'dead'
+       AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
+       AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
+       AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) IS
+'Bulk replay of dead events: those whose topic matches topic_pattern (exact, ''a.b.*'' or ''*''; NULL = all) and whose dead_at is in [dead_since, dead_until) (NULL bound = open). '
+'Returns how many events were replayed (bigint), or with dry_run = true how many would be, changing nothing. '
+'Errors: 22023 bad pattern; 22004 NULL dry_run. Follows pg-boss redrive and PgQue dlq_replay (anchors.md 3(b).5).';
+
+CREATE FUNCTION outbox.cancel(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    WITH moved AS (
+        DELETE FROM outbox.event_queue q
+         WHERE q.id OPERATOR(pg_catalog.=) cancel.id
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead'])
+        RETURNING q.*
+    )
+    INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state,
+                                      attempts, max_attempts, leased_by, last_error, errors,
+                                      published_at, finished_at)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'cancelled',
+           m.attempts, m.max_attempts, m.leased_by, m.last_error, m.errors,
+           m.published_at, pg_catalog.clock_timestamp()
+      FROM moved m;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        -- A cancelled head of a subject may unblock the next event.
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n OPERATOR(pg_catalog.>) 0;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.cancel(bigint) IS
+'Cancel an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
+'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy.';
+
+-- The topic registry.
+
+CREATE FUNCTION outbox._check_topic(topic text) RETURNS void
+LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF topic IS NULL THEN
+        RAISE EXCEPTION 'outbox: topic must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF outbox._pattern_kind(topic) OPERATOR(pg_catalog.<>) 'exact' THEN
+        RAISE EXCEPTION 'outbox: invalid topic %', pg_catalog.quote_literal(topic)
+            USING ERRCODE = '22023';
+    END IF;
+END
+$$;
+
+CREATE FUNCTION outbox.create_topic(
+    topic               text,
+    max_attempts        integer  DEFAULT NULL,
+    backoff_base        interval DEFAULT NULL,
+    backoff_max         interval DEFAULT NULL,
+    default_lease       interval DEFAULT NULL,
+    dead_letter_policy  text     DEFAULT 'block',
+    retention_delivered interval DEFAULT NULL,
+    retention_dead      interval DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
+                                 dead_letter_policy, retention_delivered, retention_dead);
+    INSERT INTO outbox.topics (topic, max_attempts, backoff_base, backoff_max, default_lease,
+                               dead_letter_policy, retention_delivered, retention_dead)
+    VALUES (topic, max_attempts, backoff_base, backoff_max, default_lease,
+            dead_letter_policy, retention_delivered, retention_dead);
+EXCEPTION WHEN unique_violation THEN
+    RAISE EXCEPTION 'outbox: topic % already exists', pg_catalog.quote_literal(topic)
+        USING ERRCODE = '42710', HINT = 'Use outbox.alter_topic().';
+END
+$$;
+
+CREATE FUNCTION outbox._check_policy(
+    max_attempts integer, backoff_base interval, backoff_max interval, default_lease interval,
+    dead_letter_policy text, retention_delivered interval, retention_dead interval
+) RETURNS void
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_attempts IS NOT NULL AND (max_attempts OPERATOR(pg_catalog.<) 1 OR max_attempts OPERATOR(pg_catalog.>) 1000000) THEN
+        RAISE EXCEPTION 'outbox: max_attempts must be between 1 and 1000000, got %', max_attempts USING ERRCODE = '22023';
+    END IF;
+    IF backoff_base IS NOT NULL AND (backoff_base OPERATOR(pg_catalog.<=) interval '0' OR backoff_base OPERATOR(pg_catalog.>) interval '365 days') THEN
+        RAISE EXCEPTION 'outbox: backoff_base must be > 0 and <= 365 days, got %', backoff_base USING ERRCODE = '22023';
+    END IF;
+    IF backoff_max IS NOT NULL AND (backoff_max OPERATOR(pg_catalog.<=) interval '0' OR backoff_max OPERATOR(pg_catalog.>) interval '365 days') THEN
+        RAISE EXCEPTION 'outbox: backoff_max must be > 0 and <= 365 days, got %', backoff_max USING ERRCODE = '22023';
+    END IF;
+    IF default_lease IS NOT NULL AND (default_lease OPERATOR(pg_catalog.<=) interval '0'
+        OR default_lease OPERATOR(pg_catalog.>) pg_catalog.current_setting('outbox.max_lease')::interval) THEN
+        RAISE EXCEPTION 'outbox: default_lease must be > 0 and <= outbox.max_lease, got %', default_lease USING ERRCODE = '22023';
+    END IF;
+    IF dead_letter_policy IS NULL OR dead_letter_policy OPERATOR(pg_catalog.<>) ALL (ARRAY['block', 'skip']) THEN
+        RAISE EXCEPTION 'outbox: dead_letter_policy must be ''block'' or ''skip'', got %', pg_catalog.quote_nullable(dead_letter_policy) USING ERRCODE = '22023';
+    END IF;
+    IF retention_delivered OPERATOR(pg_catalog.<) interval '0' OR retention_dead OPERATOR(pg_catalog.<) interval '0' THEN
+        RAISE EXCEPTION 'outbox: retention intervals must not be negative' USING ERRCODE = '22023';
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) IS
+'Register a topic with its policy; NULL settings fall back to the GUCs (outbox.max_attempts, outbox.backoff_base, outbox.backoff_max, outbox.default_lease, outbox.retention_delivered, outbox.retention_dead). '
+'dead_letter_policy: ''block'' (a dead event keeps later events of its subject unclaimable until replayed or cancelled) or ''skip''. Returns void. '
+'Errors: 22004 NULL topic; 22023 invalid topic or setting; 42710 topic exists. Follows PgQ set_queue_config (per-queue settings in rows, not GUCs).';
+
+CREATE FUNCTION outbox.alter_topic(
+    topic               text,
+    max_attempts        integer  DEFAULT NULL,
+    backoff_base        interval DEFAULT NULL,
+    backoff_max         interval DEFAULT NULL,
+    default_lease       interval DEFAULT NULL,
+    dead_letter_policy  text     DEFAULT NULL,
+    retention_delivered interval DEFAULT NULL,
+    retention_dead      interval DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cur outbox.topics;
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    SELECT * INTO cur FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'outbox: topic % is not registered', pg_catalog.quote_literal(topic) USING ERRCODE = 'P0002';
+    END IF;
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
+                                 COALESCE(dead_letter_policy, cur.dead_letter_policy), retention_delivered, retention_dead);
+    UPDATE outbox.topics t SET
+        max_attempts        = COALESCE(alter_topic.max_attempts, t.max_attempts),
+        backoff_base        = COALESCE(alter_topic.backoff_base, t.backoff_base),
+        backoff_max         = COALESCE(alter_topic.backoff_max, t.backoff_max),
+        default_lease       = COALESCE(alter_topic.default_lease, t.default_lease),
+        dead_letter_policy  = COALESCE(alter_topic.dead_letter_policy, t.dead_letter_policy),
+        retention_delivered = COALESCE(alter_topic.retention_delivered, t.retention_delivered),
+        retention_dead      = COALESCE(alter_topic.retention_dead, t.retention_dead),
+        updated_at          = pg_catalog.now()
+     WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) IS
+'Change a registered topic''s policy; NULL arguments leave that setting unchanged (to reset a setting to the GUC default, update outbox.topics directly as the owner). '
+'max_attempts applies to events published afterwards; backoff, lease, dead-letter policy and retention apply at once. Returns void. '
+'Errors: 22004 NULL topic; 22023 invalid setting; P0002 unknown topic.';
+
+CREATE FUNCTION outbox.drop_topic(topic text, force boolean DEFAULT false) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    live bigint;
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    IF force IS NULL THEN
+        RAISE EXCEPTION 'outbox: force must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    PERFORM 1 FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    SELECT pg_catalog.count(*) INTO live FROM outbox.event_queue q
+     WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic;
+    IF live OPERATOR(pg_catalog.>) 0 AND NOT force THEN
+        RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
+            USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';
+    END IF;
+    DELETE FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic;
+    RETURN true;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.drop_topic(text, boolean) IS
+'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events, '
+'unless force => true; forcing removes only the policy row, never events. Errors: 22004 NULL topic or force; 22023 invalid topic; 55006 undelivered events.';

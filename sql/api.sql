@@ -1,0 +1,139 @@
+-- The delivery API. The hot paths (publish, claim, ack, fail, extend_lease) are C
+-- functions implemented in Rust (src/publish.rs, src/claim.rs, src/lease.rs); they
+-- run their statements as saved SPI plans, so they are planned once per session,
+-- not once per call (the LANGUAGE sql wrapper trap described in issue 2).
+--
+-- Every function pins search_path, so objects in the caller's path cannot change
+-- what it runs.
+
+CREATE FUNCTION outbox.publish(
+    topic        text,
+    payload      jsonb,
+    subject      text        DEFAULT NULL,
+    dispatch_key text        DEFAULT NULL,
+    headers      jsonb       DEFAULT NULL,
+    deliver_at   timestamptz DEFAULT NULL
+) RETURNS bigint
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_publish';
+
+COMMENT ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) IS
+'Publish one event in the caller''s transaction; returns its id (bigint). It never commits: the event exists iff the caller commits (savepoints included). '
+'Arguments: topic (lowercase dot-separated segments of [a-z0-9_-], 1..255 chars), payload (any JSON value, at most outbox.max_payload_bytes bytes), '
+'subject (ordering key: events of one subject are delivered in commit order; publishers of one subject are serialised by a transaction-scoped advisory lock), '
+'dispatch_key (idempotency key: a second publish with a retained key inserts nothing and returns the first event''s id), '
+'headers (JSON object of string values; W3C traceparent/tracestate are passed through; outbox.traceparent is copied in when absent), '
+'deliver_at (not claimable before this time; past means now). '
+'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large; '
+'P0002 unregistered topic with outbox.strict_topics = on. '
+'Follows seeds 000 (publishOutboxEvent in the caller''s transaction, dispatchKey) and 001 (publish_in_tx, subject_id).';
+
+CREATE FUNCTION outbox.publish_batch(
+    topic         text,
+    payloads      jsonb[],
+    subjects      text[] DEFAULT NULL,
+    dispatch_keys text[] DEFAULT NULL
+) RETURNS SETOF bigint
+LANGUAGE c VOLATILE PARALLEL UNSAFE ROWS 1000
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_publish_batch';
+
+COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
+'Publish many events of one topic in one call, in the caller''s transaction; returns their ids (SETOF bigint) in input order. '
+'Arguments: topic as in publish; payloads (jsonb[], 1..outbox.max_batch_size elements, none NULL); subjects and dispatch_keys (NULL, or arrays of the same length whose elements may be NULL). '
+'Same validation and semantics as publish: per-subject order follows input order, a repeated dispatch key (in the batch or already retained) returns the first event''s id. '
+'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large; P0002 strict topics. '
+'Follows pgmq send_batch.';
+
+CREATE FUNCTION outbox.claim(
+    worker     text,
+    batch_size integer  DEFAULT 100,
+    lease      interval DEFAULT NULL,
+    topics     text[]   DEFAULT NULL
+) RETURNS TABLE (
+    id               bigint,
+    topic            text,
+    subject          text,
+    dispatch_key     text,
+    payload          jsonb,
+    headers          jsonb,
+    attempt          integer,
+    lease_token      uuid,
+    lease_expires_at timestamptz,
+    published_at     timestamptz
+)
+LANGUAGE c VOLATILE PARALLEL UNSAFE ROWS 100
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_claim';
+
+COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[]) IS
+'Lease up to batch_size ready events (FOR UPDATE SKIP LOCKED): pending events whose visible time has come, and leased events whose lease expired. '
+'Oldest available first. Each row gets a fresh lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease; attempt counts claims (1 on first delivery). '
+'An event whose subject has an earlier pending, leased or blocking-dead event is not claimable. An expired lease that used the last attempt goes dead with error ''lease expired''. '
+'Arguments: worker (non-empty name, at most 255 chars, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
+'lease (interval > 0 and <= outbox.max_lease; NULL = topic default_lease, else outbox.default_lease), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''). '
+'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
+'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease or topic pattern; 54000 batch_size over outbox.max_batch_size. '
+'Follows the SKIP LOCKED claim of pgmq/River/Oban (anchors.md 0.1) with awa-style fencing tokens (anchors.md 3(c).1).';
+
+CREATE FUNCTION outbox.ack(id bigint, lease_token uuid) RETURNS boolean
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_ack';
+
+COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
+'Mark a leased event delivered (moves it to the archive). Returns true when lease_token is the event''s current token, '
+'false otherwise (stale or unknown token, unknown id, NULL arguments): never an error, nothing changes. Follows seed 001 mark_delivered, fenced as in awa.';
+
+CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_ack_batch';
+
+COMMENT ON FUNCTION outbox.ack(bigint[], uuid[]) IS
+'Batch ack: acknowledges each (ids[i], lease_tokens[i]) pair whose token is current; returns how many were acknowledged (integer). '
+'Errors: 22004 NULL array or NULL element; 22023 arrays of different lengths or multidimensional; 54000 more than outbox.max_batch_size pairs. Nothing is applied on error.';
+
+CREATE FUNCTION outbox.fail(
+    id          bigint,
+    lease_token uuid,
+    error       text,
+    retry_in    interval DEFAULT NULL,
+    permanent   boolean  DEFAULT false
+) RETURNS text
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_fail';
+
+COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
+'Report a failed delivery. Returns the new state: ''pending'' (retry scheduled), ''dead'' (permanent, or attempts reached max_attempts), or ''stale'' (token not current; nothing changed). '
+'Arguments: error (text kept as last_error and appended to the attempt history; NULL is stored as ''(no error text)''; truncated to 8 kB), '
+'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
+'permanent (true dead-letters at once). Errors: 22004 NULL id, lease_token or permanent when the token is current; 22023 negative or over-long retry_in. '
+'Backoff follows seed 004 (failures back off, dead-letter after maxAttempts); the dead-letter state follows seed 000.';
+
+CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
+LANGUAGE c VOLATILE PARALLEL UNSAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_extend_lease';
+
+COMMENT ON FUNCTION outbox.extend_lease(bigint, uuid, interval) IS
+'Heartbeat: set the lease expiry to clock_timestamp() + lease. Returns the new expiry (timestamptz), or NULL when the token is stale. '
+'Arguments: lease (interval > 0, <= outbox.max_lease). Errors: 22004 NULL lease; 22023 zero, negative or over-long lease. '
+'Workers should extend at most every lease/3 (anchors.md 3(c).1, PgQueuer #430).';
+
+CREATE FUNCTION outbox.backoff_delay(
+    attempt      integer,
+    backoff_base interval DEFAULT NULL,
+    backoff_max  interval DEFAULT NULL,
+    jitter       boolean  DEFAULT true
+) RETURNS interval
+LANGUAGE c VOLATILE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS 'MODULE_PATHNAME', 'outbox_backoff_delay';
+
+COMMENT ON FUNCTION outbox.backoff_delay(integer, interval, interval, boolean) IS
+'The retry delay fail() uses after the given attempt (1-based): min(backoff_max, backoff_base * 2^(attempt-1)); with jitter, uniformly in [d/2, d]. '
+'Never zero, negative or overflowing for any attempt. NULL base/max = outbox.backoff_base / outbox.backoff_max. '
+'Errors: 22004 NULL attempt; 22023 attempt < 1, base or max not > 0 or over 365 days. Follows the capped exponential backoff with jitter of seed 004 and River/Oban.';

@@ -1,0 +1,167 @@
+-- Retention. Delivered and cancelled events live in outbox.event_archive and dead
+-- events in outbox.event_queue; neither step ever looks at a pending or leased row,
+-- whatever its age. Each step deletes one batch chosen with SKIP LOCKED, so it
+-- never waits on workers and two purges running at once never count a row twice.
+--
+-- Dispatch keys: a key row is removed with its event only once it is older than
+-- outbox.retention_dispatch_keys (default 0: with the event). Raising that setting
+-- keeps deduplicating after the events are gone (seed 000: purging rows shortens
+-- the dedupe window); the 'keys' step later removes such orphaned keys.
+
+CREATE FUNCTION outbox._retention_guc(name text) RETURNS interval
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT pg_catalog.current_setting(name)::interval $$;
+
+CREATE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint := 0;
+    key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
+BEGIN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys']) THEN
+        RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
+    END IF;
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox: older_than must not be negative, got %', older_than USING ERRCODE = '22023';
+    END IF;
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox: batch_size must be at least 1, got %', pg_catalog.quote_nullable(batch_size) USING ERRCODE = '22023';
+    END IF;
+    IF batch_size > pg_catalog.current_setting('outbox.max_batch_size')::integer THEN
+        RAISE EXCEPTION 'outbox: batch size % exceeds outbox.max_batch_size', batch_size USING ERRCODE = '54000';
+    END IF;
+
+    IF kind = 'delivered' THEN
+        WITH victims AS (
+            SELECT a.id FROM outbox.event_archive a
+              LEFT JOIN outbox.topics t ON t.topic = a.topic
+             WHERE a.finished_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+             LIMIT batch_size
+               FOR UPDATE OF a SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.event_archive a USING victims v WHERE a.id = v.id
+            RETURNING a.id, a.dispatch_key
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    ELSIF kind = 'dead' THEN
+        WITH victims AS (
+            SELECT q.id FROM outbox.event_queue q
+              LEFT JOIN outbox.topics t ON t.topic = q.topic
+             WHERE q.state = 'dead'
+               AND q.dead_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+             LIMIT batch_size
+               FOR UPDATE OF q SKIP LOCKED
+        ), gone AS (
+            -- The state test is repeated: a replay may have won the row meanwhile.
+            DELETE FROM outbox.event_queue q USING victims v WHERE q.id = v.id AND q.state = 'dead'
+            RETURNING q.id, q.dispatch_key
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    ELSE
+        -- Keys whose events are gone, once they are older than the key window.
+        WITH victims AS (
+            SELECT k.dispatch_key FROM outbox.dispatch_keys k
+             WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+             LIMIT batch_size
+               FOR UPDATE OF k SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.dispatch_keys k USING victims v WHERE k.dispatch_key = v.dispatch_key
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    END IF;
+    RETURN n;
+END
+$$;
+
+COMMENT ON FUNCTION outbox._purge_step(text, interval, integer) IS
+'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events) or ''keys'' (orphaned dispatch keys). '
+'Returns rows removed (bigint). Used by outbox.purge(), outbox.purge_dead() and the background worker. Errors: 22023 bad kind, negative older_than or batch_size < 1; 54000 batch_size over outbox.max_batch_size.';
+
+-- Procedures cannot pin search_path (a SET clause forbids COMMIT), so their bodies
+-- qualify every operator and call only functions that pin it.
+CREATE PROCEDURE outbox.purge(older_than interval DEFAULT NULL, batch_size integer DEFAULT 1000, INOUT removed bigint DEFAULT NULL)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    removed := 0;
+    PERFORM outbox._purge_step('delivered', older_than, batch_size);  -- validates before any commit
+    LOOP
+        n := outbox._purge_step('delivered', older_than, batch_size);
+        removed := removed OPERATOR(pg_catalog.+) n;
+        COMMIT;
+        EXIT WHEN n OPERATOR(pg_catalog.<) batch_size;
+    END LOOP;
+    LOOP
+        n := outbox._purge_step('keys', NULL, batch_size);
+        COMMIT;
+        EXIT WHEN n OPERATOR(pg_catalog.<) batch_size;
+    END LOOP;
+END
+$$;
+
+COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
+'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
+'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch and skipping rows that are locked. Never touches pending, leased or dead events. '
+'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
+'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Follows seed 000 (retention with audit window) and PgQ-style maintenance procedures.';
+
+CREATE PROCEDURE outbox.purge_dead(older_than interval DEFAULT NULL, batch_size integer DEFAULT 1000, INOUT removed bigint DEFAULT NULL)
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    n bigint;
+BEGIN
+    removed := 0;
+    LOOP
+        n := outbox._purge_step('dead', older_than, batch_size);
+        removed := removed OPERATOR(pg_catalog.+) n;
+        COMMIT;
+        EXIT WHEN n OPERATOR(pg_catalog.<) batch_size;
+    END LOOP;
+END
+$$;
+
+COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
+'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit, seed 000), '
+'in committed batches of batch_size, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
+
+CREATE PROCEDURE outbox.run_maintenance()
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    started timestamptz := pg_catalog.clock_timestamp();
+    d bigint;
+    x bigint;
+BEGIN
+    CALL outbox.purge(NULL, 1000, d);
+    CALL outbox.purge_dead(NULL, 1000, x);
+    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead)
+    VALUES (started, pg_catalog.clock_timestamp(), d, x);
+    COMMIT;
+END
+$$;
+
+COMMENT ON PROCEDURE outbox.run_maintenance() IS
+'One retention run with the default windows (purge, then purge_dead), recorded in outbox.maintenance_log. '
+'The background worker does the same every outbox.maintenance_interval when preloaded; without preload, schedule it with pg_cron: '
+'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';

@@ -1,0 +1,148 @@
+-- outbox_ext storage.
+--
+-- Two relations hold events:
+--   outbox.event_queue   the hot relation: pending, leased and dead events only.
+--                        Every claim touches it, so it stays small: an ack moves the
+--                        row out, and retention removes dead rows.
+--   outbox.event_archive delivered and cancelled events, kept for audit and for the
+--                        dispatch-key window until outbox.purge() removes them.
+-- outbox.events is the UNION ALL of both, the one place operators read.
+--
+-- Why the split: a SKIP LOCKED queue that keeps delivered rows in its claim index
+-- slows down as history grows and as a held xmin keeps dead tuples (anchors.md,
+-- lesson 4). Here the claim index only ever covers undelivered work.
+
+CREATE SEQUENCE outbox.event_id_seq AS bigint;
+
+-- Per-topic policy. A topic with no row uses the GUC defaults (outbox.max_attempts,
+-- outbox.backoff_base, ...). NULL in a column also means "use the GUC".
+CREATE TABLE outbox.topics (
+    topic               text PRIMARY KEY,
+    max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
+    backoff_base        interval CHECK (backoff_base > interval '0'),
+    backoff_max         interval CHECK (backoff_max > interval '0'),
+    default_lease       interval CHECK (default_lease > interval '0'),
+    dead_letter_policy  text NOT NULL DEFAULT 'block' CHECK (dead_letter_policy IN ('block', 'skip')),
+    retention_delivered interval CHECK (retention_delivered >= interval '0'),
+    retention_dead      interval CHECK (retention_dead >= interval '0'),
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    updated_at          timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE outbox.event_queue (
+    id              bigint PRIMARY KEY DEFAULT nextval('outbox.event_id_seq'),
+    topic           text NOT NULL,
+    subject         text,
+    dispatch_key    text,
+    payload         jsonb NOT NULL,
+    headers         jsonb,
+    -- 'pending' (ready or waiting for visible_at), 'leased', 'dead'
+    state           text NOT NULL DEFAULT 'pending' CHECK (state IN ('pending', 'leased', 'dead')),
+    attempts        integer NOT NULL DEFAULT 0,
+    max_attempts    integer NOT NULL,
+    -- One column serves both timers so one index drives the claim:
+    -- pending: when the event becomes claimable (deliver_at or retry time);
+    -- leased:  when the lease expires and the event may be claimed again.
+    visible_at      timestamptz NOT NULL,
+    lease_token     uuid,
+    leased_by       text,
+    leased_at       timestamptz,
+    last_error      text,
+    -- Attempt history: one object per failed attempt
+    -- {"attempt": n, "at": ts, "worker": w, "error": e}.
+    errors          jsonb,
+    published_at    timestamptz NOT NULL DEFAULT now(),
+    dead_at         timestamptz,
+    -- Set when the event went dead under the topic's 'block' policy: a dead event
+    -- with blocks_subject keeps later events of its subject unclaimable.
+    blocks_subject  boolean NOT NULL DEFAULT false
+) WITH (fillfactor = 80);
+
+-- The claim index: ready and leased events in claim order. Dead rows are not in it.
+CREATE INDEX event_queue_ready_idx ON outbox.event_queue (visible_at, id)
+    WHERE state <> 'dead';
+-- The per-subject ordering check: "is there an earlier live event of this subject?"
+CREATE INDEX event_queue_subject_idx ON outbox.event_queue (subject, id)
+    WHERE subject IS NOT NULL;
+-- Retention and replay of dead letters.
+CREATE INDEX event_queue_dead_idx ON outbox.event_queue (dead_at)
+    WHERE state = 'dead';
+
+CREATE TABLE outbox.event_archive (
+    id              bigint PRIMARY KEY,
+    topic           text NOT NULL,
+    subject         text,
+    dispatch_key    text,
+    payload         jsonb NOT NULL,
+    headers         jsonb,
+    state           text NOT NULL CHECK (state IN ('delivered', 'cancelled')),
+    attempts        integer NOT NULL,
+    max_attempts    integer NOT NULL,
+    leased_by       text,
+    last_error      text,
+    errors          jsonb,
+    published_at    timestamptz NOT NULL,
+    finished_at     timestamptz NOT NULL
+);
+-- Retention scans by age; archive rows arrive in finished_at order, so BRIN is
+-- enough and costs the ack almost nothing.
+CREATE INDEX event_archive_finished_brin ON outbox.event_archive USING brin (finished_at);
+
+-- Dispatch keys (idempotency keys). A key maps to the first event published with it.
+-- The row lives as long as its event is retained, or longer: see outbox.purge() and
+-- outbox.retention_dispatch_keys.
+CREATE TABLE outbox.dispatch_keys (
+    dispatch_key text PRIMARY KEY,
+    event_id     bigint NOT NULL,
+    created_at   timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX dispatch_keys_event_idx ON outbox.dispatch_keys (event_id);
+
+-- What the background worker's maintenance runs did.
+CREATE TABLE outbox.maintenance_runs (
+    run_id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    started_at        timestamptz NOT NULL,
+    finished_at       timestamptz,
+    purged_delivered  bigint NOT NULL DEFAULT 0,
+    purged_dead       bigint NOT NULL DEFAULT 0,
+    purged_keys       bigint NOT NULL DEFAULT 0,
+    error             text
+);
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.topics', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.event_queue', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.event_archive', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.dispatch_keys', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_runs', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.event_id_seq', '');
+
+CREATE VIEW outbox.events AS
+SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,
+       q.state, q.attempts, q.max_attempts,
+       CASE WHEN q.state = 'pending' THEN q.visible_at END AS available_at,
+       CASE WHEN q.state = 'leased' THEN q.visible_at END AS lease_expires_at,
+       q.leased_by, q.last_error, q.errors, q.published_at,
+       NULL::timestamptz AS delivered_at,
+       q.dead_at,
+       NULL::timestamptz AS cancelled_at
+  FROM outbox.event_queue q
+UNION ALL
+SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       a.state, a.attempts, a.max_attempts,
+       NULL::timestamptz, NULL::timestamptz,
+       a.leased_by, a.last_error, a.errors, a.published_at,
+       CASE WHEN a.state = 'delivered' THEN a.finished_at END,
+       NULL::timestamptz,
+       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
+  FROM outbox.event_archive a;
+
+COMMENT ON VIEW outbox.events IS
+'Every retained event, one row each: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled). '
+'Columns: id, topic, subject, dispatch_key, payload, headers, state, attempts, max_attempts, available_at (pending only), '
+'lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), published_at, delivered_at, dead_at, cancelled_at.';
+
+CREATE VIEW outbox.maintenance_log AS
+SELECT run_id, started_at, finished_at, purged_delivered, purged_dead, purged_keys, error
+  FROM outbox.maintenance_runs;
+COMMENT ON VIEW outbox.maintenance_log IS
+'One row per retention run of the background worker (or of outbox.run_maintenance()): when it ran, rows removed per procedure, and any error.';

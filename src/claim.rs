@@ -1,0 +1,155 @@
+//! `outbox.claim`: lease a batch of ready events.
+//!
+//! One statement does the whole claim:
+//! 1. `cand` walks `event_queue_ready_idx` in (visible_at, id) order from the
+//!    oldest visible event, skipping rows other claims hold (SKIP LOCKED) and
+//!    events whose subject has an earlier live event. The subject check is a plain
+//!    read, not a locking one, so a row another worker has locked still blocks its
+//!    successors: SKIP LOCKED cannot hide an earlier event from the check.
+//! 2. `upd` gives each row a new fencing token and lease, or, for an expired lease
+//!    that used the last attempt, moves it to dead with "lease expired".
+//! 3. The outer SELECT returns the leased rows in id order.
+//!
+//! "now" is passed in as a parameter, taken from the clock when claim() starts,
+//! so it can bound the index scan: a volatile clock_timestamp() in the WHERE
+//! clause could only filter, and 100,000 delayed events would be read on every
+//! claim (issue 3).
+
+use crate::errors;
+use crate::fcall::{self, param};
+use crate::plans::{self, Stmt};
+use crate::{gucs, validate};
+use pgrx::prelude::*;
+
+macro_rules! claim_sql {
+    ($filter:literal) => {
+        concat!(
+            "WITH cand AS (",
+            "  SELECT q.id, t.default_lease, t.dead_letter_policy",
+            "    FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic",
+            "   WHERE q.state <> 'dead' AND q.visible_at <= $5 ",
+            $filter,
+            "     AND (q.subject IS NULL OR NOT EXISTS (",
+            "          SELECT 1 FROM outbox.event_queue p",
+            "           WHERE p.subject = q.subject AND p.id < q.id",
+            "             AND (p.state <> 'dead' OR p.blocks_subject)))",
+            "   ORDER BY q.visible_at, q.id",
+            "   LIMIT $2",
+            "   FOR UPDATE OF q SKIP LOCKED",
+            "), upd AS (",
+            "  UPDATE outbox.event_queue q SET",
+            "    state = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN 'dead' ELSE 'leased' END,",
+            "    attempts = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.attempts ELSE q.attempts + 1 END,",
+            "    lease_token = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN NULL ELSE gen_random_uuid() END,",
+            "    visible_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.visible_at",
+            "                      ELSE clock_timestamp() + COALESCE($3, c.default_lease, $4) END,",
+            "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
+            "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
+            "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",
+            "    errors = CASE WHEN q.state = 'leased' THEN COALESCE(q.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(",
+            "               'attempt', q.attempts, 'at', clock_timestamp(), 'worker', q.leased_by, 'error', 'lease expired'))",
+            "             ELSE q.errors END,",
+            "    dead_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN clock_timestamp() ELSE q.dead_at END,",
+            "    blocks_subject = q.state = 'leased' AND q.attempts >= q.max_attempts AND q.subject IS NOT NULL",
+            "                     AND COALESCE(c.dead_letter_policy, 'block') = 'block'",
+            "  FROM cand c WHERE q.id = c.id",
+            "  RETURNING q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers, q.attempts,",
+            "            q.lease_token, q.visible_at, q.published_at, q.state",
+            ")",
+            "SELECT id, topic, subject, dispatch_key, payload, headers, attempts, lease_token, visible_at, published_at",
+            "  FROM upd WHERE state = 'leased' ORDER BY id"
+        )
+    };
+}
+
+const CLAIM_ALL: Stmt = Stmt {
+    sql: claim_sql!(""),
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT4OID,
+        pg_sys::INTERVALOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TIMESTAMPTZOID,
+    ],
+};
+
+const CLAIM_TOPICS: Stmt = Stmt {
+    sql: claim_sql!("AND (q.topic = ANY($6) OR q.topic ^@ ANY($7))"),
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT4OID,
+        pg_sys::INTERVALOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::TEXTARRAYOID,
+    ],
+};
+
+/// Split claim's `topics` argument into exact names and prefixes; None means all.
+pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>, Vec<String>)> {
+    let topics = topics?;
+    if topics.is_empty() {
+        errors::raise(errors::INVALID_PARAMETER, "topics must not be an empty array; pass NULL for all topics");
+    }
+    let mut exact = Vec::new();
+    let mut prefixes = Vec::new();
+    for t in topics {
+        let Some(t) = t else {
+            errors::raise(errors::NULL_VALUE, "topics must not contain NULL");
+        };
+        match validate::pattern(&t) {
+            validate::TopicPattern::All => return None,
+            validate::TopicPattern::Exact(e) => exact.push(e),
+            validate::TopicPattern::Prefix(p) => prefixes.push(p),
+        }
+    }
+    Some((exact, prefixes))
+}
+
+/// `outbox.claim(worker, batch_size, lease, topics) -> TABLE(...)`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let worker: String = fcall::required(fcinfo, 0, "worker");
+        validate::worker(&worker);
+        let batch: i32 = fcall::required(fcinfo, 1, "batch_size");
+        validate::batch_size(batch as i64);
+        let lease: Option<Interval> = fcall::arg(fcinfo, 2);
+        let lease_d = lease.map(|iv| {
+            validate::lease_us("lease", &iv);
+            iv.into_datum().unwrap()
+        });
+        let filter = topic_filter(fcall::arg::<Vec<Option<String>>>(fcinfo, 3));
+        let default_lease = Interval::from_micros(gucs::default_lease_us());
+        let now = pg_sys::GetCurrentTimestamp();
+
+        let out = fcall::SetResult::begin(fcinfo);
+        let mut args = vec![
+            worker.as_str().into(),
+            batch.into(),
+            param(lease_d, pg_sys::INTERVALOID),
+            default_lease.into(),
+            param(Some(pg_sys::Datum::from(now)), pg_sys::TIMESTAMPTZOID),
+        ];
+        let stmt = match filter {
+            None => &CLAIM_ALL,
+            Some((exact, prefixes)) => {
+                args.push(exact.into());
+                args.push(prefixes.into());
+                &CLAIM_TOPICS
+            }
+        };
+        plans::run(stmt, &args, |table| {
+            if !table.is_empty() {
+                let tt = pg_sys::SPI_tuptable;
+                for i in 0..table.len() {
+                    out.put_tuple(*(*tt).vals.add(i));
+                }
+            }
+        });
+        fcall::finish_set(fcinfo)
+    }
+}

@@ -1,0 +1,47 @@
+//! Error reporting with stable SQLSTATEs.
+//!
+//! Every error the extension raises on purpose goes through [`raise`], so callers
+//! can branch on the SQLSTATE instead of parsing messages. A Rust panic would
+//! surface as XX000, which the API promises never to return for bad input.
+
+use pgrx::pg_sys::panic::ErrorReport;
+use pgrx::prelude::*;
+
+/// SQLSTATE 22004: a required argument is NULL.
+pub const NULL_VALUE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_NULL_VALUE_NOT_ALLOWED;
+/// SQLSTATE 22023: an argument is out of range or malformed.
+pub const INVALID_PARAMETER: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INVALID_PARAMETER_VALUE;
+/// SQLSTATE 54000: a payload or batch exceeds a configured limit.
+pub const TOO_LARGE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED;
+/// SQLSTATE P0002: a topic is not registered while `outbox.strict_topics` is on.
+pub const NO_DATA_FOUND: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_NO_DATA_FOUND;
+/// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
+pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
+
+/// Raise an ERROR with the given SQLSTATE; never returns.
+///
+/// Messages are prefixed with `outbox:` so they are recognisable in application logs.
+pub fn raise(code: PgSqlErrorCode, message: impl Into<String>) -> ! {
+    let msg: String = message.into();
+    ErrorReport::new(code, format!("outbox: {msg}"), "").report(PgLogLevel::ERROR);
+    unreachable!("ERROR does not return")
+}
+
+/// Like [`raise`], with a HINT line.
+pub fn raise_hint(code: PgSqlErrorCode, message: impl Into<String>, hint: impl Into<String>) -> ! {
+    let msg: String = message.into();
+    ErrorReport::new(code, format!("outbox: {msg}"), "")
+        .set_hint(hint.into())
+        .report(PgLogLevel::ERROR);
+    unreachable!("ERROR does not return")
+}
+
+/// Unwrap an SPI result. SPI errors that are real PostgreSQL errors (lock timeouts,
+/// statement_timeout, disk full) are raised by PostgreSQL itself before we see them;
+/// what reaches here is an SPI protocol failure, which is a bug.
+pub fn spi<T>(r: Result<T, pgrx::spi::SpiError>) -> T {
+    match r {
+        Ok(v) => v,
+        Err(e) => raise(INTERNAL, format!("SPI failure: {e}")),
+    }
+}

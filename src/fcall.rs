@@ -1,0 +1,145 @@
+//! Glue for the hand-declared C functions of the hot path.
+//!
+//! publish/claim/ack/fail are declared in `sql/api.sql` with their exact SQL
+//! signatures and defaults, and read their arguments straight from `fcinfo`. That
+//! lets jsonb payloads pass to SPI as the caller's datum, with no JSON round trip
+//! through Rust, and lets claim() hand SPI's result tuples to the executor as a
+//! materialized set without converting a single column.
+
+use crate::errors;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+
+/// Define a version-1 C function `$name` (the symbol named in `sql/api.sql`) that
+/// runs `$body(fcinfo) -> pg_sys::Datum` under pgrx's panic/error guard.
+#[macro_export]
+macro_rules! v1_function {
+    ($name:ident, $finfo:ident, $body:path) => {
+        #[no_mangle]
+        #[doc(hidden)]
+        pub extern "C" fn $finfo() -> &'static ::pgrx::pg_sys::Pg_finfo_record {
+            const V1: ::pgrx::pg_sys::Pg_finfo_record = ::pgrx::pg_sys::Pg_finfo_record { api_version: 1 };
+            &V1
+        }
+
+        #[no_mangle]
+        #[doc(hidden)]
+        #[::pgrx::pg_guard]
+        pub unsafe extern "C-unwind" fn $name(fcinfo: ::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum {
+            unsafe { $body(fcinfo) }
+        }
+    };
+}
+
+/// Argument `n`, or None when SQL NULL.
+///
+/// # Safety
+/// `fcinfo` must be the live call's info and `n` below its nargs.
+pub unsafe fn arg<T: FromDatum>(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<T> {
+    unsafe { pgrx::fcinfo::pg_getarg::<T>(fcinfo, n) }
+}
+
+/// Raw datum of argument `n`, or None when SQL NULL.
+///
+/// # Safety
+/// As [`arg`].
+pub unsafe fn raw(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys::Datum> {
+    unsafe {
+        if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
+            None
+        } else {
+            Some(pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n))
+        }
+    }
+}
+
+/// Argument `n`, raising 22004 `"<name> must not be NULL"` when NULL.
+///
+/// # Safety
+/// As [`arg`].
+pub unsafe fn required<T: FromDatum>(fcinfo: pg_sys::FunctionCallInfo, n: usize, name: &str) -> T {
+    match unsafe { arg::<T>(fcinfo, n) } {
+        Some(v) => v,
+        None => errors::raise(errors::NULL_VALUE, format!("{name} must not be NULL")),
+    }
+}
+
+/// A bound SPI parameter from a raw datum (or NULL) of the given type.
+pub fn param(d: Option<pg_sys::Datum>, oid: pg_sys::Oid) -> DatumWithOid<'static> {
+    match d {
+        Some(d) => unsafe { DatumWithOid::new(d, oid) },
+        None => DatumWithOid::null_oid(oid),
+    }
+}
+
+/// Return SQL NULL from a v1 function.
+///
+/// # Safety
+/// `fcinfo` must be the live call's info.
+pub unsafe fn return_null(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }
+}
+
+/// A materialized result set under construction (ReturnSetInfo, SFRM_Materialize).
+pub struct SetResult {
+    store: *mut pg_sys::Tuplestorestate,
+    desc: pg_sys::TupleDesc,
+}
+
+impl SetResult {
+    /// Prepare the tuplestore the executor will read, in per-query memory.
+    ///
+    /// Raises 0A000 when called where a set cannot be accepted.
+    ///
+    /// # Safety
+    /// `fcinfo` must be the live call's info.
+    pub unsafe fn begin(fcinfo: pg_sys::FunctionCallInfo) -> SetResult {
+        unsafe {
+            let rsinfo = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
+            if rsinfo.is_null()
+                || !pgrx::is_a(rsinfo as *mut pg_sys::Node, pg_sys::NodeTag::T_ReturnSetInfo)
+                || ((*rsinfo).allowedModes & pg_sys::SetFunctionReturnMode::SFRM_Materialize as i32) == 0
+                || (*rsinfo).expectedDesc.is_null()
+            {
+                errors::raise(
+                    PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+                    "set-valued function called in a context that cannot accept a set",
+                );
+            }
+            let per_query = (*(*rsinfo).econtext).ecxt_per_query_memory;
+            let old = pg_sys::MemoryContextSwitchTo(per_query);
+            let desc = pg_sys::CreateTupleDescCopy((*rsinfo).expectedDesc);
+            let random = ((*rsinfo).allowedModes & pg_sys::SetFunctionReturnMode::SFRM_Materialize_Random as i32) != 0;
+            let store = pg_sys::tuplestore_begin_heap(random, false, pg_sys::work_mem);
+            pg_sys::MemoryContextSwitchTo(old);
+            (*rsinfo).returnMode = pg_sys::SetFunctionReturnMode::SFRM_Materialize;
+            (*rsinfo).setResult = store;
+            (*rsinfo).setDesc = desc;
+            SetResult { store, desc }
+        }
+    }
+
+    /// Copy a tuple (for example an SPI result row) into the result. Its layout
+    /// must match the function's declared result columns.
+    ///
+    /// # Safety
+    /// `tuple` must be a valid heap tuple with the declared layout.
+    pub unsafe fn put_tuple(&self, tuple: pg_sys::HeapTuple) {
+        unsafe { pg_sys::tuplestore_puttuple(self.store, tuple) }
+    }
+
+    /// Append a one-column row.
+    pub fn put_single(&self, value: pg_sys::Datum) {
+        let mut values = [value];
+        let mut nulls = [false];
+        unsafe { pg_sys::tuplestore_putvalues(self.store, self.desc, values.as_mut_ptr(), nulls.as_mut_ptr()) }
+    }
+}
+
+/// The datum a materialized SRF returns.
+///
+/// # Safety
+/// `fcinfo` must be the live call's info.
+pub unsafe fn finish_set(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }
+}

@@ -1,0 +1,270 @@
+//! Configuration (GUCs). One static per setting, one accessor each, all under
+//! `outbox.*`. Settings that vary per topic live in `outbox.topics` instead.
+
+use pgrx::prelude::*;
+use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
+use std::ffi::CString;
+
+/// How committed publishes wake listening workers (`outbox.notify`).
+#[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
+pub enum NotifyMode {
+    /// No notifications; workers poll.
+    #[name = c"off"]
+    Off,
+    /// One NOTIFY per distinct topic per publishing transaction, sent at commit.
+    #[name = c"transaction"]
+    Transaction,
+    /// Commits are recorded in shared memory; the background worker sends NOTIFY.
+    #[name = c"background"]
+    Background,
+}
+
+/// Lease length when claim() gets none and the topic has no default_lease.
+/// 30 s: long enough for a webhook with retries, short enough that a crashed
+/// worker's events come back quickly (pgmq and SQS use the same order of magnitude).
+static DEFAULT_LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(30_000);
+/// Upper bound for any lease or heartbeat: 12 h. A longer lease hides a crash for too long.
+static MAX_LEASE_MS: GucSetting<i32> = GucSetting::<i32>::new(12 * 3600 * 1000);
+/// First retry delay (doubles per attempt).
+static BACKOFF_BASE_MS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+/// Retry delay cap: 30 min.
+static BACKOFF_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(30 * 60 * 1000);
+/// Claims (including expired leases) before an event goes dead.
+static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
+/// Payload size limit: 1 MB. Outbox events are notifications, not blobs.
+static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+/// Largest claim, ack or publish batch.
+static MAX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
+/// Reject publishes to unregistered topics (seed 004: fail the business transaction
+/// on a typo instead of dead-lettering later).
+static STRICT_TOPICS: GucSetting<bool> = GucSetting::<bool>::new(false);
+/// W3C traceparent copied into headers when the caller passes none.
+static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
+/// Notify mode when the library is preloaded (boot value 'background').
+static NOTIFY_PRELOADED: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(NotifyMode::Background);
+/// Notify mode when loaded on demand (boot value 'transaction').
+static NOTIFY_PLAIN: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(NotifyMode::Transaction);
+/// Delivered and cancelled events are kept this long (s): 7 days.
+static RETENTION_DELIVERED_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86400);
+/// Dead events are kept this long for audit (s): 30 days (seed 000).
+static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
+/// Dispatch keys are kept at least this long (s), even after their event is purged.
+/// 0 = exactly as long as the event.
+static RETENTION_DISPATCH_KEYS_S: GucSetting<i32> = GucSetting::<i32>::new(0);
+/// How often the background worker runs retention (ms); 0 = never.
+static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+/// Database the background worker connects to.
+static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+
+static mut PRELOADED: bool = false;
+
+/// Register every GUC. Called once from `_PG_init`.
+pub fn init(preloaded: bool) {
+    unsafe { PRELOADED = preloaded };
+    GucRegistry::define_int_guc(
+        c"outbox.default_lease",
+        c"Lease length for claim() when neither the call nor the topic sets one.",
+        c"",
+        &DEFAULT_LEASE_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_lease",
+        c"Longest lease claim() or extend_lease() accepts.",
+        c"",
+        &MAX_LEASE_MS,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.backoff_base",
+        c"First retry delay after a failure; doubles with every attempt.",
+        c"",
+        &BACKOFF_BASE_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.backoff_max",
+        c"Cap on the retry delay.",
+        c"",
+        &BACKOFF_MAX_MS,
+        1,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_attempts",
+        c"Claims before an event is dead-lettered, for topics without their own setting.",
+        c"Read when an event is published.",
+        &MAX_ATTEMPTS,
+        1,
+        1_000_000,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_payload_bytes",
+        c"Largest payload publish() accepts (bytes of the jsonb value).",
+        c"",
+        &MAX_PAYLOAD_BYTES,
+        1,
+        i32::MAX,
+        GucContext::Suset,
+        GucFlags::UNIT_BYTE,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_batch_size",
+        c"Largest batch claim(), ack() or publish_batch() accepts.",
+        c"",
+        &MAX_BATCH_SIZE,
+        1,
+        1_000_000,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.strict_topics",
+        c"Reject publishes to topics that are not in outbox.topics (SQLSTATE P0002).",
+        c"",
+        &STRICT_TOPICS,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.traceparent",
+        c"W3C traceparent copied into the headers of events published without one.",
+        c"",
+        &TRACEPARENT,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    let notify = if preloaded { &NOTIFY_PRELOADED } else { &NOTIFY_PLAIN };
+    GucRegistry::define_enum_guc(
+        c"outbox.notify",
+        c"How publishes wake LISTEN outbox workers: off, transaction or background.",
+        c"'background' needs the library in shared_preload_libraries; without it, it behaves as 'transaction' and warns once per session.",
+        notify,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention_delivered",
+        c"Default age after which outbox.purge() removes delivered and cancelled events.",
+        c"",
+        &RETENTION_DELIVERED_S,
+        0,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention_dead",
+        c"Default age after which outbox.purge_dead() removes dead events.",
+        c"",
+        &RETENTION_DEAD_S,
+        0,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention_dispatch_keys",
+        c"Minimum age of a dispatch key before purge may drop it; 0 = drop with its event.",
+        c"Raise it to keep deduplicating after the events themselves are purged.",
+        &RETENTION_DISPATCH_KEYS_S,
+        0,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.maintenance_interval",
+        c"How often the background worker runs retention; 0 turns it off.",
+        c"",
+        &MAINTENANCE_INTERVAL_MS,
+        0,
+        i32::MAX,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_string_guc(
+        c"outbox.database",
+        c"Database the outbox background worker serves.",
+        c"",
+        &DATABASE,
+        GucContext::Postmaster,
+        GucFlags::default(),
+    );
+}
+
+/// Default lease in microseconds.
+pub fn default_lease_us() -> i64 {
+    DEFAULT_LEASE_MS.get() as i64 * 1000
+}
+/// Maximum lease in microseconds.
+pub fn max_lease_us() -> i64 {
+    MAX_LEASE_MS.get() as i64 * 1000
+}
+/// Backoff base in microseconds.
+pub fn backoff_base_us() -> i64 {
+    BACKOFF_BASE_MS.get() as i64 * 1000
+}
+/// Backoff cap in microseconds.
+pub fn backoff_max_us() -> i64 {
+    BACKOFF_MAX_MS.get() as i64 * 1000
+}
+/// Default max attempts.
+pub fn max_attempts() -> i32 {
+    MAX_ATTEMPTS.get()
+}
+/// Payload limit in bytes.
+pub fn max_payload_bytes() -> i64 {
+    MAX_PAYLOAD_BYTES.get() as i64
+}
+/// Batch limit.
+pub fn max_batch_size() -> i32 {
+    MAX_BATCH_SIZE.get()
+}
+/// Strict topic registry.
+pub fn strict_topics() -> bool {
+    STRICT_TOPICS.get()
+}
+/// Session traceparent, if set and non-empty.
+pub fn traceparent() -> Option<String> {
+    TRACEPARENT
+        .get()
+        .and_then(|c| c.into_string().ok())
+        .filter(|s| !s.is_empty())
+}
+/// Configured notify mode (before the preload fallback).
+pub fn notify_mode() -> NotifyMode {
+    if unsafe { PRELOADED } {
+        NOTIFY_PRELOADED.get()
+    } else {
+        NOTIFY_PLAIN.get()
+    }
+}
+/// Whether the library was loaded through shared_preload_libraries.
+pub fn preloaded() -> bool {
+    unsafe { PRELOADED }
+}
+/// Maintenance interval in ms (0 = off).
+pub fn maintenance_interval_ms() -> i32 {
+    MAINTENANCE_INTERVAL_MS.get()
+}
+/// Database the worker serves.
+pub fn database() -> String {
+    DATABASE
+        .get()
+        .and_then(|c| c.into_string().ok())
+        .unwrap_or_else(|| "postgres".to_string())
+}

@@ -1,0 +1,250 @@
+//! Fenced lease transitions: `ack`, batch `ack`, `fail`, `extend_lease`.
+//!
+//! Every statement matches on (id, lease_token, state = 'leased'). claim() gives
+//! each delivery a new token, so a worker whose lease expired and was reclaimed
+//! cannot ack, fail or extend the new holder's delivery: it gets false / 'stale' /
+//! NULL, never an error (anchors.md 3(c).1; awa's run_lease).
+//!
+//! An ack moves the row from the hot queue to the archive in one statement, so the
+//! claim index never holds delivered rows.
+
+use crate::backoff;
+use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
+use crate::fcall::{self, param};
+use crate::plans::{self, Stmt};
+use crate::{gucs, validate};
+use pgrx::prelude::*;
+
+/// Longest error text kept per failure; longer texts are cut at a character boundary.
+pub const MAX_ERROR_BYTES: usize = 8192;
+
+macro_rules! archive_from {
+    ($delete:literal) => {
+        concat!(
+            "WITH d AS (",
+            $delete,
+            " RETURNING q.*) ",
+            "INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state, attempts,",
+            " max_attempts, leased_by, last_error, errors, published_at, finished_at) ",
+            "SELECT id, topic, subject, dispatch_key, payload, headers, 'delivered', attempts, max_attempts,",
+            " leased_by, last_error, errors, published_at, clock_timestamp() FROM d"
+        )
+    };
+}
+
+const ACK: Stmt = Stmt {
+    sql: archive_from!(
+        "DELETE FROM outbox.event_queue q WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased'"
+    ),
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
+const ACK_BATCH: Stmt = Stmt {
+    sql: archive_from!(
+        "DELETE FROM outbox.event_queue q USING unnest($1::bigint[], $2::uuid[]) AS u(id, tok) \
+         WHERE q.id = u.id AND q.lease_token = u.tok AND q.state = 'leased'"
+    ),
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
+};
+
+const FAIL_LOCK: Stmt = Stmt {
+    sql: "SELECT q.attempts, q.max_attempts, t.backoff_base, t.backoff_max, \
+                 (q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block') \
+            FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic \
+           WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' \
+             FOR UPDATE OF q",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
+const FAIL_APPLY: Stmt = Stmt {
+    sql: "UPDATE outbox.event_queue SET \
+            state = $2, \
+            visible_at = CASE WHEN $2 = 'pending' THEN clock_timestamp() + $3 ELSE visible_at END, \
+            lease_token = NULL, \
+            last_error = $4, \
+            errors = COALESCE(errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object( \
+                       'attempt', attempts, 'at', clock_timestamp(), 'worker', leased_by, 'error', $4)), \
+            dead_at = CASE WHEN $2 = 'dead' THEN clock_timestamp() END, \
+            blocks_subject = ($2 = 'dead' AND $5) \
+          WHERE id = $1",
+    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INTERVALOID, pg_sys::TEXTOID, pg_sys::BOOLOID],
+};
+
+const EXTEND: Stmt = Stmt {
+    sql: "UPDATE outbox.event_queue SET visible_at = clock_timestamp() + $3 \
+          WHERE id = $1 AND lease_token = $2 AND state = 'leased' RETURNING visible_at",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID, pg_sys::INTERVALOID],
+};
+
+/// `outbox.ack(id, lease_token) -> boolean`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
+            return false.into_datum().unwrap();
+        };
+        let n = plans::count(&ACK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)]);
+        (n > 0).into_datum().unwrap()
+    }
+}
+
+/// Number of elements of a one-dimensional array datum, and whether any is NULL.
+///
+/// # Safety
+/// `d` must be an array datum.
+unsafe fn array_shape(d: pg_sys::Datum, what: &str) -> (usize, bool) {
+    unsafe {
+        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+        let ndim = (*arr).ndim;
+        if ndim > 1 {
+            errors::raise(INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
+        }
+        if ndim == 0 {
+            return (0, false);
+        }
+        let dims = (arr as *mut u8).add(std::mem::size_of::<pg_sys::ArrayType>()) as *const i32;
+        let n = *dims as usize;
+        let has_nulls = (*arr).dataoffset != 0 && pg_sys::array_contains_nulls(arr);
+        (n, has_nulls)
+    }
+}
+
+/// `outbox.ack(ids bigint[], lease_tokens uuid[]) -> integer`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let ids = fcall::raw(fcinfo, 0).unwrap_or_else(|| errors::raise(NULL_VALUE, "ids must not be NULL"));
+        let toks = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(NULL_VALUE, "lease_tokens must not be NULL"));
+        let (n_ids, null_ids) = array_shape(ids, "ids");
+        let (n_toks, null_toks) = array_shape(toks, "lease_tokens");
+        if n_ids != n_toks {
+            errors::raise(INVALID_PARAMETER, format!("ids has {n_ids} elements but lease_tokens has {n_toks}"));
+        }
+        if null_ids || null_toks {
+            errors::raise(NULL_VALUE, "ids and lease_tokens must not contain NULL");
+        }
+        if n_ids == 0 {
+            return 0i32.into_datum().unwrap();
+        }
+        validate::batch_size(n_ids as i64);
+        let n = plans::count(&ACK_BATCH, &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)]);
+        (n as i32).into_datum().unwrap()
+    }
+}
+
+fn truncate_error(mut s: String) -> String {
+    if s.len() > MAX_ERROR_BYTES {
+        let mut cut = MAX_ERROR_BYTES;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+    s
+}
+
+/// `outbox.fail(id, lease_token, error, retry_in, permanent) -> text`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let error: String = fcall::arg::<String>(fcinfo, 2).unwrap_or_else(|| "(no error text)".to_string());
+        let error = truncate_error(error);
+        let retry_in: Option<i64> = fcall::arg::<Interval>(fcinfo, 3).map(|iv| validate::delay_us("retry_in", &iv));
+        let permanent: bool = fcall::required(fcinfo, 4, "permanent");
+        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
+            return "stale".into_datum().unwrap();
+        };
+        let row = plans::run(&FAIL_LOCK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], |t| {
+            if t.is_empty() {
+                return None;
+            }
+            let t = t.first();
+            let attempts: i32 = errors::spi(t.get(1)).unwrap_or(0);
+            let max_attempts: i32 = errors::spi(t.get(2)).unwrap_or(1);
+            let base: Option<Interval> = errors::spi(t.get(3));
+            let cap: Option<Interval> = errors::spi(t.get(4));
+            let blocks: bool = errors::spi(t.get(5)).unwrap_or(true);
+            Some((attempts, max_attempts, base, cap, blocks))
+        });
+        let Some((attempts, max_attempts, base, cap, blocks)) = row else {
+            return "stale".into_datum().unwrap();
+        };
+        let dead = permanent || attempts >= max_attempts;
+        let delay_us = if dead {
+            0
+        } else {
+            retry_in.unwrap_or_else(|| {
+                let base = base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
+                let cap = cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
+                backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
+            })
+        };
+        let state = if dead { "dead" } else { "pending" };
+        plans::count(
+            &FAIL_APPLY,
+            &[
+                param(Some(id), pg_sys::INT8OID),
+                state.into(),
+                Interval::from_micros(delay_us).into(),
+                error.as_str().into(),
+                blocks.into(),
+            ],
+        );
+        if !dead {
+            crate::wakeup::note_due();
+        }
+        state.into_datum().unwrap()
+    }
+}
+
+/// `outbox.extend_lease(id, lease_token, lease) -> timestamptz`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let lease: Interval = fcall::required(fcinfo, 2, "lease");
+        validate::lease_us("lease", &lease);
+        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
+            return fcall::return_null(fcinfo);
+        };
+        let until: Option<TimestampWithTimeZone> =
+            plans::one(&EXTEND, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID), lease.into()]);
+        match until {
+            Some(ts) => ts.into_datum().unwrap(),
+            None => fcall::return_null(fcinfo),
+        }
+    }
+}
+
+/// `outbox.backoff_delay(attempt, backoff_base, backoff_max, jitter) -> interval`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn backoff_delay(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let attempt: i32 = fcall::required(fcinfo, 0, "attempt");
+        if attempt < 1 {
+            errors::raise(INVALID_PARAMETER, format!("attempt must be at least 1, got {attempt}"));
+        }
+        let base = fcall::arg::<Interval>(fcinfo, 1)
+            .map(|iv| validate::positive_delay_us("backoff_base", &iv))
+            .unwrap_or_else(gucs::backoff_base_us);
+        let cap = fcall::arg::<Interval>(fcinfo, 2)
+            .map(|iv| validate::positive_delay_us("backoff_max", &iv))
+            .unwrap_or_else(gucs::backoff_max_us);
+        let jitter: bool = fcall::arg(fcinfo, 3).unwrap_or(true);
+        let us = if jitter {
+            backoff::jittered_delay_us(attempt, base, cap, backoff::unit_random())
+        } else {
+            backoff::raw_delay_us(attempt, base, cap)
+        };
+        Interval::from_micros(us).into_datum().unwrap()
+    }
+}

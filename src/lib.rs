@@ -1,0 +1,66 @@
+//! outbox_ext: the transactional outbox as a PostgreSQL extension.
+//!
+//! Modules, one concern each:
+//! - [`publish`]: `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
+//! - [`claim`]: `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
+//! - [`lease`]: `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
+//! - [`backoff`]: retry delays
+//! - [`wakeup`] and [`worker`]: LISTEN/NOTIFY without serialising publishers, retention runs
+//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`]: plumbing
+//!
+//! The schema and the SQL-level API live in `sql/`.
+
+use pgrx::prelude::*;
+
+pub mod backoff;
+pub mod claim;
+pub mod errors;
+pub mod fcall;
+pub mod gucs;
+pub mod lease;
+pub mod plans;
+pub mod publish;
+pub mod validate;
+pub mod wakeup;
+pub mod worker;
+
+::pgrx::pg_module_magic!(name, version);
+
+pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
+pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
+pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake]);
+pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
+
+v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);
+v1_function!(outbox_publish_batch, pg_finfo_outbox_publish_batch, publish::publish_batch);
+v1_function!(outbox_claim, pg_finfo_outbox_claim, claim::claim);
+v1_function!(outbox_ack, pg_finfo_outbox_ack, lease::ack);
+v1_function!(outbox_ack_batch, pg_finfo_outbox_ack_batch, lease::ack_batch);
+v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);
+v1_function!(outbox_extend_lease, pg_finfo_outbox_extend_lease, lease::extend_lease);
+v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff_delay);
+
+/// Library initialisation: GUCs, shared memory, transaction callbacks and, when
+/// preloaded, the background worker.
+#[pg_guard]
+pub extern "C-unwind" fn _PG_init() {
+    let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    gucs::init(preloaded);
+    wakeup::init(preloaded);
+    if preloaded {
+        worker::register();
+    }
+}
+
+/// Required by `cargo pgrx test`.
+#[cfg(test)]
+pub mod pg_test {
+    /// One-off setup before the test run.
+    pub fn setup(_options: Vec<&str>) {}
+
+    /// postgresql.conf settings for the test cluster.
+    #[must_use]
+    pub fn postgresql_conf_options() -> Vec<&'static str> {
+        vec![]
+    }
+}

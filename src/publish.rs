@@ -1,0 +1,335 @@
+//! `outbox.publish` and `outbox.publish_batch`: insert events in the caller's
+//! transaction.
+//!
+//! Ordering (issue 3): events of one subject must be claimable in the commit order
+//! of their publishers, but sequence ids are handed out before commit, so a
+//! smaller id can commit later. publish() therefore takes a transaction-scoped
+//! advisory lock on the subject *before* it draws the id. A second publisher of the
+//! same subject waits until the first commits or aborts, so per subject, id order
+//! is commit order, and claim() can order a subject by id. Different subjects never
+//! wait on each other (except on a 32-bit hash collision, which only serialises).
+//!
+//! Idempotency: a dispatch key is inserted into `outbox.dispatch_keys` with
+//! ON CONFLICT DO NOTHING. A concurrent publisher of the same key waits for the
+//! first transaction; if it commits, the second gets the first id back, if it
+//! aborts, the second inserts. No unique-violation ever reaches the caller.
+
+use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
+use crate::fcall::{self, param};
+use crate::plans::{self, Stmt};
+use crate::{gucs, validate, wakeup};
+use pgrx::prelude::*;
+use pgrx::JsonB;
+
+/// First key of the two-key advisory lock space used for subject locks
+/// (`pg_advisory_xact_lock(1869903970, hashtext(subject))`; 0x6f75_7462 = "outb").
+/// Applications should not use this first key for their own advisory locks.
+pub const SUBJECT_LOCK_KEY: i32 = 0x6f75_7462;
+
+const INSERT_ONE: Stmt = Stmt {
+    sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at) \
+          SELECT COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
+                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $6), \
+                 CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END \
+          RETURNING id",
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::JSONBOID,
+        pg_sys::JSONBOID,
+        pg_sys::INT4OID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
+    ],
+};
+
+const TOPIC_EXISTS: Stmt = Stmt { sql: "SELECT true FROM outbox.topics WHERE topic = $1", types: &[pg_sys::TEXTOID] };
+
+const LOCK_SUBJECT: Stmt = Stmt {
+    sql: "SELECT pg_advisory_xact_lock(1869903970, hashtext($1))",
+    types: &[pg_sys::TEXTOID],
+};
+
+const LOCK_SUBJECTS: Stmt = Stmt {
+    sql: "SELECT count(pg_advisory_xact_lock(1869903970, h)) FROM \
+          (SELECT DISTINCT hashtext(s) AS h FROM unnest($1::text[]) AS s WHERE s IS NOT NULL ORDER BY 1) AS x",
+    types: &[pg_sys::TEXTARRAYOID],
+};
+
+const KEY_CLAIM: Stmt = Stmt {
+    sql: "INSERT INTO outbox.dispatch_keys (dispatch_key, event_id) VALUES ($1, nextval('outbox.event_id_seq')) \
+          ON CONFLICT (dispatch_key) DO NOTHING RETURNING event_id",
+    types: &[pg_sys::TEXTOID],
+};
+
+const KEY_LOOKUP: Stmt = Stmt {
+    sql: "SELECT event_id FROM outbox.dispatch_keys WHERE dispatch_key = $1",
+    types: &[pg_sys::TEXTOID],
+};
+
+const NEXT_IDS: Stmt = Stmt {
+    sql: "SELECT array_agg(nextval('outbox.event_id_seq') ORDER BY g) FROM generate_series(1, $1) AS g",
+    types: &[pg_sys::INT4OID],
+};
+
+const INSERT_MANY: Stmt = Stmt {
+    sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, max_attempts, visible_at) \
+          SELECT u.id, $1, u.s, u.p, \
+                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $5), now() \
+          FROM unnest($2::bigint[], $3::jsonb[], $4::text[]) AS u(id, p, s)",
+    types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID],
+};
+
+/// Raise P0002 when strict topics are on and `topic` is not registered.
+fn check_registered(topic: &str) {
+    if gucs::strict_topics() && plans::one::<bool>(&TOPIC_EXISTS, &[topic.into()]).is_none() {
+        errors::raise_hint(
+            NO_DATA_FOUND,
+            format!("topic {topic:?} is not registered and outbox.strict_topics is on"),
+            "Register it with outbox.create_topic() or fix the topic name.",
+        );
+    }
+}
+
+/// Validate headers (a JSON object of string values) and add the session's
+/// traceparent when the caller gave none. Returns the datum to store.
+///
+/// # Safety
+/// `d` must be a valid jsonb datum or None.
+unsafe fn prepare_headers(d: Option<pg_sys::Datum>) -> Option<pg_sys::Datum> {
+    let tp = gucs::traceparent();
+    let Some(d) = d else {
+        return tp.map(|tp| {
+            let mut m = serde_json::Map::new();
+            m.insert("traceparent".into(), serde_json::Value::String(tp));
+            JsonB(serde_json::Value::Object(m)).into_datum().expect("jsonb datum")
+        });
+    };
+    unsafe { validate::payload_size("headers", d) };
+    let value = unsafe { JsonB::from_datum(d, false) }.map(|j| j.0);
+    let Some(serde_json::Value::Object(mut map)) = value else {
+        errors::raise(INVALID_PARAMETER, "headers must be a JSON object");
+    };
+    if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
+        errors::raise(INVALID_PARAMETER, format!("header {k:?} must be a string"));
+    }
+    match tp {
+        Some(tp) if !map.contains_key("traceparent") => {
+            map.insert("traceparent".into(), serde_json::Value::String(tp));
+            JsonB(serde_json::Value::Object(map)).into_datum()
+        }
+        _ => Some(d),
+    }
+}
+
+/// Dispatch-key step of publish: Ok(id) to insert with, Err(id) when the key
+/// already names an event (nothing to insert).
+fn reserve_key(key: &str) -> Result<i64, i64> {
+    if let Some(id) = plans::one::<i64>(&KEY_CLAIM, &[key.into()]) {
+        return Ok(id);
+    }
+    match plans::one::<i64>(&KEY_LOOKUP, &[key.into()]) {
+        Some(id) => Err(id),
+        // Only reachable if the conflicting row vanished between the two statements
+        // (its purge committed): treat the key as free again.
+        None => plans::one::<i64>(&KEY_CLAIM, &[key.into()]).ok_or(0).map_err(|_| {
+            errors::raise(PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE, "dispatch key changed concurrently; retry")
+        }),
+    }
+}
+
+struct One<'a> {
+    topic: &'a str,
+    subject: Option<&'a str>,
+    key: Option<&'a str>,
+    payload: pg_sys::Datum,
+    headers: Option<pg_sys::Datum>,
+    deliver_at: Option<pg_sys::Datum>,
+}
+
+/// Insert one validated event (subject lock already taken). Returns its id and
+/// whether a row was inserted.
+fn insert_one(e: &One<'_>) -> (i64, bool) {
+    let id = match e.key {
+        Some(k) => match reserve_key(k) {
+            Ok(id) => Some(id),
+            Err(existing) => return (existing, false),
+        },
+        None => None,
+    };
+    let args = [
+        e.topic.into(),
+        param(e.subject.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID),
+        param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID),
+        param(Some(e.payload), pg_sys::JSONBOID),
+        param(e.headers, pg_sys::JSONBOID),
+        gucs::max_attempts().into(),
+        param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
+        param(id.map(|i| i.into_datum().unwrap()), pg_sys::INT8OID),
+    ];
+    let id = plans::one::<i64>(&INSERT_ONE, &args).unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
+    (id, true)
+}
+
+/// `outbox.publish(topic, payload, subject, dispatch_key, headers, deliver_at) -> bigint`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let topic: String = fcall::required(fcinfo, 0, "topic");
+        validate::topic(&topic);
+        let payload = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payload must not be NULL"));
+        validate::payload_size("payload", payload);
+        let subject: Option<String> = fcall::arg(fcinfo, 2);
+        if let Some(s) = &subject {
+            validate::key("subject", s);
+        }
+        let key: Option<String> = fcall::arg(fcinfo, 3);
+        if let Some(k) = &key {
+            validate::key("dispatch_key", k);
+        }
+        let headers = prepare_headers(fcall::raw(fcinfo, 4));
+        let deliver_at = fcall::raw(fcinfo, 5);
+        if let Some(d) = deliver_at {
+            if d.value() as i64 == i64::MAX {
+                errors::raise(INVALID_PARAMETER, "deliver_at must not be infinity");
+            }
+        }
+        check_registered(&topic);
+        if let Some(s) = &subject {
+            plans::run(&LOCK_SUBJECT, &[s.as_str().into()], |_| ());
+        }
+        let (id, inserted) = insert_one(&One {
+            topic: &topic,
+            subject: subject.as_deref(),
+            key: key.as_deref(),
+            payload,
+            headers,
+            deliver_at,
+        });
+        if inserted {
+            wakeup::note_publish(&topic, deliver_at);
+        }
+        id.into_datum().unwrap()
+    }
+}
+
+/// Elements of a one-dimensional array datum (NULLs as None), without converting them.
+///
+/// # Safety
+/// `d` must be an array datum whose element type is `elem`.
+unsafe fn array_elems(d: pg_sys::Datum, elem: pg_sys::Oid, what: &str) -> Vec<Option<pg_sys::Datum>> {
+    unsafe {
+        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+        let ndim = (*arr).ndim;
+        if ndim > 1 {
+            errors::raise(INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
+        }
+        if ndim == 0 {
+            return Vec::new();
+        }
+        let mut typlen: i16 = 0;
+        let mut typbyval = false;
+        let mut typalign: std::ffi::c_char = 0;
+        pg_sys::get_typlenbyvalalign(elem, &mut typlen, &mut typbyval, &mut typalign);
+        let mut values: *mut pg_sys::Datum = std::ptr::null_mut();
+        let mut nulls: *mut bool = std::ptr::null_mut();
+        let mut n: i32 = 0;
+        pg_sys::deconstruct_array(arr, elem, typlen as i32, typbyval, typalign, &mut values, &mut nulls, &mut n);
+        (0..n as usize)
+            .map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) })
+            .collect()
+    }
+}
+
+/// `outbox.publish_batch(topic, payloads jsonb[], subjects text[], dispatch_keys text[]) -> SETOF bigint`.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention.
+pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let topic: String = fcall::required(fcinfo, 0, "topic");
+        validate::topic(&topic);
+        let payloads_d = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
+        let payloads = array_elems(payloads_d, pg_sys::JSONBOID, "payloads");
+        if payloads.is_empty() {
+            errors::raise(INVALID_PARAMETER, "payloads must not be empty");
+        }
+        validate::batch_size(payloads.len() as i64);
+        for (i, p) in payloads.iter().enumerate() {
+            match p {
+                None => errors::raise(errors::NULL_VALUE, format!("payloads[{}] must not be NULL", i + 1)),
+                Some(d) => validate::payload_size(&format!("payloads[{}]", i + 1), *d),
+            }
+        }
+        let text_array = |n: usize, what: &str| -> Option<Vec<Option<String>>> {
+            let d = fcall::raw(fcinfo, n)?;
+            let elems = array_elems(d, pg_sys::TEXTOID, what);
+            if elems.len() != payloads.len() {
+                errors::raise(
+                    INVALID_PARAMETER,
+                    format!("{what} has {} elements but payloads has {}", elems.len(), payloads.len()),
+                );
+            }
+            Some(elems.into_iter().map(|e| e.and_then(|d| String::from_datum(d, false))).collect())
+        };
+        let subjects = text_array(2, "subjects");
+        let keys = text_array(3, "dispatch_keys");
+        for s in subjects.iter().flatten().flatten() {
+            validate::key("subject", s);
+        }
+        for k in keys.iter().flatten().flatten() {
+            validate::key("dispatch_key", k);
+        }
+        check_registered(&topic);
+
+        let out = fcall::SetResult::begin(fcinfo);
+        if let Some(sd) = fcall::raw(fcinfo, 2) {
+            // Sorted lock order: two batches sharing subjects cannot deadlock.
+            plans::run(&LOCK_SUBJECTS, &[fcall::param(Some(sd), pg_sys::TEXTARRAYOID)], |_| ());
+        }
+        let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
+        let mut inserted = 0usize;
+        if any_key {
+            // Keys need per-event dedupe; take the single-event path for each.
+            for (i, p) in payloads.iter().enumerate() {
+                let (id, ins) = insert_one(&One {
+                    topic: &topic,
+                    subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
+                    key: keys.as_ref().and_then(|k| k[i].as_deref()),
+                    payload: p.unwrap(),
+                    headers: gucs::traceparent().and_then(|_| prepare_headers(None)),
+                    deliver_at: None,
+                });
+                inserted += ins as usize;
+                out.put_single(id.into_datum().unwrap());
+            }
+        } else {
+            let n = payloads.len() as i32;
+            let ids: Vec<i64> = plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>()))
+                .unwrap_or_default();
+            let subjects_d = fcall::raw(fcinfo, 2);
+            plans::run(
+                &INSERT_MANY,
+                &[
+                    topic.as_str().into(),
+                    ids.clone().into(),
+                    fcall::param(Some(payloads_d), pg_sys::JSONBARRAYOID),
+                    fcall::param(subjects_d, pg_sys::TEXTARRAYOID),
+                    gucs::max_attempts().into(),
+                ],
+                |_| (),
+            );
+            inserted = ids.len();
+            for id in ids {
+                out.put_single(id.into_datum().unwrap());
+            }
+        }
+        if inserted > 0 {
+            wakeup::note_publish(&topic, None);
+        }
+        fcall::finish_set(fcinfo)
+    }
+}

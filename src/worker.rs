@@ -1,0 +1,313 @@
+//! The background worker: sends coalesced wake-ups and runs retention.
+//!
+//! One worker per cluster, serving the database named by `outbox.database`. Each
+//! pass, in its own transaction:
+//! 1. takes the topics committed since the last pass from shared memory (see
+//!    `wakeup`), plus every topic whose delayed events, retries or expired leases
+//!    came due since the last pass, and sends one NOTIFY per topic;
+//! 2. checks prepared transactions that published: once committed, it notifies;
+//! 3. computes when the next delayed event comes due and sleeps until then (at
+//!    most 1 s), unless its latch is set first.
+//! Every `outbox.maintenance_interval` it runs retention batch by batch, one
+//! transaction per batch, and records the run in outbox.maintenance_runs.
+//!
+//! Errors in a pass are caught, logged and retried next pass; the worker only
+//! exits on SIGTERM or postmaster death. It exits with status 1 on SIGTERM so
+//! that the postmaster restarts it after `pg_terminate_backend` (a shutdown does
+//! not restart workers anyway).
+
+use crate::wakeup::{self, WAKE};
+use crate::gucs;
+use pgrx::bgworkers::*;
+use pgrx::prelude::*;
+use std::time::{Duration, Instant};
+
+/// Register the static worker. Called from `_PG_init` when preloaded.
+pub fn register() {
+    BackgroundWorkerBuilder::new("outbox_ext worker")
+        .set_type("outbox_ext")
+        .set_function("outbox_worker_main")
+        .set_library("outbox_ext")
+        .enable_spi_access()
+        .set_start_time(BgWorkerStartTime::RecoveryFinished)
+        .set_restart_time(Some(Duration::from_secs(1)))
+        .load();
+}
+
+/// Longest sleep between passes: bounds the latency of wake-ups for expired leases
+/// and prepared transactions, which no backend signals.
+const MAX_SLEEP: Duration = Duration::from_secs(1);
+/// Sleep while prepared transactions are being tracked.
+const PREPARED_POLL: Duration = Duration::from_millis(20);
+
+struct Taken {
+    topics: Vec<String>,
+    overflow: bool,
+    prepared: Vec<u32>,
+}
+
+fn take_shared() -> Taken {
+    let mut w = WAKE.exclusive();
+    let topics = (0..w.ntopics)
+        .map(|i| String::from_utf8_lossy(&w.topics[i][..w.lens[i] as usize]).into_owned())
+        .collect();
+    let t = Taken { topics, overflow: w.overflow, prepared: w.prepared[..w.nprepared].to_vec() };
+    w.ntopics = 0;
+    w.overflow = false;
+    w.recheck_due = false;
+    t
+}
+
+/// Drop resolved prepared xids from shared memory; returns how many committed.
+fn resolve_prepared(xids: &[u32]) -> usize {
+    let mut committed = 0;
+    let mut done = Vec::new();
+    for &x in xids {
+        let xid = pg_sys::TransactionId::from(x);
+        unsafe {
+            if pg_sys::TransactionIdIsInProgress(xid) {
+                continue;
+            }
+            if pg_sys::TransactionIdDidCommit(xid) {
+                committed += 1;
+            }
+        }
+        done.push(x);
+    }
+    if !done.is_empty() {
+        let mut w = WAKE.exclusive();
+        let keep: Vec<u32> = w.prepared[..w.nprepared].iter().copied().filter(|x| !done.contains(x)).collect();
+        w.nprepared = keep.len();
+        w.prepared[..keep.len()].copy_from_slice(&keep);
+    }
+    committed
+}
+
+/// One notify pass inside a transaction. Returns microseconds until the next
+/// event comes due, if any.
+fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i64> {
+    let mut topics: Vec<String> = taken.topics.clone();
+    let due_sql = if sweep_all {
+        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'pending' AND visible_at <= $2 \
+         UNION SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'leased' AND visible_at <= $2 AND $1 IS NOT NULL"
+    } else {
+        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1 AND visible_at <= $2"
+    };
+    let next = Spi::connect(|c| {
+        // The worker may start before CREATE EXTENSION (or after DROP EXTENSION).
+        let installed = c
+            .select("SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext'", None, &[])
+            .map(|t| !t.is_empty())
+            .unwrap_or(false);
+        if !installed {
+            return Err(String::new());
+        }
+        let since_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(since), false) };
+        let now_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(now), false) };
+        let rows = c.select(due_sql, None, &[since_ts.into(), now_ts.into()]).map_err(|e| e.to_string())?;
+        for r in rows {
+            if let Ok(Some(t)) = r.get::<String>(1) {
+                if !topics.contains(&t) {
+                    topics.push(t);
+                }
+            }
+        }
+        let next: Option<TimestampWithTimeZone> = c
+            .select(
+                "SELECT min(visible_at) FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1",
+                None,
+                &[now_ts.into()],
+            )
+            .map_err(|e| e.to_string())?
+            .first()
+            .get_one()
+            .map_err(|e| e.to_string())?;
+        Ok::<_, String>(next)
+    });
+    for t in &topics {
+        wakeup::notify_now(t);
+    }
+    if !topics.is_empty() {
+        debug1!("outbox worker: notified {} topic(s)", topics.len());
+    }
+    match next {
+        Ok(Some(ts)) => {
+            let at: i64 = ts.into_datum().map(|d| d.value() as i64).unwrap_or(i64::MAX);
+            Some(at.saturating_sub(now))
+        }
+        Ok(None) => None,
+        Err(e) if e.is_empty() => {
+            debug1!("outbox worker: extension not installed in this database; idle");
+            None
+        }
+        Err(e) => {
+            warning!("outbox worker: due-time query failed: {e}");
+            None
+        }
+    }
+}
+
+/// A short description of an error caught in the worker loop.
+fn describe(e: &pgrx::pg_sys::panic::CaughtError) -> String {
+    use pgrx::pg_sys::panic::CaughtError;
+    match e {
+        CaughtError::PostgresError(r) | CaughtError::ErrorReport(r) => {
+            format!("{} (SQLSTATE {})", r.message(), r.sql_error_code().to_string().trim_start_matches("ERRCODE_"))
+        }
+        CaughtError::RustPanic { ereport, .. } => ereport.message().to_string(),
+    }
+}
+
+/// Run one retention step in its own transaction; returns rows removed.
+fn maintenance_step(kind: &str) -> i64 {
+    BackgroundWorker::transaction(|| {
+        Spi::get_one_with_args::<i64>("SELECT outbox._purge_step($1, NULL, 1000)", &[kind.into()])
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+    })
+}
+
+fn run_maintenance() {
+    let installed = BackgroundWorker::transaction(|| {
+        Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')")
+            .ok()
+            .flatten()
+            .unwrap_or(false)
+    });
+    if !installed {
+        return;
+    }
+    let started = unsafe { pg_sys::GetCurrentTimestamp() };
+    let mut removed = [0i64; 3];
+    let mut error: Option<String> = None;
+    for (i, kind) in ["delivered", "dead", "keys"].iter().enumerate() {
+        loop {
+            let r = PgTryBuilder::new(|| Ok(maintenance_step(kind)))
+                .catch_others(|e| {
+                    unsafe { pg_sys::AbortCurrentTransaction() };
+                    Err(describe(&e))
+                })
+                .execute();
+            match r {
+                Ok(0) => break,
+                Ok(n) => removed[i] += n,
+                Err(e) => {
+                    error = Some(e);
+                    break;
+                }
+            }
+            if BackgroundWorker::sigterm_received() {
+                break;
+            }
+        }
+    }
+    let _ = PgTryBuilder::new(|| {
+        BackgroundWorker::transaction(|| {
+            let started_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(started), false) };
+            Spi::run_with_args(
+                "INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead, purged_keys, error) \
+                 VALUES ($1, clock_timestamp(), $2, $3, $4, $5)",
+                &[started_ts.into(), removed[0].into(), removed[1].into(), removed[2].into(), error.clone().into()],
+            )
+        })
+        .map_err(|e| e.to_string())
+    })
+    .catch_others(|e| {
+        unsafe { pg_sys::AbortCurrentTransaction() };
+        Err(describe(&e))
+    })
+    .execute();
+    if let Some(e) = error {
+        warning!("outbox worker: maintenance failed: {e}");
+    } else {
+        debug1!("outbox worker: maintenance removed {:?}", removed);
+    }
+}
+
+/// Entry point of the background worker.
+#[pg_guard]
+#[no_mangle]
+pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
+    BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
+    let db = gucs::database();
+    BackgroundWorker::connect_worker_to_spi(Some(&db), None);
+    {
+        let mut w = WAKE.exclusive();
+        w.latch = unsafe { std::ptr::addr_of_mut!((*pg_sys::MyProc).procLatch) } as usize;
+        w.database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+        w.pid = std::process::id() as i32;
+        // Anything committed while no worker ran is found by the first sweep.
+        w.overflow = true;
+    }
+    log!("outbox_ext worker started for database {db:?}");
+
+    let mut last_check = unsafe { pg_sys::GetCurrentTimestamp() };
+    let mut last_maintenance = Instant::now();
+    let mut sleep = Duration::ZERO;
+    loop {
+        if !BackgroundWorker::wait_latch(Some(sleep)) {
+            break;
+        }
+        if BackgroundWorker::sighup_received() {
+            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+        }
+        let taken = take_shared();
+        let committed_prepared = if taken.prepared.is_empty() { 0 } else { resolve_prepared(&taken.prepared) };
+        let sweep_all = taken.overflow || committed_prepared > 0;
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let result = PgTryBuilder::new(|| {
+            let next = BackgroundWorker::transaction(|| notify_pass(&taken, last_check, now, sweep_all));
+            Ok(next)
+        })
+        .catch_others(|e| {
+            unsafe { pg_sys::AbortCurrentTransaction() };
+            Err(describe(&e))
+        })
+        .execute();
+        let next_due = match result {
+            Ok(n) => {
+                last_check = now;
+                n
+            }
+            Err(e) => {
+                warning!("outbox worker: wake-up pass failed, retrying: {e}");
+                // Put the topics back so they are not lost.
+                if !taken.topics.is_empty() || taken.overflow {
+                    WAKE.exclusive().overflow = true;
+                }
+                Some(1_000_000)
+            }
+        };
+        WAKE.exclusive().passes += 1;
+
+        let interval = gucs::maintenance_interval_ms();
+        if interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64) {
+            run_maintenance();
+            last_maintenance = Instant::now();
+        }
+
+        sleep = match next_due {
+            Some(us) if us > 0 => Duration::from_micros(us as u64).min(MAX_SLEEP),
+            Some(_) => Duration::from_millis(1),
+            None => MAX_SLEEP,
+        };
+        if WAKE.share().nprepared > 0 {
+            sleep = sleep.min(PREPARED_POLL);
+        }
+        if interval > 0 {
+            let left = Duration::from_millis(interval as u64).saturating_sub(last_maintenance.elapsed());
+            sleep = sleep.min(left.max(Duration::from_millis(1)));
+        }
+    }
+    {
+        let mut w = WAKE.exclusive();
+        w.latch = 0;
+        w.pid = 0;
+    }
+    log!("outbox_ext worker stopping");
+    if BackgroundWorker::sigterm_received() {
+        // Exit code 1: the postmaster restarts us after pg_terminate_backend.
+        unsafe { pg_sys::proc_exit(1) };
+    }
+}
