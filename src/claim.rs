@@ -25,8 +25,7 @@ macro_rules! claim_sql {
     ($filter:literal) => {
         concat!(
             "WITH cand AS (",
-            "  SELECT q.id, t.default_lease, t.dead_letter_policy",
-            "    FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic",
+            "  SELECT q.id FROM outbox.event_queue q",
             "   WHERE q.state <> 'dead' AND q.visible_at <= $5 ",
             $filter,
             "     AND (q.subject IS NULL OR NOT EXISTS (",
@@ -42,7 +41,8 @@ macro_rules! claim_sql {
             "    attempts = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.attempts ELSE q.attempts + 1 END,",
             "    lease_token = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN NULL ELSE gen_random_uuid() END,",
             "    visible_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.visible_at",
-            "                      ELSE clock_timestamp() + COALESCE($3, c.default_lease, $4) END,",
+            "                      ELSE clock_timestamp() + COALESCE($3,",
+            "                        (SELECT t.default_lease FROM outbox.topics t WHERE t.topic = q.topic), $4) END,",
             "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
             "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
             "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",
@@ -51,8 +51,10 @@ macro_rules! claim_sql {
             "             ELSE q.errors END,",
             "    dead_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN clock_timestamp() ELSE q.dead_at END,",
             "    blocks_subject = q.state = 'leased' AND q.attempts >= q.max_attempts AND q.subject IS NOT NULL",
-            "                     AND COALESCE(c.dead_letter_policy, 'block') = 'block'",
-            "  FROM cand c WHERE q.id = c.id",
+            "                     AND COALESCE((SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
+            // ANY(ARRAY(..)) pins the update to primary-key lookups; a join let the
+            // planner hash-join against a sequential scan when statistics were stale.
+            "  WHERE q.id = ANY (ARRAY(SELECT c.id FROM cand c))",
             "  RETURNING q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers, q.attempts,",
             "            q.lease_token, q.visible_at, q.published_at, q.state",
             ")",
