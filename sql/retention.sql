@@ -145,6 +145,14 @@ COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
 'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit, seed 000), '
 'in committed batches of batch_size, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
 
+CREATE FUNCTION outbox._log_maintenance(started timestamptz, delivered bigint, dead bigint) RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead)
+    VALUES (started, pg_catalog.clock_timestamp(), delivered, dead)
+$$;
+
 CREATE PROCEDURE outbox.run_maintenance()
 LANGUAGE plpgsql
 AS $$
@@ -155,8 +163,7 @@ DECLARE
 BEGIN
     CALL outbox.purge(NULL, 1000, d);
     CALL outbox.purge_dead(NULL, 1000, x);
-    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead)
-    VALUES (started, pg_catalog.clock_timestamp(), d, x);
+    PERFORM outbox._log_maintenance(started, d, x);
     COMMIT;
 END
 $$;

@@ -56,6 +56,9 @@ static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000)
 /// Database the background worker connects to.
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
+/// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
+static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
+
 static mut PRELOADED: bool = false;
 
 /// Register every GUC. Called once from `_PG_init`.
@@ -139,6 +142,14 @@ pub fn init(preloaded: bool) {
         GucContext::Userset,
         GucFlags::default(),
     );
+    GucRegistry::define_bool_guc(
+        c"outbox.allow_drop",
+        c"Allow DROP EXTENSION outbox_ext while events are pending or leased.",
+        c"Without it (or CASCADE) the drop guard refuses with SQLSTATE 55006.",
+        &ALLOW_DROP,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
     GucRegistry::define_string_guc(
         c"outbox.traceparent",
         c"W3C traceparent copied into the headers of events published without one.",
@@ -196,14 +207,18 @@ pub fn init(preloaded: bool) {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
-    GucRegistry::define_string_guc(
-        c"outbox.database",
-        c"Database the outbox background worker serves.",
-        c"",
-        &DATABASE,
-        GucContext::Postmaster,
-        GucFlags::default(),
-    );
+    // PGC_POSTMASTER settings can only be defined while preloading; loaded on
+    // demand there is no worker to configure anyway.
+    if preloaded {
+        GucRegistry::define_string_guc(
+            c"outbox.database",
+            c"Database the outbox background worker serves.",
+            c"",
+            &DATABASE,
+            GucContext::Postmaster,
+            GucFlags::default(),
+        );
+    }
 }
 
 /// Default lease in microseconds.

@@ -30,6 +30,9 @@ pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
 pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake]);
 pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
+pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
+pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
+pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);
 v1_function!(outbox_publish_batch, pg_finfo_outbox_publish_batch, publish::publish_batch);

@@ -74,11 +74,11 @@ const NEXT_IDS: Stmt = Stmt {
 };
 
 const INSERT_MANY: Stmt = Stmt {
-    sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, max_attempts, visible_at) \
-          SELECT u.id, $1, u.s, u.p, \
+    sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, headers, max_attempts, visible_at) \
+          SELECT u.id, $1, u.s, u.p, $6, \
                  COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $5), now() \
           FROM unnest($2::bigint[], $3::jsonb[], $4::text[]) AS u(id, p, s)",
-    types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID],
+    types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID, pg_sys::JSONBOID],
 };
 
 /// Raise P0002 when strict topics are on and `topic` is not registered.
@@ -131,11 +131,12 @@ fn reserve_key(key: &str) -> Result<i64, i64> {
     }
     match plans::one::<i64>(&KEY_LOOKUP, &[key.into()]) {
         Some(id) => Err(id),
-        // Only reachable if the conflicting row vanished between the two statements
-        // (its purge committed): treat the key as free again.
-        None => plans::one::<i64>(&KEY_CLAIM, &[key.into()]).ok_or(0).map_err(|_| {
-            errors::raise(PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE, "dispatch key changed concurrently; retry")
-        }),
+        // The conflicting key vanished between the two statements (a purge of it
+        // committed meanwhile): let the caller retry rather than guess.
+        None => errors::raise(
+            PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE,
+            format!("dispatch key {key:?} changed concurrently; retry the transaction"),
+        ),
     }
 }
 
@@ -300,7 +301,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                     subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
                     key: keys.as_ref().and_then(|k| k[i].as_deref()),
                     payload: p.unwrap(),
-                    headers: gucs::traceparent().and_then(|_| prepare_headers(None)),
+                    headers: prepare_headers(None),
                     deliver_at: None,
                 });
                 inserted += ins as usize;
@@ -319,6 +320,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                     fcall::param(Some(payloads_d), pg_sys::JSONBARRAYOID),
                     fcall::param(subjects_d, pg_sys::TEXTARRAYOID),
                     gucs::max_attempts().into(),
+                    fcall::param(prepare_headers(None), pg_sys::JSONBOID),
                 ],
                 |_| (),
             );

@@ -1,0 +1,147 @@
+-- Observability: per-topic statistics and health checks an operator or an
+-- exporter can poll (issue 9; anchors.md 3(b).8 "health signals built into the
+-- database").
+
+CREATE VIEW outbox.stats AS
+WITH q AS (
+    SELECT e.topic,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS ready,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at > pg_catalog.now()) AS scheduled,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'leased' AND e.visible_at <= pg_catalog.now()) AS expired_leases,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'dead' AND e.dead_at > pg_catalog.now() - interval '1 hour') AS dead_last_hour,
+           pg_catalog.max(pg_catalog.now() - e.visible_at) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS oldest_ready_age,
+           pg_catalog.max(pg_catalog.now() - e.leased_at) FILTER (WHERE e.state = 'leased') AS oldest_lease_age
+      FROM outbox.event_queue e
+     GROUP BY e.topic
+), a AS (
+    SELECT e.topic,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered') AS delivered,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'cancelled') AS cancelled,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 minute') AS delivered_last_minute,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 hour') AS delivered_last_hour
+      FROM outbox.event_archive e
+     GROUP BY e.topic
+)
+SELECT COALESCE(q.topic, a.topic) AS topic,
+       COALESCE(q.ready, 0) AS ready,
+       COALESCE(q.scheduled, 0) AS scheduled,
+       COALESCE(q.leased, 0) AS leased,
+       COALESCE(q.expired_leases, 0) AS expired_leases,
+       COALESCE(q.dead, 0) AS dead,
+       COALESCE(a.delivered, 0) AS delivered,
+       COALESCE(a.cancelled, 0) AS cancelled,
+       q.oldest_ready_age,
+       q.oldest_lease_age,
+       COALESCE(q.dead_last_hour, 0) AS dead_last_hour,
+       COALESCE(a.delivered_last_minute, 0) AS delivered_last_minute,
+       COALESCE(a.delivered_last_hour, 0) AS delivered_last_hour
+  FROM q FULL JOIN a ON a.topic = q.topic;
+
+COMMENT ON VIEW outbox.stats IS
+'Per topic: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
+'oldest_ready_age and oldest_lease_age (interval), dead_last_hour, delivered_last_minute, delivered_last_hour. '
+'Reads the whole hot queue and archive: poll it every 15 s or slower on large archives.';
+
+-- Thresholds are arguments so operators can tune alerts without a new version.
+CREATE FUNCTION outbox.health(
+    backlog_age        interval DEFAULT '60 seconds',
+    backlog_critical   bigint   DEFAULT 1000,
+    xmin_warn          interval DEFAULT '5 minutes',
+    xmin_critical      interval DEFAULT '1 hour',
+    dead_tuples_warn   bigint   DEFAULT 100000
+) RETURNS TABLE (check_name text, status text, value numeric, message text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    r record;
+    w record;
+BEGIN
+    -- 1. Backlog age (seed 000 alerts when pending events older than 60 s exceed 1,000).
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    check_name := 'backlog_age'; value := n;
+    status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s ready events waiting longer than %s', n, backlog_age);
+    RETURN NEXT;
+
+    -- 2. Dead letters in the last hour.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    check_name := 'dead_letters'; value := n;
+    status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s events dead-lettered in the last hour', n);
+    RETURN NEXT;
+
+    -- 3. Expired leases: workers died or handlers outlive their lease.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'leased' AND e.visible_at <= now();
+    check_name := 'expired_leases'; value := n;
+    status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s leases expired without ack or fail', n);
+    RETURN NEXT;
+
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+      INTO r
+      FROM pg_stat_activity a
+     WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
+     ORDER BY a.xact_start
+     LIMIT 1;
+    check_name := 'xmin_horizon';
+    IF r.pid IS NULL THEN
+        value := 0; status := 'ok'; message := 'no other session holds the xmin horizon';
+    ELSE
+        value := round(extract(epoch FROM r.age)::numeric, 3);
+        status := CASE WHEN r.age >= xmin_critical THEN 'critical' WHEN r.age >= xmin_warn THEN 'warn' ELSE 'ok' END;
+        message := format('oldest snapshot held for %s by pid %s (user %s, application %L, %s)',
+                          date_trunc('second', r.age), r.pid, r.usename, r.application_name, r.state);
+    END IF;
+    RETURN NEXT;
+    FOR r IN SELECT gid, now() - prepared AS age FROM pg_prepared_xacts ORDER BY prepared LIMIT 1 LOOP
+        IF r.age >= xmin_warn THEN
+            check_name := 'xmin_horizon'; value := round(extract(epoch FROM r.age)::numeric, 3);
+            status := CASE WHEN r.age >= xmin_critical THEN 'critical' ELSE 'warn' END;
+            message := format('prepared transaction %L open for %s', r.gid, date_trunc('second', r.age));
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+
+    -- 5. Dead tuples in the hot relation.
+    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
+    status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
+                        AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
+    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    RETURN NEXT;
+
+    -- 6. The background worker.
+    SELECT * INTO w FROM outbox.wakeup_status();
+    check_name := 'background_worker'; value := w.worker_pid;
+    IF NOT w.preloaded THEN
+        status := 'warn';
+        message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
+    ELSIF w.worker_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox background worker is not running';
+    ELSIF w.database <> (SELECT oid FROM pg_database WHERE datname = current_database()) THEN
+        status := 'warn';
+        message := format('the background worker serves another database (outbox.database = %L)', current_setting('outbox.database'));
+    ELSE
+        status := 'ok';
+        message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    END IF;
+    RETURN NEXT;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
+'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
+'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical, after seed 000''s alert), dead_letters (last hour), '
+'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
+'dead_tuples (hot relation), background_worker (running, preloaded, serving this database). No errors beyond invalid interval input.';

@@ -1,0 +1,70 @@
+-- Privileges (issue 9). Three NOLOGIN roles, created if missing (roles are
+-- cluster-wide, so DROP EXTENSION leaves them):
+--   outbox_publisher  publish and publish_batch, nothing else;
+--   outbox_worker     claim, ack, fail, extend_lease (it reads events through claim);
+--   outbox_admin      replay, cancel, purge, topic management, read everything.
+-- Grant them to login roles: GRANT outbox_worker TO app_worker;
+--
+-- No role but the owner may write the tables: the API functions are SECURITY
+-- DEFINER with a pinned search_path, and every value they take is bound as a
+-- parameter, never spliced into SQL.
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_publisher') THEN
+        CREATE ROLE outbox_publisher NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_worker') THEN
+        CREATE ROLE outbox_worker NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_admin') THEN
+        CREATE ROLE outbox_admin NOLOGIN;
+    END IF;
+END
+$$;
+
+REVOKE ALL ON ALL TABLES IN SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
+REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
+REVOKE EXECUTE ON ALL PROCEDURES IN SCHEMA outbox FROM PUBLIC;
+
+GRANT USAGE ON SCHEMA outbox TO outbox_publisher, outbox_worker, outbox_admin;
+
+ALTER FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) SECURITY DEFINER;
+ALTER FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) TO outbox_publisher, outbox_admin;
+GRANT EXECUTE ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) TO outbox_publisher, outbox_admin;
+
+ALTER FUNCTION outbox.claim(text, integer, interval, text[]) SECURITY DEFINER;
+ALTER FUNCTION outbox.ack(bigint, uuid) SECURITY DEFINER;
+ALTER FUNCTION outbox.ack(bigint[], uuid[]) SECURITY DEFINER;
+ALTER FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox.extend_lease(bigint, uuid, interval) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox.claim(text, integer, interval, text[]) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.ack(bigint, uuid) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.ack(bigint[], uuid[]) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.extend_lease(bigint, uuid, interval) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, boolean) TO outbox_worker, outbox_admin, outbox_publisher;
+
+ALTER FUNCTION outbox.replay(bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox.cancel(bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox.drop_topic(text, boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
+ALTER FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox.replay(bigint), outbox.replay_dead(text, timestamptz, timestamptz, boolean),
+    outbox.cancel(bigint),
+    outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),
+    outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval),
+    outbox.drop_topic(text, boolean),
+    outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, bigint, bigint),
+    outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
+    outbox._check_topic(text),
+    outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()
+    TO outbox_admin;
+GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),
+    outbox.run_maintenance() TO outbox_admin;
+GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
