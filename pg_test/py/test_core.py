@@ -1,0 +1,299 @@
+"""Core delivery guarantees that only show across real sessions (issue 2):
+concurrent claims, fencing tokens after a reclaim, transactional publish, delayed
+delivery and clock-based leases. Runs on the cluster without preload."""
+
+import threading
+import time
+from collections import Counter, defaultdict
+from datetime import timedelta
+
+from conftest import connect
+
+WORKERS = 8
+EVENTS = 2000
+
+
+def claim_rows(conn, worker, n=100, lease=None, topics=None):
+    return conn.execute(
+        "SELECT id, lease_token, attempt, lease_expires_at FROM outbox.claim(%s, %s, %s::interval, %s)",
+        (worker, n, lease, topics),
+    ).fetchall()
+
+
+def pending_count(conn):
+    return conn.execute("SELECT count(*) FROM outbox.event_queue WHERE state = 'pending'").fetchone()[0]
+
+
+def test_concurrent_claims_never_overlap_and_cover_everything(plain):
+    c = plain.conn()
+    published = {
+        r[0]
+        for r in c.execute(
+            "SELECT outbox.publish_batch('core.load', array_agg(jsonb_build_object('n', g))) "
+            "FROM generate_series(1, %s) g",
+            (EVENTS,),
+        ).fetchall()
+    }
+    assert len(published) == EVENTS
+
+    claims = defaultdict(list)  # worker -> [(id, token)]
+    errors = []
+    start = threading.Barrier(WORKERS)
+
+    def work(name):
+        try:
+            w = connect(plain.dsn)
+            try:
+                start.wait()
+                while True:
+                    # Claim inside a transaction that stays open a moment, so the
+                    # row locks of concurrent claims really overlap in time.
+                    with w.transaction():
+                        rows = claim_rows(w, name, 37, "10 min")
+                        time.sleep(0.002)
+                    if rows:
+                        claims[name].extend((i, tok) for i, tok, _, _ in rows)
+                        continue
+                    # An empty claim may only mean "the rest is locked by others".
+                    if pending_count(w) == 0:
+                        return
+            finally:
+                w.close()
+        except Exception as e:  # surfaced below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(f"w{i}",)) for i in range(WORKERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a claimer hung"
+
+    all_ids = [i for rows in claims.values() for i, _ in rows]
+    dup = [i for i, k in Counter(all_ids).items() if k > 1]
+    assert dup == [], f"{len(dup)} events were claimed by two workers, e.g. {dup[:5]}"
+    assert set(all_ids) == published, "claims did not cover every published event"
+    assert sum(1 for rows in claims.values() if rows) > 1, "only one worker ever claimed anything"
+
+    # Every lease is the one the database holds: each worker's tokens ack.
+    ids = [i for rows in claims.values() for i, _ in rows]
+    toks = [t for rows in claims.values() for _, t in rows]
+    acked = c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", (ids, toks)).fetchone()[0]
+    assert acked == EVENTS
+    assert c.execute("SELECT count(*) FROM outbox.event_queue").fetchone()[0] == 0
+    assert c.execute("SELECT count(*) FROM outbox.event_archive WHERE state = 'delivered'").fetchone()[0] == EVENTS
+
+
+def test_concurrent_workers_keep_subject_order(plain):
+    """Many workers, few subjects: an event is never claimed before the earlier
+    event of its subject was acknowledged, so per subject the claims happen in
+    publish order."""
+    c = plain.conn()
+    subjects = [f"s{i}" for i in range(5)]
+    n_per = 40
+    c.execute(
+        "SELECT outbox.publish_batch('core.order', array_agg(jsonb_build_object('n', g) ORDER BY g), "
+        "array_agg((%s::text[])[1 + g %% 5] ORDER BY g)) FROM generate_series(0, %s) g",
+        (subjects, len(subjects) * n_per - 1),
+    )
+    order = defaultdict(list)  # subject -> ids in the order claims returned
+    lock = threading.Lock()
+    errors = []
+
+    def work(name):
+        try:
+            with connect(plain.dsn) as w:
+                while True:
+                    rows = w.execute(
+                        "SELECT id, subject, lease_token FROM outbox.claim(%s, 3, '10 min')", (name,)
+                    ).fetchall()
+                    if not rows:
+                        if w.execute("SELECT count(*) FROM outbox.event_queue").fetchone()[0] == 0:
+                            return
+                        time.sleep(0.001)  # others hold the subjects' heads
+                        continue
+                    # Record before acking: the next event of the subject can only
+                    # be claimed after this ack, hence after this record.
+                    with lock:
+                        for i, s, _ in rows:
+                            order[s].append(i)
+                    for i, _, tok in rows:
+                        assert w.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0]
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=work, args=(f"w{i}",)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    for s in subjects:
+        assert len(order[s]) == n_per, f"subject {s}: {len(order[s])} events delivered"
+        assert order[s] == sorted(order[s]), f"subject {s} delivered out of order: {order[s]}"
+
+
+def test_stale_token_cannot_ack_after_reclaim(plain):
+    a = plain.conn()
+    b = plain.conn()
+    (eid,) = a.execute("SELECT outbox.publish('core.lease', '{\"k\": 1}')").fetchone()
+    (_, tok_a, attempt_a, _), = claim_rows(a, "worker-a", 10, "200 ms")
+    assert attempt_a == 1
+    assert claim_rows(b, "worker-b", 10, "10 s") == [], "claimed while the first lease was live"
+    time.sleep(0.4)  # let worker-a's lease expire
+    (eid_b, tok_b, attempt_b, _), = claim_rows(b, "worker-b", 10, "10 s")
+    assert eid_b == eid and attempt_b == 2 and tok_b != tok_a
+
+    # Worker a wakes up late: every fenced call with its token is refused.
+    assert a.execute("SELECT outbox.ack(%s, %s)", (eid, tok_a)).fetchone()[0] is False
+    assert a.execute("SELECT outbox.ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])", (eid, tok_a)).fetchone()[0] == 0
+    assert a.execute("SELECT outbox.fail(%s, %s, 'late')", (eid, tok_a)).fetchone()[0] == "stale"
+    assert a.execute("SELECT outbox.extend_lease(%s, %s, '1 min')", (eid, tok_a)).fetchone()[0] is None
+    st = a.execute("SELECT state, leased_by, attempts FROM outbox.events WHERE id = %s", (eid,)).fetchone()
+    assert st == ("leased", "worker-b", 2)
+
+    # The current holder still acks, exactly once.
+    assert b.execute("SELECT outbox.ack(%s, %s)", (eid, tok_b)).fetchone()[0] is True
+    assert b.execute("SELECT outbox.ack(%s, %s)", (eid, tok_b)).fetchone()[0] is False
+    st = a.execute("SELECT state, attempts FROM outbox.events WHERE id = %s", (eid,)).fetchone()
+    assert st == ("delivered", 2)
+
+
+def test_stale_ack_racing_the_reclaim_transaction(plain):
+    """The reclaim is still uncommitted when the old holder acks: the ack waits for
+    the row and then sees the new token, so it still loses."""
+    a = plain.conn()
+    b = plain.conn()
+    (eid,) = a.execute("SELECT outbox.publish('core.lease', '{}')").fetchone()
+    (_, tok_a, _, _), = claim_rows(a, "worker-a", 1, "100 ms")
+    time.sleep(0.25)
+    b.execute("BEGIN")
+    (_, tok_b, _, _), = claim_rows(b, "worker-b", 1, "10 s")
+    result = {}
+
+    def late_ack():
+        with connect(plain.dsn) as x:
+            result["ack"] = x.execute("SELECT outbox.ack(%s, %s)", (eid, tok_a)).fetchone()[0]
+
+    t = threading.Thread(target=late_ack)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "the late ack did not wait for the reclaiming transaction"
+    b.execute("COMMIT")
+    t.join(10)
+    assert result == {"ack": False}
+    assert b.execute("SELECT outbox.ack(%s, %s)", (eid, tok_b)).fetchone()[0] is True
+
+
+def test_rolled_back_publish_is_never_claimed(plain):
+    p = plain.conn()
+    w = plain.conn()
+    p.execute("BEGIN")
+    (rb_id,) = p.execute("SELECT outbox.publish('core.tx', '{\"rolled\": \"back\"}', dispatch_key => 'k-rb')").fetchone()
+    assert claim_rows(w, "w") == [], "an uncommitted event was claimable"
+    p.execute("ROLLBACK")
+
+    p.execute("BEGIN")
+    (keep1,) = p.execute("SELECT outbox.publish('core.tx', '{\"n\": 1}')").fetchone()
+    p.execute("SAVEPOINT s1")
+    (sp_id,) = p.execute("SELECT outbox.publish('core.tx', '{\"n\": 2}', dispatch_key => 'k-sp')").fetchone()
+    p.execute("SELECT outbox.publish_batch('core.tx', ARRAY['{\"n\": 3}', '{\"n\": 4}']::jsonb[])")
+    p.execute("ROLLBACK TO SAVEPOINT s1")
+    p.execute("SAVEPOINT s2")
+    (keep2,) = p.execute("SELECT outbox.publish('core.tx', '{\"n\": 5}')").fetchone()
+    p.execute("RELEASE SAVEPOINT s2")
+    assert claim_rows(w, "w") == []
+    p.execute("COMMIT")
+
+    got = sorted(r[0] for r in claim_rows(w, "w", 1000))
+    assert got == [keep1, keep2]
+    assert claim_rows(w, "w", 1000) == []
+    # Nothing of the rolled-back work exists anywhere, dispatch keys included:
+    # the keys are free again.
+    assert p.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 2
+    assert p.execute("SELECT count(*) FROM outbox.dispatch_keys").fetchone()[0] == 0
+    (again,) = p.execute("SELECT outbox.publish('core.tx', '{}', dispatch_key => 'k-sp')").fetchone()
+    assert again not in (rb_id, sp_id)
+
+
+def test_concurrent_publish_rolls_back_while_claimers_poll(plain):
+    """Claimers polling during a long publishing transaction that rolls back
+    never see its rows; a committed one becomes visible all at once."""
+    p = plain.conn()
+    w = plain.conn()
+    p.execute("BEGIN")
+    p.execute("SELECT outbox.publish_batch('core.tx', array_fill('{}'::jsonb, ARRAY[50]))")
+    for _ in range(5):
+        assert claim_rows(w, "w") == []
+        time.sleep(0.02)
+    p.execute("ROLLBACK")
+    assert claim_rows(w, "w") == []
+    p.execute("BEGIN")
+    p.execute("SELECT outbox.publish_batch('core.tx', array_fill('{}'::jsonb, ARRAY[50]))")
+    assert claim_rows(w, "w") == []
+    p.execute("COMMIT")
+    assert len(claim_rows(w, "w", 1000)) == 50
+
+
+def test_deliver_at_delays_claimability(plain):
+    p = plain.conn()
+    w = plain.conn()
+    (late,) = p.execute(
+        "SELECT outbox.publish('core.delay', '{}', deliver_at => clock_timestamp() + interval '800 ms')"
+    ).fetchone()
+    (now_id,) = p.execute("SELECT outbox.publish('core.delay', '{}')").fetchone()
+    (past,) = p.execute(
+        "SELECT outbox.publish('core.delay', '{}', deliver_at => clock_timestamp() - interval '1 hour')"
+    ).fetchone()
+    got = sorted(r[0] for r in claim_rows(w, "w"))
+    assert got == sorted([now_id, past]), "a delayed event was claimable early"
+    assert p.execute("SELECT state FROM outbox.events WHERE id = %s", (late,)).fetchone()[0] == "pending"
+    time.sleep(1.0)
+    assert [r[0] for r in claim_rows(w, "w")] == [late]
+
+
+def test_lease_uses_clock_time_not_transaction_start(plain):
+    p = plain.conn()
+    w = plain.conn()
+    p.execute("SELECT outbox.publish('core.clock', '{}')")
+    w.execute("BEGIN")
+    (tx_start,) = w.execute("SELECT now()").fetchone()
+    time.sleep(1.5)  # the transaction has been open for a while
+    (clock_before,) = w.execute("SELECT clock_timestamp()").fetchone()
+    (_, tok, _, expires), = claim_rows(w, "w", 1, "2 s")
+    (clock_after,) = w.execute("SELECT clock_timestamp()").fetchone()
+    leased_at = w.execute(
+        "SELECT leased_at FROM outbox.event_queue WHERE lease_token = %s", (tok,)
+    ).fetchone()[0]
+    w.execute("COMMIT")
+    lease = expires - clock_before
+    # now() + 2 s would be about 0.5 s before clock_before.
+    assert expires > clock_before, f"lease ends {expires} before the claim ran ({clock_before})"
+    assert 1.9 <= lease.total_seconds() <= 2.0 + (clock_after - clock_before).total_seconds() + 0.1, lease
+    assert leased_at >= clock_before > tx_start
+    # And extend_lease is clock based too.
+    w.execute("BEGIN")
+    time.sleep(0.3)
+    (c0,) = w.execute("SELECT clock_timestamp()").fetchone()
+    (eid,) = w.execute("SELECT id FROM outbox.event_queue WHERE lease_token = %s", (tok,)).fetchone()
+    (new_exp,) = w.execute("SELECT outbox.extend_lease(%s, %s, '1 s')", (eid, tok)).fetchone()
+    w.execute("COMMIT")
+    assert new_exp >= c0 + timedelta(seconds=1), (new_exp, c0)
+
+
+def test_claim_in_long_transaction_not_reclaimable_before_lease_ends(plain):
+    """A claim made late in a long transaction must not hand out a lease that is
+    already (nearly) expired from another session's point of view."""
+    p = plain.conn()
+    w = plain.conn()
+    o = plain.conn()
+    p.execute("SELECT outbox.publish('core.clock', '{}')")
+    w.execute("BEGIN")
+    w.execute("SELECT now()")
+    time.sleep(1.2)
+    claim_rows(w, "w", 1, "1 s")
+    w.execute("COMMIT")
+    # Measured from the claim, the lease still has most of its second left.
+    assert claim_rows(o, "other", 1, "1 s") == [], "lease already expired: it was computed from transaction start"
