@@ -96,17 +96,23 @@ pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>,
     }
     let mut exact = Vec::new();
     let mut prefixes = Vec::new();
+    let mut all = false;
+    // Validate every element before deciding: errors must not depend on order.
     for t in topics {
         let Some(t) = t else {
             errors::raise(errors::NULL_VALUE, "topics must not contain NULL");
         };
         match validate::pattern(&t) {
-            validate::TopicPattern::All => return None,
+            validate::TopicPattern::All => all = true,
             validate::TopicPattern::Exact(e) => exact.push(e),
             validate::TopicPattern::Prefix(p) => prefixes.push(p),
         }
     }
-    Some((exact, prefixes))
+    if all {
+        None
+    } else {
+        Some((exact, prefixes))
+    }
 }
 
 /// `outbox.claim(worker, batch_size, lease, topics) -> TABLE(...)`.
