@@ -1,0 +1,520 @@
+"""End-to-end tests of the reference workers in examples/workers/ (Python, Node.js,
+Rust, shell), all driven the same way against the preloaded cluster
+(OUTBOX_TEST_DSN_PRELOAD, database postgres, where the background worker sends the
+NOTIFY wake-ups).
+
+Every worker has a payload-driven test handler (OUTBOX_HANDLER=test):
+{"sleep_ms": N, "fail": "transient"|"permanent", "fail_attempts": k, "error": text}
+and, with OUTBOX_DELIVERY_LOG, appends one JSON line per successful handler run
+({"worker", "id", "subject", "attempt", "started", "finished", "acked"}). The tests
+assert on those logs and on outbox.events.
+
+Build steps (npm ci, cargo build --release) run through examples/workers/build.sh,
+once per session. A language is skipped only when its toolchain is missing.
+"""
+
+import http.server
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+WORKERS_DIR = REPO / "examples" / "workers"
+RESULTS = REPO / "target" / "test-results" / "py-workers"
+LANGS = ["python", "node", "rust", "shell"]
+
+LEASE = 2.0        # short, so a 5 s handler needs the heartbeat
+SLOW_MS = 5000
+
+# ---------------------------------------------------------------- build / commands
+
+_built = {}
+
+
+def _which(tool):
+    found = shutil.which(tool)
+    if not found and tool == "cargo":
+        cand = Path(os.environ.get("CARGO_HOME", Path.home() / ".cargo")) / "bin" / "cargo"
+        found = str(cand) if cand.exists() else None
+    return found
+
+
+def worker_command(lang):
+    """The argv that starts one worker of `lang`; builds it first (once)."""
+    if lang in _built:
+        ok, val = _built[lang]
+        if not ok:
+            pytest.skip(val) if val.startswith("SKIP") else pytest.fail(val)
+        return val
+    needs = {"python": [], "node": ["node", "npm"], "rust": ["cargo"], "shell": ["bash", "psql", "curl"]}[lang]
+    missing = [t for t in needs if not _which(t)]
+    if missing:
+        msg = f"SKIP: {lang} worker not tested: toolchain missing ({', '.join(missing)} not found)"
+        print(f"\n!!!!! {msg} !!!!!", file=sys.stderr)
+        _built[lang] = (False, msg)
+        pytest.skip(msg)
+    if lang in ("node", "rust"):
+        env = dict(os.environ)
+        env["PATH"] = os.path.dirname(_which(needs[0])) + os.pathsep + env.get("PATH", "")
+        t0 = time.monotonic()
+        r = subprocess.run(["bash", str(WORKERS_DIR / "build.sh"), lang], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           stdin=subprocess.DEVNULL, timeout=1800)
+        print(f"build.sh {lang}: {time.monotonic() - t0:.1f}s\n{r.stdout[-2000:]}", file=sys.stderr)
+        if r.returncode != 0:
+            _built[lang] = (False, f"build.sh {lang} failed (exit {r.returncode}):\n{r.stdout[-4000:]}")
+            pytest.fail(_built[lang][1])
+    cmd = {
+        "python": [sys.executable, str(WORKERS_DIR / "python" / "outbox_worker.py")],
+        "node": [_which("node") or "node", str(WORKERS_DIR / "node" / "worker.js")],
+        "rust": [str(WORKERS_DIR / "rust" / "target" / "release" / "outbox-worker")],
+        "shell": ["bash", str(WORKERS_DIR / "shell" / "outbox-worker.sh")],
+    }[lang]
+    _built[lang] = (True, cmd)
+    return cmd
+
+
+# ---------------------------------------------------------------- processes
+
+class Worker:
+    """One worker process in its own process group (so SIGKILL can take its
+    children too, like a crashed container)."""
+
+    def __init__(self, cmd, name, outdir, **settings):
+        self.name = name
+        self.log = outdir / f"{name}.log"
+        self.out = outdir / f"{name}.out"
+        self.deliveries = outdir / f"{name}.jsonl"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OUTBOX_")}
+        env.update({"OUTBOX_WORKER_NAME": name, "OUTBOX_DELIVERY_LOG": str(self.deliveries)})
+        env.update({k: str(v) for k, v in settings.items()})
+        with open(self.log, "ab") as err, open(self.out, "ab") as out:
+            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def alive(self):
+        return self.proc.poll() is None
+
+    def terminate(self, timeout=20):
+        """SIGTERM to the main process only (what an orchestrator sends); returns
+        the exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.name} did not exit within {timeout}s of SIGTERM")
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def tail(self, n=30):
+        parts = []
+        for p in (self.log, self.out):
+            if p.exists():
+                lines = p.read_text(errors="replace").splitlines()
+                parts.append(f"--- {p.name} (last {min(n, len(lines))} of {len(lines)} lines)\n"
+                             + "\n".join(lines[-n:]))
+        return "\n".join(parts)
+
+
+def read_deliveries(*workers):
+    rows = []
+    for w in workers:
+        if w.deliveries.exists():
+            for line in w.deliveries.read_text().splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    pass  # a line cut short by SIGKILL
+    return rows
+
+
+def wait_until(pred, timeout, what, workers=()):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        for w in workers:
+            if not w.alive():
+                raise AssertionError(f"{w.name} exited early (code {w.proc.returncode}) while waiting for {what}\n{w.tail()}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}\n"
+                         + "\n".join(w.tail() for w in workers))
+
+
+# ---------------------------------------------------------------- fixtures
+
+def _clean(conn):
+    conn.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+    conn.execute("DELETE FROM outbox.topics WHERE topic LIKE 'wk.%'")
+
+
+@pytest.fixture
+def dsn():
+    dsn = os.environ.get("OUTBOX_TEST_DSN_PRELOAD")
+    if not dsn:
+        pytest.skip("OUTBOX_TEST_DSN_PRELOAD is not set (run through scripts/test.sh)")
+    return dsn
+
+
+@pytest.fixture
+def db(dsn):
+    conn = psycopg.connect(dsn, autocommit=True)
+    conn.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
+    running = conn.execute("SELECT worker_pid IS NOT NULL FROM outbox.wakeup_status()").fetchone()[0]
+    if not running:
+        # Without the background worker, notify from the publishing transaction.
+        conn.execute("SET outbox.notify = 'transaction'")
+    _clean(conn)
+    yield conn
+    _clean(conn)
+    conn.close()
+
+
+@pytest.fixture
+def spawn(request, dsn):
+    """spawn(lang, name, **settings) -> Worker; every worker is killed at teardown."""
+    outdir = RESULTS / request.node.name.replace("/", "_")
+    shutil.rmtree(outdir, ignore_errors=True)
+    outdir.mkdir(parents=True)
+    started = []
+
+    def start(lang, name, **settings):
+        base = {"OUTBOX_DSN": dsn, "OUTBOX_LEASE": LEASE, "OUTBOX_BATCH_SIZE": 5,
+                "OUTBOX_CONCURRENCY": 2, "OUTBOX_POLL_INTERVAL": 1, "OUTBOX_RETRY_IN": 0.1,
+                "OUTBOX_HANDLER": "test", "OUTBOX_RECONNECT_MAX": 2}
+        base.update(settings)
+        w = Worker(worker_command(lang), name, outdir, **base)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        if w.alive():
+            w.kill()
+
+
+def fetch(conn, sql, *params):
+    return conn.execute(sql, params).fetchall()
+
+
+def publish_batch(conn, topic, payload_texts, subjects=None):
+    return [r[0] for r in fetch(conn, "SELECT outbox.publish_batch(%s, %s::jsonb[], %s::text[])",
+                                topic, payload_texts, subjects)]
+
+
+def sid(lang, suffix):
+    return f"wk-{lang}-{suffix}"
+
+
+# ---------------------------------------------------------------- 1-3: the main run
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_two_workers_deliver_everything_in_order(lang, db, spawn):
+    """2,000 events over 20 subjects; 5% fail once, 3 fail permanently, one runs
+    longer than the lease; two workers drain it."""
+    t_start = time.monotonic()
+    topic = "wk.e2e"
+    db.execute("SELECT outbox.create_topic(%s, dead_letter_policy => 'skip')", (topic,))
+    subjects = [f"subj-{i:02d}" for i in range(20)]
+    keys = [(s, k) for k in range(100) for s in subjects]  # interleaved, 100 per subject
+    rng = random.Random(6)
+    special = rng.sample([key for key in keys if 5 <= key[1] < 60], 104)
+    transient, permanent, slow = set(special[:100]), special[100:103], special[103]
+
+    payloads = []
+    for s, k in keys:
+        p = {"seq": k, "subject": s}
+        if (s, k) in transient:
+            p.update(fail="transient", error=f"transient failure {s}/{k}")
+        elif (s, k) in permanent:
+            # Quote, backslash and non-ASCII: the error text must survive every
+            # worker's quoting unchanged.
+            p.update(fail="permanent", error=f"can't deliver {s}/{k}: \"bad\" \\ input ✗")
+        elif (s, k) == slow:
+            p.update(sleep_ms=SLOW_MS)
+        payloads.append(json.dumps(p, ensure_ascii=False))
+    ids = publish_batch(db, topic, payloads, [s for s, _ in keys])
+    by_id = dict(zip(ids, keys))
+    id_of = {key: i for i, key in by_id.items()}
+
+    common = {"OUTBOX_TOPICS": "wk.*", "OUTBOX_POLL_INTERVAL": 0.5}
+    a = spawn(lang, sid(lang, "a"), OUTBOX_CONCURRENCY=4, **common)
+    b = spawn(lang, sid(lang, "b"), OUTBOX_CONCURRENCY=1, **common)
+    workers = (a, b)
+
+    def drained():
+        return fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s AND state <> 'dead'",
+                     topic)[0][0] == 0
+    wait_until(drained, 90, "the outbox to drain", workers)
+    drain_s = time.monotonic() - t_start
+    codes = [w.terminate() for w in workers]
+
+    ctx = "\n".join(w.tail() for w in workers)
+    assert codes == [0, 0], f"exit codes after SIGTERM: {codes}\n{ctx}"
+
+    rows = read_deliveries(a, b)
+    state = {r[0]: r[1:] for r in fetch(
+        db, "SELECT id, state, attempts, last_error, errors FROM outbox.events WHERE topic = %s", topic)}
+    perm_ids = {id_of[k] for k in permanent}
+
+    # Every event delivered at least once (all but the 3 permanent failures).
+    delivered = {i for i, (st, *_rest) in state.items() if st == "delivered"}
+    assert delivered == set(ids) - perm_ids, f"not delivered: {sorted(set(ids) - perm_ids - delivered)[:20]}\n{ctx}"
+    logged = [r["id"] for r in rows]
+    assert set(logged) == delivered, f"delivery log and outbox.events disagree\n{ctx}"
+
+    # Acknowledgements equal deliveries: each successful handler run was acked,
+    # once, and nothing was delivered twice.
+    assert all(r["acked"] is True for r in rows), [r for r in rows if r["acked"] is not True][:5]
+    assert len(logged) == len(set(logged)) == len(delivered), \
+        f"{len(logged)} logged deliveries, {len(set(logged))} distinct, {len(delivered)} delivered"
+
+    # Per-subject order: by handler start time, each subject's sequence numbers rise.
+    per_subject = {}
+    for r in sorted(rows, key=lambda r: r["started"]):
+        s, k = by_id[r["id"]]
+        assert r["subject"] == s
+        per_subject.setdefault(s, []).append(k)
+    for s in subjects:
+        expected = [k for k in range(100) if (s, k) not in permanent]
+        assert per_subject.get(s) == expected, f"subject {s} delivered out of order: {per_subject.get(s)}"
+
+    # Permanent failures: dead at the first attempt, with the handler's error text.
+    for key in permanent:
+        st, attempts, last_error, errors = state[id_of[key]]
+        want = json.loads(payloads[keys.index(key)])["error"]
+        assert (st, attempts, last_error) == ("dead", 1, want), (key, st, attempts, last_error)
+        assert errors[-1]["error"] == want
+
+    # Transient failures: one failed attempt recorded, then delivered.
+    for key in transient:
+        st, attempts, last_error, errors = state[id_of[key]]
+        assert st == "delivered" and attempts == 2, (key, st, attempts)
+        assert [e["error"] for e in errors] == [f"transient failure {key[0]}/{key[1]}"]
+
+    # The slow event outlived its lease several times and was delivered once.
+    slow_id = id_of[slow]
+    st, attempts, _, errors = state[slow_id]
+    slow_runs = [r for r in rows if r["id"] == slow_id]
+    assert (st, attempts, errors) == ("delivered", 1, None), (st, attempts, errors)
+    assert len(slow_runs) == 1 and slow_runs[0]["finished"] - slow_runs[0]["started"] >= SLOW_MS / 1000 - 0.05
+
+    # Both instances did work, and the others are clean.
+    assert {r["worker"] for r in rows} == {a.name, b.name}
+    trans_ids = {id_of[k] for k in transient}
+    clean = [i for i in ids if i not in perm_ids | trans_ids]
+    assert all(state[i][1] == 1 and state[i][3] is None for i in clean), "unexpected retries"
+    for w in workers:
+        assert "batch=" in w.log.read_text(), f"{w.name} logged no batch line\n{w.tail()}"
+    print(f"{lang}: drained 2000 events in {drain_s:.1f}s, "
+          f"{sum(r['worker'] == a.name for r in rows)}/{sum(r['worker'] == b.name for r in rows)} per worker")
+
+
+# ---------------------------------------------------------------- 4: SIGKILL mid-batch
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_killed_worker_events_redelivered_after_lease(lang, db, spawn):
+    topic = "wk.kill"
+    n = 40
+    payloads = [json.dumps({"seq": i, "sleep_ms": 300}) for i in range(n)]
+    ids = publish_batch(db, topic, payloads)
+    settings = dict(OUTBOX_BATCH_SIZE=6, OUTBOX_CONCURRENCY=2, OUTBOX_POLL_INTERVAL=0.5)
+    a = spawn(lang, sid(lang, "a"), **settings)
+    b = spawn(lang, sid(lang, "b"), **settings)
+
+    # Mid-batch: a has finished at least one event and still holds leases.
+    def a_mid_batch():
+        return a.deliveries.exists() and a.deliveries.stat().st_size > 0 and fetch(
+            db, "SELECT count(*) FROM outbox.events WHERE state = 'leased' AND leased_by = %s", a.name)[0][0] >= 2
+    wait_until(a_mid_batch, 20, f"{a.name} to be mid-batch", (a, b))
+    a.kill()
+    held = dict(fetch(db, "SELECT id, extract(epoch FROM lease_expires_at)::float8 FROM outbox.events "
+                          "WHERE state = 'leased' AND leased_by = %s", a.name))
+    assert held, "the killed worker held no leases"
+    a2 = spawn(lang, sid(lang, "a") + "-restarted", **settings)
+
+    # While a2 runs, SIGTERM b mid-batch: it must finish or give back its events.
+    def b_busy():
+        return fetch(db, "SELECT count(*) FROM outbox.events WHERE state = 'leased' AND leased_by = %s",
+                     b.name)[0][0] > 0
+    wait_until(b_busy, 20, f"{b.name} to hold leases", (b, a2))
+    t_term = time.monotonic()
+    code = b.terminate(timeout=15)
+    term_s = time.monotonic() - t_term
+    assert code == 0, f"{b.name} exit code {code} after SIGTERM\n{b.tail()}"
+    left = fetch(db, "SELECT count(*) FROM outbox.events WHERE state = 'leased' AND leased_by = %s", b.name)[0][0]
+    assert left == 0, f"{b.name} exited with {left} events still leased\n{b.tail()}"
+
+    def drained():
+        return fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s", topic)[0][0] == 0
+    wait_until(drained, 40, "all events delivered", (a2,))
+    assert a2.terminate() == 0
+
+    rows = read_deliveries(a, b, a2)
+    assert set(r["id"] for r in rows) >= set(ids), "some events were never delivered"
+    for eid, expiry in held.items():
+        redo = [r for r in rows if r["id"] == eid and r["worker"] != a.name]
+        assert redo, f"event {eid} leased by the killed worker was not redelivered"
+        # Not before the lease the killed worker held ran out (50 ms clock slack).
+        assert min(r["started"] for r in redo) >= expiry - 0.05, (eid, expiry, redo)
+        assert max(r["attempt"] for r in redo) >= 2, redo
+    print(f"{lang}: {len(held)} leases of the killed worker redelivered; SIGTERM exit took {term_s:.1f}s")
+
+
+# ---------------------------------------------------------------- 5: connection drops
+
+def terminate_backends(db, name):
+    return fetch(db, "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                     "WHERE application_name = %s AND pid <> pg_backend_pid()", name)
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_worker_reconnects_after_backend_terminated(lang, db, spawn):
+    topic = "wk.drop"
+    # A long poll: after the idle drop only a NOTIFY on a re-LISTENed connection
+    # can wake the worker in time.
+    w = spawn(lang, sid(lang, "w"), OUTBOX_POLL_INTERVAL=60, OUTBOX_CONCURRENCY=2)
+    wait_until(lambda: len(fetch(db, "SELECT 1 FROM pg_stat_activity WHERE application_name = %s", w.name)) >= 1,
+               15, "the worker to connect", (w,))
+    ids = publish_batch(db, topic, [json.dumps({"seq": i, "sleep_ms": 10}) for i in range(200)],
+                        [f"s{i % 10}" for i in range(200)])
+
+    # Drop 1: under load.
+    wait_until(lambda: len(read_deliveries(w)) >= 30, 20, "30 deliveries", (w,))
+    killed = terminate_backends(db, w.name)
+    assert killed, "no backend to terminate"
+
+    def delivered(some):
+        return fetch(db, "SELECT count(*) FROM outbox.events WHERE id = ANY(%s) AND state = 'delivered'",
+                     some)[0][0] == len(some)
+    wait_until(lambda: delivered(ids), 30, "delivery to continue after the drop", (w,))
+
+    # Drop 2: while idle, waiting on LISTEN.
+    time.sleep(0.5)
+    old = {r[0] for r in fetch(db, "SELECT pid FROM pg_stat_activity WHERE application_name = %s", w.name)}
+    terminate_backends(db, w.name)
+    wait_until(lambda: {r[0] for r in fetch(db, "SELECT pid FROM pg_stat_activity WHERE application_name = %s",
+                                            w.name)} - old, 15, "a new connection", (w,))
+    time.sleep(1.0)  # let it reconnect fully, claim (nothing) and go back to waiting
+    t0 = time.monotonic()
+    more = publish_batch(db, topic, [json.dumps({"seq": i}) for i in range(5)])
+    wait_until(lambda: delivered(more), 10, "events published after the idle drop (NOTIFY after re-LISTEN)", (w,))
+    wake_s = time.monotonic() - t0
+    assert w.terminate() == 0
+    assert set(r["id"] for r in read_deliveries(w)) >= set(ids) | set(more)
+    print(f"{lang}: reconnected twice; woke {wake_s:.2f}s after publish with a 60s poll interval")
+
+
+# ---------------------------------------------------------------- webhook and stdout handlers
+
+WEBHOOK_PAYLOADS = [
+    '{"order": 1, "amount": 0.10000000000000000555, "note": "précis"}',
+    '{"big": 123456789012345678901234567890, "neg": -1.5e-7, "exp": 1e300}',
+    '{"text": "quotes \\" backslash \\\\ tab \\t newline \\n unicode ✓ 😀 \\u0001"}',
+    '{"nested": {"list": [1, [2, [3, {"deep": null}]], true, false], "empty": {}, "arr": []}}',
+    '[1, "two", {"three": 3}]',
+    '"just a string"',
+    '42',
+    'null',
+    '{"sql": "\'; DROP TABLE x; --", "dollar": "$$ $x$", "pct": "%s %(a)s"}',
+]
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        srv = self.server
+        eid = int(self.headers.get("X-Outbox-Event-Id", "0"))
+        with srv.lock:
+            srv.requests.append((eid, dict(self.headers), body))
+            seen = sum(1 for r in srv.requests if r[0] == eid)
+        code = 200
+        if eid in srv.reject:
+            code = 400
+        elif eid in srv.flaky and seen == 1:
+            code = 503
+        self.send_response(code)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"no" if code >= 400 else b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_webhook_handler(lang, db, spawn):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    server.lock, server.requests = threading.Lock(), []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        topic = "wk.hook"
+        texts = [WEBHOOK_PAYLOADS[i % len(WEBHOOK_PAYLOADS)] for i in range(120)]
+        # 'skip': the rejected event must not hold back the rest of its subject.
+        db.execute("SELECT outbox.create_topic('wk.hook', dead_letter_policy => 'skip')")
+        ids = publish_batch(db, topic, texts, [f"s{i % 7}" if i % 2 else None for i in range(120)])
+        other = publish_batch(db, "wk.other", ['{"not": "for this worker"}'] * 3)
+        server.flaky = set(ids[5:120:10])   # 503 on the first try
+        server.reject = {ids[7]}            # 400: permanent
+        url = f"http://127.0.0.1:{server.server_address[1]}/hook"
+        w = spawn(lang, sid(lang, "hook"), OUTBOX_HANDLER="webhook", OUTBOX_WEBHOOK_URL=url,
+                  OUTBOX_TOPICS="wk.hook", OUTBOX_BATCH_SIZE=10, OUTBOX_CONCURRENCY=4)
+        wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.hook' "
+                                     "AND state <> 'dead'")[0][0] == 0, 40, "webhook deliveries", (w,))
+        assert w.terminate() == 0
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    stored = dict(fetch(db, "SELECT id, payload::text FROM outbox.events WHERE topic = 'wk.hook'"))
+    published = dict(zip(ids, texts))
+    reqs = server.requests
+    expected = len(ids) + len(server.flaky)
+    assert len(reqs) == expected, f"{len(reqs)} requests, expected {expected}\n{w.tail()}"
+    for eid, headers, body in reqs:
+        assert body.decode() == stored[eid], f"event {eid}: body {body!r} != stored {stored[eid]!r}"
+        assert json.loads(body, parse_float=Decimal) == json.loads(published[eid], parse_float=Decimal)
+        assert headers.get("Content-Type", "").startswith("application/json")
+    assert {r[0] for r in reqs} == set(ids)
+    states = dict(fetch(db, "SELECT id, state FROM outbox.events WHERE topic = 'wk.hook'"))
+    assert all(states[i] == "delivered" for i in ids if i not in server.reject)
+    dead = fetch(db, "SELECT state, last_error FROM outbox.events WHERE id = %s", ids[7])[0]
+    assert dead[0] == "dead" and "400" in dead[1], dead
+    # The topic filter kept this worker away from other topics.
+    assert fetch(db, "SELECT count(*) FROM outbox.events WHERE id = ANY(%s) AND state = 'pending' "
+                     "AND attempts = 0", other)[0][0] == 3
+
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_stdout_handler(lang, db, spawn):
+    texts = ['{"hello": "wörld"}', '[1, 2.50, {"x": null}]', '"s"']
+    ids = publish_batch(db, "wk.print", texts, ["a", "a", None])
+    w = spawn(lang, sid(lang, "print"), OUTBOX_HANDLER="stdout")
+    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.print'")[0][0] == 0,
+               20, "stdout deliveries", (w,))
+    assert w.terminate() == 0
+    lines = [json.loads(x) for x in w.out.read_text().splitlines() if x.strip()]
+    assert sorted(x["id"] for x in lines) == ids, lines
+    for x in lines:
+        text = texts[ids.index(x["id"])]
+        assert x["topic"] == "wk.print" and x["attempt"] == 1
+        assert x["payload"] == json.loads(text)
