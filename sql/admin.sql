@@ -68,9 +68,13 @@ BEGIN
         RETURNING a.*
     )
     INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
-                                    attempts, max_attempts, visible_at, last_error, errors, published_at)
+                                    attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
     SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
-           0, m.max_attempts, pg_catalog.clock_timestamp(), m.last_error, m.errors, m.published_at
+           0, m.max_attempts, pg_catalog.clock_timestamp(), m.last_error, m.errors, m.published_at,
+           m.subject IS NULL OR NOT EXISTS (
+               SELECT 1 FROM outbox.event_queue p
+                WHERE p.subject OPERATOR(pg_catalog.=) m.subject AND p.id OPERATOR(pg_catalog.<) m.id
+                  AND (p.state OPERATOR(pg_catalog.<>) 'dead' OR p.blocks_subject))
       FROM moved m;
     GET DIAGNOSTICS n = ROW_COUNT;
     IF n OPERATOR(pg_catalog.>) 0 THEN
@@ -139,9 +143,16 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n bigint;
+    subj text;
 BEGIN
     IF id IS NULL THEN
         RETURN false;
+    END IF;
+    -- Subject lock first, row lock second: the order ack and publish use, so a
+    -- cancel cannot deadlock with the promotion of the next head.
+    SELECT q.subject INTO subj FROM outbox.event_queue q WHERE q.id OPERATOR(pg_catalog.=) cancel.id;
+    IF subj IS NOT NULL THEN
+        PERFORM pg_catalog.pg_advisory_xact_lock(1869903970, pg_catalog.hashtext(subj));
     END IF;
     WITH moved AS (
         DELETE FROM outbox.event_queue q
@@ -159,6 +170,9 @@ BEGIN
     GET DIAGNOSTICS n = ROW_COUNT;
     IF n OPERATOR(pg_catalog.>) 0 THEN
         -- A cancelled head of a subject may unblock the next event.
+        IF subj IS NOT NULL THEN
+            PERFORM outbox._promote_heads(ARRAY[subj]);
+        END IF;
         PERFORM outbox._wake(NULL);
     END IF;
     RETURN n OPERATOR(pg_catalog.>) 0;

@@ -19,9 +19,10 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n bigint := 0;
+    blocked text[];
     key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
 BEGIN
-    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys']) THEN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads']) THEN
         RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
     END IF;
     IF older_than < interval '0' THEN
@@ -64,14 +65,31 @@ BEGIN
         ), gone AS (
             -- The state test is repeated: a replay may have won the row meanwhile.
             DELETE FROM outbox.event_queue q USING victims v WHERE q.id = v.id AND q.state = 'dead'
-            RETURNING q.id, q.dispatch_key
+            RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
         ), keys AS (
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
             RETURNING 1
         )
-        SELECT pg_catalog.count(*) INTO n FROM gone;
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
+          INTO n, blocked FROM gone g;
+        -- Purging a blocking dead letter unblocks its subject.
+        IF blocked IS NOT NULL THEN
+            PERFORM outbox._promote_heads(blocked);
+        END IF;
+    ELSIF kind = 'heads' THEN
+        -- Repair: a promotion done under REPEATABLE READ can miss an event that
+        -- committed after its snapshot (see src/subject.rs).
+        SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
+          FROM outbox.event_queue q
+         WHERE NOT q.is_head AND q.state <> 'dead'
+           AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p
+                            WHERE p.subject = q.subject AND p.id < q.id
+                              AND (p.state <> 'dead' OR p.blocks_subject));
+        IF blocked IS NOT NULL THEN
+            n := outbox._promote_heads(blocked);
+        END IF;
     ELSE
         -- Keys whose events are gone, once they are older than the key window.
         WITH victims AS (
@@ -92,7 +110,7 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox._purge_step(text, interval, integer) IS
-'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events) or ''keys'' (orphaned dispatch keys). '
+'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events), ''keys'' (orphaned dispatch keys) or ''heads'' (repair of subject heads). '
 'Returns rows removed (bigint). Used by outbox.purge(), outbox.purge_dead() and the background worker. Errors: 22023 bad kind, negative older_than or batch_size < 1; 54000 batch_size over outbox.max_batch_size.';
 
 -- Procedures cannot pin search_path (a SET clause forbids COMMIT), so their bodies

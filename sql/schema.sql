@@ -55,12 +55,20 @@ CREATE TABLE outbox.event_queue (
     dead_at         timestamptz,
     -- Set when the event went dead under the topic's 'block' policy: a dead event
     -- with blocks_subject keeps later events of its subject unclaimable.
-    blocks_subject  boolean NOT NULL DEFAULT false
+    blocks_subject  boolean NOT NULL DEFAULT false,
+    -- True when no earlier live event of the subject exists (always true without a
+    -- subject). Only heads are in the claim index, so a subject blocked behind a
+    -- dead or slow event costs a claim nothing, however many events queue behind
+    -- it. publish() sets it under the subject lock; whatever retires a head
+    -- (ack, cancel, dead under 'skip', purge_dead) promotes the next event under the
+    -- same lock (see src/subject.rs).
+    is_head         boolean NOT NULL DEFAULT true
 ) WITH (fillfactor = 80);
 
--- The claim index: ready and leased events in claim order. Dead rows are not in it.
+-- The claim index: ready and leased subject heads in claim order. Dead rows and
+-- events queued behind an earlier event of their subject are not in it.
 CREATE INDEX event_queue_ready_idx ON outbox.event_queue (visible_at, id)
-    WHERE state <> 'dead';
+    WHERE state <> 'dead' AND is_head;
 -- The per-subject ordering check: "is there an earlier live event of this subject?"
 CREATE INDEX event_queue_subject_idx ON outbox.event_queue (subject, id)
     WHERE subject IS NOT NULL;

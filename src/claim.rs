@@ -26,7 +26,7 @@ macro_rules! claim_sql {
         concat!(
             "WITH cand AS (",
             "  SELECT q.id FROM outbox.event_queue q",
-            "   WHERE q.state <> 'dead' AND q.visible_at <= $5 ",
+            "   WHERE q.state <> 'dead' AND q.is_head AND q.visible_at <= $5 ",
             $filter,
             "     AND (q.subject IS NULL OR NOT EXISTS (",
             "          SELECT 1 FROM outbox.event_queue p",
@@ -56,10 +56,13 @@ macro_rules! claim_sql {
             // planner hash-join against a sequential scan when statistics were stale.
             "  WHERE q.id = ANY (ARRAY(SELECT c.id FROM cand c))",
             "  RETURNING q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers, q.attempts,",
-            "            q.lease_token, q.visible_at, q.published_at, q.state",
+            "            q.lease_token, q.visible_at, q.published_at, q.state, q.blocks_subject",
             ")",
-            "SELECT id, topic, subject, dispatch_key, payload, headers, attempts, lease_token, visible_at, published_at",
-            "  FROM upd WHERE state = 'leased' ORDER BY id"
+            // Columns 1-10 are claim's result; 11-12 let the caller see leases that
+            // expired into dead instead (they are not returned).
+            "SELECT id, topic, subject, dispatch_key, payload, headers, attempts, lease_token, visible_at, published_at,",
+            "       state = 'leased', blocks_subject",
+            "  FROM upd ORDER BY id"
         )
     };
 }
@@ -150,14 +153,34 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 &CLAIM_TOPICS
             }
         };
-        plans::run(stmt, &args, |table| {
-            if !table.is_empty() {
-                let tt = pg_sys::SPI_tuptable;
-                for i in 0..table.len() {
-                    out.put_tuple(*(*tt).vals.add(i));
+        let retired: Vec<String> = plans::run(stmt, &args, |table| {
+            let mut retired = Vec::new();
+            if table.is_empty() {
+                return retired;
+            }
+            let tt = pg_sys::SPI_tuptable;
+            let natts = (*(*tt).tupdesc).natts as usize;
+            let mut values = vec![pg_sys::Datum::from(0); natts];
+            let mut nulls = vec![false; natts];
+            for i in 0..table.len() {
+                pg_sys::heap_deform_tuple(*(*tt).vals.add(i), (*tt).tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
+                let leased = bool::from_datum(values[10], nulls[10]).unwrap_or(false);
+                if leased {
+                    out.put_values(&mut values, &mut nulls);
+                } else {
+                    // The lease expired on the last attempt and the event went dead.
+                    // Under the 'skip' policy its subject needs a new head.
+                    let blocks = bool::from_datum(values[11], nulls[11]).unwrap_or(true);
+                    if !blocks {
+                        if let Some(s) = String::from_datum(values[2], nulls[2]) {
+                            retired.push(s);
+                        }
+                    }
                 }
             }
+            retired
         });
+        crate::subject::promote(&retired);
         fcall::finish_set(fcinfo)
     }
 }

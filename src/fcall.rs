@@ -128,6 +128,12 @@ impl SetResult {
         unsafe { pg_sys::tuplestore_puttuple(self.store, tuple) }
     }
 
+    /// Append a row from deformed values; only the first `natts` of the result
+    /// descriptor are read, so trailing extra columns are ignored.
+    pub fn put_values(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) {
+        unsafe { pg_sys::tuplestore_putvalues(self.store, self.desc, values.as_mut_ptr(), nulls.as_mut_ptr()) }
+    }
+
     /// Append a one-column row.
     pub fn put_single(&self, value: pg_sys::Datum) {
         let mut values = [value];

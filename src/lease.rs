@@ -27,7 +27,7 @@ macro_rules! archive_from {
             "INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state, attempts,",
             " max_attempts, leased_by, last_error, errors, published_at, finished_at) ",
             "SELECT id, topic, subject, dispatch_key, payload, headers, 'delivered', attempts, max_attempts,",
-            " leased_by, last_error, errors, published_at, clock_timestamp() FROM d"
+            " leased_by, last_error, errors, published_at, clock_timestamp() FROM d RETURNING subject"
         )
     };
 }
@@ -49,7 +49,7 @@ const ACK_BATCH: Stmt = Stmt {
 
 const FAIL_LOCK: Stmt = Stmt {
     sql: "SELECT q.attempts, q.max_attempts, t.backoff_base, t.backoff_max, \
-                 (q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block') \
+                 (q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block'), q.subject \
             FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic \
            WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' \
              FOR UPDATE OF q",
@@ -85,7 +85,8 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
             return false.into_datum().unwrap();
         };
-        let n = plans::count(&ACK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)]);
+        let (n, retired) = plans::run(&ACK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
+        crate::subject::promote(&retired);
         (n > 0).into_datum().unwrap()
     }
 }
@@ -131,9 +132,21 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             return 0i32.into_datum().unwrap();
         }
         validate::batch_size(n_ids as i64);
-        let n = plans::count(&ACK_BATCH, &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)]);
+        let (n, retired) = plans::run(
+            &ACK_BATCH,
+            &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)],
+            subjects_of,
+        );
+        crate::subject::promote(&retired);
         (n as i32).into_datum().unwrap()
     }
+}
+
+/// Rows acknowledged and the subjects whose head they were.
+fn subjects_of(t: pgrx::spi::SpiTupleTable<'_>) -> (usize, Vec<String>) {
+    let n = t.len();
+    let subjects = t.filter_map(|row| row.get::<String>(1).ok().flatten()).collect();
+    (n, subjects)
 }
 
 fn truncate_error(mut s: String) -> String {
@@ -170,9 +183,10 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             let base: Option<Interval> = errors::spi(t.get(3));
             let cap: Option<Interval> = errors::spi(t.get(4));
             let blocks: bool = errors::spi(t.get(5)).unwrap_or(true);
-            Some((attempts, max_attempts, base, cap, blocks))
+            let subject: Option<String> = errors::spi(t.get(6));
+            Some((attempts, max_attempts, base, cap, blocks, subject))
         });
-        let Some((attempts, max_attempts, base, cap, blocks)) = row else {
+        let Some((attempts, max_attempts, base, cap, blocks, subject)) = row else {
             return "stale".into_datum().unwrap();
         };
         let dead = permanent || attempts >= max_attempts;
@@ -198,6 +212,11 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         );
         if !dead {
             crate::wakeup::note_due();
+        } else if !blocks {
+            // Dead under 'skip' (or no subject): the next event of the subject leads.
+            if let Some(s) = subject {
+                crate::subject::promote(&[s]);
+            }
         }
         state.into_datum().unwrap()
     }

@@ -21,16 +21,13 @@ use crate::{gucs, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
-/// First key of the two-key advisory lock space used for subject locks
-/// (`pg_advisory_xact_lock(1869903970, hashtext(subject))`; 0x6f75_7462 = "outb").
-/// Applications should not use this first key for their own advisory locks.
-pub const SUBJECT_LOCK_KEY: i32 = 0x6f75_7462;
-
 const INSERT_ONE: Stmt = Stmt {
-    sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at) \
+    sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at, is_head) \
           SELECT COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
                  COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $6), \
-                 CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END \
+                 CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, \
+                 $2 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
+                                            WHERE p.subject = $2 AND (p.state <> 'dead' OR p.blocks_subject)) \
           RETURNING id",
     types: &[
         pg_sys::TEXTOID,
@@ -45,17 +42,6 @@ const INSERT_ONE: Stmt = Stmt {
 };
 
 const TOPIC_EXISTS: Stmt = Stmt { sql: "SELECT true FROM outbox.topics WHERE topic = $1", types: &[pg_sys::TEXTOID] };
-
-const LOCK_SUBJECT: Stmt = Stmt {
-    sql: "SELECT pg_advisory_xact_lock(1869903970, hashtext($1))",
-    types: &[pg_sys::TEXTOID],
-};
-
-const LOCK_SUBJECTS: Stmt = Stmt {
-    sql: "SELECT count(pg_advisory_xact_lock(1869903970, h)) FROM \
-          (SELECT DISTINCT hashtext(s) AS h FROM unnest($1::text[]) AS s WHERE s IS NOT NULL ORDER BY 1) AS x",
-    types: &[pg_sys::TEXTARRAYOID],
-};
 
 const KEY_CLAIM: Stmt = Stmt {
     sql: "INSERT INTO outbox.dispatch_keys (dispatch_key, event_id) VALUES ($1, nextval('outbox.event_id_seq')) \
@@ -74,9 +60,12 @@ const NEXT_IDS: Stmt = Stmt {
 };
 
 const INSERT_MANY: Stmt = Stmt {
-    sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, headers, max_attempts, visible_at) \
+    sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, headers, max_attempts, visible_at, is_head) \
           SELECT u.id, $1, u.s, u.p, $6, \
-                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $5), now() \
+                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $5), now(), \
+                 u.s IS NULL OR (u.id = min(u.id) OVER (PARTITION BY u.s) \
+                                 AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
+                                                  WHERE p.subject = u.s AND (p.state <> 'dead' OR p.blocks_subject))) \
           FROM unnest($2::bigint[], $3::jsonb[], $4::text[]) AS u(id, p, s)",
     types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID, pg_sys::JSONBOID],
 };
@@ -200,7 +189,7 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         }
         check_registered(&topic);
         if let Some(s) = &subject {
-            plans::run(&LOCK_SUBJECT, &[s.as_str().into()], |_| ());
+            crate::subject::lock(s);
         }
         let (id, inserted) = insert_one(&One {
             topic: &topic,
@@ -287,9 +276,9 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         check_registered(&topic);
 
         let out = fcall::SetResult::begin(fcinfo);
-        if let Some(sd) = fcall::raw(fcinfo, 2) {
-            // Sorted lock order: two batches sharing subjects cannot deadlock.
-            plans::run(&LOCK_SUBJECTS, &[fcall::param(Some(sd), pg_sys::TEXTARRAYOID)], |_| ());
+        if let Some(subjects) = &subjects {
+            let list: Vec<String> = subjects.iter().flatten().cloned().collect();
+            crate::subject::lock_many(&list);
         }
         let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
         let mut inserted = 0usize;

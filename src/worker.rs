@@ -179,9 +179,9 @@ fn run_maintenance() {
         return;
     }
     let started = unsafe { pg_sys::GetCurrentTimestamp() };
-    let mut removed = [0i64; 3];
+    let mut removed = [0i64; 4];
     let mut error: Option<String> = None;
-    for (i, kind) in ["delivered", "dead", "keys"].iter().enumerate() {
+    for (i, kind) in ["delivered", "dead", "keys", "heads"].iter().enumerate() {
         loop {
             let r = PgTryBuilder::new(|| Ok(maintenance_step(kind)))
                 .catch_others(|e| {
