@@ -278,6 +278,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     cur outbox.topics;
+    released text[];
 BEGIN
     PERFORM outbox._check_topic(topic);
     SELECT * INTO cur FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic FOR UPDATE;
@@ -296,12 +297,28 @@ BEGIN
         retention_dead      = COALESCE(alter_topic.retention_dead, t.retention_dead),
         updated_at          = pg_catalog.now()
      WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic;
+    -- A policy change applies to dead letters already there: 'skip' releases their
+    -- subjects at once, 'block' starts holding them.
+    IF dead_letter_policy IS NOT NULL AND dead_letter_policy OPERATOR(pg_catalog.<>) cur.dead_letter_policy THEN
+        WITH changed AS (
+            UPDATE outbox.event_queue q
+               SET blocks_subject = (alter_topic.dead_letter_policy OPERATOR(pg_catalog.=) 'block')
+             WHERE q.topic OPERATOR(pg_catalog.=) alter_topic.topic
+               AND q.state OPERATOR(pg_catalog.=) 'dead' AND q.subject IS NOT NULL
+            RETURNING q.subject
+        )
+        SELECT pg_catalog.array_agg(DISTINCT c.subject) INTO released FROM changed c;
+        IF released IS NOT NULL AND alter_topic.dead_letter_policy OPERATOR(pg_catalog.=) 'skip' THEN
+            PERFORM outbox._promote_heads(released);
+            PERFORM outbox._wake(alter_topic.topic);
+        END IF;
+    END IF;
 END
 $$;
 
 COMMENT ON FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) IS
 'Change a registered topic''s policy; NULL arguments leave that setting unchanged (to reset a setting to the GUC default, update outbox.topics directly as the owner). '
-'max_attempts applies to events published afterwards; backoff, lease, dead-letter policy and retention apply at once. Returns void. '
+'max_attempts applies to events published afterwards; backoff, lease, retention and the dead-letter policy apply at once (switching to ''skip'' releases subjects blocked by existing dead letters). Returns void. '
 'Errors: 22004 NULL topic; 22023 invalid setting; P0002 unknown topic.';
 
 CREATE FUNCTION outbox.drop_topic(topic text, force boolean DEFAULT false) RETURNS boolean

@@ -110,7 +110,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Report a failed delivery. Returns the new state: ''pending'' (retry scheduled), ''dead'' (permanent, or attempts reached max_attempts), or ''stale'' (token not current; nothing changed). '
 'Arguments: error (text kept as last_error and appended to the attempt history; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
-'permanent (true dead-letters at once). Errors: 22004 NULL id, lease_token or permanent when the token is current; 22023 negative or over-long retry_in. '
+'permanent (true dead-letters at once). NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
 'Backoff follows seed 004 (failures back off, dead-letter after maxAttempts); the dead-letter state follows seed 000.';
 
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
