@@ -31,7 +31,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS_DIR = REPO / "examples" / "workers"
-RESULTS = REPO / "target" / "test-results" / "py-workers"
+# Worker logs and delivery logs, kept after the run for post-mortems. Not under
+# target/test-results: scripts/test.sh clears that while other suites may run.
+RESULTS = Path(os.environ.get("OUTBOX_WORKER_TEST_DIR", "/tmp/outbox-worker-tests"))
 LANGS = ["python", "node", "rust", "shell"]
 
 LEASE = 2.0        # short, so a 5 s handler needs the heartbeat
@@ -129,7 +131,7 @@ class Worker:
         for p in (self.log, self.out):
             if p.exists():
                 lines = p.read_text(errors="replace").splitlines()
-                parts.append(f"--- {p.name} (last {min(n, len(lines))} of {len(lines)} lines)\n"
+                parts.append(f"--- {p} (last {min(n, len(lines))} of {len(lines)} lines)\n"
                              + "\n".join(lines[-n:]))
         return "\n".join(parts)
 
