@@ -212,7 +212,8 @@ def main():
     row("  drain after pgbench stopped", f"{drain_secs:.2f} s")
     if lags:
         row("  publish-to-ack p50/p99/max",
-            f"{pct(lags, .5):.0f}/{pct(lags, .99):.0f}/{lags[-1]:.0f} ms")
+            f"{pct(lags, .5):.0f}/{pct(lags, .99):.0f}/{lags[-1]:.0f} ms",
+            "(from the publishing transaction's start)")
     print("  workers")
     for w in wstats:
         print(f"    {w[0]:<10} claimed {w[1]:>6}  acked {w[2]:>6}  retried {w[4]:>4}"

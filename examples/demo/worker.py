@@ -121,7 +121,12 @@ class Worker:
             self.stats[k] += v
 
     def wait_for_notify(self):
-        for _ in self.conn.notifies(timeout=self.a.idle_wait, stop_after=1):
+        try:
+            gen = self.conn.notifies(timeout=self.a.idle_wait, stop_after=1)
+        except TypeError:  # psycopg < 3.2 has no timeout: poll instead
+            time.sleep(self.a.idle_wait)
+            return
+        for _ in gen:
             self.stats["wakeups"] += 1
 
     def run(self):
