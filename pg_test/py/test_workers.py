@@ -446,7 +446,7 @@ class _Hook(http.server.BaseHTTPRequestHandler):
         srv = self.server
         eid = int(self.headers.get("X-Outbox-Event-Id", "0"))
         with srv.lock:
-            srv.requests.append((eid, dict(self.headers), body))
+            srv.requests.append((eid, {k.lower(): v for k, v in self.headers.items()}, body))
             seen = sum(1 for r in srv.requests if r[0] == eid)
         code = 200
         if eid in srv.reject:
@@ -495,7 +495,8 @@ def test_webhook_handler(lang, db, spawn):
     for eid, headers, body in reqs:
         assert body.decode() == stored[eid], f"event {eid}: body {body!r} != stored {stored[eid]!r}"
         assert json.loads(body, parse_float=Decimal) == json.loads(published[eid], parse_float=Decimal)
-        assert headers.get("Content-Type", "").startswith("application/json")
+        assert headers.get("content-type", "").startswith("application/json")
+        assert headers.get("idempotency-key") == f"outbox-{eid}"
     assert {r[0] for r in reqs} == set(ids)
     states = dict(fetch(db, "SELECT id, state FROM outbox.events WHERE topic = 'wk.hook'"))
     assert all(states[i] == "delivered" for i in ids if i not in server.reject)

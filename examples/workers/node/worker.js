@@ -186,6 +186,7 @@ class Db {
     this.state = state;
     this.work = null;
     this.connecting = null;
+    this.connected = false;
     this.listen = null;
     this.listened = false;
     this.notified = false;
@@ -213,7 +214,12 @@ class Db {
   async workClient() {
     if (this.work && !this.work._outboxBroken) return this.work;
     if (!this.connecting) {
-      this.connecting = this.connect().then((c) => { this.work = c; return c; })
+      this.connecting = this.connect().then((c) => {
+        if (this.connected) log(`worker=${this.cfg.name} reconnected (work connection)`);
+        this.connected = true;
+        this.work = c;
+        return c;
+      })
         .finally(() => { this.connecting = null; });
     }
     return this.connecting;
@@ -227,7 +233,6 @@ class Db {
       try {
         c = await this.workClient();
         const res = await c.query(sql, params);
-        if (attempt) log(`worker=${this.cfg.name} reconnected (work connection)`);
         return res.rows;
       } catch (e) {
         if (!isConnectionError(e, c)) throw e;

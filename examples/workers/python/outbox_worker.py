@@ -171,6 +171,7 @@ class Db:
         self.work = None
         self.listen = None
         self.listened = False
+        self.connected = False
 
     def _connect(self):
         return psycopg.connect(self.cfg.dsn, autocommit=True, application_name=self.cfg.name)
@@ -189,8 +190,9 @@ class Db:
                 with self.lock:
                     if self.work is None:
                         self.work = self._connect()
-                        if attempt:
+                        if self.connected:
                             log(f"worker={self.cfg.name} reconnected (work connection)")
+                        self.connected = True
                     return self.work.execute(sql, params).fetchall()
             except psycopg.OperationalError as e:
                 with self.lock:
