@@ -42,7 +42,10 @@ macro_rules! claim_sql {
             "    lease_token = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN NULL ELSE gen_random_uuid() END,",
             "    visible_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.visible_at",
             "                      ELSE clock_timestamp() + COALESCE($3,",
-            "                        (SELECT t.default_lease FROM outbox.topics t WHERE t.topic = q.topic), $4) END,",
+            // The uncorrelated EXISTS is an InitPlan run once per claim, so the
+            // per-row topic lookup only happens when some topic sets a lease.
+            "                        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox.topics t0 WHERE t0.default_lease IS NOT NULL))",
+            "                             THEN (SELECT t.default_lease FROM outbox.topics t WHERE t.topic = q.topic) END, $4) END,",
             "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
             "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
             "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",

@@ -56,6 +56,10 @@ static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000)
 /// Database the background worker connects to.
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
+/// Keep delivered events in outbox.event_archive until retention (the default),
+/// or drop them at ack like a plain DELETE-on-ack queue (seed 004 deletes the row
+/// on success). Off trades the audit trail for a cheaper ack.
+static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
 
@@ -139,6 +143,14 @@ pub fn init(preloaded: bool) {
         c"Reject publishes to topics that are not in outbox.topics (SQLSTATE P0002).",
         c"",
         &STRICT_TOPICS,
+        GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.keep_delivered",
+        c"Archive delivered events until retention (on) or delete them at ack (off).",
+        c"Off makes ack a plain DELETE; delivered events then vanish from outbox.events at once.",
+        &KEEP_DELIVERED,
         GucContext::Userset,
         GucFlags::default(),
     );
@@ -271,6 +283,10 @@ pub fn notify_mode() -> NotifyMode {
 /// Whether the library was loaded through shared_preload_libraries.
 pub fn preloaded() -> bool {
     unsafe { PRELOADED }
+}
+/// Whether ack archives delivered events.
+pub fn keep_delivered() -> bool {
+    KEEP_DELIVERED.get()
 }
 /// Maintenance interval in ms (0 = off).
 pub fn maintenance_interval_ms() -> i32 {

@@ -39,6 +39,18 @@ const ACK: Stmt = Stmt {
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
+const ACK_DROP: Stmt = Stmt {
+    sql: "DELETE FROM outbox.event_queue q WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' \
+          RETURNING q.subject",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
+const ACK_BATCH_DROP: Stmt = Stmt {
+    sql: "DELETE FROM outbox.event_queue q USING unnest($1::bigint[], $2::uuid[]) AS u(id, tok) \
+          WHERE q.id = u.id AND q.lease_token = u.tok AND q.state = 'leased' RETURNING q.subject",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
+};
+
 const ACK_BATCH: Stmt = Stmt {
     sql: archive_from!(
         "DELETE FROM outbox.event_queue q USING unnest($1::bigint[], $2::uuid[]) AS u(id, tok) \
@@ -85,7 +97,8 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
             return false.into_datum().unwrap();
         };
-        let (n, retired) = plans::run(&ACK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
+        let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
+        let (n, retired) = plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
         crate::subject::promote(&retired);
         (n > 0).into_datum().unwrap()
     }
@@ -132,8 +145,9 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             return 0i32.into_datum().unwrap();
         }
         validate::batch_size(n_ids as i64);
+        let stmt = if gucs::keep_delivered() { &ACK_BATCH } else { &ACK_BATCH_DROP };
         let (n, retired) = plans::run(
-            &ACK_BATCH,
+            stmt,
             &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)],
             subjects_of,
         );
