@@ -1,0 +1,1 @@
+"""outbox_ext benchmark harness (see bench/README.md)."""

@@ -1,0 +1,207 @@
+"""Client processes: drain workers, PgQ consumers, publishers, e2e workers.
+
+Each runs in its own spawned process (no GIL sharing, no inherited libpq
+sockets), connects, waits on a shared barrier so all start together, and puts
+one result dict (or {"error": ...}) on the result queue. Times are
+time.monotonic_ns(): CLOCK_MONOTONIC is system-wide on Linux, so timestamps
+taken in different processes compare directly.
+"""
+
+import threading
+import time
+import traceback
+
+import psycopg
+from psycopg.types.string import TextLoader
+
+from . import sql as S
+
+now_ns = time.monotonic_ns
+
+
+def connect(dsn, notify=None):
+    opts = f"-c outbox.notify={notify}" if notify else None
+    conn = psycopg.connect(dsn, autocommit=True, options=opts, prepare_threshold=0)
+    # Payloads and tokens stay text on the client: parsing JSON would only add
+    # client CPU that is the same for every system and blurs the comparison.
+    for t in ("jsonb", "json", "uuid"):
+        conn.adapters.register_loader(t, TextLoader)
+    return conn
+
+
+def run_agent(kind, out_q, barrier, kw):
+    """Process entry point: run agent `kind`, report its result or its error."""
+    try:
+        out_q.put(AGENTS[kind](barrier=barrier, **kw))
+    except BaseException:  # noqa: BLE001 - reported to the harness
+        try:
+            barrier.abort()  # release the others instead of letting them hang
+        except Exception:
+            pass
+        out_q.put({"error": f"{kind}: " + traceback.format_exc()})
+
+
+def _claim_ack(conn, system, worker, batch):
+    """One claim and one ack, separate autocommit statements. Returns (n_claimed,
+    n_acked, t_claim_returned, ids)."""
+    q = S.DRAIN[system]
+    rows = conn.execute(q["claim"], {"worker": worker, "batch": batch}).fetchall()
+    t_claim = now_ns()
+    if not rows:
+        return 0, 0, t_claim, []
+    ids = [r[0] for r in rows]
+    if system == "outbox":
+        acked = conn.execute(q["ack"], {"ids": ids, "tokens": [r[1] for r in rows]}).fetchone()[0]
+    else:
+        acked = conn.execute(q["ack"], {"ids": ids}).rowcount
+    return len(rows), acked, t_claim, ids
+
+
+def _drain_worker(*, barrier, dsn, system, wid, batch, total, counter, deadline_s):
+    """Claim/ack until at least `total` events were acked by all workers together
+    and this worker has caught up (a claim returned less than a full batch)."""
+    conn = connect(dsn)
+    worker = f"bench-w{wid}"
+    barrier.wait()
+    t0 = now_ns()
+    deadline = t0 + int(deadline_s * 1e9)
+    n = claims = empty = 0
+    while True:
+        got, acked, _, _ = _claim_ack(conn, system, worker, batch)
+        claims += 1
+        if acked != got:
+            raise RuntimeError(f"{system}: claimed {got} but acked {acked}")
+        if acked:
+            with counter.get_lock():
+                counter.value += acked
+            n += acked
+        else:
+            empty += 1
+        if got < batch and counter.value >= total:
+            break
+        if now_ns() > deadline:
+            raise RuntimeError(f"drain did not finish within {deadline_s}s ({counter.value}/{total} acked)")
+        if not got:
+            time.sleep(0.001)  # others still hold the last rows (or subjects block)
+    t1 = now_ns()
+    conn.close()
+    return {"wid": wid, "n": n, "t0": t0, "t1": t1, "claims": claims, "empty": empty}
+
+
+
+def _pgq_consumer(*, barrier, dsn, deadline_s):
+    conn = connect(dsn)
+    q = S.DRAIN["pgq"]
+    barrier.wait()
+    t0 = now_ns()
+    deadline = t0 + int(deadline_s * 1e9)
+    n = batches = 0
+    while True:
+        bid = conn.execute(q["next"]).fetchone()[0]
+        if bid is None:
+            break
+        n += len(conn.execute(q["events"], {"batch_id": bid}).fetchall())
+        conn.execute(q["finish"], {"batch_id": bid})
+        batches += 1
+        if now_ns() > deadline:
+            raise RuntimeError(f"pgq drain did not finish within {deadline_s}s")
+    t1 = now_ns()
+    conn.close()
+    return {"n": n, "t0": t0, "t1": t1, "batches": batches}
+
+
+
+def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, notify, record, pid):
+    """Publish one event per autocommit statement at `rate` events/s in total,
+    spread over nconns connections (threads). Runs for duration_s, or until
+    stop_evt is set when duration_s is None. Records (id, t_commit_returned)."""
+    conns = [connect(dsn, notify) for _ in range(nconns)]
+    stmt = S.E2E_PUBLISH[system]
+    per_conn = rate / nconns
+    results = [None] * nconns
+    barrier.wait()
+    start = now_ns()
+    end = start + int(duration_s * 1e9) if duration_s else None
+
+    def loop(k):
+        conn = conns[k]
+        recs = []
+        i = 0
+        late = 0
+        # Stagger connections so the combined schedule is evenly spaced.
+        offset = k / nconns
+        while True:
+            target = start + int((i + offset) / per_conn * 1e9)
+            if end is not None and target >= end:
+                break
+            if end is None and stop_evt.is_set():
+                break
+            wait = target - now_ns()
+            if wait > 0:
+                time.sleep(wait / 1e9)
+            elif wait < -5_000_000:
+                late += 1
+            ev_id = conn.execute(stmt, {"payload": S.PAYLOAD}).fetchone()[0]
+            t = now_ns()
+            if record:
+                recs.append((ev_id, t))
+            i += 1
+        results[k] = (i, late, recs)
+
+    threads = [threading.Thread(target=loop, args=(k,)) for k in range(nconns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    t1 = now_ns()
+    for c in conns:
+        c.close()
+    recs = []
+    for _, _, r in results:
+        recs.extend(r)
+    return {"pid": pid, "n": sum(r[0] for r in results), "late": sum(r[1] for r in results),
+            "t0": start, "t1": t1, "recs": recs}
+
+
+
+def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s):
+    """LISTEN outbox; claim until a claim returns less than a full batch, then
+    wait for a notification (or poll_s). Records (id, t_claim, t_ack)."""
+    conn = connect(dsn)
+    conn.execute("LISTEN outbox")
+    worker = f"bench-e2e-{wid}"
+    recs = []
+    claims = wakeups = timeouts = 0
+    barrier.wait()
+    while True:
+        got, acked, t_claim, ids = _claim_ack(conn, system, worker, batch)
+        t_ack = now_ns()
+        claims += 1
+        if acked != got:
+            raise RuntimeError(f"{system}: claimed {got} but acked {acked}")
+        if got:
+            with counter.get_lock():
+                counter.value += got
+            recs.extend((i, t_claim, t_ack) for i in ids)
+        if got >= batch:
+            continue
+        if stop_evt.is_set():
+            break
+        n = 0
+        for _ in conn.notifies(timeout=poll_s, stop_after=1):
+            n += 1
+        if n:
+            wakeups += 1
+        else:
+            timeouts += 1
+    conn.close()
+    return {"wid": wid, "recs": recs, "claims": claims, "wakeups": wakeups, "timeouts": timeouts}
+
+
+
+AGENTS = {
+    "drain_worker": _drain_worker,
+    "pgq_consumer": _pgq_consumer,
+    "publisher": _publisher,
+    "e2e_worker": _e2e_worker,
+}

@@ -1,0 +1,208 @@
+"""Entry point: python -m obench [--quick] [--out DIR] [--port N] [--only s1,s3] ..."""
+
+import argparse
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+from . import agents, report, scenarios
+from . import sql as S
+from .cluster import Cluster, ClusterError
+from .runner import Ctx
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+E2E_SYSTEMS = [
+    ("outbox_background", "outbox", "background"),
+    ("outbox_transaction", "outbox", "transaction"),
+    ("plain_notify", "plain_notify", None),
+]
+
+FULL = {
+    "reps": 3,
+    "s1_clients": [1, 4, 16], "s1_seconds": 3,
+    "s2_seconds": 3,
+    "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
+    "subjects": 1000, "subject_batches": [100, 500], "subject_workers": [2, 4],
+    "e2e_rates": [1000, 5000], "e2e_seconds": 5, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
+    "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
+    "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
+    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000,
+    "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
+}
+
+QUICK = dict(FULL, **{
+    "s1_seconds": 1,
+    "s2_seconds": 1,
+    "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
+    "subject_batches": [100], "subject_workers": [2],
+    "e2e_seconds": 2,
+    "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": [1000]},
+    "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
+    "steady_backlog": 10_000, "purge_rows": 100_000,
+})
+
+SCENARIOS = [
+    ("s1", "1. publish", scenarios.s1_publish),
+    ("s2", "2. batch publish", scenarios.s2_batch),
+    ("s3", "3. drain", scenarios.s3_drain),
+    ("s5", "5. subjects", scenarios.s5_subjects),
+    ("s4", "4. end to end", scenarios.s4_e2e),
+    ("s6a", "6a. history", scenarios.s6_history),
+    ("s6b", "6b. held xmin", scenarios.s6_xmin),
+    ("s6c", "6c. purge", scenarios.s6_purge),
+    ("plans", "claim plans", scenarios.explain_claims),
+]
+
+
+def _sh(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=10).stdout.strip()
+    except Exception:
+        return ""
+
+
+def _load():
+    try:
+        return " ".join(open("/proc/loadavg").read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="bench/run", description="outbox_ext benchmark suite")
+    ap.add_argument("--quick", action="store_true", help="short mode (~2 min; what CI runs)")
+    ap.add_argument("--out", help="results directory (default bench/results/<date>)")
+    ap.add_argument("--port", type=int, default=int(os.environ.get("OUTBOX_BENCH_PORT", 5470)))
+    ap.add_argument("--only", help="comma-separated scenario ids: " + ",".join(s[0] for s in SCENARIOS))
+    ap.add_argument("--reps", type=int, help="override the repetitions (>= 3 for meaningful medians)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a profile value, e.g. --set drain_n=20000 (Python literal)")
+    ap.add_argument("--keep-cluster", action="store_true", help="leave the cluster running afterwards")
+    args = ap.parse_args(argv)
+
+    prof = dict(QUICK if args.quick else FULL)
+    if args.reps:
+        prof["reps"] = args.reps
+    for kv in args.set:
+        k, _, v = kv.partition("=")
+        if k not in prof:
+            ap.error(f"unknown profile key {k!r}")
+        import ast
+        prof[k] = ast.literal_eval(v)
+    only = set(args.only.split(",")) if args.only else None
+    if only and not only <= {s[0] for s in SCENARIOS}:
+        ap.error(f"unknown scenario in --only {args.only}")
+
+    started = time.monotonic()
+    date = datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S")
+    out_dir = args.out or os.path.join(REPO, "bench", "results", date)
+    os.makedirs(out_dir, exist_ok=True)
+    logf = open(os.path.join(out_dir, "run.log"), "a")
+
+    def say(msg):
+        line = f"[{time.monotonic() - started:6.1f}s] {msg}"
+        print(line, flush=True)
+        logf.write(line + "\n")
+        logf.flush()
+
+    def on_term(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    cluster = Cluster(f"/tmp/outbox-bench-{args.port}", args.port)
+    ctx = None
+    rc = 0
+    load_start = _load()
+    try:
+        say(f"creating cluster on port {args.port} in {cluster.root}")
+        cluster.create()
+        cluster.start()
+        ctx = Ctx(cluster, prof, out_dir, say)
+        ctx.sql(S.OUTBOX_SCHEMA)
+        for stmt in S.PGQ_SCHEMA.split(";\n"):
+            ctx.sql(stmt.rstrip(";"))
+        for stmt in S.PLAIN_SCHEMA.split(";\n"):
+            ctx.sql(stmt.rstrip(";"))
+        # 'background' mode needs the worker attached to this database.
+        for _ in range(100):
+            pid = ctx.one("SELECT worker_pid FROM outbox.wakeup_status()")
+            if pid:
+                break
+            time.sleep(0.1)
+        else:
+            raise ClusterError("the outbox_ext background worker did not start")
+        settings = ctx.sql("SELECT name, setting, unit, source FROM pg_settings "
+                           "WHERE source NOT IN ('default', 'override', 'client', 'session') ORDER BY name").fetchall()
+        say("server settings: " + ", ".join(f"{n}={s}{(' ' + u) if u else ''}" for n, s, u, _ in settings))
+        for sid, title, fn in SCENARIOS:
+            if only and sid not in only:
+                continue
+            t = time.monotonic()
+            say(f"scenario {title}")
+            try:
+                fn(ctx)
+            except Exception:
+                err = traceback.format_exc()
+                ctx.errors.append((title, err))
+                say(f"scenario {title} FAILED:\n{err}")
+                ctx.admin.close()
+                ctx.admin = agents.connect(cluster.dsn())
+            say(f"scenario {title} took {time.monotonic() - t:.0f}s")
+    except BaseException as e:  # noqa: BLE001
+        say(f"harness failed: {e!r}\n{traceback.format_exc()}")
+        rc = 1
+    finally:
+        if ctx is not None:
+            try:
+                meta = {
+                    "date": date, "mode": "quick" if args.quick else "full",
+                    "elapsed": f"{time.monotonic() - started:.0f} s",
+                    "command": "bench/run " + " ".join(argv if argv is not None else sys.argv[1:]),
+                    "commit": _sh(["git", "rev-parse", "--short", "HEAD"]) + (" (dirty)" if _sh(["git", "status", "--porcelain", "--untracked-files=no"]) else ""),
+                    "ext_version": ctx.one("SELECT extversion FROM pg_extension WHERE extname = 'outbox_ext'"),
+                    "pgq_version": ctx.one("SELECT extversion FROM pg_extension WHERE extname = 'pgq'"),
+                    "so": _so_info(),
+                    "server_version": ctx.one("SELECT version()"),
+                    "machine": f"{os.cpu_count()} CPUs, {_sh(['uname', '-sr'])}",
+                    "load_start": load_start, "load_end": _load(),
+                    "settings": ctx.sql("SELECT name, setting, unit, source FROM pg_settings "
+                                        "WHERE source NOT IN ('default', 'override', 'client', 'session') ORDER BY name").fetchall(),
+                }
+                report.write_csv(ctx, os.path.join(out_dir, "results.csv"))
+                made = report.plots(ctx, out_dir)
+                report.write_markdown(ctx, os.path.join(out_dir, "report.md"), meta, made)
+                say(f"report: {os.path.join(out_dir, 'report.md')}")
+                missed = [t for t in ctx.targets if not t["met"]]
+                say(f"targets: {len(ctx.targets) - len(missed)} met, {len(missed)} missed"
+                    + "".join(f"\n  MISSED {t['id']}: {t['what']} = "
+                              + ("n/a" if t["value"] is None else f"{t['value']:.2f}{t['unit']}")
+                              for t in missed))
+            except Exception:
+                say(f"writing the report failed:\n{traceback.format_exc()}")
+                rc = 1
+            if ctx.errors:
+                say(f"{len(ctx.errors)} scenario(s) failed: " + ", ".join(n for n, _ in ctx.errors))
+                rc = 1
+        if not args.keep_cluster:
+            cluster.destroy()
+        logf.close()
+    return rc
+
+
+def _so_info():
+    path = "/usr/lib/postgresql/15/lib/outbox_ext.so"
+    try:
+        st = os.stat(path)
+        return f"{path}, {st.st_size // 1024} KiB, built {datetime.datetime.fromtimestamp(st.st_mtime):%Y-%m-%d %H:%M}"
+    except OSError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Shared plumbing: results, targets, agent processes, table resets, pgbench."""
+
+import multiprocessing as mp
+import os
+import queue
+import re
+import statistics
+import subprocess
+import threading
+import time
+
+from . import agents
+from . import sql as S
+from .cluster import PG_BINDIR
+
+
+class HarnessError(RuntimeError):
+    """The harness itself broke (as opposed to a target being missed)."""
+
+
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def pct(xs, p):
+    """Percentile p (0..100) by linear interpolation; xs need not be sorted."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Ctx:
+    def __init__(self, cluster, prof, out_dir, say):
+        self.cluster = cluster
+        self.p = prof
+        self.out = out_dir
+        self.say = say
+        self.rows = []        # results.csv rows
+        self.targets = []     # target verdicts
+        self.sections = []    # (title, markdown) in report order
+        self.errors = []      # scenario failures (harness errors)
+        self.series = {}      # data for plots
+        self.mp = mp.get_context("spawn")
+        self.admin = agents.connect(cluster.dsn())
+
+    # -- results -----------------------------------------------------------
+    def rec(self, scenario, system, params, rep, metric, value, unit):
+        self.rows.append({
+            "scenario": scenario, "system": system,
+            "params": ";".join(f"{k}={v}" for k, v in params.items()),
+            "rep": rep, "metric": metric, "value": value, "unit": unit,
+        })
+
+    def values(self, scenario, system, params, metric):
+        key = ";".join(f"{k}={v}" for k, v in params.items())
+        return [r["value"] for r in self.rows
+                if r["scenario"] == scenario and r["system"] == system
+                and r["params"] == key and r["metric"] == metric]
+
+    def med(self, scenario, system, params, metric):
+        return median(self.values(scenario, system, params, metric))
+
+    def target(self, tid, what, value, op, threshold, unit="x", note=""):
+        if value is None:
+            met = False
+        elif op == ">=":
+            met = value >= threshold
+        else:
+            met = value <= threshold
+        self.targets.append({"id": tid, "what": what, "value": value, "op": op,
+                             "threshold": threshold, "unit": unit, "met": met, "note": note})
+        fig = "n/a" if value is None else f"{value:.2f}{unit}"
+        verdict = "met" if met else f"MISSED ({fig})"
+        self.say(f"  target {tid}: {what}: {fig} (target {op} {threshold}{unit}) -> {verdict}")
+
+    def check(self, tid, what, ok, detail):
+        """A yes/no target (e.g. a plan shape)."""
+        self.targets.append({"id": tid, "what": what, "value": None, "op": "is", "threshold": None,
+                             "unit": "", "met": bool(ok), "note": detail})
+        self.say(f"  target {tid}: {what}: {'met' if ok else 'MISSED'} ({detail})")
+
+    def section(self, title, md):
+        self.sections.append((title, md))
+
+    # -- database helpers ---------------------------------------------------
+    def sql(self, q, params=None):
+        return self.admin.execute(q, params)
+
+    def one(self, q, params=None):
+        return self.admin.execute(q, params).fetchone()[0]
+
+    def reset_outbox(self):
+        self.sql("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+
+    def reset_plain(self):
+        self.sql("TRUNCATE bench_plain")
+
+    def reset_pgq(self):
+        self.sql("SELECT pgq.drop_queue('bench_q', true)")
+        self.sql("SELECT pgq.create_queue('bench_q')")
+        self.sql("SELECT pgq.register_consumer('bench_q', 'bench_c')")
+
+    def reset(self, system):
+        if system.startswith("outbox"):
+            self.reset_outbox()
+        elif system.startswith("plain"):
+            self.reset_plain()
+        elif system == "pgq":
+            self.reset_pgq()
+
+    def checkpoint(self):
+        self.sql("CHECKPOINT")
+
+    def load_outbox(self, n, topic="bench.drain", subjects=0):
+        done = 0
+        while done < n:
+            k = min(10000, n - done)
+            if subjects:
+                self.sql(S.LOAD["outbox_subjects"], {"topic": topic, "payload": S.PAYLOAD, "n": k,
+                                                     "first": done, "subjects": subjects})
+            else:
+                self.sql(S.LOAD["outbox"], {"topic": topic, "payload": S.PAYLOAD, "n": k})
+            done += k
+
+    def load_plain(self, n, topic="bench.drain"):
+        self.sql(S.LOAD["plain"], {"topic": topic, "payload": S.PAYLOAD, "n": n})
+
+    def load_pgq(self, n, batch):
+        lit = "'" + S.PAYLOAD.replace("'", "''") + "'"
+        self.sql(S.LOAD["pgq"].format(batch=batch, chunks=n // batch, payload_lit=lit))
+
+    # -- agents ---------------------------------------------------------------
+    def agents(self, specs):
+        return AgentGroup(self.mp, specs)
+
+    # -- pgbench ---------------------------------------------------------------
+    def pgbench(self, script_path, clients, seconds, notify=None):
+        env = dict(os.environ)
+        if notify:
+            env["PGOPTIONS"] = f"-c outbox.notify={notify}"
+        else:
+            env.pop("PGOPTIONS", None)
+        cmd = [f"{PG_BINDIR}/pgbench", "-n", "-M", "prepared", "-c", str(clients),
+               "-j", str(min(clients, 2)), "-T", str(seconds), "-f", script_path] + \
+            self.cluster.pgbench_args() + ["postgres"]
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=seconds + 60)
+        m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", r.stdout)
+        failed = re.search(r"number of failed transactions: (\d+)", r.stdout)
+        if r.returncode != 0 or not m or (failed and int(failed.group(1)) > 0):
+            raise HarnessError(f"pgbench failed ({' '.join(cmd)}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        return float(m.group(1))
+
+
+class AgentGroup:
+    """Spawned agent processes released together by a barrier."""
+
+    def __init__(self, ctx, specs):
+        self.ctx = ctx
+        self.barrier = ctx.Barrier(len(specs) + 1)
+        self.q = ctx.Queue()
+        self.procs = [ctx.Process(target=agents.run_agent, args=(kind, self.q, self.barrier, kw), daemon=True)
+                      for kind, kw in specs]
+        self.results = []
+
+    def start(self, timeout=90):
+        for p in self.procs:
+            p.start()
+        try:
+            self.barrier.wait(timeout=timeout)
+        except threading.BrokenBarrierError:
+            self._fail("agents did not start")
+        return time.monotonic_ns()
+
+    def _fail(self, why):
+        errs = []
+        while True:
+            try:
+                r = self.q.get(timeout=1)
+            except queue.Empty:
+                break
+            if "error" in r:
+                errs.append(r["error"])
+        self.kill()
+        raise HarnessError(why + ("\n" + "\n".join(errs) if errs else ""))
+
+    def collect(self, n, timeout):
+        """Wait for n more results; raise on an agent error or timeout."""
+        got = []
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"agents timed out after {timeout}s")
+            try:
+                r = self.q.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                if not any(p.is_alive() for p in self.procs) and self.q.empty():
+                    self._fail("agents exited without a result")
+                continue
+            if "error" in r:
+                self.kill()
+                raise HarnessError(r["error"])
+            got.append(r)
+        self.results.extend(got)
+        return got
+
+    def join(self):
+        for p in self.procs:
+            p.join(10)
+        self.kill()
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

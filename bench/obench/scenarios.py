@@ -1,0 +1,722 @@
+"""The benchmark scenarios (numbers as in bench/README.md)."""
+
+import os
+import re
+import tempfile
+import threading
+import time
+
+import psycopg
+
+from . import agents
+from . import sql as S
+from .runner import HarnessError, median, pct
+
+ns = 1e9
+
+
+def _fmt(v, d=0):
+    if v is None:
+        return "n/a"
+    return f"{v:,.{d}f}"
+
+
+def _ratio(a, b):
+    if a is None or not b:
+        return None
+    return a / b
+
+
+def _code(sqltext, lang="sql"):
+    return f"```{lang}\n{sqltext.rstrip()}\n```\n"
+
+
+def _listener(ctx, stop):
+    """An idle LISTEN outbox session that reads its notifications, as a real
+    worker fleet would: NOTIFY costs include signalling listeners."""
+    conn = agents.connect(ctx.cluster.dsn())
+    conn.execute("LISTEN outbox")
+    n = 0
+    while not stop.is_set():
+        for _ in conn.notifies(timeout=0.2):
+            n += 1
+    conn.close()
+    return n
+
+
+# ---------------------------------------------------------------------------
+# 1. Publish, one event per transaction
+# ---------------------------------------------------------------------------
+S1_SYSTEMS = [
+    # (name, pgbench script, outbox.notify, table to reset)
+    ("outbox_off", "outbox", "off", "outbox"),
+    ("outbox_transaction", "outbox", "transaction", "outbox"),
+    ("outbox_background", "outbox", "background", "outbox"),
+    ("plain", "plain", None, "plain"),
+    ("plain_notify", "plain_notify", None, "plain"),
+    ("pgq", "pgq", None, "pgq"),
+]
+
+
+def s1_publish(ctx):
+    p = ctx.p
+    tmp = tempfile.mkdtemp(prefix="obench-pgbench-")
+    scripts = {}
+    for name, text in S.PUB1.items():
+        path = os.path.join(tmp, f"{name}.sql")
+        with open(path, "w") as f:
+            f.write(text)
+        scripts[name] = path
+    stop = threading.Event()
+    heard = []
+    lt = threading.Thread(target=lambda: heard.append(_listener(ctx, stop)), daemon=True)
+    lt.start()
+    try:
+        for clients in p["s1_clients"]:
+            for rep in range(p["reps"]):
+                ctx.checkpoint()
+                # Systems interleaved within a repetition: drift hits all alike.
+                for name, script, notify, table in S1_SYSTEMS:
+                    ctx.reset(table)
+                    tps = ctx.pgbench(scripts[script], clients, p["s1_seconds"], notify)
+                    ctx.rec("s1_publish", name, {"clients": clients}, rep, "events_per_s", tps, "ev/s")
+                ctx.say(f"  s1 clients={clients} rep={rep}: " + ", ".join(
+                    f"{n}={ctx.values('s1_publish', n, {'clients': clients}, 'events_per_s')[-1]:.0f}"
+                    for n, *_ in S1_SYSTEMS))
+    finally:
+        stop.set()
+        lt.join(5)
+
+    rows = []
+    for name, *_ in S1_SYSTEMS:
+        cells = []
+        for c in p["s1_clients"]:
+            m = ctx.med("s1_publish", name, {"clients": c}, "events_per_s")
+            pl = ctx.med("s1_publish", "plain", {"clients": c}, "events_per_s")
+            vals = ctx.values("s1_publish", name, {"clients": c}, "events_per_s")
+            cells.append(f"{_fmt(m)} ({_ratio(m, pl):.2f}x; {_fmt(min(vals))}–{_fmt(max(vals))})")
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    md = ("Events/s (pgbench TPS, one event per transaction), median of "
+          f"{p['reps']} runs of {p['s1_seconds']} s; in brackets the ratio to `plain` at the same "
+          "client count and the min–max of the runs. An idle session LISTENs on `outbox` "
+          f"throughout (it received {heard[0] if heard else 'n/a'} notifications).\n\n")
+    md += "| system | " + " | ".join(f"{c} clients" for c in p["s1_clients"]) + " |\n"
+    md += "|---" * (len(p["s1_clients"]) + 1) + "|\n" + "\n".join(rows) + "\n\n"
+    md += (f"pgbench: `pgbench -n -M prepared -c C -j min(C,2) -T {p['s1_seconds']} -f SCRIPT`; "
+           "the outbox modes set `PGOPTIONS='-c outbox.notify=MODE'`. Tables are truncated before every run.\n\n")
+    for name in ("outbox", "plain", "plain_notify", "pgq"):
+        md += f"**{name}**\n\n" + _code(S.PUB1[name])
+    ctx.section("1. Publish, one event per transaction", md)
+    ctx.series["s1"] = {name: [ctx.med("s1_publish", name, {"clients": c}, "events_per_s") for c in p["s1_clients"]]
+                        for name, *_ in S1_SYSTEMS}
+    top = max(p["s1_clients"])
+    ctx.target("1", f"publish outbox(background) / plain INSERT at {top} clients",
+               _ratio(ctx.med("s1_publish", "outbox_background", {"clients": top}, "events_per_s"),
+                      ctx.med("s1_publish", "plain", {"clients": top}, "events_per_s")), ">=", 0.85)
+
+
+# ---------------------------------------------------------------------------
+# 2. Publish 1,000 events per transaction
+# ---------------------------------------------------------------------------
+def s2_batch(ctx):
+    p = ctx.p
+    arr = S.jsonb_array_literal(1000)
+    systems = list(S.PUB_BATCH)
+    for rep in range(p["reps"]):
+        ctx.checkpoint()
+        for name in systems:
+            ctx.reset("plain" if name.startswith("plain") else "outbox")
+            conn = agents.connect(ctx.cluster.dsn())
+            stmt = S.PUB_BATCH[name]
+            if name == "outbox_client_loop":
+                def one_tx():
+                    with conn.transaction():
+                        for _ in range(1000):
+                            conn.execute(stmt, (S.PAYLOAD,))
+            else:
+                def one_tx():
+                    conn.execute(stmt, (arr,))
+            one_tx()  # prepares the statement
+            n = 0
+            t0 = time.monotonic()
+            while True:
+                one_tx()
+                n += 1
+                el = time.monotonic() - t0
+                if el >= p["s2_seconds"] and n >= 3:
+                    break
+            conn.close()
+            ctx.rec("s2_batch", name, {"batch": 1000}, rep, "events_per_s", n * 1000 / el, "ev/s")
+        ctx.say(f"  s2 rep={rep}: " + ", ".join(
+            f"{n}={ctx.values('s2_batch', n, {'batch': 1000}, 'events_per_s')[-1]:.0f}" for n in systems))
+    m = {n: ctx.med("s2_batch", n, {"batch": 1000}, "events_per_s") for n in systems}
+    md = (f"One client, one transaction (autocommit statement) per 1,000 events, back to back for "
+          f"{p['s2_seconds']} s; median of {p['reps']} runs. The 1,000 payloads travel as one `jsonb[]` "
+          "parameter for the set-based statements. `outbox_loop` calls `outbox.publish` 1,000 times inside one "
+          "statement (a server-side loop: no extra round trips, so it isolates the per-call cost); "
+          "`outbox_client_loop` is the application pattern: BEGIN, 1,000 `outbox.publish` statements "
+          "(one round trip each), COMMIT. "
+          "outbox.notify is the session default ('background').\n\n")
+    md += "| system | events/s | runs |\n|---|---|---|\n"
+    for n in systems:
+        vals = ctx.values("s2_batch", n, {"batch": 1000}, "events_per_s")
+        md += f"| {n} | {_fmt(m[n])} | {', '.join(_fmt(v) for v in vals)} |\n"
+    r1 = _ratio(m["outbox_batch"], m["plain_multirow"])
+    r2 = _ratio(m["outbox_batch"], m["outbox_client_loop"])
+    r3 = _ratio(m["outbox_batch"], m["outbox_loop"])
+    md += (f"\npublish_batch / plain multi-row INSERT = **{r1:.2f}x**; publish_batch / client-side loop of publish "
+           f"= **{r2:.2f}x**; publish_batch / server-side loop of publish = **{r3:.2f}x**\n\n")
+    for n in systems:
+        md += f"**{n}**\n\n" + _code(S.PUB_BATCH[n])
+    ctx.section("2. Publish in batches of 1,000", md)
+    ctx.target("2a", "publish_batch(1000) / plain multi-row INSERT", r1, ">=", 0.7)
+    ctx.target("2b", "publish_batch(1000) / client-side loop of 1000 publish() in one transaction", r2, ">=", 5.0)
+    ctx.target("2b-server", "publish_batch(1000) / server-side loop of 1000 publish() in one statement", r3, ">=", 5.0,
+               note="stricter reading of 2b: no round trips in the loop")
+
+
+# ---------------------------------------------------------------------------
+# 3 and 5. Drain a backlog
+# ---------------------------------------------------------------------------
+def _drain_once(ctx, system, workers, batch, n, subjects=0):
+    ctx.reset(system)
+    if system == "outbox":
+        ctx.load_outbox(n, subjects=subjects)
+        ctx.sql("VACUUM ANALYZE outbox.event_queue")
+    else:
+        ctx.load_plain(n)
+        ctx.sql("VACUUM ANALYZE bench_plain")
+    ctx.checkpoint()
+    counter = ctx.mp.Value("q", 0)
+    g = ctx.agents([("drain_worker", dict(dsn=ctx.cluster.dsn(), system=system, wid=w, batch=batch, total=n,
+                                          counter=counter, deadline_s=ctx.p["drain_deadline"]))
+                    for w in range(workers)])
+    g.start()
+    res = g.collect(workers, ctx.p["drain_deadline"] + 30)
+    g.join()
+    done = sum(r["n"] for r in res)
+    left = ctx.one("SELECT count(*) FROM outbox.event_queue" if system == "outbox" else "SELECT count(*) FROM bench_plain")
+    if done != n or left != 0:
+        raise HarnessError(f"{system} drain acked {done} of {n}, {left} left in the table")
+    secs = (max(r["t1"] for r in res) - min(r["t0"] for r in res)) / ns
+    return n / secs, sum(r["empty"] for r in res)
+
+
+def _drain_pgq(ctx, batch, n):
+    ctx.reset_pgq()
+    ctx.load_pgq(n, batch)
+    ctx.checkpoint()
+    g = ctx.agents([("pgq_consumer", dict(dsn=ctx.cluster.dsn(), deadline_s=ctx.p["drain_deadline"]))])
+    g.start()
+    r = g.collect(1, ctx.p["drain_deadline"] + 30)[0]
+    g.join()
+    if r["n"] != n:
+        raise HarnessError(f"pgq drain read {r['n']} of {n} events")
+    return n / ((r["t1"] - r["t0"]) / ns)
+
+
+def s3_drain(ctx):
+    p = ctx.p
+    n = p["drain_n"]
+    for batch in p["drain_batches"]:
+        for workers in p["drain_workers"]:
+            prm = {"workers": workers, "batch": batch}
+            for rep in range(p["reps"]):
+                for system in ("outbox", "plain"):
+                    eps, empty = _drain_once(ctx, system, workers, batch, n)
+                    ctx.rec("s3_drain", system, prm, rep, "events_per_s", eps, "ev/s")
+                ctx.say(f"  s3 workers={workers} batch={batch} rep={rep}: outbox="
+                        f"{ctx.values('s3_drain', 'outbox', prm, 'events_per_s')[-1]:.0f} plain="
+                        f"{ctx.values('s3_drain', 'plain', prm, 'events_per_s')[-1]:.0f}")
+        for rep in range(p["reps"]):
+            eps = _drain_pgq(ctx, batch, n)
+            ctx.rec("s3_drain", "pgq", {"workers": 1, "batch": batch}, rep, "events_per_s", eps, "ev/s")
+        ctx.say(f"  s3 pgq batch={batch}: {ctx.med('s3_drain', 'pgq', {'workers': 1, 'batch': batch}, 'events_per_s'):.0f}")
+
+    md = (f"Drain a backlog of {n:,} events, claim and ack as separate autocommit statements "
+          f"(two round trips per batch); events/s from the first claim to the last ack; median of "
+          f"{p['reps']} runs (backlog loaded, `VACUUM ANALYZE`d and checkpointed before each run). "
+          "Target: outbox >= 1.0x plain in every cell.\n\n")
+    md += "| workers | batch | outbox | plain | outbox/plain | PgQ (1 consumer) |\n|---|---|---|---|---|---|\n"
+    worst = None
+    ctx.series["s3"] = {}
+    for batch in p["drain_batches"]:
+        q = ctx.med("s3_drain", "pgq", {"workers": 1, "batch": batch}, "events_per_s")
+        for workers in p["drain_workers"]:
+            prm = {"workers": workers, "batch": batch}
+            o = ctx.med("s3_drain", "outbox", prm, "events_per_s")
+            pl = ctx.med("s3_drain", "plain", prm, "events_per_s")
+            r = _ratio(o, pl)
+            worst = r if worst is None or (r is not None and r < worst) else worst
+            md += f"| {workers} | {batch} | {_fmt(o)} | {_fmt(pl)} | {r:.2f}x{'' if r >= 1.0 else ' MISSED'} | {_fmt(q)} |\n"
+            ctx.series["s3"][(workers, batch)] = {"outbox": o, "plain": pl, "pgq": q}
+            ctx.target(f"3 w{workers} b{batch}", f"drain outbox / plain SKIP LOCKED, {workers} workers, batch {batch}",
+                       r, ">=", 1.0)
+    md += ("\nPgQ is a log: one consumer reads each batch between two ticks (ticks made every `batch` events "
+           "while loading) and nothing is deleted per event, so it is the upper reference, not a like-for-like "
+           "competing-consumer queue. It runs with one consumer per batch size.\n\n")
+    md += "**outbox** (claim, then ack)\n\n" + _code(S.DRAIN["outbox"]["claim"] + ";\n" + S.DRAIN["outbox"]["ack"] + ";")
+    md += "**plain** (claim, then ack)\n\n" + _code(S.DRAIN["plain"]["claim"] + ";\n" + S.DRAIN["plain"]["ack"] + ";")
+    md += "**pgq** (per batch)\n\n" + _code(";\n".join(S.DRAIN["pgq"].values()) + ";")
+    md += "Backlog loading (not timed):\n\n" + _code(S.LOAD["outbox"] + ";\n" + S.LOAD["plain"] + ";\n" + S.LOAD["pgq"])
+    ctx.section("3. Drain a backlog", md)
+
+
+def s5_subjects(ctx):
+    p = ctx.p
+    n = p["drain_n"]
+    k = p["subjects"]
+    md = (f"The drain of scenario 3 for outbox_ext with every event carrying one of {k:,} subjects "
+          f"(round robin, so each subject holds {n // k} events in order) against the same drain without subjects "
+          "(the scenario 3 outbox figures, same run). Target >= 0.8x.\n\n"
+          "| workers | batch | no subjects | with subjects | ratio |\n|---|---|---|---|---|\n")
+    for batch in p["subject_batches"]:
+        for workers in p["subject_workers"]:
+            prm = {"workers": workers, "batch": batch}
+            for rep in range(p["reps"]):
+                eps, empty = _drain_once(ctx, "outbox", workers, batch, n, subjects=k)
+                ctx.rec("s5_subjects", "outbox_subjects", prm, rep, "events_per_s", eps, "ev/s")
+                ctx.rec("s5_subjects", "outbox_subjects", prm, rep, "empty_claims", empty, "claims")
+                ctx.say(f"  s5 workers={workers} batch={batch} rep={rep}: {eps:.0f} ev/s ({empty} empty claims)")
+            w = ctx.med("s5_subjects", "outbox_subjects", prm, "events_per_s")
+            base = ctx.med("s3_drain", "outbox", prm, "events_per_s")
+            r = _ratio(w, base)
+            md += f"| {workers} | {batch} | {_fmt(base)} | {_fmt(w)} | {r:.2f}x{'' if r and r >= 0.8 else ' MISSED'} |\n"
+            ctx.target(f"5 w{workers} b{batch}", f"drain with {k} subjects / without, {workers} workers, batch {batch}",
+                       r, ">=", 0.8)
+    md += "\nLoading with subjects:\n\n" + _code(S.LOAD["outbox_subjects"])
+    ctx.section("5. Drain with subjects (ordering on)", md)
+
+
+# ---------------------------------------------------------------------------
+# 4. End to end: fixed-rate publishers, LISTEN + claim workers
+# ---------------------------------------------------------------------------
+def _e2e_once(ctx, system, notify, rate, seconds):
+    ctx.reset("outbox" if system == "outbox" else "plain")
+    ctx.checkpoint()
+    conns = max(2, -(-rate // 625))
+    procs = 1 if conns <= 2 else 2
+    per = [conns // procs + (1 if i < conns % procs else 0) for i in range(procs)]
+    counter = ctx.mp.Value("q", 0)
+    stop = ctx.mp.Event()
+    dsn = ctx.cluster.dsn()
+    specs = [("publisher", dict(dsn=dsn, system=system, rate=rate * per[i] / conns, nconns=per[i],
+                                duration_s=seconds, stop_evt=stop, notify=notify, record=True, pid=i))
+             for i in range(procs)]
+    specs += [("e2e_worker", dict(dsn=dsn, system="outbox" if system == "outbox" else "plain", wid=w,
+                                  batch=ctx.p["e2e_batch"], stop_evt=stop, counter=counter,
+                                  poll_s=ctx.p["e2e_poll"]))
+              for w in range(ctx.p["e2e_workers"])]
+    g = ctx.agents(specs)
+    t0 = g.start()
+    pubs = g.collect(procs, seconds + 60)
+    total = sum(r["n"] for r in pubs)
+    deadline = time.monotonic() + 60
+    while counter.value < total and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    works = g.collect(ctx.p["e2e_workers"], 30)
+    g.join()
+    commit = {}
+    for r in pubs:
+        commit.update(dict(r["recs"]))
+    done = {}
+    for r in works:
+        for i, tc, ta in r["recs"]:
+            done[i] = (tc, ta)
+    if len(done) != total or set(done) != set(commit):
+        raise HarnessError(f"e2e {system}: published {total}, acked {len(done)}")
+    e2e = [(done[i][1] - commit[i]) / 1e6 for i in commit]
+    wake = [(done[i][0] - commit[i]) / 1e6 for i in commit]
+    pub_secs = (max(r["t1"] for r in pubs) - min(r["t0"] for r in pubs)) / ns
+    # Backlog over time: committed but not yet acked, sampled every 100 ms.
+    step = 100_000_000
+    tc_sorted = sorted(commit.values())
+    ta_sorted = sorted(v[1] for v in done.values())
+    series = []
+    i = j = 0
+    t = t0
+    end = max(ta_sorted[-1], tc_sorted[-1]) + step
+    while t <= end:
+        while i < len(tc_sorted) and tc_sorted[i] <= t:
+            i += 1
+        while j < len(ta_sorted) and ta_sorted[j] <= t:
+            j += 1
+        series.append(((t - t0) / ns, i - j))
+        t += step
+    return {
+        "achieved": total / pub_secs, "n": total,
+        "e2e": e2e, "wake": wake, "series": series,
+        "late": sum(r["late"] for r in pubs),
+        "timeouts": sum(r["timeouts"] for r in works), "wakeups": sum(r["wakeups"] for r in works),
+    }
+
+
+def s4_e2e(ctx):
+    p = ctx.p
+    keep = {}
+    for rate in p["e2e_rates"]:
+        for rep in range(p["reps"]):
+            for name, system, notify in p["e2e_systems"]:
+                if rate not in p["e2e_system_rates"].get(name, p["e2e_rates"]):
+                    continue
+                r = _e2e_once(ctx, system, notify, rate, p["e2e_seconds"])
+                prm = {"rate": rate}
+                ctx.rec("s4_e2e", name, prm, rep, "achieved_rate", r["achieved"], "ev/s")
+                for metric, xs in (("e2e", r["e2e"]), ("wake", r["wake"])):
+                    for q in (50, 95, 99):
+                        ctx.rec("s4_e2e", name, prm, rep, f"{metric}_p{q}", pct(xs, q), "ms")
+                ctx.rec("s4_e2e", name, prm, rep, "max_backlog", max(b for _, b in r["series"]), "events")
+                ctx.rec("s4_e2e", name, prm, rep, "poll_timeouts", r["timeouts"], "waits")
+                keep.setdefault((name, rate), []).append(r["series"])
+                ctx.say(f"  s4 {name} rate={rate} rep={rep}: achieved {r['achieved']:.0f}/s, e2e p50/p99 "
+                        f"{pct(r['e2e'], 50):.1f}/{pct(r['e2e'], 99):.1f} ms, wake p50/p99 "
+                        f"{pct(r['wake'], 50):.1f}/{pct(r['wake'], 99):.1f} ms, late {r['late']}, "
+                        f"poll timeouts {r['timeouts']}")
+    ctx.series["s4"] = {k: v[len(v) // 2] for k, v in keep.items()}
+    md = (f"Publishers commit one event per autocommit statement on a fixed schedule for {p['e2e_seconds']} s "
+          f"(rate/625 connections, at least 2); {p['e2e_workers']} workers `LISTEN outbox`, claim up to "
+          f"{p['e2e_batch']} events, ack them, and wait for a notification (poll fallback {p['e2e_poll']} s) "
+          "whenever a claim returns less than a full batch. Latencies are taken on the client with one "
+          "system-wide monotonic clock: **publish → ack** = from the publisher's commit returning to the ack "
+          "returning; **wake-up** = from the publisher's commit returning to the worker's claim returning "
+          f"the event. Medians over {p['reps']} runs of each percentile.\n\n")
+    md += ("| system | rate (ev/s) | achieved | publish→ack p50 / p95 / p99 (ms) | wake-up p50 / p95 / p99 (ms) "
+           "| max backlog | poll timeouts |\n|---|---|---|---|---|---|---|\n")
+    for rate in p["e2e_rates"]:
+        for name, *_ in p["e2e_systems"]:
+            prm = {"rate": rate}
+            if not ctx.values("s4_e2e", name, prm, "achieved_rate"):
+                continue
+            m = lambda k: ctx.med("s4_e2e", name, prm, k)  # noqa: E731
+            md += (f"| {name} | {rate:,} | {_fmt(m('achieved_rate'))} | "
+                   f"{m('e2e_p50'):.1f} / {m('e2e_p95'):.1f} / {m('e2e_p99'):.1f} | "
+                   f"{m('wake_p50'):.1f} / {m('wake_p95'):.1f} / {m('wake_p99'):.1f} | "
+                   f"{_fmt(m('max_backlog'))} | {_fmt(m('poll_timeouts'))} |\n")
+    md += "\nBacklog over time: see `e2e_backlog.png`.\n\n"
+    md += "**publish (outbox)**\n\n" + _code(S.E2E_PUBLISH["outbox"])
+    md += "**publish (plain_notify)**\n\n" + _code(S.E2E_PUBLISH["plain_notify"])
+    md += "Workers: `LISTEN outbox`, then the claim and ack statements of scenario 3.\n"
+    ctx.section("4. End to end and wake-up latency", md)
+    wr = p["wake_rate"]
+    b50 = ctx.med("s4_e2e", "outbox_background", {"rate": wr}, "wake_p50")
+    b99 = ctx.med("s4_e2e", "outbox_background", {"rate": wr}, "wake_p99")
+    ctx.target("4a", f"wake-up p50, 'background' at {wr} ev/s", b50, "<=", 2.0, " ms")
+    ctx.target("4b", f"wake-up p99, 'background' at {wr} ev/s", b99, "<=", 10.0, " ms")
+
+
+# ---------------------------------------------------------------------------
+# 6. History, held xmin, purge
+# ---------------------------------------------------------------------------
+def _claim_ack_latencies(ctx, iters):
+    conn = agents.connect(ctx.cluster.dsn())
+    q = S.DRAIN["outbox"]
+    lat = []
+    for i in range(iters + 3):
+        t = time.monotonic_ns()
+        rows = conn.execute(q["claim"], {"worker": "lat", "batch": 100}).fetchall()
+        conn.execute(q["ack"], {"ids": [r[0] for r in rows], "tokens": [r[1] for r in rows]})
+        if len(rows) != 100:
+            raise HarnessError(f"latency probe claimed {len(rows)} rows, expected 100")
+        if i >= 3:
+            lat.append((time.monotonic_ns() - t) / 1e6)
+    conn.close()
+    return lat
+
+
+def _load_archive(ctx, n):
+    done = 0
+    while done < n:
+        k = min(100_000, n - done)
+        ctx.sql(S.HIST_ARCHIVE, {"payload": S.PAYLOAD, "n": k})
+        done += k
+
+
+def s6_history(ctx):
+    p = ctx.p
+    iters = p["hist_iters"]
+    ready = p["reps"] * (iters + 3) * 100 + 1000
+    hist, dead = p["hist_delivered"], p["hist_dead"]
+    results = {}
+    for variant in ("fresh", "history"):
+        ctx.reset_outbox()
+        if variant == "history":
+            _load_archive(ctx, hist)
+            ctx.load_outbox(dead, topic="bench.dead-letter")
+            left = dead
+            while left > 0:
+                k = ctx.one(S.HIST_DEADLETTER, {"n": min(10000, left)})
+                if not k:
+                    raise HarnessError("could not dead-letter the history events")
+                left -= k
+            ctx.load_outbox(dead, topic="bench.dead-tuples")
+        ctx.load_outbox(ready, topic="bench.ready")
+        if variant == "history":
+            ctx.sql("ALTER TABLE outbox.event_queue SET (autovacuum_enabled = off)")
+            ctx.sql(S.HIST_DEADTUPLES)
+        ctx.sql("ANALYZE outbox.event_queue")
+        ctx.sql("ANALYZE outbox.event_archive")
+        ctx.checkpoint()
+        try:
+            for rep in range(p["reps"]):
+                lat = _claim_ack_latencies(ctx, iters)
+                ctx.rec("s6_history", variant, {"batch": 100}, rep, "claim_ack_p50", pct(lat, 50), "ms")
+                ctx.rec("s6_history", variant, {"batch": 100}, rep, "claim_ack_p95", pct(lat, 95), "ms")
+            results[variant] = ctx.one("SELECT pg_size_pretty(pg_total_relation_size('outbox.event_queue'))"), \
+                ctx.one("SELECT pg_size_pretty(pg_total_relation_size('outbox.event_archive'))")
+        finally:
+            ctx.sql("ALTER TABLE outbox.event_queue RESET (autovacuum_enabled)")
+        ctx.say(f"  s6 history {variant}: p50 {ctx.med('s6_history', variant, {'batch': 100}, 'claim_ack_p50'):.2f} ms")
+    f50 = ctx.med("s6_history", "fresh", {"batch": 100}, "claim_ack_p50")
+    h50 = ctx.med("s6_history", "history", {"batch": 100}, "claim_ack_p50")
+    f95 = ctx.med("s6_history", "fresh", {"batch": 100}, "claim_ack_p95")
+    h95 = ctx.med("s6_history", "history", {"batch": 100}, "claim_ack_p95")
+    r = _ratio(h50, f50)
+    md = (f"Latency of one claim of 100 plus its batch ack (two round trips), {iters} iterations per run, "
+          f"median of {p['reps']} runs, on a queue with {ready:,} ready events. **history**: "
+          f"{hist:,} delivered events retained in outbox.event_archive, {dead:,} dead-lettered events in "
+          f"outbox.event_queue, and {dead:,} dead tuples (deleted queue rows, autovacuum off for the table "
+          "during the measurement) older than the ready events, i.e. at the front of the claim index range.\n\n"
+          "| table | claim+ack p50 (ms) | p95 (ms) | queue size | archive size |\n|---|---|---|---|---|\n"
+          f"| fresh | {f50:.2f} | {f95:.2f} | {results['fresh'][0]} | {results['fresh'][1]} |\n"
+          f"| history | {h50:.2f} | {h95:.2f} | {results['history'][0]} | {results['history'][1]} |\n\n"
+          f"history / fresh (p50) = **{r:.2f}x** (target <= 1.2x)\n\n")
+    md += "History setup:\n\n" + _code(S.HIST_ARCHIVE + ";\n" + S.HIST_DEADLETTER + ";\n" + S.HIST_DEADTUPLES + ";")
+    ctx.section("6a. Claim latency with history", md)
+    ctx.target("6a", "claim+ack latency with history / fresh (p50)", r, "<=", 1.2)
+
+
+def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0):
+    """Backlog + a 1,000 ev/s publisher + 2 workers (batch 100) until the workers
+    catch up. Optionally a REPEATABLE READ transaction held open, or a concurrent
+    CALL outbox.purge('0 s')."""
+    p = ctx.p
+    ctx.reset_outbox()
+    if archive:
+        _load_archive(ctx, archive)
+        ctx.sql("VACUUM ANALYZE outbox.event_archive")
+    ctx.load_outbox(backlog)
+    ctx.sql("VACUUM ANALYZE outbox.event_queue")
+    ctx.checkpoint()
+    holder = None
+    if hold:
+        holder = psycopg.connect(ctx.cluster.dsn())
+        holder.isolation_level = psycopg.IsolationLevel.REPEATABLE_READ
+        holder.execute("SELECT count(*) FROM outbox.topics")  # snapshot taken, kept
+    dsn = ctx.cluster.dsn()
+    counter = ctx.mp.Value("q", 0)
+    stop = ctx.mp.Event()
+    workers = 2
+    specs = [("drain_worker", dict(dsn=dsn, system="outbox", wid=w, batch=100, total=backlog, counter=counter,
+                                   deadline_s=p["drain_deadline"])) for w in range(workers)]
+    specs.append(("publisher", dict(dsn=dsn, system="outbox", rate=p["steady_rate"], nconns=2, duration_s=None,
+                                    stop_evt=stop, notify=None, record=False, pid=0)))
+    g = ctx.agents(specs)
+    purge_info = {}
+
+    def do_purge():
+        c = agents.connect(dsn)
+        t = time.monotonic_ns()
+        purge_info["removed"] = c.execute(S.PURGE).fetchone()[0]
+        purge_info["t0"], purge_info["t1"] = t, time.monotonic_ns()
+        c.close()
+
+    pt = None
+    try:
+        g.start()
+        if purge:
+            pt = threading.Thread(target=do_purge)
+            pt.start()
+        ws = g.collect(workers, p["drain_deadline"] + 30)
+        stop.set()
+        pub = g.collect(1, 30)[0]
+        g.join()
+    finally:
+        stop.set()
+        if pt:
+            pt.join()
+        if holder:
+            holder.rollback()
+            holder.close()
+    t0 = min(r["t0"] for r in ws)
+    t1 = max(r["t1"] for r in ws)
+    acked = sum(r["n"] for r in ws)
+    out = {"eps": acked / ((t1 - t0) / ns), "acked": acked, "secs": (t1 - t0) / ns,
+           "published": pub["n"], "pub_rate": pub["n"] / ((pub["t1"] - pub["t0"]) / ns)}
+    time.sleep(1.2)  # backends flush table statistics at most once a second
+    ctx.sql("SELECT pg_stat_clear_snapshot()")
+    out["n_dead_tup"] = ctx.admin.execute(S.DEAD_TUP, ("outbox.event_queue",)).fetchone()[0]
+    if purge:
+        out["purge_secs"] = (purge_info["t1"] - purge_info["t0"]) / ns
+        out["purged"] = purge_info["removed"]
+        out["overlap"] = max(0.0, min(t1, purge_info["t1"]) - max(t0, purge_info["t0"])) / (t1 - t0)
+    return out
+
+
+def s6_xmin(ctx):
+    p = ctx.p
+    b = p["steady_backlog"]
+    for rep in range(p["reps"]):
+        for variant, hold in (("no_hold", False), ("held_xmin", True)):
+            r = _steady_drain(ctx, b, hold=hold)
+            prm = {"backlog": b}
+            ctx.rec("s6_xmin", variant, prm, rep, "events_per_s", r["eps"], "ev/s")
+            ctx.rec("s6_xmin", variant, prm, rep, "n_dead_tup", r["n_dead_tup"], "tuples")
+            ctx.rec("s6_xmin", variant, prm, rep, "publisher_rate", r["pub_rate"], "ev/s")
+            ctx.say(f"  s6 xmin {variant} rep={rep}: {r['eps']:.0f} ev/s over {r['secs']:.1f}s, "
+                    f"n_dead_tup {r['n_dead_tup']}, publisher {r['pub_rate']:.0f}/s")
+    prm = {"backlog": b}
+    a = ctx.med("s6_xmin", "no_hold", prm, "events_per_s")
+    h = ctx.med("s6_xmin", "held_xmin", prm, "events_per_s")
+    r = _ratio(h, a)
+    md = (f"Backlog of {b:,} events, a publisher at ~{p['steady_rate']:,} events/s (2 connections), 2 workers "
+          "claiming 100 and acking, until the workers catch up (a claim returns less than a full batch after "
+          "the backlog is acked). Throughput = events acked / time. **held_xmin**: another session holds a "
+          "REPEATABLE READ transaction (with its snapshot taken) open for the whole run. "
+          f"Median of {p['reps']} runs.\n\n"
+          "| variant | events/s | n_dead_tup of outbox.event_queue at the end | publisher achieved |\n|---|---|---|---|\n")
+    for v in ("no_hold", "held_xmin"):
+        md += (f"| {v} | {_fmt(ctx.med('s6_xmin', v, prm, 'events_per_s'))} | "
+               f"{_fmt(ctx.med('s6_xmin', v, prm, 'n_dead_tup'))} | {_fmt(ctx.med('s6_xmin', v, prm, 'publisher_rate'))} |\n")
+    md += f"\nheld / not held = **{r:.2f}x** (target >= 0.8x)\n\n" + _code(S.HOLD_XMIN)
+    ctx.section("6b. Drain while a snapshot is held", md)
+    ctx.target("6b", "drain throughput with a held REPEATABLE READ snapshot / without", r, ">=", 0.8)
+
+
+def s6_purge(ctx):
+    p = ctx.p
+    b = p["steady_backlog"]
+    arch = p["purge_rows"]
+    info = []
+    for rep in range(p["reps"]):
+        for variant, purge in (("no_purge", False), ("purge", True)):
+            r = _steady_drain(ctx, b, purge=purge, archive=arch)
+            prm = {"backlog": b, "archive": arch}
+            ctx.rec("s6_purge", variant, prm, rep, "events_per_s", r["eps"], "ev/s")
+            ctx.rec("s6_purge", variant, prm, rep, "publisher_rate", r["pub_rate"], "ev/s")
+            if purge:
+                ctx.rec("s6_purge", variant, prm, rep, "purge_seconds", r["purge_secs"], "s")
+                ctx.rec("s6_purge", variant, prm, rep, "purge_overlap", r["overlap"], "fraction")
+                info.append(r)
+            ctx.say(f"  s6 purge {variant} rep={rep}: {r['eps']:.0f} ev/s over {r['secs']:.1f}s"
+                    + (f", purge of {r['purged']} rows took {r['purge_secs']:.1f}s, overlap {r['overlap']:.0%}"
+                       if purge else ""))
+    prm = {"backlog": b, "archive": arch}
+    a = ctx.med("s6_purge", "no_purge", prm, "events_per_s")
+    w = ctx.med("s6_purge", "purge", prm, "events_per_s")
+    r = _ratio(w, a)
+    md = (f"As 6b (backlog {b:,}, publisher ~{p['steady_rate']:,}/s, 2 workers, batch 100) with {arch:,} delivered "
+          "events in the archive; **purge**: `CALL outbox.purge('0 s')` starts in another session together with the "
+          f"workers. Median of {p['reps']} runs.\n\n"
+          "| variant | drain events/s | publisher achieved | purge duration (s) | share of the drain overlapped by the purge |\n"
+          "|---|---|---|---|---|\n"
+          f"| no_purge | {_fmt(a)} | {_fmt(ctx.med('s6_purge', 'no_purge', prm, 'publisher_rate'))} | | |\n"
+          f"| purge | {_fmt(w)} | {_fmt(ctx.med('s6_purge', 'purge', prm, 'publisher_rate'))} | "
+          f"{_fmt(ctx.med('s6_purge', 'purge', prm, 'purge_seconds'), 1)} | "
+          f"{_fmt(100 * (ctx.med('s6_purge', 'purge', prm, 'purge_overlap') or 0))}% |\n\n"
+          f"with purge / without = **{r:.2f}x** (target >= 0.85x)\n\n" + _code(S.PURGE))
+    ctx.section("6c. Drain during a purge", md)
+    ctx.target("6c", f"drain throughput during a purge of {arch:,} delivered rows / without", r, ">=", 0.85)
+
+
+# ---------------------------------------------------------------------------
+# Claim plans (issue 3): auto_explain of claim's internal statement
+# ---------------------------------------------------------------------------
+_LOG_ENTRY = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", re.M)
+
+
+def _capture_claim_plan(ctx):
+    conn = agents.connect(ctx.cluster.dsn())
+    for s in S.AUTO_EXPLAIN:
+        conn.execute(s)
+    off = ctx.cluster.log_size()
+    t = time.monotonic_ns()
+    conn.execute("BEGIN")
+    n = conn.execute(S.EXPLAIN_CLAIM).fetchone()[0]
+    conn.execute("ROLLBACK")
+    ms = (time.monotonic_ns() - t) / 1e6
+    conn.close()
+    text = ctx.cluster.log_since(off)
+    starts = [m.start() for m in _LOG_ENTRY.finditer(text)] + [len(text)]
+    for a, b in zip(starts, starts[1:]):
+        entry = text[a:b]
+        if "WITH cand AS" in entry and "plan:" in entry:
+            return n, ms, entry.rstrip()
+    raise HarnessError("auto_explain did not log claim's statement:\n" + text[-3000:])
+
+
+def _claim_ms(ctx, reps=25):
+    """Median time of claim(100) in a rolled-back transaction (state unchanged)."""
+    conn = agents.connect(ctx.cluster.dsn())
+    xs = []
+    for i in range(reps + 2):
+        conn.execute("BEGIN")
+        t = time.monotonic_ns()
+        conn.execute(S.EXPLAIN_CLAIM).fetchone()
+        xs.append((time.monotonic_ns() - t) / 1e6)
+        conn.execute("ROLLBACK")
+    conn.close()
+    return median(xs[2:])
+
+
+def _plan_summary(plan):
+    idx = sorted(set(re.findall(r"Index (?:Only )?Scan(?: Backward)? using (\w+)", plan)))
+    seq = sorted(set(re.findall(r"Seq Scan on ([\w.]+)", plan)))
+    removed = sum(int(x) for x in re.findall(r"Rows Removed by Filter: (\d+)", plan))
+    return idx, seq, removed
+
+
+def explain_claims(ctx):
+    p = ctx.p
+    md = ("claim() runs its statement through SPI, so the plans come from `auto_explain` in the server log "
+          "(`log_nested_statements`, `log_analyze`, `log_buffers`), for `claim('explain-worker', 100)` inside a "
+          "rolled-back transaction. Claim time = median of 25 such calls (client-side, includes the round trip).\n\n" + _code(";\n".join(S.AUTO_EXPLAIN) + ";"))
+    blocked, active = p["explain_blocked"], p["explain_active"]
+    # Baseline: only the active subjects.
+    def active_subjects():
+        for lo in range(1, active + 1, 1000):
+            ctx.sql(S.SETUP_BLOCKED_STMTS[-1], {"payload": S.PAYLOAD, "lo": lo, "hi": min(active, lo + 999)})
+
+    ctx.reset_outbox()
+    active_subjects()
+    ctx.sql("ANALYZE outbox.event_queue")
+    base_ms = _claim_ms(ctx)
+    ctx.reset_outbox()
+    for stmt in S.SETUP_BLOCKED_STMTS[:-1]:
+        ctx.sql(stmt, {"payload": S.PAYLOAD, "blocked": blocked})
+    active_subjects()
+    ctx.sql("ANALYZE outbox.event_queue")
+    n, _, plan = _capture_claim_plan(ctx)
+    ms = _claim_ms(ctx)
+    idx, seq, removed = _plan_summary(plan)
+    ctx.rec("explain", "blocked_subject", {"active": active, "blocked": blocked}, 0, "claim_ms", ms, "ms")
+    ctx.rec("explain", "active_only", {"active": active}, 0, "claim_ms", base_ms, "ms")
+    md += (f"\n**{active:,} active subjects + one blocked subject holding {blocked:,} queued events** "
+           f"(its head is leased by a slow handler; its events are older than the active ones):\n\n"
+           f"- claim returned {n} rows; claim time {ms:.1f} ms vs {base_ms:.1f} ms with the {active:,} active subjects only\n"
+           f"- index scans: {', '.join(idx) or 'none'}; seq scans: {', '.join(seq) or 'none'}; rows removed by filter: {removed:,}\n\n"
+           + _code(S.SETUP_BLOCKED) + _code(plan, "text"))
+    ctx.check("3-plan-a", "claim plan with a blocked subject is index-driven (no seq scan on event_queue)",
+              not any("event_queue" in s for s in seq), f"index scans: {', '.join(idx)}; rows removed by filter {removed:,}")
+    ctx.series["explain_blocked"] = (ms, base_ms)
+
+    future, ready = p["explain_future"], p["explain_ready"]
+    # Same ready events measured before and after the future ones are added.
+    ctx.reset_outbox()
+    ctx.sql(S.SETUP_FUTURE_STMTS[1], {"payload": S.PAYLOAD, "ready": ready})
+    ctx.sql("ANALYZE outbox.event_queue")
+    base2 = _claim_ms(ctx)
+    ctx.sql(S.SETUP_FUTURE_STMTS[0], {"payload": S.PAYLOAD, "future": future})
+    ctx.sql("ANALYZE outbox.event_queue")
+    n, _, plan = _capture_claim_plan(ctx)
+    ms2 = _claim_ms(ctx)
+    idx, seq, removed = _plan_summary(plan)
+    ctx.rec("explain", "future_events", {"future": future, "ready": ready}, 0, "claim_ms", ms2, "ms")
+    ctx.rec("explain", "ready_only", {"ready": ready}, 0, "claim_ms", base2, "ms")
+    md += (f"\n**{future:,} future events (deliver_at = now + 1 day) and {ready:,} ready ones**:\n\n"
+           f"- claim returned {n} rows; claim time {ms2:.1f} ms vs {base2:.1f} ms with the ready events only "
+           f"({_ratio(ms2, base2):.2f}x)\n"
+           f"- index scans: {', '.join(idx) or 'none'}; seq scans: {', '.join(seq) or 'none'}; rows removed by filter: {removed:,}\n\n"
+           + _code(S.SETUP_FUTURE) + _code(plan, "text"))
+    ctx.target("3-plan-b", "claim time with 100k future events / without", _ratio(ms2, base2), "<=", 1.2)
+    ctx.section("Claim plans (auto_explain)", md)

@@ -1,0 +1,218 @@
+"""Every statement the benchmark runs against each system, in one place.
+
+The report prints these strings verbatim, so a reader sees exactly what was
+compared. Placeholders are psycopg's %s / %(name)s; pgbench scripts use the
+literal payload.
+"""
+
+import json
+
+# One payload for every system and scenario: a typical order event, ~200 bytes.
+PAYLOAD_OBJ = {
+    "type": "order.created",
+    "order_id": 918273645,
+    "customer_id": 5551234,
+    "currency": "EUR",
+    "total_cents": 129900,
+    "items": [{"sku": "SKU-100-RED", "qty": 2}, {"sku": "SKU-200-BLU", "qty": 1}],
+    "note": "benchmark payload of about two hundred bytes",
+}
+PAYLOAD = json.dumps(PAYLOAD_OBJ, separators=(",", ":"))
+assert 180 <= len(PAYLOAD) <= 230, len(PAYLOAD)
+
+
+def jsonb_array_literal(n):
+    """A jsonb[] text literal holding n copies of PAYLOAD (built once, reused)."""
+    elem = '"' + PAYLOAD.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return "{" + ",".join([elem] * n) + "}"
+
+
+# ---------------------------------------------------------------------------
+# Schema of the baselines
+# ---------------------------------------------------------------------------
+PLAIN_SCHEMA = """\
+CREATE TABLE bench_plain (
+    id         bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic      text        NOT NULL,
+    payload    jsonb       NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    visible_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX bench_plain_visible_idx ON bench_plain (visible_at, id);"""
+
+PGQ_SCHEMA = """\
+CREATE EXTENSION pgq;
+SELECT pgq.create_queue('bench_q');"""
+
+OUTBOX_SCHEMA = "CREATE EXTENSION outbox_ext;"
+
+# ---------------------------------------------------------------------------
+# Scenario 1: publish, one event per transaction (pgbench scripts)
+# ---------------------------------------------------------------------------
+def _lit(s):
+    return "'" + s.replace("'", "''") + "'"
+
+
+PUB1 = {
+    # outbox.notify is set per session through PGOPTIONS for the three outbox modes.
+    "outbox": f"SELECT outbox.publish('bench.publish', {_lit(PAYLOAD)}::jsonb);\n",
+    "plain": f"INSERT INTO bench_plain (topic, payload) VALUES ('bench.publish', {_lit(PAYLOAD)}::jsonb);\n",
+    "plain_notify": (
+        "BEGIN;\n"
+        f"INSERT INTO bench_plain (topic, payload) VALUES ('bench.publish', {_lit(PAYLOAD)}::jsonb);\n"
+        "SELECT pg_notify('outbox', 'bench.publish');\n"
+        "END;\n"
+    ),
+    "pgq": f"SELECT pgq.insert_event('bench_q', 'bench.publish', {_lit(PAYLOAD)});\n",
+}
+
+# ---------------------------------------------------------------------------
+# Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
+# statement = one transaction; %s is a jsonb[] literal of 1,000 payloads)
+# ---------------------------------------------------------------------------
+PUB_BATCH = {
+    "outbox_batch": "SELECT count(*) FROM outbox.publish_batch('bench.batch', %s::jsonb[])",
+    "plain_multirow": "INSERT INTO bench_plain (topic, payload) SELECT 'bench.batch', p FROM unnest(%s::jsonb[]) AS p",
+    "outbox_loop": "SELECT count(outbox.publish('bench.batch', p)) FROM unnest(%s::jsonb[]) AS p",
+    # The application-side loop: BEGIN; 1,000 x this statement (one round trip each); COMMIT.
+    "outbox_client_loop": "SELECT outbox.publish('bench.batch', %s::jsonb)",
+}
+
+# ---------------------------------------------------------------------------
+# Backlog loading (not timed)
+# ---------------------------------------------------------------------------
+LOAD = {
+    # %(n)s events per call; chunks stay below outbox.max_batch_size.
+    "outbox": (
+        "SELECT count(*) FROM outbox.publish_batch(%(topic)s,"
+        " (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(n)s::int)))"
+    ),
+    "outbox_subjects": (
+        "SELECT count(*) FROM outbox.publish_batch(%(topic)s,"
+        " (SELECT array_agg(%(payload)s::jsonb ORDER BY g) FROM generate_series(%(first)s::int, %(first)s::int + %(n)s::int - 1) g),"
+        " (SELECT array_agg('subject-' || (g %% %(subjects)s::int) ORDER BY g) FROM generate_series(%(first)s::int, %(first)s::int + %(n)s::int - 1) g))"
+    ),
+    "plain": (
+        "INSERT INTO bench_plain (topic, payload)"
+        " SELECT %(topic)s, %(payload)s::jsonb FROM generate_series(1, %(n)s::int)"
+    ),
+    # A DO block takes no parameters: {placeholders} are filled in by the harness.
+    # PgQ batches are the events between two ticks: one tick per drain batch,
+    # committed between chunks so that each tick's snapshot sees its chunk.
+    "pgq": """\
+DO $$
+BEGIN
+    PERFORM pgq.set_queue_config('bench_q', 'ticker_max_count', '{batch}');
+    FOR i IN 1..{chunks} LOOP
+        PERFORM pgq.insert_event('bench_q', 'bench.drain', {payload_lit}) FROM generate_series(1, {batch});
+        COMMIT;
+        PERFORM pgq.ticker('bench_q');
+        COMMIT;
+    END LOOP;
+END $$""",
+}
+
+# ---------------------------------------------------------------------------
+# Scenario 3/5/6: drain (claim and ack as separate autocommit statements)
+# ---------------------------------------------------------------------------
+DRAIN = {
+    "outbox": {
+        "claim": "SELECT id, lease_token, topic, payload FROM outbox.claim(%(worker)s, %(batch)s::int)",
+        "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
+    },
+    "plain": {
+        "claim": (
+            "WITH c AS (\n"
+            "    SELECT id FROM bench_plain\n"
+            "     WHERE visible_at <= now()\n"
+            "     ORDER BY visible_at, id\n"
+            "     LIMIT %(batch)s::int\n"
+            "     FOR UPDATE SKIP LOCKED\n"
+            ")\n"
+            "UPDATE bench_plain p SET visible_at = now() + interval '30 seconds'\n"
+            "  FROM c WHERE p.id = c.id\n"
+            "RETURNING p.id, p.topic, p.payload"
+        ),
+        "ack": "DELETE FROM bench_plain WHERE id = ANY(%(ids)s::bigint[])",
+    },
+    "pgq": {
+        "next": "SELECT pgq.next_batch('bench_q', 'bench_c')",
+        "events": "SELECT ev_id, ev_type, ev_data FROM pgq.get_batch_events(%(batch_id)s)",
+        "finish": "SELECT pgq.finish_batch(%(batch_id)s)",
+    },
+}
+
+# Scenario 4: publishing one event per autocommit statement (the id is needed to
+# match the event with its ack).
+E2E_PUBLISH = {
+    "outbox": "SELECT outbox.publish('bench.e2e', %(payload)s::jsonb)",
+    "plain_notify": (
+        "WITH i AS (INSERT INTO bench_plain (topic, payload) VALUES ('bench.e2e', %(payload)s::jsonb) RETURNING id)\n"
+        "SELECT id, pg_notify('outbox', 'bench.e2e') FROM i"
+    ),
+}
+
+# ---------------------------------------------------------------------------
+# Scenario 6: history, held xmin, purge
+# ---------------------------------------------------------------------------
+HIST_ARCHIVE = """\
+INSERT INTO outbox.event_archive (id, topic, payload, state, attempts, max_attempts,
+                                  leased_by, published_at, finished_at)
+SELECT nextval('outbox.event_id_seq'), 'bench.hist', %(payload)s::jsonb, 'delivered', 1, 10,
+       'old-worker', now() - interval '2 days', now() - interval '1 day'
+  FROM generate_series(1, %(n)s::int)"""
+
+# Dead letters through the API (publish, claim, fail permanently), 10,000 per round.
+HIST_DEADLETTER = """\
+SELECT count(outbox.fail(c.id, c.lease_token, 'boom', permanent => true))
+  FROM outbox.claim('bench-dead', %(n)s::int, topics => ARRAY['bench.dead-letter']) AS c"""
+
+# Dead tuples as acks leave them: rows deleted from the queue, not yet vacuumed
+# (autovacuum is switched off for the table while the latency is measured).
+HIST_DEADTUPLES = "DELETE FROM outbox.event_queue WHERE topic = 'bench.dead-tuples'"
+
+HOLD_XMIN = "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox.topics; -- kept open"
+
+PURGE = "CALL outbox.purge('0 s')"
+
+DEAD_TUP = (
+    "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables WHERE relid = %s::regclass"
+)
+
+# ---------------------------------------------------------------------------
+# EXPLAIN captures (issue 3)
+# ---------------------------------------------------------------------------
+AUTO_EXPLAIN = [
+    "LOAD 'auto_explain'",
+    "SET auto_explain.log_min_duration = 0",
+    "SET auto_explain.log_nested_statements = on",
+    "SET auto_explain.log_analyze = on",
+    "SET auto_explain.log_buffers = on",
+]
+
+EXPLAIN_CLAIM = "SELECT count(*) FROM outbox.claim('explain-worker', 100)"
+
+# One blocked subject with a leased head (a slow handler) and its queued
+# followers, all older than the 10,000 active subjects' events.
+SETUP_BLOCKED_STMTS = [
+    "SELECT outbox.publish('bench.subjects', %(payload)s::jsonb, subject => 'blocked-subject')",
+    # leases the head only: a slow handler holds it
+    "SELECT count(*) FROM outbox.claim('slow-handler', 1)",
+    "SELECT count(*) FROM outbox.publish_batch('bench.subjects',\n"
+    "    (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(blocked)s::int)),\n"
+    "    (SELECT array_agg('blocked-subject'::text) FROM generate_series(1, %(blocked)s::int)))",
+    # run for lo..hi in chunks of 1,000 subjects: publish_batch takes one advisory
+    # lock per distinct subject, and 10,000 overflow the default lock table
+    "SELECT count(*) FROM outbox.publish_batch('bench.subjects',\n"
+    "    (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(%(lo)s::int, %(hi)s::int)),\n"
+    "    (SELECT array_agg('active-' || g ORDER BY g) FROM generate_series(%(lo)s::int, %(hi)s::int) g))",
+]
+SETUP_BLOCKED = ";\n".join(SETUP_BLOCKED_STMTS) + ";"
+
+SETUP_FUTURE_STMTS = [  # the ready events are published first
+    "SELECT count(outbox.publish('bench.future', %(payload)s::jsonb, deliver_at => now() + interval '1 day'))\n"
+    "  FROM generate_series(1, %(future)s::int)",
+    "SELECT count(*) FROM outbox.publish_batch('bench.ready',\n"
+    "    (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(ready)s::int)))",
+]
+SETUP_FUTURE = ";\n".join(SETUP_FUTURE_STMTS) + ";"
