@@ -1,0 +1,414 @@
+"""Retention (issue 5) across sessions: purge never removes undelivered events,
+commits batch by batch, counts each row once under concurrency, never waits on
+in-flight work, and runs on its own (background worker with preload, pg_cron
+without). Explicit purges run on the cluster without preload, where no
+background worker can purge behind a test's back."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import connect
+
+OLD = "1 year"
+
+
+def publish_n(c, n, topic, keys=None, subjects=None):
+    return [
+        r[0]
+        for r in c.execute(
+            "SELECT * FROM outbox.publish_batch(%s, array_fill('{}'::jsonb, ARRAY[%s]), %s, %s)",
+            (topic, n, subjects, keys),
+        ).fetchall()
+    ]
+
+
+def claim_all(c, n, lease="10 min", topics=None):
+    return c.execute(
+        "SELECT id, lease_token FROM outbox.claim('w', %s, %s::interval, %s)", (n, lease, topics)
+    ).fetchall()
+
+
+def make_delivered(c, n, topic, age=OLD, keyed=True):
+    keys = [f"{topic}-k{i}" for i in range(n)] if keyed else None
+    ids = publish_n(c, n, topic, keys)
+    rows = claim_all(c, n, topics=[topic])
+    assert sorted(i for i, _ in rows) == sorted(ids)
+    acked = c.execute(
+        "SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([i for i, _ in rows], [t for _, t in rows])
+    ).fetchone()[0]
+    assert acked == n
+    if age:
+        c.execute(
+            f"UPDATE outbox.event_archive SET finished_at = now() - interval '{age}', "
+            f"published_at = now() - interval '{age}' WHERE id = ANY(%s)",
+            (ids,),
+        )
+    return ids
+
+
+def make_dead(c, n, topic, age=OLD, subjects=None):
+    ids = publish_n(c, n, topic, subjects=subjects)
+    rows = claim_all(c, n, topics=[topic])
+    states = c.execute(
+        "SELECT outbox.fail(i, t, 'boom', permanent => true) FROM unnest(%s::bigint[], %s::uuid[]) AS u(i, t)",
+        ([i for i, _ in rows], [t for _, t in rows]),
+    ).fetchall()
+    assert {s for (s,) in states} == {"dead"} and len(states) == n
+    if age:
+        c.execute(
+            f"UPDATE outbox.event_queue SET dead_at = now() - interval '{age}', "
+            f"published_at = now() - interval '{age}' WHERE id = ANY(%s)",
+            (ids,),
+        )
+    return ids
+
+
+def loaded(c):
+    """Load the library in this session first (see BUG-P4 in
+    test_purge_as_first_call_of_a_session): tests that are about something else
+    must not trip over it."""
+    c.execute("SELECT outbox.wakeup_status()")
+    return c
+
+
+def call_purge(c, proc, older_than, batch_size):
+    return c.execute(f"CALL outbox.{proc}(%s::interval, %s)", (older_than, batch_size)).fetchone()[0]
+
+
+def ids_in(c, sql, params=None):
+    return sorted(r[0] for r in c.execute(sql, params).fetchall())
+
+
+def test_purge_never_removes_undelivered_events(plain):
+    c = plain.conn()
+    # Undelivered events of every kind, all a year old.
+    pending = publish_n(c, 3, "ret.pending", keys=["kp0", "kp1", "kp2"])
+    delayed = [c.execute("SELECT outbox.publish('ret.delayed', '{}', deliver_at => now() + interval '1 day')").fetchone()[0]]
+    leased = publish_n(c, 2, "ret.leased")
+    assert len(claim_all(c, 2, topics=["ret.leased"])) == 2
+    expired = publish_n(c, 1, "ret.expired")
+    claim_all(c, 1, lease="1 ms", topics=["ret.expired"])  # lease long gone
+    retry = publish_n(c, 2, "ret.retry")
+    for i, t in claim_all(c, 2, topics=["ret.retry"]):
+        assert c.execute("SELECT outbox.fail(%s, %s, 'later', retry_in => '1 hour')", (i, t)).fetchone()[0] == "pending"
+    dead_recent = make_dead(c, 2, "ret.dead-recent", age=None)
+    dead_old = make_dead(c, 3, "ret.dead-old")
+    # A blocking dead letter with a pending successor of the same subject.
+    head = make_dead(c, 1, "ret.subj", subjects=["s1"])
+    behind = publish_n(c, 1, "ret.subj", subjects=["s1"])
+    undelivered = pending + delayed + leased + expired + retry + behind
+    c.execute(
+        f"UPDATE outbox.event_queue SET published_at = now() - interval '{OLD}', "
+        f"visible_at = LEAST(visible_at, now() - interval '{OLD}'), "
+        f"leased_at = now() - interval '{OLD}' WHERE state <> 'dead' AND topic NOT IN ('ret.delayed', 'ret.retry')"
+    )
+    c.execute(f"UPDATE outbox.event_queue SET published_at = now() - interval '{OLD}' WHERE topic IN ('ret.delayed', 'ret.retry')")
+    # Finished events: old and recent, delivered and cancelled.
+    delivered_old = make_delivered(c, 4, "ret.done")
+    delivered_new = make_delivered(c, 2, "ret.done-new", age=None)
+    cancelled = publish_n(c, 1, "ret.cancelled")
+    assert c.execute("SELECT outbox.cancel(%s)", (cancelled[0],)).fetchone()[0]
+    c.execute(f"UPDATE outbox.event_archive SET finished_at = now() - interval '{OLD}' WHERE id = %s", (cancelled[0],))
+
+    # Rows are compared, not the reported counts (those are
+    # test_purge_commits_each_batch's business).
+    hot = sorted(undelivered + dead_recent + dead_old + head)
+    call_purge(c, "purge", "1 day", 2)
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == sorted(delivered_new)
+    call_purge(c, "purge", "0", 2)
+    call_purge(c, "purge", None, 1000)
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == []
+    # purge() never touches the hot relation.
+    assert ids_in(c, "SELECT id FROM outbox.event_queue") == hot
+
+    call_purge(c, "purge_dead", "1 day", 2)
+    call_purge(c, "purge_dead", None, 1000)
+    assert ids_in(c, "SELECT id FROM outbox.event_queue") == sorted(undelivered + dead_recent)
+    states = dict(c.execute("SELECT id, state FROM outbox.events").fetchall())
+    assert all(states[i] in ("pending", "leased") for i in undelivered), states
+    # Their dispatch keys survive too: republishing a key still deduplicates.
+    assert c.execute("SELECT outbox.publish('ret.pending', '{}', dispatch_key => 'kp1')").fetchone()[0] == pending[1]
+    # Purging the blocking dead letter released its subject.
+    assert behind[0] in ids_in(c, "SELECT id FROM outbox.claim('w2', 100, topics => ARRAY['ret.subj'])")
+
+
+@pytest.mark.parametrize("call", ["purge('1 day')", "purge_dead('1 day')", "run_maintenance()"])
+def test_purge_as_first_call_of_a_session(plain, call):
+    """pg_cron and cron-like schedulers open a fresh session per run: the first
+    thing they do is CALL the procedure, before any other outbox function has
+    loaded the library."""
+    c = plain.conn()
+    make_delivered(c, 3, "ret.fresh", age="8 days")
+    make_dead(c, 2, "ret.fresh-dead", age="31 days")
+    with connect(plain.dsn) as fresh:
+        fresh.execute(f"CALL outbox.{call}")
+    left = c.execute("SELECT count(*) FROM outbox.events").fetchone()[0]
+    assert left == {"purge": 2, "purge_dead": 3, "run_maintenance": 0}[call.split("(")[0]]
+
+
+@pytest.fixture
+def purge_probe(plain):
+    """An AFTER DELETE trigger on the archive that records, per purge statement,
+    the transaction id and rows deleted, and that makes the purge wait on
+    advisory lock 7770001 once the archive (as the purge sees it) is down to 50
+    rows. Test-only instrumentation, dropped afterwards."""
+    c = plain.conn()
+    c.execute("DROP TABLE IF EXISTS public.purge_probe")
+    c.execute("CREATE TABLE public.purge_probe (xid xid8, n bigint, at timestamptz DEFAULT clock_timestamp())")
+    c.execute(
+        """
+        CREATE OR REPLACE FUNCTION public.purge_probe_fn() RETURNS trigger
+        LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO public.purge_probe (xid, n) SELECT pg_catalog.pg_current_xact_id(), pg_catalog.count(*) FROM gone;
+            IF (SELECT pg_catalog.count(*) FROM outbox.event_archive) OPERATOR(pg_catalog.<=) 50 THEN
+                PERFORM pg_catalog.pg_advisory_xact_lock(7770001);
+            END IF;
+            RETURN NULL;
+        END $$"""
+    )
+    c.execute(
+        "CREATE TRIGGER purge_probe AFTER DELETE ON outbox.event_archive "
+        "REFERENCING OLD TABLE AS gone FOR EACH STATEMENT EXECUTE FUNCTION public.purge_probe_fn()"
+    )
+    yield c
+    c.execute("DROP TRIGGER IF EXISTS purge_probe ON outbox.event_archive")
+    c.execute("DROP FUNCTION IF EXISTS public.purge_probe_fn()")
+    c.execute("DROP TABLE IF EXISTS public.purge_probe")
+
+
+def wait_until_waiting(c, pid, timeout=10):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = c.execute("SELECT wait_event_type, wait_event FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone()
+        if ev == ("Lock", "advisory"):
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_purge_commits_each_batch(plain, purge_probe):
+    """While a purge with batch_size 10 is held in its 5th batch, another session
+    already sees the first 4 batches gone; each transaction deleted at most 10."""
+    c = plain.conn()
+    make_delivered(c, 100, "ret.batch")
+    blocker = plain.conn()
+    blocker.execute("SELECT pg_advisory_lock(7770001)")
+    purger = loaded(plain.conn())
+    result = {}
+
+    def run():
+        try:
+            result["removed"] = call_purge(purger, "purge", "1 day", 10)
+        except Exception as e:
+            result["error"] = repr(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert wait_until_waiting(c, purger.info.backend_pid), "purge never reached the probe's lock"
+        seen = c.execute("SELECT count(*) FROM outbox.event_archive").fetchone()[0]
+        committed = c.execute("SELECT count(DISTINCT xid), coalesce(sum(n), 0) FROM public.purge_probe").fetchone()
+    finally:
+        blocker.execute("SELECT pg_advisory_unlock(7770001)")
+        t.join(30)
+    assert "error" not in result, result
+    per_xact = c.execute("SELECT xid::text, sum(n) FROM public.purge_probe GROUP BY xid ORDER BY min(at)").fetchall()
+    assert all(n <= 10 for _, n in per_xact), f"a transaction deleted more than batch_size rows: {per_xact}"
+    assert sum(n for _, n in per_xact) == 100
+    # 100 rows, 4 committed batches of 10 visible from outside, the 5th not yet.
+    assert seen == 60, f"another session saw {seen} archive rows while the purge was in its 5th batch"
+    assert committed == (4, 40)
+    assert result["removed"] == 100, f"purge reported {result['removed']} of 100 rows removed"
+    assert c.execute("SELECT count(*) FROM outbox.event_archive").fetchone()[0] == 0
+
+
+@pytest.mark.parametrize("proc", ["purge", "purge_dead"])
+def test_concurrent_purges_count_each_row_once(plain, proc):
+    c = plain.conn()
+    n = 1500
+    if proc == "purge":
+        make_delivered(c, n, "ret.conc")
+    else:
+        make_dead(c, n, "ret.conc")
+    rounds = []
+    errors = []
+    start = threading.Barrier(2)
+
+    def run(name):
+        try:
+            with connect(plain.dsn) as x:
+                # A wait (let alone a deadlock) shows up as an error, not a hang.
+                x.execute("SET lock_timeout = '5s'")
+                loaded(x)
+                start.wait()
+                rounds.append((name, call_purge(x, proc, "1 day", 25)))
+        except Exception as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=run, args=(f"p{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    left = c.execute(
+        "SELECT count(*) FROM outbox.event_archive" if proc == "purge" else "SELECT count(*) FROM outbox.event_queue"
+    ).fetchone()[0]
+    assert left == 0
+    assert c.execute("SELECT count(*) FROM outbox.dispatch_keys").fetchone()[0] == 0
+    print(f"[{proc}] concurrent counts: {rounds}")
+    assert sum(r for _, r in rounds) == n, f"reported {rounds}, removed {n}"
+
+
+def test_purge_never_waits_on_inflight_work(plain):
+    """Claims, acks, replays, cancels and readers holding row locks are in flight:
+    purge and purge_dead skip what is locked instead of waiting (lock_timeout
+    would turn any wait into an error)."""
+    c = plain.conn()
+    old_done = make_delivered(c, 20, "ret.done")
+    old_dead = make_dead(c, 10, "ret.dead")
+    pending = publish_n(c, 5, "ret.work")
+
+    worker = plain.conn()
+    worker.execute("BEGIN")
+    leased = claim_all(worker, 5, topics=["ret.work"])
+    for i, t in leased[:2]:
+        assert worker.execute("SELECT outbox.ack(%s, %s)", (i, t)).fetchone()[0]
+    replayer = plain.conn()
+    replayer.execute("BEGIN")
+    assert replayer.execute("SELECT outbox.replay(%s)", (old_dead[0],)).fetchone()[0]
+    canceller = plain.conn()
+    canceller.execute("BEGIN")
+    assert canceller.execute("SELECT outbox.cancel(%s)", (old_dead[1],)).fetchone()[0]
+    reader = plain.conn()
+    reader.execute("BEGIN")
+    reader.execute("SELECT 1 FROM outbox.event_archive WHERE id = %s FOR UPDATE", (old_done[0],))
+
+    p = loaded(plain.conn())
+    p.execute("SET lock_timeout = '500ms'")
+    t0 = time.monotonic()
+    call_purge(p, "purge", "1 day", 5)
+    call_purge(p, "purge", "0", 5)
+    call_purge(p, "purge_dead", "1 day", 3)
+    elapsed = time.monotonic() - t0
+    # All but the row the reader locked; the uncommitted acks are not finished yet.
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == [old_done[0]]
+    # All dead rows but the replaying and the cancelling one.
+    assert ids_in(c, "SELECT id FROM outbox.event_queue WHERE state = 'dead'") == sorted(old_dead[:2])
+    assert elapsed < 2, f"purges took {elapsed:.2f}s: they waited"
+
+    worker.execute("COMMIT")
+    replayer.execute("COMMIT")
+    canceller.execute("COMMIT")
+    reader.execute("ROLLBACK")
+    states = dict(c.execute("SELECT id, state FROM outbox.events").fetchall())
+    assert states[old_dead[0]] == "pending" and states[old_dead[1]] == "cancelled"
+    assert [states[i] for i, _ in leased[:2]] == ["delivered", "delivered"]
+    assert [states[i] for i, _ in leased[2:]] == ["leased"] * 3
+    # What was skipped is purged by the next run, once finished and old enough:
+    # the 2 acks, the cancel, the reader's row.
+    call_purge(p, "purge", "0", 5)
+    call_purge(p, "purge_dead", "0", 5)
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == []
+    assert sorted(i for i, s in states.items() if s in ("pending", "leased")) == sorted(pending[2:] + [old_dead[0]])
+
+
+def test_purge_dead_of_blocking_letter_does_not_wait_for_publisher(plain):
+    """Purging a dead letter that blocks its subject promotes the next event, which
+    needs the subject lock; an open publisher transaction of that subject must
+    not stall retention."""
+    c = plain.conn()
+    make_dead(c, 1, "ret.subj", subjects=["s-busy"])
+    publisher = plain.conn()
+    publisher.execute("BEGIN")
+    publisher.execute("SELECT outbox.publish('ret.subj', '{}', subject => 's-busy')")
+    p = loaded(plain.conn())
+    p.execute("SET lock_timeout = '500ms'")
+    try:
+        removed = call_purge(p, "purge_dead", "1 day", 10)
+    except psycopg.errors.LockNotAvailable as e:
+        pytest.fail(f"purge_dead waited for an open publisher of the subject: {e}")
+    finally:
+        publisher.execute("COMMIT")
+    assert removed == 1
+    # The publisher's event is the subject's head now, and claimable.
+    assert len(claim_all(c, 10, topics=["ret.subj"])) == 1
+
+
+# ---------------------------------------------------------------------------
+# Scheduled retention
+# ---------------------------------------------------------------------------
+def test_background_worker_runs_maintenance(preload):
+    c = preload.conn()
+    c.execute("TRUNCATE outbox.maintenance_runs")
+    kept_new = make_delivered(c, 2, "ret.bg-new", age=None)
+    kept_pending = publish_n(c, 2, "ret.bg-pending")
+    c.execute(
+        f"UPDATE outbox.event_queue SET published_at = now() - interval '{OLD}', "
+        f"visible_at = now() - interval '{OLD}' WHERE id = ANY(%s)",
+        (kept_pending,),
+    )
+    dead_recent = make_dead(c, 1, "ret.bg-dead-new", age=None)
+    (t0,) = c.execute("SELECT clock_timestamp()").fetchone()
+    c.execute("BEGIN")
+    old_done = make_delivered(c, 7, "ret.bg", age="8 days")  # past the 7 day default
+    old_dead = make_dead(c, 3, "ret.bg-dead", age="31 days")  # past the 30 day default
+    c.execute("COMMIT")
+    try:
+        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
+        c.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 15
+        while True:
+            runs = c.execute(
+                "SELECT count(*), coalesce(sum(purged_delivered), 0), coalesce(sum(purged_dead), 0), "
+                "       count(*) FILTER (WHERE error IS NOT NULL) "
+                "  FROM outbox.maintenance_log WHERE finished_at >= %s",
+                (t0,),
+            ).fetchone()
+            # Two runs at least: the worker keeps running at the configured pace.
+            if runs[0] >= 2 and runs[1] >= len(old_done) and runs[2] >= len(old_dead):
+                break
+            assert time.monotonic() < deadline, f"no maintenance run purged the old rows within 15 s: {runs}"
+            time.sleep(0.2)
+    finally:
+        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
+        c.execute("SELECT pg_reload_conf()")
+    assert runs[1:] == (len(old_done), len(old_dead), 0), runs
+    print(f"[preload] maintenance runs since setup: {runs[0]}")
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == sorted(kept_new)
+    assert ids_in(c, "SELECT id FROM outbox.event_queue") == sorted(kept_pending + dead_recent)
+
+
+@pytest.mark.cron_last
+def test_pg_cron_schedules_maintenance_without_preload(cron_cluster):
+    """Without preload, retention is scheduled with pg_cron (the documented
+    cron.schedule('outbox-retention', ..., 'CALL outbox.run_maintenance()')).
+    pg_cron before 1.5 only knows minute schedules: then this waits for the next
+    minute boundary (the cluster was set up when the session started)."""
+    info = cron_cluster.info
+    deadline = info["scheduled_at"] + (10 if info["schedule"] == "2 seconds" else 75)
+    with connect(cron_cluster.dsn) as c:
+        while True:
+            row = c.execute(
+                "SELECT purged_delivered, purged_dead, error FROM outbox.maintenance_log ORDER BY run_id LIMIT 1"
+            ).fetchone()
+            if row:
+                break
+            if time.monotonic() > deadline:
+                jobs = c.execute(
+                    "SELECT status, return_message FROM cron.job_run_details ORDER BY runid"
+                ).fetchall()
+                pytest.fail(f"pg_cron ({info}) did not run outbox.run_maintenance(): job runs {jobs}")
+            time.sleep(0.5)
+        print(f"[pg_cron {info['pg_cron_version']}, schedule {info['schedule']!r}] maintenance_log row: {row}")
+        assert row == (5, 2, None), f"run_maintenance via pg_cron recorded {row}"
+        status = c.execute(
+            "SELECT status FROM cron.job_run_details ORDER BY runid LIMIT 1"
+        ).fetchone()
+        assert status == ("succeeded",), status
+        assert c.execute("SELECT count(*) FROM outbox.event_archive").fetchone()[0] == 0
+        assert c.execute("SELECT state FROM outbox.event_queue").fetchall() == [("pending",)]
