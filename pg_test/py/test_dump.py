@@ -1,0 +1,370 @@
+"""The extension's lifecycle (issue 9): pg_dump / restore round trip, and the
+DROP EXTENSION guard. Each test works in databases of its own on the plain cluster.
+"""
+
+import json
+import os
+import subprocess
+import time
+from collections import Counter
+
+import psycopg
+import pytest
+
+from conftest import connect
+from scratch_db import create_db, drop_db
+
+PG_BIN = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
+SRC_DB = "outbox_t_dump_src"
+LEASE_S = 5  # the 'leased' event's lease, so the restored lease expires during the drain
+DELAY_S = 4  # the delayed event's deliver_at
+RETRY_S = 3  # the retry-scheduled event's retry_in
+
+
+def run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{r.stderr[-2000:]}"
+    return r
+
+
+def one(c, q, p=None):
+    return c.execute(q, p).fetchone()[0]
+
+
+def claim1(c, topic, lease="1 min"):
+    rows = c.execute("SELECT id, lease_token FROM outbox.claim('setup', 10, %s::interval, ARRAY[%s])", (lease, topic)).fetchall()
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+def build_source(dsn):
+    """Events in every state, topics with policies, dispatch keys, a maintenance
+    run. Returns {name: id}."""
+    ids = {}
+    with connect(dsn) as c:
+        # Load the library before create_topic reads outbox.max_lease (BUG-S7).
+        c.execute("SELECT outbox.backoff_delay(1)")
+        c.execute("SELECT outbox.create_topic('d.orders', max_attempts => 5, backoff_base => '2 s', "
+                  "backoff_max => '1 min', retention_delivered => '3 days')")
+        c.execute("SELECT outbox.create_topic('d.pay', max_attempts => 2, dead_letter_policy => 'block')")
+        c.execute("SELECT outbox.create_topic('d.mail', default_lease => '2 min', dead_letter_policy => 'skip', "
+                  "retention_dead => '10 days')")
+
+        casts = {"subject": "text", "dispatch_key": "text", "headers": "jsonb", "deliver_at": "timestamptz"}
+
+        def pub(name, topic, payload, **kw):
+            args = "".join(f", {k} => %({k})s::{casts[k]}" for k in kw)
+            ids[name] = one(c, f"SELECT outbox.publish(%(t)s, %(p)s::jsonb{args})",
+                            {"t": topic, "p": json.dumps(payload), **kw})
+
+        # pending: a subject head, the event queued behind it, headers, a dispatch key
+        pub("head", "d.orders", {"n": 1, "s": "ünïcødé \u2603"}, subject="o-1", dispatch_key="dk-head",
+            headers=json.dumps({"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}))
+        pub("next", "d.orders", {"n": 2}, subject="o-1")
+        # delayed
+        ids["delayed"] = one(c, "SELECT outbox.publish('d.mail', '{\"n\": 3}', "
+                                "deliver_at => clock_timestamp() + %s * interval '1 s')", (DELAY_S,))
+        # dead after two failed attempts (history kept), blocking its subject
+        pub("dead", "d.pay", {"n": 4}, subject="o-2", dispatch_key="dk-dead")
+        pub("blocked", "d.pay", {"n": 5}, subject="o-2")
+        i, tok = claim1(c, "d.pay")
+        assert one(c, "SELECT outbox.fail(%s, %s, 'timeout after 30 s', '0')", (i, tok)) == "pending"
+        i, tok = claim1(c, "d.pay")
+        assert one(c, "SELECT outbox.fail(%s, %s, 'HTTP 500: {\"x\": \"y\"}')", (i, tok)) == "dead"
+        # pending again, waiting for its retry, with one failure in its history
+        pub("retry", "d.retry", {"n": 6})
+        i, tok = claim1(c, "d.retry")
+        assert one(c, "SELECT outbox.fail(%s, %s, 'connection refused', %s * interval '1 s')", (i, tok, RETRY_S)) == "pending"
+        # delivered and cancelled, with dispatch keys
+        pub("delivered", "d.done", {"n": 7}, dispatch_key="dk-delivered")
+        i, tok = claim1(c, "d.done")
+        assert one(c, "SELECT outbox.ack(%s, %s)", (i, tok))
+        pub("cancelled", "d.done", {"n": 8}, dispatch_key="dk-cancelled")
+        assert one(c, "SELECT outbox.cancel(%s)", (ids["cancelled"],))
+        # some volume, with subjects and keys
+        c.execute("SELECT outbox.publish_batch('d.bulk', array_agg(jsonb_build_object('g', g) ORDER BY g), "
+                  "array_agg('b-' || g % 5 ORDER BY g), array_agg('dk-bulk-' || g ORDER BY g)) FROM generate_series(1, 50) g")
+        c.execute("CALL outbox.run_maintenance()")
+        # leased, last, so the lease is still running at dump time
+        pub("leased", "d.lease", {"n": 9})
+        ids["leased_token"] = claim1(c, "d.lease", f"{LEASE_S} seconds")[1]
+    return ids
+
+
+SNAPSHOT = {
+    "event_queue": "SELECT * FROM outbox.event_queue ORDER BY id",
+    "event_archive": "SELECT * FROM outbox.event_archive ORDER BY id",
+    "events": "SELECT * FROM outbox.events ORDER BY id",
+    "topics": "SELECT * FROM outbox.topics ORDER BY topic",
+    "dispatch_keys": "SELECT * FROM outbox.dispatch_keys ORDER BY dispatch_key",
+    "maintenance_runs": "SELECT * FROM outbox.maintenance_runs ORDER BY run_id",
+    "sequence": "SELECT last_value, is_called FROM outbox.event_id_seq",
+}
+
+
+def snapshot(dsn):
+    with connect(dsn) as c:
+        return {k: c.execute(q).fetchall() for k, q in SNAPSHOT.items()}
+
+
+@pytest.fixture(scope="module")
+def dumped(plain_dsn, tmp_path_factory):
+    """The source database, built once, dumped in custom and plain format."""
+    src = create_db(plain_dsn, SRC_DB)
+    ids = build_source(src)
+    d = tmp_path_factory.mktemp("dump")
+    files = {"custom": d / "src.dump", "plain": d / "src.sql"}
+    run([f"{PG_BIN}/pg_dump", "-Fc", "-d", src, "-f", str(files["custom"])])
+    run([f"{PG_BIN}/pg_dump", "-Fp", "-d", src, "-f", str(files["plain"])])
+    snap = snapshot(src)
+    built_at = time.monotonic()
+    yield {"ids": ids, "files": files, "snap": snap, "built_at": built_at, "src": src}
+    drop_db(plain_dsn, SRC_DB)
+
+
+def restore(plain_dsn, dumped, fmt, name):
+    dsn = create_db(plain_dsn, name, extension=False)
+    f = str(dumped["files"][fmt])
+    if fmt == "custom":
+        run([f"{PG_BIN}/pg_restore", "--exit-on-error", "-d", dsn, f])
+    else:
+        run([f"{PG_BIN}/psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", f])
+    return dsn
+
+
+def test_source_has_every_state(dumped):
+    states = Counter(r[6] for r in dumped["snap"]["events"])
+    assert set(states) == {"pending", "leased", "dead", "delivered", "cancelled"}
+
+
+@pytest.mark.parametrize("fmt", ["custom", "plain"])
+def test_dump_restore_round_trip_and_drain(plain_dsn, dumped, fmt):
+    name = f"outbox_t_dump_dst_{fmt}"
+    ids = dumped["ids"]
+    try:
+        dst = restore(plain_dsn, dumped, fmt, name)
+        got = snapshot(dst)
+        for k in SNAPSHOT:
+            assert got[k] == dumped["snap"][k], f"{k} differs after restore"
+
+        c = connect(dst)
+        try:
+            by_id = {r[0]: r for r in c.execute("SELECT id, state, attempts, jsonb_array_length(errors), "
+                                                "available_at > now(), lease_expires_at FROM outbox.events").fetchall()}
+            assert by_id[ids["head"]][1:4] == ("pending", 0, None)
+            assert by_id[ids["dead"]][1:4] == ("dead", 2, 2)
+            assert by_id[ids["retry"]][1:4] == ("pending", 1, 1)
+            assert by_id[ids["delivered"]][1] == "delivered"
+            assert by_id[ids["cancelled"]][1] == "cancelled"
+            assert by_id[ids["leased"]][1] == "leased"
+            errors = one(c, "SELECT errors FROM outbox.events WHERE id = %s", (ids["dead"],))
+            assert [e["error"] for e in errors] == ["timeout after 30 s", 'HTTP 500: {"x": "y"}']
+
+            # The sequence continues after the restored ids; dispatch keys still dedupe.
+            max_id = one(c, "SELECT max(id) FROM outbox.events")
+            new = one(c, "SELECT outbox.publish('d.after', '{}')")
+            assert new > max_id
+            assert one(c, "SELECT outbox.publish('d.orders', '{}', dispatch_key => 'dk-head')") == ids["head"]
+            assert one(c, "SELECT outbox.publish('d.done', '{}', dispatch_key => 'dk-delivered')") == ids["delivered"]
+            assert one(c, "SELECT outbox.publish('d.bulk', '{}', dispatch_key => 'dk-bulk-7')") < max_id
+            assert one(c, "SELECT count(*) FROM outbox.events") == len(got["events"]) + 1
+
+            # The restored lease is still the worker's: same token, not claimable yet.
+            lease_exp = by_id[ids["leased"]][5]
+            assert one(c, "SELECT lease_token FROM outbox.event_queue WHERE id = %s", (ids["leased"],)) == ids["leased_token"]
+            if one(c, "SELECT %s - clock_timestamp() > interval '1 s'", (lease_exp,)):
+                assert c.execute("SELECT * FROM outbox.claim('w', 10, NULL, ARRAY['d.lease'])").fetchall() == []
+
+            # Drain: replay the dead, then claim + ack until nothing is left.
+            undelivered = {r[0] for r in c.execute("SELECT id FROM outbox.event_queue").fetchall()}
+            assert one(c, "SELECT outbox.replay_dead()") == 1
+            order = []
+            deadline = time.monotonic() + LEASE_S + DELAY_S + 15
+            while True:
+                rows = c.execute("SELECT id, lease_token FROM outbox.claim('drain', 100, '1 min')").fetchall()
+                for i, tok in rows:
+                    assert one(c, "SELECT outbox.ack(%s, %s)", (i, tok)), f"ack of {i} refused"
+                    order.append(i)
+                if rows:
+                    continue
+                if one(c, "SELECT count(*) FROM outbox.event_queue") == 0:
+                    break
+                assert time.monotonic() < deadline, (
+                    "restored outbox did not drain: "
+                    f"{c.execute('SELECT id, state, available_at, lease_expires_at FROM outbox.events WHERE state NOT IN (%s, %s)', ('delivered', 'cancelled')).fetchall()}")
+                time.sleep(0.2)
+            dup = [i for i, n in Counter(order).items() if n > 1]
+            assert not dup, f"delivered twice: {dup}"
+            assert set(order) == undelivered
+            # Subject order survived the restore.
+            assert order.index(ids["head"]) < order.index(ids["next"])
+            assert order.index(ids["dead"]) < order.index(ids["blocked"])
+            states = dict(c.execute("SELECT state, count(*) FROM outbox.events GROUP BY state").fetchall())
+            assert states == {"delivered": len(got["event_archive"]) - 1 + len(undelivered), "cancelled": 1}
+            # The reclaimed lease counts as the leased event's second attempt.
+            assert one(c, "SELECT attempts FROM outbox.events WHERE id = %s", (ids["leased"],)) == 2
+        finally:
+            c.close()
+    finally:
+        drop_db(plain_dsn, name)
+
+
+def test_restored_maintenance_continues(plain_dsn, dumped):
+    """maintenance_runs rows are dumped, so its run_id counter must be too."""
+    name = "outbox_t_dump_dst_maint"
+    try:
+        dst = restore(plain_dsn, dumped, "custom", name)
+        with connect(dst) as c:
+            c.execute("SELECT outbox.backoff_delay(1)")  # load the library first (BUG-S7)
+            before = one(c, "SELECT count(*) FROM outbox.maintenance_log")
+            assert before == 1
+            c.execute("CALL outbox.run_maintenance()")
+            assert one(c, "SELECT count(*) FROM outbox.maintenance_log") == before + 1
+    finally:
+        drop_db(plain_dsn, name)
+
+
+# ---------------------------------------------------------------------------
+# DROP EXTENSION guard
+# ---------------------------------------------------------------------------
+GUARD_DB = "outbox_t_guard"
+
+
+@pytest.fixture
+def guard_db(plain_dsn):
+    dsn = create_db(plain_dsn, GUARD_DB)
+    yield dsn
+    drop_db(plain_dsn, GUARD_DB)
+
+
+def extension_state(dsn):
+    with connect(dsn) as c:
+        if not c.execute("SELECT 1 FROM pg_extension WHERE extname = 'outbox_ext'").fetchone():
+            return None
+        return {
+            "events": c.execute("SELECT * FROM outbox.events ORDER BY id").fetchall(),
+            "topics": c.execute("SELECT * FROM outbox.topics").fetchall(),
+            "keys": c.execute("SELECT * FROM outbox.dispatch_keys").fetchall(),
+            "guard": c.execute("SELECT evtenabled FROM pg_event_trigger WHERE evtname = 'outbox_drop_guard'").fetchall(),
+        }
+
+
+def make_undelivered(dsn, kind):
+    with connect(dsn) as c:
+        c.execute("SELECT outbox.create_topic('g.t')")
+        c.execute("SELECT outbox.publish('g.done', '{}')")
+        i, tok = claim1(c, "g.done")
+        c.execute("SELECT outbox.ack(%s, %s)", (i, tok))
+        if kind == "pending":
+            c.execute("SELECT outbox.publish('g.t', '{}', dispatch_key => 'g-k')")
+        elif kind == "delayed":
+            c.execute("SELECT outbox.publish('g.t', '{}', deliver_at => now() + interval '1 hour')")
+        elif kind == "leased":
+            c.execute("SELECT outbox.publish('g.t', '{}')")
+            claim1(c, "g.t")
+        elif kind == "dead":
+            c.execute("SELECT outbox.publish('g.t', '{}')")
+            i, tok = claim1(c, "g.t")
+            assert one(c, "SELECT outbox.fail(%s, %s, 'x', permanent => true)", (i, tok)) == "dead"
+        else:
+            raise AssertionError(kind)
+
+
+def drop_error(dsn, *stmts):
+    """Run stmts in one new session; the SQLSTATE of the first error, or None."""
+    with connect(dsn) as c:
+        try:
+            for s in stmts:
+                c.execute(s)
+        except psycopg.Error as e:
+            return e.sqlstate
+    return None
+
+
+@pytest.mark.parametrize("kind", ["pending", "delayed", "leased", "dead"])
+def test_drop_refused_while_undelivered(guard_db, kind):
+    make_undelivered(guard_db, kind)
+    before = extension_state(guard_db)
+    assert drop_error(guard_db, "DROP EXTENSION outbox_ext") == "55006"
+    assert extension_state(guard_db) == before
+    # Still fully working.
+    with connect(guard_db) as c:
+        c.execute("SELECT outbox.publish('g.after', '{}')")
+        i, tok = claim1(c, "g.after")
+        assert one(c, "SELECT outbox.ack(%s, %s)", (i, tok))
+
+
+@pytest.mark.parametrize("stmt", [
+    'drop extension "outbox_ext"',
+    "DROP EXTENSION IF EXISTS outbox_ext RESTRICT",
+    "DROP EXTENSION\n  outbox_ext",
+])
+def test_drop_refused_whatever_the_spelling(guard_db, stmt):
+    make_undelivered(guard_db, "pending")
+    before = extension_state(guard_db)
+    assert drop_error(guard_db, stmt) == "55006"
+    assert extension_state(guard_db) == before
+
+
+@pytest.mark.parametrize("stmt", [
+    # A migration script sent as one query string: the CASCADE belongs to another statement.
+    "CREATE TABLE guard_tmp (); DROP TABLE guard_tmp CASCADE; DROP EXTENSION outbox_ext",
+    "DROP EXTENSION outbox_ext -- never use cascade here",
+])
+def test_drop_guard_not_fooled_by_cascade_elsewhere_in_the_query(guard_db, stmt):
+    make_undelivered(guard_db, "pending")
+    before = extension_state(guard_db)
+    assert drop_error(guard_db, stmt) == "55006"
+    assert extension_state(guard_db) == before
+
+
+def test_drop_cascade_succeeds(guard_db):
+    make_undelivered(guard_db, "pending")
+    assert drop_error(guard_db, "DROP EXTENSION outbox_ext CASCADE") is None
+    assert extension_state(guard_db) is None
+    with connect(guard_db) as c:
+        # The schema itself comes from the control file and is not an extension
+        # member, so PostgreSQL leaves it behind, empty.
+        assert c.execute("SELECT count(*) FROM pg_class WHERE relnamespace = 'outbox'::regnamespace").fetchone()[0] == 0
+        assert c.execute("SELECT count(*) FROM pg_proc WHERE pronamespace = 'outbox'::regnamespace").fetchone()[0] == 0
+        assert not c.execute("SELECT 1 FROM pg_event_trigger WHERE evtname = 'outbox_drop_guard'").fetchone()
+        # Roles are cluster-wide and stay.
+        assert c.execute("SELECT count(*) FROM pg_roles WHERE rolname LIKE 'outbox\\_%'").fetchone()[0] >= 3
+
+
+@pytest.mark.parametrize("setting", [
+    ["SET outbox.allow_drop = on"],
+    ["BEGIN", "SET LOCAL outbox.allow_drop = on"],
+    # A boolean GUC: every boolean spelling, also before the library is loaded in the session.
+    ["SET outbox.allow_drop = true"],
+    ["SET outbox.allow_drop = 1"],
+], ids=["set", "set-local", "true", "1"])
+def test_drop_with_allow_drop_succeeds(guard_db, setting):
+    make_undelivered(guard_db, "leased")
+    stmts = [*setting, "DROP EXTENSION outbox_ext"] + (["COMMIT"] if setting[0] == "BEGIN" else [])
+    assert drop_error(guard_db, *stmts) is None
+    assert extension_state(guard_db) is None
+
+
+def test_allow_drop_after_a_refusal_in_the_same_session(guard_db):
+    make_undelivered(guard_db, "pending")
+    with connect(guard_db) as c:
+        with pytest.raises(psycopg.errors.ObjectInUse):
+            c.execute("DROP EXTENSION outbox_ext")
+        c.execute("SET outbox.allow_drop = on")
+        c.execute("DROP EXTENSION outbox_ext")
+    assert extension_state(guard_db) is None
+
+
+def test_plain_drop_succeeds_without_undelivered_events(guard_db):
+    with connect(guard_db) as c:
+        c.execute("SELECT outbox.publish_batch('g.t', ARRAY['1', '2', '3']::jsonb[])")
+        rows = c.execute("SELECT id, lease_token FROM outbox.claim('w', 10)").fetchall()
+        c.execute("SELECT outbox.ack(%s, %s)", rows[0])
+        c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([rows[1][0]], [rows[1][1]]))
+        c.execute("SELECT outbox.fail(%s, %s, 'x', '1 hour')", rows[2])
+        c.execute("SELECT outbox.cancel(%s)", (rows[2][0],))
+        states = Counter(r[0] for r in c.execute("SELECT state FROM outbox.events").fetchall())
+        assert states == {"delivered": 2, "cancelled": 1}
+    assert drop_error(guard_db, "DROP EXTENSION outbox_ext") is None
+    assert extension_state(guard_db) is None

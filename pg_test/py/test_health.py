@@ -1,0 +1,139 @@
+"""Monitoring (issue 9): outbox.health() checks and outbox.stats counts."""
+
+import time
+
+import pytest
+
+from conftest import connect
+from scratch_db import ensure_login_role, role_dsn
+
+CHECKS = {"backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "background_worker"}
+STATUSES = {"ok", "warn", "critical"}
+
+
+def health(conn, **kw):
+    args = ", ".join(f"{k} => %({k})s" for k in kw)
+    rows = conn.execute(f"SELECT check_name, status, value, message FROM outbox.health({args})", kw).fetchall()
+    for name, status, _value, message in rows:
+        assert name in CHECKS and status in STATUSES and message, (name, status, message)
+    return {r[0]: r[1:] for r in rows}
+
+
+def make_states(c, topic):
+    """ready x2, scheduled, leased, expired lease, dead, delivered, cancelled."""
+    c.execute("SELECT outbox.publish_batch(%s, array_fill('{}'::jsonb, ARRAY[7]))", (topic,))
+    c.execute("SELECT outbox.publish(%s, '{}', deliver_at => now() + interval '1 hour')", (topic,))
+    rows = c.execute("SELECT id, lease_token FROM outbox.claim('h', 4, '10 min', ARRAY[%s])", (topic,)).fetchall()
+    assert len(rows) == 4
+    c.execute("SELECT outbox.ack(%s, %s)", rows[0])
+    c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", rows[1])
+    c.execute("SELECT outbox.fail(%s, %s, 'x', '1 hour')", rows[2])
+    c.execute("SELECT outbox.cancel(%s)", (rows[2][0],))
+    # rows[3] stays leased; one more with a lease that runs out at once
+    (i, _tok) = c.execute("SELECT id, lease_token FROM outbox.claim('h', 1, '1 ms', ARRAY[%s])", (topic,)).fetchone()
+    return i
+
+
+def test_health_on_an_empty_outbox(plain):
+    c = plain.conn()
+    h = health(c)
+    assert set(h) == CHECKS
+    for name in ("backlog_age", "dead_letters", "expired_leases", "dead_tuples"):
+        assert h[name][0] == "ok", (name, h[name])
+    assert h["backlog_age"][1] == 0 and h["dead_letters"][1] == 0 and h["expired_leases"][1] == 0
+    # Without preload: a warning that says what to do instead.
+    assert h["background_worker"][0] == "warn"
+    assert "shared_preload_libraries" in h["background_worker"][2]
+
+
+def test_health_background_worker_ok_when_preloaded(preload):
+    c = preload.conn()
+    pid = c.execute("SELECT worker_pid FROM outbox.wakeup_status()").fetchone()[0]
+    h = health(c)
+    assert set(h) == CHECKS
+    assert h["background_worker"][0] == "ok" and h["background_worker"][1] == pid
+
+
+def test_health_reports_backlog_dead_letters_and_expired_leases(plain):
+    c = plain.conn()
+    make_states(c, "hl.t")
+    time.sleep(0.05)
+    h = health(c, backlog_age="0 s", backlog_critical=3)
+    assert h["backlog_age"][:2] == ("warn", 2), h["backlog_age"]
+    assert health(c, backlog_age="0 s", backlog_critical=2)["backlog_age"][:2] == ("critical", 2)
+    assert health(c)["backlog_age"][:2] == ("ok", 0)  # nothing is 60 s old
+    assert h["dead_letters"][:2] == ("warn", 1)
+    assert h["expired_leases"][:2] == ("warn", 1)
+
+
+def xmin_row(c, **kw):
+    return health(c, **kw)["xmin_horizon"]
+
+
+def test_health_names_the_session_holding_the_xmin_horizon(plain):
+    c = plain.conn()
+    holder = plain.conn()
+    pid = holder.execute("SELECT pg_backend_pid()").fetchone()[0]
+    holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM outbox.events")
+    time.sleep(0.05)
+    # An autovacuum worker could briefly hold an older snapshot: retry a little.
+    for _ in range(20):
+        status, value, msg = xmin_row(c)
+        if f"pid {pid} " in msg:
+            break
+        time.sleep(0.1)
+    assert f"pid {pid} " in msg, msg
+    assert status == "ok" and value > 0
+    assert "user postgres" in msg
+    status, value, msg = xmin_row(c, xmin_warn="1 ms", xmin_critical="1 hour")
+    assert status == "warn" and f"pid {pid} " in msg
+    status, value, msg = xmin_row(c, xmin_warn="1 ms", xmin_critical="2 ms")
+    assert status == "critical" and f"pid {pid} " in msg
+    holder.execute("COMMIT")
+    for _ in range(20):
+        status, value, msg = xmin_row(c)
+        if f"pid {pid} " not in msg:
+            break
+        time.sleep(0.1)
+    assert f"pid {pid} " not in msg
+
+
+def test_health_as_admin_role(plain):
+    ensure_login_role(plain.dsn, "admin_u", ("outbox_admin",))
+    with connect(role_dsn(plain.dsn, "admin_u")) as c:
+        assert set(health(c)) == CHECKS
+
+
+@pytest.mark.parametrize("topics", [1, 2])
+def test_stats_match_events(plain, topics):
+    c = plain.conn()
+    for t in range(topics):
+        make_states(c, f"st.t{t}")
+    c.execute("SELECT outbox.publish('st.only_pending', '{}')")
+    time.sleep(0.05)
+    with c.transaction():  # one snapshot and one now() for both sides
+        c.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        expect = {
+            r[0]: r[1:]
+            for r in c.execute("""
+                SELECT topic,
+                       count(*) FILTER (WHERE state = 'pending' AND available_at <= now()),
+                       count(*) FILTER (WHERE state = 'pending' AND available_at > now()),
+                       count(*) FILTER (WHERE state = 'leased'),
+                       count(*) FILTER (WHERE state = 'leased' AND lease_expires_at <= now()),
+                       count(*) FILTER (WHERE state = 'dead'),
+                       count(*) FILTER (WHERE state = 'delivered'),
+                       count(*) FILTER (WHERE state = 'cancelled')
+                  FROM outbox.events GROUP BY topic""").fetchall()
+        }
+        got = {
+            r[0]: r[1:]
+            for r in c.execute(
+                "SELECT topic, ready, scheduled, leased, expired_leases, dead, delivered, cancelled FROM outbox.stats"
+            ).fetchall()
+        }
+    assert got == expect
+    for t in range(topics):
+        assert got[f"st.t{t}"] == (2, 1, 2, 1, 1, 1, 1)
+    assert got["st.only_pending"] == (1, 0, 0, 0, 0, 0, 0)
