@@ -246,7 +246,7 @@ BEGIN
         RAISE EXCEPTION 'outbox: backoff_max must be > 0 and <= 365 days, got %', backoff_max USING ERRCODE = '22023';
     END IF;
     IF default_lease IS NOT NULL AND (default_lease OPERATOR(pg_catalog.<=) interval '0'
-        OR default_lease OPERATOR(pg_catalog.>) pg_catalog.current_setting('outbox.max_lease')::interval) THEN
+        OR default_lease OPERATOR(pg_catalog.>) outbox._setting('outbox.max_lease')::interval) THEN
         RAISE EXCEPTION 'outbox: default_lease must be > 0 and <= outbox.max_lease, got %', default_lease USING ERRCODE = '22023';
     END IF;
     IF dead_letter_policy IS NULL OR dead_letter_policy OPERATOR(pg_catalog.<>) ALL (ARRAY['block', 'skip']) THEN

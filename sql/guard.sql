@@ -1,7 +1,7 @@
 -- DROP EXTENSION guard (issue 9). PostgreSQL has no hook that vetoes dropping an
 -- extension, so an event trigger owned by the extension inspects DROP EXTENSION
--- commands before they run. Dropping outbox_ext while events are pending or
--- leased raises 55006 unless the command says CASCADE or the session set
+-- commands before they run. Dropping outbox_ext while events are pending,
+-- leased or dead raises 55006 unless the command says CASCADE or the session set
 -- outbox.allow_drop = on. The check reads the command text (current_query()), so
 -- it cannot see a drop issued by a function that builds the statement itself;
 -- DROP SCHEMA outbox CASCADE also bypasses it. Both are documented in the README.
@@ -11,23 +11,38 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    q text := lower(COALESCE(current_query(), ''));
+    -- The command text without comments, lowercased; then only the DROP EXTENSION
+    -- statements that name outbox_ext, so a CASCADE elsewhere in a multi-statement
+    -- string does not count.
+    q text := lower(regexp_replace(regexp_replace(COALESCE(current_query(), ''),
+                                                  '/\*.*?\*/', ' ', 'g'),
+                                   '--[^\n]*', ' ', 'g'));
+    stmt text;
+    names_us boolean := false;
+    cascade boolean := false;
+    allow text := lower(COALESCE(current_setting('outbox.allow_drop', true), 'off'));
     n bigint;
 BEGIN
-    IF q !~ 'outbox_ext' OR q ~ '\mcascade\M' OR current_setting('outbox.allow_drop', true) = 'on' THEN
+    FOR stmt IN SELECT m[1] FROM regexp_matches(q, '(drop\s+extension\s[^;]*)', 'g') AS m LOOP
+        IF stmt ~ '\moutbox_ext\M' THEN
+            names_us := true;
+            cascade := cascade OR stmt ~ '\mcascade\M\s*$';
+        END IF;
+    END LOOP;
+    IF NOT names_us OR cascade OR allow IN ('on', 'true', 'yes', '1', 't', 'y', 'tr', 'tru', 'ye') THEN
         RETURN;
     END IF;
-    SELECT count(*) INTO n FROM outbox.event_queue e WHERE e.state <> 'dead';
+    SELECT count(*) INTO n FROM outbox.event_queue e;
     IF n > 0 THEN
-        RAISE EXCEPTION 'outbox: % undelivered events would be lost by DROP EXTENSION outbox_ext', n
+        RAISE EXCEPTION 'outbox: % undelivered events (pending, leased or dead) would be lost by DROP EXTENSION outbox_ext', n
             USING ERRCODE = '55006',
-                  HINT = 'Drain or cancel them first, or say DROP EXTENSION outbox_ext CASCADE, or SET outbox.allow_drop = on.';
+                  HINT = 'Drain, cancel or purge them first, or say DROP EXTENSION outbox_ext CASCADE, or SET outbox.allow_drop = on.';
     END IF;
 END
 $$;
 
 COMMENT ON FUNCTION outbox._drop_guard() IS
-'Event trigger function: refuses DROP EXTENSION outbox_ext (SQLSTATE 55006) while pending or leased events exist, unless CASCADE or outbox.allow_drop = on.';
+'Event trigger function: refuses DROP EXTENSION outbox_ext (SQLSTATE 55006) while pending, leased or dead events exist, unless the DROP EXTENSION statement says CASCADE or outbox.allow_drop = on.';
 
 CREATE EVENT TRIGGER outbox_drop_guard ON ddl_command_start
     WHEN TAG IN ('DROP EXTENSION')

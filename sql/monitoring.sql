@@ -60,6 +60,15 @@ DECLARE
     r record;
     w record;
 BEGIN
+    IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
+       OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
+        RAISE EXCEPTION 'outbox: health() thresholds must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF backlog_age < interval '0' OR backlog_age > interval '100 years'
+       OR xmin_warn < interval '0' OR xmin_warn > interval '100 years'
+       OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
+    END IF;
     -- 1. Backlog age (seed 000 alerts when pending events older than 60 s exceed 1,000).
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
@@ -144,4 +153,4 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical, after seed 000''s alert), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
-'dead_tuples (hot relation), background_worker (running, preloaded, serving this database). No errors beyond invalid interval input.';
+'dead_tuples (hot relation), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -11,7 +11,7 @@
 CREATE FUNCTION outbox._retention_guc(name text) RETURNS interval
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
-AS $$ SELECT pg_catalog.current_setting(name)::interval $$;
+AS $$ SELECT outbox._setting(name)::interval $$;
 
 CREATE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
@@ -31,7 +31,7 @@ BEGIN
     IF batch_size IS NULL OR batch_size < 1 THEN
         RAISE EXCEPTION 'outbox: batch_size must be at least 1, got %', pg_catalog.quote_nullable(batch_size) USING ERRCODE = '22023';
     END IF;
-    IF batch_size > pg_catalog.current_setting('outbox.max_batch_size')::integer THEN
+    IF batch_size > outbox._setting('outbox.max_batch_size')::integer THEN
         RAISE EXCEPTION 'outbox: batch size % exceeds outbox.max_batch_size', batch_size USING ERRCODE = '54000';
     END IF;
 
@@ -122,7 +122,6 @@ DECLARE
     n bigint;
 BEGIN
     removed := 0;
-    PERFORM outbox._purge_step('delivered', older_than, batch_size);  -- validates before any commit
     LOOP
         n := outbox._purge_step('delivered', older_than, batch_size);
         removed := removed OPERATOR(pg_catalog.+) n;

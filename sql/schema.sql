@@ -111,8 +111,9 @@ CREATE TABLE outbox.dispatch_keys (
 CREATE INDEX dispatch_keys_event_idx ON outbox.dispatch_keys (event_id);
 
 -- What the background worker's maintenance runs did.
+CREATE SEQUENCE outbox.maintenance_run_seq AS bigint;
 CREATE TABLE outbox.maintenance_runs (
-    run_id            bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    run_id            bigint PRIMARY KEY DEFAULT nextval('outbox.maintenance_run_seq'),
     started_at        timestamptz NOT NULL,
     finished_at       timestamptz,
     purged_delivered  bigint NOT NULL DEFAULT 0,
@@ -127,6 +128,7 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.event_archive', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.dispatch_keys', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_runs', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_id_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_run_seq', '');
 
 CREATE VIEW outbox.events AS
 SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,

@@ -136,7 +136,13 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             validate::lease_us("lease", &iv);
             iv.into_datum().unwrap()
         });
-        let filter = topic_filter(fcall::arg::<Vec<Option<String>>>(fcinfo, 3));
+        let topics = fcall::raw(fcinfo, 3).map(|d| {
+            fcall::array_elems(d, pg_sys::TEXTOID, "topics")
+                .into_iter()
+                .map(|e| e.and_then(|d| String::from_datum(d, false)))
+                .collect::<Vec<Option<String>>>()
+        });
+        let filter = topic_filter(topics);
         let default_lease = Interval::from_micros(gucs::default_lease_us());
         let now = pg_sys::GetCurrentTimestamp();
 

@@ -149,3 +149,32 @@ impl SetResult {
 pub unsafe fn finish_set(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }
 }
+
+/// Elements of a one-dimensional array datum (NULLs as None), without converting them.
+///
+/// # Safety
+/// `d` must be an array datum whose element type is `elem`.
+pub unsafe fn array_elems(d: pg_sys::Datum, elem: pg_sys::Oid, what: &str) -> Vec<Option<pg_sys::Datum>> {
+    unsafe {
+        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
+        let ndim = (*arr).ndim;
+        if ndim > 1 {
+            errors::raise(errors::INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
+        }
+        if ndim == 0 {
+            return Vec::new();
+        }
+        let mut typlen: i16 = 0;
+        let mut typbyval = false;
+        let mut typalign: std::ffi::c_char = 0;
+        pg_sys::get_typlenbyvalalign(elem, &mut typlen, &mut typbyval, &mut typalign);
+        let mut values: *mut pg_sys::Datum = std::ptr::null_mut();
+        let mut nulls: *mut bool = std::ptr::null_mut();
+        let mut n: i32 = 0;
+        pg_sys::deconstruct_array(arr, elem, typlen as i32, typbyval, typalign, &mut values, &mut nulls, &mut n);
+        (0..n as usize)
+            .map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) })
+            .collect()
+    }
+}
+

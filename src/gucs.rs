@@ -299,3 +299,25 @@ pub fn database() -> String {
         .and_then(|c| c.into_string().ok())
         .unwrap_or_else(|| "postgres".to_string())
 }
+
+/// `outbox._setting(name text) -> text`: the current value of an `outbox.*`
+/// setting, as SHOW prints it. SQL code calls this instead of current_setting()
+/// because calling it loads the library, which defines the settings: in a fresh
+/// session without preload, current_setting('outbox.x') would fail with
+/// "unrecognized configuration parameter" (a pg_cron job's first call is such a
+/// session). Errors: 22023 for a name outside `outbox.`.
+#[pg_extern(name = "_setting", stable, parallel_safe)]
+fn setting(name: &str) -> Option<String> {
+    if !name.starts_with("outbox.") {
+        crate::errors::raise(crate::errors::INVALID_PARAMETER, format!("{name:?} is not an outbox setting"));
+    }
+    let c = CString::new(name).ok()?;
+    unsafe {
+        let v = pg_sys::GetConfigOption(c.as_ptr(), true, false);
+        if v.is_null() {
+            None
+        } else {
+            Some(std::ffi::CStr::from_ptr(v).to_string_lossy().into_owned())
+        }
+    }
+}

@@ -29,7 +29,7 @@ pub mod worker;
 
 pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
-pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads]);
+pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, gucs::setting]);
 pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
 pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);

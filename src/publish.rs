@@ -81,6 +81,18 @@ fn check_registered(topic: &str) {
     }
 }
 
+const CHECK_HEADERS: Stmt = Stmt {
+    // jsonb_each never recurses, so hostile nesting cannot exhaust anything here
+    // (the jsonb input function already bounded it).
+    sql: "SELECT CASE WHEN jsonb_typeof($1) <> 'object' THEN 1 \
+                      WHEN EXISTS (SELECT 1 FROM jsonb_each($1) AS e WHERE jsonb_typeof(e.value) <> 'string') THEN 2 \
+                      ELSE 0 END, \
+                 (SELECT e.key FROM jsonb_each($1) AS e WHERE jsonb_typeof(e.value) <> 'string' ORDER BY e.key LIMIT 1), \
+                 CASE WHEN $2::text IS NOT NULL AND NOT $1 ? 'traceparent' \
+                      THEN $1 || jsonb_build_object('traceparent', $2::text) ELSE $1 END",
+    types: &[pg_sys::JSONBOID, pg_sys::TEXTOID],
+};
+
 /// Validate headers (a JSON object of string values) and add the session's
 /// traceparent when the caller gave none. Returns the datum to store.
 ///
@@ -96,19 +108,26 @@ unsafe fn prepare_headers(d: Option<pg_sys::Datum>) -> Option<pg_sys::Datum> {
         });
     };
     unsafe { validate::payload_size("headers", d) };
-    let value = unsafe { JsonB::from_datum(d, false) }.map(|j| j.0);
-    let Some(serde_json::Value::Object(mut map)) = value else {
-        errors::raise(INVALID_PARAMETER, "headers must be a JSON object");
-    };
-    if let Some((k, _)) = map.iter().find(|(_, v)| !v.is_string()) {
-        errors::raise(INVALID_PARAMETER, format!("header {k:?} must be a string"));
+    let (verdict, bad_key, headers) = plans::run(
+        &CHECK_HEADERS,
+        &[param(Some(d), pg_sys::JSONBOID), tp.clone().into()],
+        |t| {
+            let t = t.first();
+            let verdict: i32 = errors::spi(t.get(1)).unwrap_or(1);
+            let bad_key: Option<String> = errors::spi(t.get(2));
+            // Copy the (possibly new) jsonb out of SPI memory before SPI_finish.
+            let h: Option<JsonB> = if tp.is_some() { errors::spi(t.get(3)) } else { None };
+            (verdict, bad_key, h)
+        },
+    );
+    match verdict {
+        0 => {}
+        1 => errors::raise(INVALID_PARAMETER, "headers must be a JSON object"),
+        _ => errors::raise(INVALID_PARAMETER, format!("header {:?} must be a string", bad_key.unwrap_or_default())),
     }
-    match tp {
-        Some(tp) if !map.contains_key("traceparent") => {
-            map.insert("traceparent".into(), serde_json::Value::String(tp));
-            JsonB(serde_json::Value::Object(map)).into_datum()
-        }
-        _ => Some(d),
+    match headers {
+        Some(h) => h.into_datum(),
+        None => Some(d),
     }
 }
 
@@ -206,34 +225,6 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     }
 }
 
-/// Elements of a one-dimensional array datum (NULLs as None), without converting them.
-///
-/// # Safety
-/// `d` must be an array datum whose element type is `elem`.
-unsafe fn array_elems(d: pg_sys::Datum, elem: pg_sys::Oid, what: &str) -> Vec<Option<pg_sys::Datum>> {
-    unsafe {
-        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
-        let ndim = (*arr).ndim;
-        if ndim > 1 {
-            errors::raise(INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
-        }
-        if ndim == 0 {
-            return Vec::new();
-        }
-        let mut typlen: i16 = 0;
-        let mut typbyval = false;
-        let mut typalign: std::ffi::c_char = 0;
-        pg_sys::get_typlenbyvalalign(elem, &mut typlen, &mut typbyval, &mut typalign);
-        let mut values: *mut pg_sys::Datum = std::ptr::null_mut();
-        let mut nulls: *mut bool = std::ptr::null_mut();
-        let mut n: i32 = 0;
-        pg_sys::deconstruct_array(arr, elem, typlen as i32, typbyval, typalign, &mut values, &mut nulls, &mut n);
-        (0..n as usize)
-            .map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) })
-            .collect()
-    }
-}
-
 /// `outbox.publish_batch(topic, payloads jsonb[], subjects text[], dispatch_keys text[]) -> SETOF bigint`.
 ///
 /// # Safety
@@ -243,7 +234,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let topic: String = fcall::required(fcinfo, 0, "topic");
         validate::topic(&topic);
         let payloads_d = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
-        let payloads = array_elems(payloads_d, pg_sys::JSONBOID, "payloads");
+        let payloads = fcall::array_elems(payloads_d, pg_sys::JSONBOID, "payloads");
         if payloads.is_empty() {
             errors::raise(INVALID_PARAMETER, "payloads must not be empty");
         }
@@ -256,7 +247,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         }
         let text_array = |n: usize, what: &str| -> Option<Vec<Option<String>>> {
             let d = fcall::raw(fcinfo, n)?;
-            let elems = array_elems(d, pg_sys::TEXTOID, what);
+            let elems = fcall::array_elems(d, pg_sys::TEXTOID, what);
             if elems.len() != payloads.len() {
                 errors::raise(
                     INVALID_PARAMETER,
