@@ -118,6 +118,19 @@ def wait_for_worker(dsn, not_pid=None, timeout=15.0):
             time.sleep(0.05)
 
 
+def restart_preload_cluster(reason):
+    """Restart the preload cluster through scripts/pgcluster.sh (keeps the data).
+    Only possible when the harness says which cluster it is."""
+    name = os.environ.get("OUTBOX_TEST_CLUSTER_PRELOAD")
+    if not name or not Path(PGCLUSTER).exists():
+        return False
+    print(f"restarting cluster {name}: {reason}")
+    r = subprocess.run(["bash", PGCLUSTER, "restart", name], capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, f"restarting {name} failed: {r.stderr}"
+    wait_for_worker(DSN_PRELOAD)
+    return True
+
+
 @pytest.fixture
 def plain(plain_dsn):
     db = DB(plain_dsn, "plain")
@@ -151,9 +164,12 @@ class Listener:
         self._thread.start()
 
     def _run(self):
-        while not self._stop.is_set():
-            for n in self.conn.notifies(timeout=0.05):
-                self.q.put((n.payload, n.pid, time.monotonic()))
+        try:
+            while not self._stop.is_set():
+                for n in self.conn.notifies(timeout=0.05):
+                    self.q.put((n.payload, n.pid, time.monotonic()))
+        except psycopg.Error:
+            pass  # the server went away (a test restarted it): nothing more to hear
 
     def collect(self, window):
         """Every notification arriving within `window` seconds from now
@@ -300,9 +316,15 @@ _CRON = CronCluster()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    # The pg_cron test waits for a cron tick: run it last, so the wait overlaps
-    # with everything else.
-    items.sort(key=lambda it: 1 if it.get_closest_marker("cron_last") else 0)
+    # Tests that disrupt the preload cluster (killing its worker) go after the
+    # others; the pg_cron test waits for a cron tick, so it runs last and its
+    # wait overlaps with everything else.
+    def rank(it):
+        if it.get_closest_marker("cron_last"):
+            return 2
+        return 1 if it.get_closest_marker("disruptive") else 0
+
+    items.sort(key=rank)
 
 
 def pytest_collection_finish(session):
@@ -316,6 +338,7 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cron_last: uses the pg_cron cluster; run at the end")
+    config.addinivalue_line("markers", "disruptive: may leave the preload cluster without its worker; run late")
 
 
 @pytest.fixture

@@ -9,14 +9,13 @@ are also recorded as junit properties."""
 
 import os
 import statistics
-import subprocess
 import time
 from collections import Counter
 
 import psycopg
 import pytest
 
-from conftest import PGCLUSTER, Notices, connect, dsn_with_db, wait_for_worker
+from conftest import PGCLUSTER, Notices, connect, dsn_with_db, restart_preload_cluster, wait_for_worker
 
 # The worker sleeps at most 1 s between passes; a window a bit longer than that
 # catches anything it might still send.
@@ -180,14 +179,11 @@ def prepared_ok(preload_dsn):
         n = int(c.execute("SHOW max_prepared_transactions").fetchone()[0])
     if n > 0:
         return True
-    name = os.environ.get("OUTBOX_TEST_CLUSTER_PRELOAD")
-    if not name or not os.path.exists(PGCLUSTER):
+    if not os.environ.get("OUTBOX_TEST_CLUSTER_PRELOAD") or not os.path.exists(PGCLUSTER):
         pytest.skip("max_prepared_transactions = 0 on the preload cluster and no way to restart it")
     with connect(preload_dsn) as c:
         c.execute("ALTER SYSTEM SET max_prepared_transactions = 10")
-    r = subprocess.run(["bash", PGCLUSTER, "restart", name], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, f"restarting {name} failed: {r.stderr}"
-    wait_for_worker(preload_dsn)
+    assert restart_preload_cluster("max_prepared_transactions = 0")
     with connect(preload_dsn) as c:
         assert int(c.execute("SHOW max_prepared_transactions").fetchone()[0]) > 0
     return True
@@ -253,7 +249,24 @@ def test_prepared_transaction_in_transaction_mode_fails(prepared_ok, preload, li
 # ---------------------------------------------------------------------------
 # The background worker
 # ---------------------------------------------------------------------------
-def test_worker_restarts_after_terminate_and_wakeups_resume(preload, listen):
+@pytest.fixture
+def worker_back(preload_dsn):
+    """After a test that kills the worker: make sure one runs again, restarting
+    the cluster if the postmaster did not, so later tests are unaffected."""
+    yield
+    with connect(preload_dsn) as c:
+        deadline = time.monotonic() + 5
+        while c.execute("SELECT worker_pid FROM outbox.wakeup_status()").fetchone()[0] == 0:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        else:
+            return
+    restart_preload_cluster("the outbox worker did not come back")
+
+
+@pytest.mark.disruptive
+def test_worker_restarts_after_terminate_and_wakeups_resume(preload, listen, worker_back):
     lst = listen(preload.dsn)
     p = preload.conn()
     set_mode(p, "background")
