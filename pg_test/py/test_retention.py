@@ -116,6 +116,7 @@ def test_purge_never_removes_undelivered_events(plain):
     # Rows are compared, not the reported counts (those are
     # test_purge_commits_each_batch's business).
     hot = sorted(undelivered + dead_recent + dead_old + head)
+    assert ids_in(c, "SELECT id FROM outbox.event_archive") == sorted(delivered_old + delivered_new + cancelled)
     call_purge(c, "purge", "1 day", 2)
     assert ids_in(c, "SELECT id FROM outbox.event_archive") == sorted(delivered_new)
     call_purge(c, "purge", "0", 2)
