@@ -183,7 +183,7 @@ rm -f "$STAMP"
 # Unlink the old library first: cargo pgrx install rewrites the file in place, and
 # a running server that mapped it (a preloaded library) would crash on the new
 # bytes. Unlinked, the old inode lives on until those servers exit.
-rm -f "$($PG_CONFIG --pkglibdir)/outbox_ext.so"
+rm -f "$PKGLIBDIR/outbox_ext.so"
 (cd "$REPO" && cargo pgrx install --release --pg-config "$PG_CONFIG" </dev/null)
 [ -f "$PKGLIBDIR/outbox_ext.so" ] || die "install finished but $PKGLIBDIR/outbox_ext.so is missing"
 mkdir -p "$(dirname "$STAMP")"

@@ -1,0 +1,506 @@
+#!/usr/bin/env bash
+# THE test command: sets the machine up, runs every test suite, and ends with the
+# line "N passed, N failed" (N counts test cases: one per regress file, spec, pytest
+# test, #[pg_test], and suite script).
+#
+#   scripts/test.sh                    # everything
+#   scripts/test.sh SUITE[:FILTER] ... # only these suites, e.g.
+#       scripts/test.sh regress            pg_regress files  pg_test/sql/*.sql
+#       scripts/test.sh regress:claim      only pg_test/sql/claim.sql
+#       scripts/test.sh isolation[:NAME]   isolation specs   pg_test/specs/*.spec
+#       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
+#       scripts/test.sh pgrx[:NAME]        #[pg_test] unit tests via cargo pgrx test
+#       scripts/test.sh suites[:NAME]      pg_test/suites/*.sh (NAME = one script's name)
+#
+# Environment knobs:
+#   OUTBOX_SKIP_SETUP=1       do not run scripts/setup.sh (you just ran it)
+#   OUTBOX_TEST_TIMEOUT=1200  seconds allowed per suite script / pytest run
+#   OUTBOX_PGRX_TIMEOUT=2400  seconds allowed for cargo pgrx test (includes building)
+#
+# Clusters (see scripts/pgcluster.sh): "outbox-test" on port 5441 without preload
+# (regress, isolation, pytest), "outbox-test-preload" on port 5442 with
+# shared_preload_libraries='outbox_ext' (pytest, suites). All are stopped on exit.
+#
+# Results and logs are kept in target/test-results/ for inspection.
+set -uo pipefail # no -e: a failing suite is counted, not fatal
+
+SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
+# shellcheck source=scripts/pgenv.sh
+. "$SCRIPT_DIR/pgenv.sh" --
+PGCLUSTER="$SCRIPT_DIR/pgcluster.sh"
+export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
+
+TEST_DIR="$REPO/pg_test"
+RESULTS="$REPO/target/test-results"
+SUITE_TIMEOUT="${OUTBOX_TEST_TIMEOUT:-1200}"
+PGRX_TIMEOUT="${OUTBOX_PGRX_TIMEOUT:-2400}"
+
+PLAIN=outbox-test
+PLAIN_PORT=5441
+PRELOAD=outbox-test-preload
+PRELOAD_PORT=5442
+PGRX_PGDATA_PARENT=/tmp/outbox-pgrx-test
+PGRX_PGDATA="$PGRX_PGDATA_PARENT/data"
+
+PASSED=0
+FAILED=0
+FAILURES=() # "suite: what" lines repeated in the summary
+
+pass() { PASSED=$((PASSED + ${2:-1})); }
+fail() { FAILED=$((FAILED + ${2:-1})); FAILURES+=("$1"); }
+section() { printf '\n==== %s ====\n' "$*"; }
+
+# ---------------------------------------------------------------------------
+# Suite selection: no arguments = all suites.
+# ---------------------------------------------------------------------------
+ALL_SUITES=(regress isolation py pgrx suites)
+declare -A WANT=() FILTER=()
+if [ "$#" -eq 0 ]; then
+    for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
+else
+    for arg in "$@"; do
+        case "$arg" in
+            -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        esac
+        s="${arg%%:*}"
+        case " ${ALL_SUITES[*]} " in
+            *" $s "*) ;;
+            *) echo "test.sh: unknown suite '$s' (one of: ${ALL_SUITES[*]})" >&2; exit 2 ;;
+        esac
+        WANT[$s]=1
+        if [ "$arg" != "$s" ]; then FILTER[$s]="${arg#*:}"; fi
+    done
+fi
+want() { [ -n "${WANT[$1]:-}" ]; }
+
+# ---------------------------------------------------------------------------
+# One run at a time per machine: every run uses the same ports (5441/5442) and
+# cluster names, and installs into the same system PostgreSQL directories, so a
+# second run (another checkout, a colleague) waits instead of wrecking the first.
+# ---------------------------------------------------------------------------
+# The lock is held by a flock(1) process that runs this script again as its child;
+# -o keeps the lock's descriptor out of the child, so servers started below (which
+# may outlive a broken run) can never hold the lock and block every later run.
+LOCK_FILE="${OUTBOX_TEST_LOCK:-/tmp/outbox-test.lock}"
+if [ "${OUTBOX_TEST_LOCK_HELD:-}" != "$LOCK_FILE" ]; then
+    if ! flock -n -o "$LOCK_FILE" true; then
+        echo "test.sh: another scripts/test.sh run holds $LOCK_FILE; waiting for it"
+    fi
+    OUTBOX_TEST_LOCK_HELD="$LOCK_FILE" exec flock -o "$LOCK_FILE" bash "${BASH_SOURCE[0]}" "$@"
+fi
+
+# ---------------------------------------------------------------------------
+# Cleanup: every server we started is stopped, whatever happens.
+# ---------------------------------------------------------------------------
+STARTED=()
+stop_pgrx_cluster() {
+    # `cargo pgrx test` normally stops its server; if the test binary was killed
+    # (timeout), the server is left behind, so stop it here by its data directory.
+    # pgrx puts the data in --pgdata/<major>-<pid of the test binary>.
+    local pidfile pid
+    for pidfile in "$PGRX_PGDATA"/*/postmaster.pid; do
+        [ -f "$pidfile" ] || continue
+        pid="$(head -n 1 "$pidfile" 2>/dev/null || true)"
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+            (cd / && runuser -u postgres -- "$PG_BINDIR/pg_ctl" stop -D "$(dirname "$pidfile")" \
+                -m fast -w -t 60) >/dev/null 2>&1 || kill -9 "$pid" 2>/dev/null || true
+        fi
+    done
+}
+cleanup() {
+    local c
+    for c in "${STARTED[@]+"${STARTED[@]}"}"; do
+        "$PGCLUSTER" stop "$c" >/dev/null 2>&1 || true
+    done
+    STARTED=()
+    stop_pgrx_cluster
+}
+trap cleanup EXIT
+trap 'echo "test.sh: interrupted" >&2; exit 130' INT TERM
+
+summary_and_exit() {
+    cleanup
+    echo
+    if [ "${#FAILURES[@]}" -gt 0 ]; then
+        echo "Failures:"
+        printf '  %s\n' "${FAILURES[@]}"
+    fi
+    echo "$PASSED passed, $FAILED failed"
+    [ "$FAILED" -eq 0 ]
+    exit
+}
+
+# ---------------------------------------------------------------------------
+# Setup (tools + extension build/install). Nothing can run without it.
+# ---------------------------------------------------------------------------
+if [ "${OUTBOX_SKIP_SETUP:-0}" != "1" ]; then
+    section "setup"
+    setup_args=()
+    # The #[pg_test] suite installs its own build; the others need the release one.
+    if [ "${#WANT[@]}" -eq 1 ] && want pgrx; then setup_args+=(--deps-only); fi
+    if ! bash "$SCRIPT_DIR/setup.sh" "${setup_args[@]+"${setup_args[@]}"}" </dev/null; then
+        fail "setup: scripts/setup.sh failed (see above)"
+        summary_and_exit
+    fi
+fi
+
+rm -rf "$RESULTS"
+mkdir -p "$RESULTS"
+
+# ---------------------------------------------------------------------------
+# Cluster helpers
+# ---------------------------------------------------------------------------
+# start_cluster NAME PORT [pgcluster options]: (re)create a fresh cluster.
+start_cluster() {
+    local name="$1"
+    STARTED+=("$name")
+    # Only the first line ("running on port ..."); errors go to stderr anyway.
+    "$PGCLUSTER" start "$@" | sed -n 1p
+}
+
+# psql as the cluster superuser, failing on the first error.
+psql_on() {
+    local name="$1"
+    shift
+    "$PG_BINDIR/psql" -h "$(outbox_pg_sockdir "$name")" -p "$(outbox_pg_port "$name")" \
+        -U "$OUTBOX_PG_USER" -X -q -v ON_ERROR_STOP=1 "$@"
+}
+
+# fresh_db CLUSTER DB [with-extension]: drop and re-create DB from template0.
+fresh_db() {
+    psql_on "$1" -d postgres -c "SET client_min_messages = warning" \
+        -c "DROP DATABASE IF EXISTS \"$2\" WITH (FORCE)" \
+        -c "CREATE DATABASE \"$2\" TEMPLATE template0" || return 1
+    if [ "${3:-}" = "with-extension" ]; then
+        psql_on "$1" -d "$2" -c "CREATE EXTENSION outbox_ext" || return 1
+    fi
+}
+
+PLAIN_UP=0
+ensure_plain_cluster() {
+    [ "$PLAIN_UP" -eq 1 ] && return 0
+    if start_cluster "$PLAIN" "$PLAIN_PORT"; then
+        PLAIN_UP=1
+    else
+        return 1
+    fi
+}
+
+# Sorted list of test names: files DIR/*.EXT, minus the extension, optionally
+# filtered to names equal to FILTER.
+list_tests() {
+    local dir="$1" ext="$2" filter="${3:-}" f n
+    [ -d "$dir" ] || return 0
+    for f in "$dir"/*."$ext"; do
+        [ -e "$f" ] || continue
+        n="$(basename "$f" ."$ext")"
+        if [ -z "$filter" ] || [ "$n" = "$filter" ]; then echo "$n"; fi
+    done | LC_ALL=C sort
+}
+
+# A new test has no expected file yet: pg_regress still ran it (then failed on the
+# diff), so point at the output to review and copy.
+no_expected_hint() {
+    if [ ! -f "$TEST_DIR/expected/$1.out" ]; then
+        echo "  $1: no pg_test/expected/$1.out; review $2/results/$1.out and copy it there"
+    fi
+}
+
+# Show the diff of a failed pg_regress/pg_isolation_regress run.
+show_diffs() {
+    if [ -s "$1/regression.diffs" ]; then
+        sed 's/^/    /' "$1/regression.diffs" | head -n 200
+        cat "$1/regression.diffs" >>"$1/all.diffs"
+    fi
+}
+
+# ---------------------------------------------------------------------------
+# a. pg_regress: pg_test/sql/NAME.sql vs pg_test/expected/NAME.out
+# ---------------------------------------------------------------------------
+# Each test file gets a fresh, empty database and creates the extension itself,
+# so tests never depend on one another's leftovers. With pg_test/schedule, the
+# schedule runs in one pg_regress call on one database instead (for parallel
+# groups); then the tests share that database.
+run_regress() {
+    local tests out rc t
+    mapfile -t tests < <(list_tests "$TEST_DIR/sql" sql "${FILTER[regress]:-}")
+    if [ "${#tests[@]}" -eq 0 ] && { [ ! -f "$TEST_DIR/schedule" ] || [ -n "${FILTER[regress]:-}" ]; }; then
+        [ -n "${FILTER[regress]:-}" ] && fail "regress: no test named '${FILTER[regress]}'"
+        return 0
+    fi
+    section "regress (pg_regress, pg_test/sql)"
+    ensure_plain_cluster || { fail "regress: cluster $PLAIN did not start"; return 0; }
+    out="$RESULTS/regress"
+    mkdir -p "$out"
+    local -a common=(
+        --use-existing --inputdir="$TEST_DIR" --outputdir="$out"
+        --bindir="$PG_BINDIR" --host="$(outbox_pg_sockdir "$PLAIN")"
+        --port="$PLAIN_PORT" --user="$OUTBOX_PG_USER" --dbname=outbox_regress
+    )
+
+    if [ -f "$TEST_DIR/schedule" ] && [ -z "${FILTER[regress]:-}" ]; then
+        fresh_db "$PLAIN" outbox_regress || { fail "regress: could not create database"; return 0; }
+        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/regress/pg_regress" "${common[@]}" \
+            --schedule="$TEST_DIR/schedule" >"$out/pg_regress.log" 2>&1
+        rc=$?
+        grep -E '\.\.\. ' "$out/pg_regress.log" | sed 's/^/  /'
+        local ok bad
+        ok="$(grep -cE '\.\.\. +ok' "$out/pg_regress.log")"
+        bad="$(grep -cE '\.\.\. +(FAILED|failed)' "$out/pg_regress.log")"
+        pass "" "$ok"
+        if [ "$bad" -gt 0 ]; then
+            FAILED=$((FAILED + bad))
+            FAILURES+=("regress: $bad test(s) in pg_test/schedule (diffs: $out/regression.diffs)")
+        elif [ "$rc" -ne 0 ]; then
+            fail "regress: pg_regress exited $rc (log: $out/pg_regress.log)"
+            tail -n 20 "$out/pg_regress.log"
+        fi
+        [ "$rc" -eq 0 ] || show_diffs "$out"
+        return 0
+    fi
+
+    for t in "${tests[@]}"; do
+        if ! fresh_db "$PLAIN" outbox_regress >"$out/$t.db.log" 2>&1; then
+            cat "$out/$t.db.log"
+            fail "regress: $t (could not create database)"
+            continue
+        fi
+        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/regress/pg_regress" "${common[@]}" \
+            "$t" >"$out/$t.log" 2>&1
+        rc=$?
+        grep -E '\.\.\. ' "$out/$t.log" | sed 's/^/  /'
+        if [ "$rc" -eq 0 ]; then
+            pass
+        else
+            [ "$rc" -eq 124 ] && echo "  $t: timed out after ${SUITE_TIMEOUT}s"
+            no_expected_hint "$t" "$out"
+            fail "regress: $t"
+            show_diffs "$out"
+        fi
+    done
+}
+
+# ---------------------------------------------------------------------------
+# b. isolation: pg_test/specs/NAME.spec vs pg_test/expected/NAME.out
+# ---------------------------------------------------------------------------
+# Each spec runs on a fresh database in which outbox_ext is ALREADY created, so a
+# spec's setup only creates its own data (and its teardown removes it again for
+# the next permutation). A spec that must start without the extension (to test
+# CREATE EXTENSION itself) says so with a line "# outbox-test: no-extension".
+run_isolation() {
+    local specs out rc t mode
+    mapfile -t specs < <(list_tests "$TEST_DIR/specs" spec "${FILTER[isolation]:-}")
+    if [ "${#specs[@]}" -eq 0 ]; then
+        [ -n "${FILTER[isolation]:-}" ] && fail "isolation: no spec named '${FILTER[isolation]}'"
+        return 0
+    fi
+    section "isolation (pg_isolation_regress, pg_test/specs)"
+    ensure_plain_cluster || { fail "isolation: cluster $PLAIN did not start"; return 0; }
+    out="$RESULTS/isolation"
+    mkdir -p "$out"
+    for t in "${specs[@]}"; do
+        mode=with-extension
+        grep -q '^# *outbox-test: *no-extension' "$TEST_DIR/specs/$t.spec" && mode=""
+        if ! fresh_db "$PLAIN" outbox_isolation $mode >"$out/$t.db.log" 2>&1; then
+            cat "$out/$t.db.log"
+            fail "isolation: $t (could not create database${mode:+ with the extension})"
+            continue
+        fi
+        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/isolation/pg_isolation_regress" \
+            --use-existing --inputdir="$TEST_DIR" --outputdir="$out" \
+            --bindir="$PG_BINDIR" --host="$(outbox_pg_sockdir "$PLAIN")" \
+            --port="$PLAIN_PORT" --user="$OUTBOX_PG_USER" --dbname=outbox_isolation \
+            "$t" >"$out/$t.log" 2>&1
+        rc=$?
+        grep -E '\.\.\. ' "$out/$t.log" | sed 's/^/  /'
+        if [ "$rc" -eq 0 ]; then
+            pass
+        else
+            [ "$rc" -eq 124 ] && echo "  $t: timed out after ${SUITE_TIMEOUT}s"
+            no_expected_hint "$t" "$out"
+            fail "isolation: $t"
+            show_diffs "$out"
+        fi
+    done
+}
+
+# ---------------------------------------------------------------------------
+# Environment handed to pytest and suite scripts.
+# ---------------------------------------------------------------------------
+# OUTBOX_TEST_DSN / OUTBOX_TEST_DSN_PRELOAD point at database "postgres" on each
+# cluster, as superuser over TCP. The extension is NOT pre-created there: tests
+# run `CREATE EXTENSION IF NOT EXISTS outbox_ext` (or make their own database).
+# On the preload cluster, database "postgres" is also where a background worker
+# configured with the default outbox.database looks.
+export_cluster_env() {
+    export OUTBOX_TEST_DSN
+    OUTBOX_TEST_DSN="$(outbox_pg_dsn "$PLAIN" "$PLAIN_PORT" postgres)"
+    export OUTBOX_TEST_DSN_PRELOAD
+    OUTBOX_TEST_DSN_PRELOAD="$(outbox_pg_dsn "$PRELOAD" "$PRELOAD_PORT" postgres)"
+    # For suites that stop, crash or restart a server themselves
+    # (e.g. kill -9 the postmaster, then "$OUTBOX_PGCLUSTER" restart NAME).
+    export OUTBOX_PGCLUSTER="$PGCLUSTER"
+    export OUTBOX_TEST_CLUSTER="$PLAIN" OUTBOX_TEST_PORT="$PLAIN_PORT"
+    export OUTBOX_TEST_CLUSTER_PRELOAD="$PRELOAD" OUTBOX_TEST_PORT_PRELOAD="$PRELOAD_PORT"
+    export OUTBOX_TEST_PGDATA OUTBOX_TEST_PGDATA_PRELOAD
+    OUTBOX_TEST_PGDATA="$(outbox_pg_datadir "$PLAIN")"
+    OUTBOX_TEST_PGDATA_PRELOAD="$(outbox_pg_datadir "$PRELOAD")"
+    export OUTBOX_TEST_PYTHON="$REPO/.venv/bin/python"
+    export OUTBOX_REPO="$REPO" PG_BINDIR
+}
+
+# (Re)create both clusters from scratch; each failure is counted against $1.
+fresh_clusters() {
+    local who="$1" ok=0
+    if start_cluster "$PLAIN" "$PLAIN_PORT"; then PLAIN_UP=1; else fail "$who: cluster $PLAIN did not start"; ok=1; fi
+    if ! start_cluster "$PRELOAD" "$PRELOAD_PORT" --preload; then
+        fail "$who: cluster $PRELOAD (shared_preload_libraries=outbox_ext) did not start"
+        ok=1
+    fi
+    export_cluster_env
+    return "$ok"
+}
+
+# ---------------------------------------------------------------------------
+# c. pytest: pg_test/py (multi-connection client tests)
+# ---------------------------------------------------------------------------
+run_py() {
+    local dir="$TEST_DIR/py" out rc
+    # Only files pytest would collect count as tests.
+    if [ ! -d "$dir" ] || [ -z "$(find "$dir" -name 'test_*.py' -o -name '*_test.py' | head -n 1)" ]; then
+        return 0
+    fi
+    section "py (pytest, pg_test/py)"
+    fresh_clusters py || true
+    out="$RESULTS/py"
+    mkdir -p "$out"
+    local -a args=(-q -p no:cacheprovider --junitxml="$out/junit.xml" "$dir")
+    [ -n "${FILTER[py]:-}" ] && args+=(-k "${FILTER[py]}")
+    (cd "$REPO" && timeout -k 10 "$SUITE_TIMEOUT" "$REPO/.venv/bin/python" -m pytest "${args[@]}") </dev/null
+    rc=$?
+    # Count test cases from the JUnit report; fall back to one failure when
+    # pytest failed without producing one (collection error, timeout, ...).
+    local counts p=0 f=0
+    if [ -f "$out/junit.xml" ]; then
+        counts="$("$REPO/.venv/bin/python" - "$out/junit.xml" <<'EOF'
+import sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.findall("testsuite")
+t = sum(int(s.get("tests", 0)) for s in suites)
+f = sum(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+sk = sum(int(s.get("skipped", 0)) for s in suites)
+print(t - f - sk, f)
+EOF
+)" && read -r p f <<<"$counts"
+    fi
+    if [ "$rc" -eq 5 ]; then
+        # Exit 5 = no tests collected although test files exist: a broken suite
+        # (unless a -k filter legitimately matched nothing).
+        if [ -n "${FILTER[py]:-}" ]; then
+            fail "py: no test matched -k '${FILTER[py]}'"
+        else
+            fail "py: pytest collected no tests from $dir"
+        fi
+        return 0
+    fi
+    pass "" "$p"
+    if [ "$f" -gt 0 ]; then
+        FAILED=$((FAILED + f))
+        FAILURES+=("py: $f pytest test(s) failed (report: $out/junit.xml)")
+    elif [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 124 ] && echo "  pytest timed out after ${SUITE_TIMEOUT}s"
+        fail "py: pytest exited $rc"
+    fi
+}
+
+# ---------------------------------------------------------------------------
+# d. #[pg_test] unit tests: cargo pgrx test
+# ---------------------------------------------------------------------------
+# cargo-pgrx builds a test variant of the extension, installs it into Debian's
+# PostgreSQL (as root that needs no sudo) and runs its own temporary cluster.
+# initdb refuses root, hence --runas postgres (pgrx then uses sudo, so the sudo
+# package is required) and a --pgdata that postgres owns.
+# Note: the test build overwrites the installed release .so; setup.sh notices
+# (it keys its stamp on the installed file) and reinstalls on the next run.
+run_pgrx() {
+    [ -d "$REPO/src" ] || return 0
+    section "pgrx (cargo pgrx test pg15)"
+    stop_pgrx_cluster
+    rm -rf "$PGRX_PGDATA"
+    mkdir -p "$PGRX_PGDATA_PARENT"
+    chown postgres: "$PGRX_PGDATA_PARENT"
+    local out="$RESULTS/pgrx" rc
+    mkdir -p "$out"
+    # cargo-pgrx copies its test build over the installed library in place; a
+    # server elsewhere on this machine that has it mapped (preloaded) would crash.
+    # Unlinking first gives the copy a new inode (as setup.sh does).
+    rm -f "$("$PG_CONFIG" --pkglibdir)/outbox_ext.so"
+    local -a args=(pgrx test pg15 --runas postgres --pgdata "$PGRX_PGDATA")
+    [ -n "${FILTER[pgrx]:-}" ] && args+=("${FILTER[pgrx]}")
+    (cd "$REPO" && timeout -k 30 "$PGRX_TIMEOUT" cargo "${args[@]}") </dev/null 2>&1 | tee "$out/cargo-pgrx-test.log"
+    rc="${PIPESTATUS[0]}"
+    stop_pgrx_cluster
+    local p f
+    p="$(grep -oE '^test result: .* ([0-9]+) passed' "$out/cargo-pgrx-test.log" | grep -oE '[0-9]+ passed' | awk '{s+=$1} END {print s+0}')"
+    f="$(grep -oE '^test result: .*; ([0-9]+) failed' "$out/cargo-pgrx-test.log" | grep -oE '[0-9]+ failed' | awk '{s+=$1} END {print s+0}')"
+    pass "" "$p"
+    if [ "$f" -gt 0 ]; then
+        FAILED=$((FAILED + f))
+        FAILURES+=("pgrx: $f #[pg_test] test(s) failed (log: $out/cargo-pgrx-test.log)")
+    elif [ "$rc" -ne 0 ]; then
+        [ "$rc" -eq 124 ] && echo "  cargo pgrx test timed out after ${PGRX_TIMEOUT}s"
+        fail "pgrx: cargo pgrx test exited $rc (log: $out/cargo-pgrx-test.log)"
+    fi
+}
+
+# ---------------------------------------------------------------------------
+# e. suite scripts: pg_test/suites/NAME.sh (crash, soak, worker tests ...)
+# ---------------------------------------------------------------------------
+# Each script runs with bash, from the repo root, on two freshly created clusters
+# (it may crash or restart them), with the OUTBOX_TEST_* variables above. Its exit
+# code is the verdict; it counts as one test.
+run_suites() {
+    local names n rc out="$RESULTS/suites"
+    mapfile -t names < <(list_tests "$TEST_DIR/suites" sh "${FILTER[suites]:-}")
+    if [ "${#names[@]}" -eq 0 ]; then
+        [ -n "${FILTER[suites]:-}" ] && fail "suites: no script named '${FILTER[suites]}.sh'"
+        return 0
+    fi
+    mkdir -p "$out"
+    for n in "${names[@]}"; do
+        section "suite $n (pg_test/suites/$n.sh)"
+        if ! fresh_clusters "suite $n"; then
+            continue
+        fi
+        (cd "$REPO" && timeout -k 10 "$SUITE_TIMEOUT" bash "$TEST_DIR/suites/$n.sh") </dev/null 2>&1 |
+            tee "$out/$n.log"
+        rc="${PIPESTATUS[0]}"
+        if [ "$rc" -eq 0 ]; then
+            echo "  suite $n ... ok"
+            pass
+        else
+            [ "$rc" -eq 124 ] && echo "  suite $n timed out after ${SUITE_TIMEOUT}s"
+            echo "  suite $n ... FAILED (exit $rc)"
+            fail "suite: $n (exit $rc, log: $out/$n.log)"
+        fi
+    done
+}
+
+want regress && run_regress
+want isolation && run_isolation
+want py && run_py
+want suites && run_suites
+# Last: it replaces the installed extension with its test build.
+if want pgrx; then
+    run_pgrx
+    # Put the release build back, so that whatever uses this machine's PostgreSQL
+    # next (a developer's cluster, the next run) gets the real extension. Cheap:
+    # the release build is cached, setup.sh only copies and regenerates the SQL.
+    if [ "${OUTBOX_SKIP_SETUP:-0}" != "1" ] &&
+        ! bash "$SCRIPT_DIR/setup.sh" </dev/null >"$RESULTS/pgrx/reinstall-release.log" 2>&1; then
+        echo "test.sh: warning: reinstalling the release build failed (see $RESULTS/pgrx/reinstall-release.log)"
+    fi
+fi
+
+summary_and_exit
