@@ -1,7 +1,7 @@
 """Client processes: drain workers, PgQ consumers, publishers, e2e workers.
 
-Each runs in its own spawned process (no GIL sharing, no inherited libpq
-sockets), connects, waits on a shared barrier so all start together, and puts
+Each runs in its own process forked from a forkserver (no GIL sharing, no
+inherited libpq sockets), connects, waits on a shared barrier so all start together, and puts
 one result dict (or {"error": ...}) on the result queue. Times are
 time.monotonic_ns(): CLOCK_MONOTONIC is system-wide on Linux, so timestamps
 taken in different processes compare directly.
@@ -132,7 +132,9 @@ def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, noti
         offset = k / nconns
         while True:
             target = start + int((i + offset) / per_conn * 1e9)
-            if end is not None and target >= end:
+            # Duration-bound: a publisher that falls behind stops on time too (its
+            # achieved rate is reported), rather than catching up afterwards.
+            if end is not None and (target >= end or now_ns() >= end):
                 break
             if end is None and stop_evt.is_set():
                 break

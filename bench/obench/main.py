@@ -27,6 +27,7 @@ FULL = {
     "s1_clients": [1, 4, 16], "s1_seconds": 3,
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
+    "drain_cells": None,  # None = every (workers, batch) combination
     "subjects": 1000, "subject_batches": [100, 500], "subject_workers": [2, 4],
     "e2e_rates": [1000, 5000], "e2e_seconds": 5, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
@@ -35,13 +36,16 @@ FULL = {
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
 }
 
+# Quick: every scenario and target, smaller and shorter; fewer client counts and
+# drain cells (the full run has them all).
 QUICK = dict(FULL, **{
-    "s1_seconds": 1,
-    "s2_seconds": 1,
+    "s1_clients": [1, 16], "s1_seconds": 1,
+    "s2_seconds": 0.7,
     "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
+    "drain_cells": [(2, 100), (4, 500)],
     "subject_batches": [100], "subject_workers": [2],
-    "e2e_seconds": 2,
-    "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": [1000]},
+    "e2e_seconds": 1.5,
+    "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
     "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
     "steady_backlog": 10_000, "purge_rows": 100_000,
 })
@@ -115,12 +119,14 @@ def main(argv=None):
 
     signal.signal(signal.SIGTERM, on_term)
 
+    _wait_for_library(say)
+    so_start = _so_info()
     cluster = Cluster(f"/tmp/outbox-bench-{args.port}", args.port)
     ctx = None
     rc = 0
     load_start = _load()
     try:
-        say(f"creating cluster on port {args.port} in {cluster.root}")
+        say(f"creating cluster on port {args.port} in {cluster.root}; library: {so_start}")
         cluster.create()
         cluster.start()
         ctx = Ctx(cluster, prof, out_dir, say)
@@ -137,7 +143,7 @@ def main(argv=None):
             time.sleep(0.1)
         else:
             raise ClusterError("the outbox_ext background worker did not start")
-        settings = ctx.sql("SELECT name, setting, unit, source FROM pg_settings "
+        settings = ctx.sql("SELECT name, current_setting(name), NULL, source FROM pg_settings "
                            "WHERE source NOT IN ('default', 'override', 'client', 'session') ORDER BY name").fetchall()
         say("server settings: " + ", ".join(f"{n}={s}{(' ' + u) if u else ''}" for n, s, u, _ in settings))
         for sid, title, fn in SCENARIOS:
@@ -160,20 +166,9 @@ def main(argv=None):
     finally:
         if ctx is not None:
             try:
-                meta = {
-                    "date": date, "mode": "quick" if args.quick else "full",
-                    "elapsed": f"{time.monotonic() - started:.0f} s",
-                    "command": "bench/run " + " ".join(argv if argv is not None else sys.argv[1:]),
-                    "commit": _sh(["git", "rev-parse", "--short", "HEAD"]) + (" (dirty)" if _sh(["git", "status", "--porcelain", "--untracked-files=no"]) else ""),
-                    "ext_version": ctx.one("SELECT extversion FROM pg_extension WHERE extname = 'outbox_ext'"),
-                    "pgq_version": ctx.one("SELECT extversion FROM pg_extension WHERE extname = 'pgq'"),
-                    "so": _so_info(),
-                    "server_version": ctx.one("SELECT version()"),
-                    "machine": f"{os.cpu_count()} CPUs, {_sh(['uname', '-sr'])}",
-                    "load_start": load_start, "load_end": _load(),
-                    "settings": ctx.sql("SELECT name, setting, unit, source FROM pg_settings "
-                                        "WHERE source NOT IN ('default', 'override', 'client', 'session') ORDER BY name").fetchall(),
-                }
+                meta = _meta(ctx, args, argv, date, started, load_start)
+                if meta["so"] != so_start:
+                    meta["so"] = f"{so_start}; **replaced during the run**, now: {meta['so']}"
                 report.write_csv(ctx, os.path.join(out_dir, "results.csv"))
                 made = report.plots(ctx, out_dir)
                 report.write_markdown(ctx, os.path.join(out_dir, "report.md"), meta, made)
@@ -195,11 +190,65 @@ def main(argv=None):
     return rc
 
 
+def _q(ctx, sql, default="?"):
+    try:
+        return ctx.one(sql)
+    except Exception:
+        try:  # the admin session may have died with a scenario; try once more
+            ctx.admin = agents.connect(ctx.cluster.dsn())
+            return ctx.one(sql)
+        except Exception:
+            return default
+
+
+def _meta(ctx, args, argv, date, started, load_start):
+    try:
+        settings = ctx.sql("SELECT name, current_setting(name), NULL, source FROM pg_settings "
+                           "WHERE source NOT IN ('default', 'override', 'client', 'session') ORDER BY name").fetchall()
+    except Exception:
+        settings = []
+    dirty = _sh(["git", "status", "--porcelain", "--untracked-files=no"])
+    return {
+        "date": date, "mode": "quick" if args.quick else "full",
+        "elapsed": f"{time.monotonic() - started:.0f} s",
+        "command": "bench/run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "commit": _sh(["git", "rev-parse", "--short", "HEAD"]) + (" (dirty)" if dirty else ""),
+        "ext_version": _q(ctx, "SELECT extversion FROM pg_extension WHERE extname = 'outbox_ext'"),
+        "pgq_version": _q(ctx, "SELECT extversion FROM pg_extension WHERE extname = 'pgq'"),
+        "so": _so_info(),
+        "server_version": _q(ctx, "SELECT version()"),
+        "machine": f"{os.cpu_count()} CPUs, {_sh(['uname', '-sr'])}",
+        "load_start": load_start, "load_end": _load(),
+        "settings": settings,
+    }
+
+
+def _wait_for_library(say, path="/usr/lib/postgresql/15/lib/outbox_ext.so", seconds=180):
+    """A reinstall unlinks the library for a while; wait instead of failing."""
+    if os.path.exists(path):
+        return
+    say(f"{path} is missing (a reinstall in progress?); waiting up to {seconds} s")
+    for _ in range(seconds):
+        time.sleep(1)
+        if os.path.exists(path):
+            time.sleep(2)  # let the install finish writing the SQL files
+            return
+
+
+def _is_debug_build(path):
+    out = _sh(["readelf", "-S", "--wide", path])
+    if out:
+        return ".debug_info" in out
+    return os.path.getsize(path) > 20 * 1024 * 1024
+
+
 def _so_info():
     path = "/usr/lib/postgresql/15/lib/outbox_ext.so"
     try:
         st = os.stat(path)
-        return f"{path}, {st.st_size // 1024} KiB, built {datetime.datetime.fromtimestamp(st.st_mtime):%Y-%m-%d %H:%M}"
+        kind = "**DEBUG build: figures are not representative**" if _is_debug_build(path) else "release build"
+        return (f"{path}, {st.st_size // 1024} KiB, {kind}, "
+                f"installed {datetime.datetime.fromtimestamp(st.st_mtime):%Y-%m-%d %H:%M}")
     except OSError:
         return "?"
 

@@ -45,7 +45,11 @@ class Ctx:
         self.sections = []    # (title, markdown) in report order
         self.errors = []      # scenario failures (harness errors)
         self.series = {}      # data for plots
-        self.mp = mp.get_context("spawn")
+        # forkserver: children fork from a clean server that has psycopg imported
+        # already (a fresh interpreter per agent costs ~1 s on a busy machine), and
+        # none inherits a libpq socket from us.
+        self.mp = mp.get_context("forkserver")
+        self.mp.set_forkserver_preload(["obench.agents"])
         self.admin = agents.connect(cluster.dsn())
 
     # -- results -----------------------------------------------------------
