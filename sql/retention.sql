@@ -76,7 +76,7 @@ BEGIN
           INTO n, blocked FROM gone g;
         -- Purging a blocking dead letter unblocks its subject.
         IF blocked IS NOT NULL THEN
-            PERFORM outbox._promote_heads(blocked);
+            PERFORM outbox._promote_heads(blocked, false);
         END IF;
     ELSIF kind = 'heads' THEN
         -- Repair: a promotion done under REPEATABLE READ can miss an event that
@@ -88,7 +88,7 @@ BEGIN
                             WHERE p.subject = q.subject AND p.id < q.id
                               AND (p.state <> 'dead' OR p.blocks_subject));
         IF blocked IS NOT NULL THEN
-            n := outbox._promote_heads(blocked);
+            n := outbox._promote_heads(blocked, false);
         END IF;
     ELSE
         -- Keys whose events are gone, once they are older than the key window.

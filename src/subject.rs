@@ -36,6 +36,12 @@ const LOCK_MANY: Stmt = Stmt {
     types: &[pg_sys::TEXTARRAYOID],
 };
 
+const TRY_LOCK_MANY: Stmt = Stmt {
+    sql: "SELECT array_agg(s) FROM unnest($1::text[]) AS s \
+          WHERE pg_try_advisory_xact_lock(1869903970, hashtext(s))",
+    types: &[pg_sys::TEXTARRAYOID],
+};
+
 const PROMOTE: Stmt = Stmt {
     sql: "UPDATE outbox.event_queue q SET is_head = true \
             FROM (SELECT (SELECT min(p.id) FROM outbox.event_queue p \
@@ -72,10 +78,34 @@ pub fn promote(subjects: &[String]) -> usize {
     plans::count(&PROMOTE, &[list.into()])
 }
 
-/// `outbox._promote_heads(subjects text[]) -> integer`: the same, for the
-/// PL/pgSQL paths (cancel, purge_dead).
+/// Like [`promote`], but never waits: subjects whose lock a publisher holds are
+/// left for the maintenance repair (`outbox._purge_step('heads', ...)`). For
+/// retention, which must never block application transactions.
+pub fn promote_nowait(subjects: &[String]) -> usize {
+    if subjects.is_empty() {
+        return 0;
+    }
+    let mut list = subjects.to_vec();
+    list.sort();
+    list.dedup();
+    let locked: Vec<String> =
+        plans::run(&TRY_LOCK_MANY, &[list.into()], |t| crate::errors::spi(t.first().get_one::<Vec<String>>()))
+            .unwrap_or_default();
+    if locked.is_empty() {
+        return 0;
+    }
+    plans::count(&PROMOTE, &[locked.into()])
+}
+
+/// `outbox._promote_heads(subjects text[], wait boolean DEFAULT true) -> integer`:
+/// [`promote`] (or [`promote_nowait`]) for the PL/pgSQL paths (cancel, purge_dead,
+/// alter_topic, the heads repair).
 #[pg_extern(name = "_promote_heads", volatile, parallel_unsafe)]
-fn promote_heads(subjects: Option<Vec<Option<String>>>) -> i32 {
+fn promote_heads(subjects: Option<Vec<Option<String>>>, wait: default!(bool, true)) -> i32 {
     let list: Vec<String> = subjects.unwrap_or_default().into_iter().flatten().collect();
-    promote(&list) as i32
+    if wait {
+        promote(&list) as i32
+    } else {
+        promote_nowait(&list) as i32
+    }
 }

@@ -91,7 +91,12 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         "SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'pending' AND visible_at <= $2 \
          UNION SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'leased' AND visible_at <= $2 AND $1 IS NOT NULL"
     } else {
-        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1 AND visible_at <= $2"
+        // Only events that became claimable by the clock: delayed publishes
+        // (visible after they were published), retries and expired leases. An
+        // immediate publish was already announced by its own commit, in the mode
+        // its session chose.
+        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1 AND visible_at <= $2 \
+           AND (visible_at > published_at OR attempts > 0 OR state = 'leased')"
     };
     let next = Spi::connect(|c| {
         // The worker may start before CREATE EXTENSION (or after DROP EXTENSION).
@@ -306,8 +311,8 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         w.pid = 0;
     }
     log!("outbox_ext worker stopping");
-    if BackgroundWorker::sigterm_received() {
-        // Exit code 1: the postmaster restarts us after pg_terminate_backend.
-        unsafe { pg_sys::proc_exit(1) };
-    }
+    // Exit code 1 so that the postmaster restarts the worker after
+    // pg_terminate_backend; during a shutdown it restarts nothing anyway.
+    // (wait_latch() already consumed the SIGTERM flag, so it cannot be tested here.)
+    unsafe { pg_sys::proc_exit(1) };
 }
