@@ -19,8 +19,11 @@ from . import sql as S
 now_ns = time.monotonic_ns
 
 
-def connect(dsn, notify=None):
-    opts = f"-c outbox.notify={notify}" if notify else None
+def connect(dsn, notify=None, gucs=None):
+    settings = dict(gucs or {})
+    if notify:
+        settings["outbox.notify"] = notify
+    opts = " ".join(f"-c {k}={v}" for k, v in settings.items()) or None
     conn = psycopg.connect(dsn, autocommit=True, options=opts, prepare_threshold=0)
     # Payloads and tokens stay text on the client: parsing JSON would only add
     # client CPU that is the same for every system and blurs the comparison.
@@ -57,10 +60,10 @@ def _claim_ack(conn, system, worker, batch):
     return len(rows), acked, t_claim, ids
 
 
-def _drain_worker(*, barrier, dsn, system, wid, batch, total, counter, deadline_s):
+def _drain_worker(*, barrier, dsn, system, wid, batch, total, counter, deadline_s, gucs=None):
     """Claim/ack until at least `total` events were acked by all workers together
     and this worker has caught up (a claim returned less than a full batch)."""
-    conn = connect(dsn)
+    conn = connect(dsn, gucs=gucs)
     worker = f"bench-w{wid}"
     barrier.wait()
     t0 = now_ns()

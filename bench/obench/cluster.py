@@ -70,8 +70,13 @@ class Cluster:
     # -- lifecycle ---------------------------------------------------------
     def create(self):
         self.stop(quiet=True)
-        if os.path.exists(self.root):
-            shutil.rmtree(self.root)
+        for _ in range(20):  # a server that was just stopped may still be unlinking files
+            shutil.rmtree(self.root, ignore_errors=True)
+            if not os.path.exists(self.root):
+                break
+            time.sleep(0.5)
+        else:
+            raise ClusterError(f"cannot remove {self.root}")
         os.makedirs(self.sock)
         pg = pwd.getpwnam(PG_OS_USER)
         for d in (self.root, self.sock):

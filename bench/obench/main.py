@@ -28,6 +28,7 @@ FULL = {
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination
+    "drain_nokeep": True,  # also drain with outbox.keep_delivered = off (informational)
     "subjects": 1000, "subject_batches": [100, 500], "subject_workers": [2, 4],
     "e2e_rates": [1000, 5000], "e2e_seconds": 5, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
@@ -42,7 +43,7 @@ QUICK = dict(FULL, **{
     "s1_clients": [1, 16], "s1_seconds": 1,
     "s2_seconds": 0.7,
     "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
-    "drain_cells": [(2, 100), (4, 500)],
+    "drain_cells": [(2, 100), (4, 500)], "drain_nokeep": False,
     "subject_batches": [100], "subject_workers": [2],
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
