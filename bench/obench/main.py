@@ -130,6 +130,7 @@ def main(argv=None):
         say(f"creating cluster on port {args.port} in {cluster.root}; library: {so_start}")
         cluster.create()
         cluster.start()
+        cluster_lib = _so_stat()
         ctx = Ctx(cluster, prof, out_dir, say)
         ctx.sql(S.OUTBOX_SCHEMA)
         for stmt in S.PGQ_SCHEMA.split(";\n"):
@@ -152,14 +153,32 @@ def main(argv=None):
                 continue
             t = time.monotonic()
             say(f"scenario {title}")
-            try:
-                fn(ctx)
-            except Exception:
-                err = traceback.format_exc()
-                ctx.errors.append((title, err))
-                say(f"scenario {title} FAILED:\n{err}")
-                ctx.admin.close()
-                ctx.admin = agents.connect(cluster.dsn())
+            for attempt in (1, 2):
+                marks = (len(ctx.rows), len(ctx.targets), len(ctx.sections))
+                if _so_stat() != cluster_lib:
+                    cluster_lib = _restart_on_new_library(ctx, cluster, say)
+                try:
+                    fn(ctx)
+                    break
+                except Exception:
+                    err = traceback.format_exc()
+                    # Someone reinstalled the extension under the running server:
+                    # restart it on the new library and run the scenario again (once).
+                    if _so_stat() != cluster_lib:
+                        cluster_lib = _restart_on_new_library(ctx, cluster, say)
+                        if attempt == 1:
+                            del ctx.rows[marks[0]:], ctx.targets[marks[1]:], ctx.sections[marks[2]:]
+                            ctx.retried.append(title)
+                            say(f"scenario {title}: retrying on the new library")
+                            continue
+                    ctx.errors.append((title, err))
+                    say(f"scenario {title} FAILED:\n{err}")
+                    try:
+                        ctx.admin.close()
+                    except Exception:
+                        pass
+                    ctx.admin = agents.connect(cluster.dsn())
+                    break
             say(f"scenario {title} took {time.monotonic() - t:.0f}s")
     except BaseException as e:  # noqa: BLE001
         say(f"harness failed: {e!r}\n{traceback.format_exc()}")
@@ -241,6 +260,32 @@ def _is_debug_build(path):
     if out:
         return ".debug_info" in out
     return os.path.getsize(path) > 20 * 1024 * 1024
+
+
+def _restart_on_new_library(ctx, cluster, say):
+    say("the outbox_ext library was replaced; restarting the cluster on the new one")
+    _wait_for_library(say)
+    try:
+        ctx.admin.close()
+    except Exception:
+        pass
+    cluster.stop()
+    cluster.start()
+    ctx.admin = agents.connect(cluster.dsn())
+    # The new build may come with new SQL (columns, functions): install it afresh.
+    ctx.sql("SET outbox.allow_drop = on")
+    ctx.sql("DROP EXTENSION outbox_ext CASCADE")
+    ctx.sql(S.OUTBOX_SCHEMA)
+    ctx.sql("RESET outbox.allow_drop")
+    return _so_stat()
+
+
+def _so_stat(path="/usr/lib/postgresql/15/lib/outbox_ext.so"):
+    try:
+        st = os.stat(path)
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        return None
 
 
 def _so_info():

@@ -48,6 +48,10 @@ def write_markdown(ctx, path, meta, plots):
     met = sum(t["met"] for t in ctx.targets)
     out.append("")
     out.append(f"{met} of {len(ctx.targets)} targets met.")
+    if ctx.retried:
+        out.append("")
+        out.append("The extension library was replaced while these scenarios ran; the cluster was restarted "
+                   "and they were run again: " + ", ".join(ctx.retried) + ".")
     if ctx.errors:
         out.append("")
         out.append("## Harness errors")

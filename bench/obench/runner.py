@@ -45,6 +45,7 @@ class Ctx:
         self.sections = []    # (title, markdown) in report order
         self.errors = []      # scenario failures (harness errors)
         self.series = {}      # data for plots
+        self.retried = []     # scenarios re-run after the library was replaced
         # forkserver: children fork from a clean server that has psycopg imported
         # already (a fresh interpreter per agent costs ~1 s on a busy machine), and
         # none inherits a libpq socket from us.

@@ -618,7 +618,8 @@ def s6_xmin(ctx):
     for v in ("no_hold", "held_xmin"):
         md += (f"| {v} | {_fmt(ctx.med('s6_xmin', v, prm, 'events_per_s'))} | "
                f"{_fmt(ctx.med('s6_xmin', v, prm, 'n_dead_tup'))} | {_fmt(ctx.med('s6_xmin', v, prm, 'publisher_rate'))} |\n")
-    md += f"\nheld / not held = **{_fmt(r, 2)}x** (target >= 0.8x)\n\n" + _code(S.HOLD_XMIN)
+    md += (f"\nheld / not held = **{_fmt(r, 2)}x** (target >= 0.8x)\n\nThe holding session:\n\n" + _code(S.HOLD_XMIN)
+           + "Workers run the outbox claim and ack of scenario 3; the publisher runs the outbox publish of scenario 4.\n")
     ctx.section("6b. Drain while a snapshot is held", md)
     ctx.target("6b", "drain throughput with a held REPEATABLE READ snapshot / without", r, ">=", 0.8)
 
@@ -654,7 +655,8 @@ def s6_purge(ctx):
           f"| purge | {_fmt(w)} | {_fmt(ctx.med('s6_purge', 'purge', prm, 'publisher_rate'))} | "
           f"{_fmt(ctx.med('s6_purge', 'purge', prm, 'purge_seconds'), 1)} | "
           f"{_fmt(100 * (ctx.med('s6_purge', 'purge', prm, 'purge_overlap') or 0))}% |\n\n"
-          f"with purge / without = **{_fmt(r, 2)}x** (target >= 0.85x)\n\n" + _code(S.PURGE))
+          f"with purge / without = **{_fmt(r, 2)}x** (target >= 0.85x)\n\n" + _code(S.PURGE)
+          + "Workers and publisher as in 6b. The delivered events to purge are loaded with the statement of 6a.\n")
     ctx.section("6c. Drain during a purge", md)
     ctx.target("6c", f"drain throughput during a purge of {arch:,} delivered rows / without", r, ">=", 0.85)
 
