@@ -9,8 +9,8 @@
 #   OUTBOX_PYTHON=python3    interpreter used to create .venv
 #
 # A fresh CI machine has none of the tools, so each step checks first and only then
-# installs. Must run as root (apt, and `cargo pgrx install` writes into the system
-# PostgreSQL directories), or with passwordless sudo for apt.
+# installs. Must run as root (apt, and the extension install writes into the system
+# PostgreSQL directories).
 set -euo pipefail
 
 SCRIPT_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -31,8 +31,7 @@ done
 log() { echo "setup: $*"; }
 die() { echo "setup: ERROR: $*" >&2; exit 1; }
 
-SUDO=""
-if [ "$(id -u)" -ne 0 ]; then SUDO="sudo -n"; fi
+[ "$(id -u)" -eq 0 ] || die "run as root (apt-get, and the install writes into the system PostgreSQL)"
 
 # Keep cargo's binaries reachable even when the caller's PATH lacks them
 # (CI runs with a plain environment).
@@ -68,8 +67,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
     log "installing apt packages: ${missing[*]}"
     apt_log="$(mktemp /tmp/outbox-setup-apt.XXXXXX.log)"
     # apt-get update only when something is missing: it is the slow part.
-    if ! { $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update &&
-        $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+    if ! { env DEBIAN_FRONTEND=noninteractive apt-get update &&
+        env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
             "${missing[@]}"; } </dev/null >"$apt_log" 2>&1; then
         tail -n 40 "$apt_log" >&2
         die "apt-get failed (full log: $apt_log)"
@@ -178,13 +177,11 @@ if [ "${OUTBOX_FORCE_INSTALL:-0}" != "1" ] && [ -f "$STAMP" ] &&
     exit 0
 fi
 
-log "cargo pgrx install --release --pg-config $PG_CONFIG"
+log "building and installing (scripts/install-ext.sh: cargo pgrx package, then atomic renames)"
 rm -f "$STAMP"
-# Unlink the old library first: cargo pgrx install rewrites the file in place, and
-# a running server that mapped it (a preloaded library) would crash on the new
-# bytes. Unlinked, the old inode lives on until those servers exit.
-rm -f "$PKGLIBDIR/outbox_ext.so"
-(cd "$REPO" && cargo pgrx install --release --pg-config "$PG_CONFIG" </dev/null)
+# Not `cargo pgrx install`: it rewrites the installed library in place, which
+# crashes running servers that have it mapped (see scripts/install-ext.sh).
+bash "$SCRIPT_DIR/install-ext.sh" --pg-config "$PG_CONFIG" </dev/null
 [ -f "$PKGLIBDIR/outbox_ext.so" ] || die "install finished but $PKGLIBDIR/outbox_ext.so is missing"
 mkdir -p "$(dirname "$STAMP")"
 echo "$(source_hash) $(installed_hash)" >"$STAMP"

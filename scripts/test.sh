@@ -432,13 +432,13 @@ run_pgrx() {
     chown postgres: "$PGRX_PGDATA_PARENT"
     local out="$RESULTS/pgrx" rc
     mkdir -p "$out"
-    # cargo-pgrx copies its test build over the installed library in place; a
-    # server elsewhere on this machine that has it mapped (preloaded) would crash.
-    # Unlinking first gives the copy a new inode (as setup.sh does).
-    rm -f "$("$PG_CONFIG" --pkglibdir)/outbox_ext.so"
     local -a args=(pgrx test pg15 --runas postgres --pgdata "$PGRX_PGDATA")
     [ -n "${FILTER[pgrx]:-}" ] && args+=("${FILTER[pgrx]}")
-    (cd "$REPO" && timeout -k 30 "$PGRX_TIMEOUT" cargo "${args[@]}") </dev/null 2>&1 | tee "$out/cargo-pgrx-test.log"
+    # CARGO_PGRX: the test framework installs its build through this command;
+    # install-ext.sh does that without rewriting the installed library in place
+    # (which would crash other servers on this machine that have it mapped).
+    (cd "$REPO" && CARGO_PGRX="$SCRIPT_DIR/install-ext.sh" \
+        timeout -k 30 "$PGRX_TIMEOUT" cargo "${args[@]}") </dev/null 2>&1 | tee "$out/cargo-pgrx-test.log"
     rc="${PIPESTATUS[0]}"
     stop_pgrx_cluster
     local p f
