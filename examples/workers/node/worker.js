@@ -357,7 +357,8 @@ class Worker {
       try {
         await this.handler(ev);
       } catch (e) {
-        const text = (e && e.message) || String(e) || 'error';
+        // PostgreSQL text cannot hold NUL; the extension keeps 8 kB anyway.
+        const text = String((e && e.message) || e || 'error').replace(/\0/g, '').slice(0, 8000);
         if (e && e.permanent) {
           const st = await this.settle('SELECT outbox.fail($1::bigint, $2::uuid, $3::text, NULL, true)', [ev.id, ev.leaseToken, text]);
           return st === 'dead' ? 'dead' : 'stale';

@@ -156,6 +156,11 @@ def load_handler(cfg):
 
 # ---------------------------------------------------------------- database
 
+def error_text(e):
+    # PostgreSQL text cannot hold NUL; the extension keeps 8 kB anyway.
+    return (str(e) or type(e).__name__).replace("\x00", "")[:8000]
+
+
 class Lost(Exception):
     """The connection dropped and the deadline to retry has passed."""
 
@@ -311,13 +316,13 @@ class Worker:
                 self.handler(ev)
             except PermanentError as e:
                 state = self.settle("SELECT outbox.fail(%s, %s, %s, NULL, true)",
-                                    (ev.id, ev.lease_token, str(e) or type(e).__name__))
+                                    (ev.id, ev.lease_token, error_text(e)))
                 return "dead" if state == "dead" else "stale"
             except Exception as e:  # noqa: BLE001 - any handler error is transient
                 retry = self.cfg.retry_in
                 state = self.settle(
                     "SELECT outbox.fail(%s, %s, %s, make_interval(secs => %s))",
-                    (ev.id, ev.lease_token, str(e) or type(e).__name__, retry))
+                    (ev.id, ev.lease_token, error_text(e), retry))
                 return {"pending": "retry", "dead": "dead"}.get(state, "stale")
             acked = self.settle("SELECT outbox.ack(%s, %s)", (ev.id, ev.lease_token))
             self.record(ev, started, acked)

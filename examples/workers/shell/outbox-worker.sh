@@ -64,10 +64,11 @@ else
 fi
 
 sql_literal() { printf "'%s'" "${1//\'/\'\'}"; }
-# Arbitrary text (error messages) goes to SQL hex-encoded: no quoting to get wrong.
+# Arbitrary text (error messages) goes to SQL hex-encoded: no quoting to get
+# wrong. iconv -c drops invalid UTF-8, which convert_from would reject.
 sql_text() {
     local hex
-    hex="$(printf '%s' "$1" | od -An -v -tx1 | tr -d ' \n')"
+    hex="$(printf '%s' "$1" | iconv -c -f UTF-8 -t UTF-8 2>/dev/null | od -An -v -tx1 | tr -d ' \n')"
     printf "convert_from(decode('%s', 'hex'), 'UTF8')" "$hex"
 }
 json_string() {

@@ -85,6 +85,11 @@ fn first_line(e: &dyn std::fmt::Display) -> String {
     e.to_string().lines().next().unwrap_or("").to_string()
 }
 
+/// PostgreSQL text cannot hold NUL; the extension keeps 8 kB anyway.
+fn clean_error(msg: &str) -> String {
+    msg.replace('\0', "").chars().take(8000).collect()
+}
+
 /// postgres::Error displays only "db error" for server errors: show the message.
 fn pg_error(e: &postgres::Error) -> String {
     match e.as_db_error() {
@@ -428,6 +433,7 @@ impl Worker {
                     Ok(if acked { "acked" } else { "stale" })
                 }
                 Err(HandlerError::Permanent(msg)) => {
+                    let msg = clean_error(&msg);
                     let st: String = self.settle(
                         "SELECT outbox.fail($1::bigint, $2::text::uuid, $3::text, NULL, true)",
                         &[&ev.id, &ev.lease_token, &msg],
@@ -435,6 +441,7 @@ impl Worker {
                     Ok(if st == "dead" { "dead" } else { "stale" })
                 }
                 Err(HandlerError::Transient(msg)) => {
+                    let msg = clean_error(&msg);
                     let st: String = self.settle(
                         "SELECT outbox.fail($1::bigint, $2::text::uuid, $3::text, make_interval(secs => $4::float8))",
                         &[&ev.id, &ev.lease_token, &msg, &self.cfg.retry_in],
