@@ -33,7 +33,7 @@ FULL = {
     "e2e_rates": [1000, 5000], "e2e_seconds": 5, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
     "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
-    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000,
+    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 20,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
 }
 
@@ -48,7 +48,7 @@ QUICK = dict(FULL, **{
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
     "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
-    "steady_backlog": 10_000, "purge_rows": 100_000,
+    "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
 })
 
 SCENARIOS = [
