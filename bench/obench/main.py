@@ -24,16 +24,17 @@ E2E_SYSTEMS = [
 
 FULL = {
     "reps": 3,
-    "s1_clients": [1, 4, 16], "s1_seconds": 3,
+    "s1_clients": [1, 4, 16], "s1_seconds": 2,
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination
-    "drain_nokeep": True,  # also drain with outbox.keep_delivered = off (informational)
-    "subjects": 1000, "subject_batches": [100, 500], "subject_workers": [2, 4],
-    "e2e_rates": [1000, 5000], "e2e_seconds": 5, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
+    # also drain with outbox.keep_delivered = off in these cells (informational)
+    "drain_nokeep_cells": [(2, 100), (4, 100)],
+    "subjects": 1000, "subject_cells": [(2, 100), (4, 500)],
+    "e2e_rates": [1000, 5000], "e2e_seconds": 4, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
     "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
-    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 20,
+    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 10,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
 }
 
@@ -43,8 +44,8 @@ QUICK = dict(FULL, **{
     "s1_clients": [1, 16], "s1_seconds": 1,
     "s2_seconds": 0.7,
     "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
-    "drain_cells": [(2, 100), (4, 500)], "drain_nokeep": False,
-    "subject_batches": [100], "subject_workers": [2],
+    "drain_cells": [(2, 100), (4, 500)], "drain_nokeep_cells": [],
+    "subject_cells": [(2, 100)],
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
     "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
