@@ -57,7 +57,13 @@ json_unescape() {
             r) out+=$'\r' ;;
             b) out+=$'\b' ;;
             f) out+=$'\f' ;;
-            u) hex="${s:0:4}"; s="${s:4}"; printf -v ch "\\u$hex"; out+="$ch" ;;
+            u)
+                hex="${s:0:4}"
+                s="${s:4}"
+                # shellcheck disable=SC2059 # the format is the \uXXXX escape itself
+                printf -v ch "\\u$hex"
+                out+="$ch"
+                ;;
             *) out+="$c" ;;
         esac
     done

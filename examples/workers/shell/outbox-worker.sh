@@ -99,7 +99,7 @@ topic_wanted() {
 
 # ------------------------------------------------------------------ handlers
 
-# shellcheck source=examples/workers/shell/handlers.sh
+# shellcheck source-path=SCRIPTDIR source=handlers.sh
 . "$HERE/handlers.sh"
 case "$HANDLER" in
     stdout | webhook | test) HANDLER_FN="handle_$HANDLER" ;;
@@ -179,7 +179,7 @@ run_sql() {
     SQLERR=""
     [ "$SESSION_UP" -eq 1 ] || return 2
     if ! printf '%s\n' "\\o '$OUT_FILE'" "$1;" '\o' \
-        "\\echo $marker :ERROR :LAST_ERROR_SQLSTATE :LAST_ERROR_MESSAGE" >&"$PSQL_IN" 2>/dev/null; then
+        "\\echo $marker :ERROR :LAST_ERROR_SQLSTATE :LAST_ERROR_MESSAGE" 1>&"$PSQL_IN" 2>/dev/null; then
         log "worker=$NAME connection lost"
         stop_session
         return 2
@@ -273,6 +273,7 @@ OUT_FILE="$WORK/out"
 mkfifo "$WORK/done" "$WORK/idle"
 exec {DONE_FD}<>"$WORK/done" # handlers report "index exit-code" here
 exec {IDLE_FD}<>"$WORK/idle" # never written: `read -t` on it is an interruptible sleep
+# shellcheck disable=SC2317 # called by the EXIT trap
 cleanup() { stop_session; rm -rf "$WORK"; }
 trap cleanup EXIT
 NAME_JSON="$(json_string "$NAME")"
@@ -291,9 +292,10 @@ start_handler() { # index
         set +o pipefail # a handler need not read all of its stdin
         export OUTBOX_EVENT_ID="${E_ID[i]}" OUTBOX_TOPIC="${E_TOPIC[i]}" OUTBOX_ATTEMPT="${E_ATTEMPT[i]}" \
             OUTBOX_SUBJECT="${E_SUBJ[i]}" OUTBOX_SUBJECT_JSON="${E_SUBJ_JSON[i]}" OUTBOX_DISPATCH_KEY="${E_DK[i]}"
+        # shellcheck disable=SC2034 # read by the handler functions
         PAYLOAD="${E_PAYLOAD[i]}"
         "$HANDLER_FN" 2>"$WORK/$i.err"
-        echo "$i $?" >&"$DONE_FD"
+        echo "$i $?" 1>&"$DONE_FD"
     ) &
     E_PID[i]=$!
     RUNNING[$i]=1
@@ -379,7 +381,7 @@ reap_vanished() {
         kill -0 "${E_PID[i]}" 2>/dev/null || gone+=("$i")
     done
     [ "${#gone[@]}" -gt 0 ] || return 0
-    while read_done 1000; do on_done ${DONE_LINE}; done
+    while read_done 1000; do on_done "${DONE_LINE% *}" "${DONE_LINE#* }"; done
     for i in "${gone[@]}"; do
         [ -n "${RUNNING[$i]:-}" ] && echo "handler process vanished" >"$WORK/$i.err" && on_done "$i" 137
     done
@@ -414,7 +416,7 @@ process_batch() {
         wait_us=$((hb_due - ${EPOCHREALTIME/./}))
         [ "$wait_us" -ge 1000 ] || wait_us=1000
         if read_done "$wait_us"; then
-            on_done ${DONE_LINE}
+            on_done "${DONE_LINE% *}" "${DONE_LINE#* }"
         fi
         if [ "${EPOCHREALTIME/./}" -ge "$hb_due" ]; then
             heartbeat
