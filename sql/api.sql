@@ -43,7 +43,7 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 'Publish many events of one topic in one call, in the caller''s transaction; returns their ids (SETOF bigint) in input order. '
 'Arguments: topic as in publish; payloads (jsonb[], 1..outbox.max_batch_size elements, none NULL); subjects and dispatch_keys (NULL, or arrays of the same length whose elements may be NULL). '
 'Same validation and semantics as publish: per-subject order follows input order, a repeated dispatch key (in the batch or already retained) returns the first event''s id. '
-'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large; P0002 strict topics. '
+'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large or more than 1000 distinct subjects (each holds an advisory lock until commit); P0002 strict topics. '
 'Follows pgmq send_batch.';
 
 CREATE FUNCTION outbox.claim(

@@ -36,15 +36,17 @@ BEGIN
     END IF;
 
     IF kind = 'delivered' THEN
+        -- Rows are deleted by ctid (stable while the FOR UPDATE lock is held): the
+        -- archive has no btree on id, and a join on id would scan it per batch.
         WITH victims AS (
-            SELECT a.id FROM outbox.event_archive a
+            SELECT a.ctid AS tid FROM outbox.event_archive a
               LEFT JOIN outbox.topics t ON t.topic = a.topic
              WHERE a.finished_at < pg_catalog.clock_timestamp()
                    - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
              LIMIT batch_size
                FOR UPDATE OF a SKIP LOCKED
         ), gone AS (
-            DELETE FROM outbox.event_archive a USING victims v WHERE a.id = v.id
+            DELETE FROM outbox.event_archive a WHERE a.ctid = ANY (ARRAY(SELECT v.tid FROM victims v))
             RETURNING a.id, a.dispatch_key
         ), keys AS (
             DELETE FROM outbox.dispatch_keys k USING gone g
@@ -64,7 +66,7 @@ BEGIN
                FOR UPDATE OF q SKIP LOCKED
         ), gone AS (
             -- The state test is repeated: a replay may have won the row meanwhile.
-            DELETE FROM outbox.event_queue q USING victims v WHERE q.id = v.id AND q.state = 'dead'
+            DELETE FROM outbox.event_queue q WHERE q.id = ANY (ARRAY(SELECT v.id FROM victims v)) AND q.state = 'dead'
             RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
         ), keys AS (
             DELETE FROM outbox.dispatch_keys k USING gone g

@@ -46,15 +46,17 @@ const ACK_DROP: Stmt = Stmt {
 };
 
 const ACK_BATCH_DROP: Stmt = Stmt {
-    sql: "DELETE FROM outbox.event_queue q USING unnest($1::bigint[], $2::uuid[]) AS u(id, tok) \
-          WHERE q.id = u.id AND q.lease_token = u.tok AND q.state = 'leased' RETURNING q.subject",
+    sql: "DELETE FROM outbox.event_queue q WHERE q.id = ANY ($1) AND q.state = 'leased' \
+            AND q.lease_token = ($2)[array_position($1, q.id)] RETURNING q.subject",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };
 
 const ACK_BATCH: Stmt = Stmt {
     sql: archive_from!(
-        "DELETE FROM outbox.event_queue q USING unnest($1::bigint[], $2::uuid[]) AS u(id, tok) \
-         WHERE q.id = u.id AND q.lease_token = u.tok AND q.state = 'leased'"
+        // id = ANY drives primary-key lookups whatever the statistics say; a join
+        // with unnest() could turn into a scan of every leased row per ack.
+        "DELETE FROM outbox.event_queue q WHERE q.id = ANY ($1) AND q.state = 'leased' \
+           AND q.lease_token = ($2)[array_position($1, q.id)]"
     ),
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };

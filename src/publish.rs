@@ -81,6 +81,9 @@ fn check_registered(topic: &str) {
     }
 }
 
+/// Most distinct subjects one publish_batch call may lock (SQLSTATE 54000 above).
+pub const MAX_BATCH_SUBJECTS: usize = 1000;
+
 const CHECK_HEADERS: Stmt = Stmt {
     // jsonb_each never recurses, so hostile nesting cannot exhaust anything here
     // (the jsonb input function already bounded it).
@@ -268,7 +271,18 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 
         let out = fcall::SetResult::begin(fcinfo);
         if let Some(subjects) = &subjects {
-            let list: Vec<String> = subjects.iter().flatten().cloned().collect();
+            let mut list: Vec<String> = subjects.iter().flatten().cloned().collect();
+            list.sort();
+            list.dedup();
+            // One advisory lock per distinct subject lives in the shared lock table
+            // until commit; past this many, a batch could exhaust it for everyone.
+            if list.len() > MAX_BATCH_SUBJECTS {
+                errors::raise_hint(
+                    errors::TOO_LARGE,
+                    format!("publish_batch has {} distinct subjects, more than {MAX_BATCH_SUBJECTS}", list.len()),
+                    "Split the batch; each distinct subject holds a lock until commit.",
+                );
+            }
             crate::subject::lock_many(&list);
         }
         let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));

@@ -34,6 +34,21 @@ pub fn register() {
         .load();
 }
 
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// True once SIGTERM arrived. pgrx's sigterm_received() clears the flag it reads,
+/// and wait_latch() reads it too, so the first sighting is made sticky here:
+/// otherwise a SIGTERM noticed during maintenance would be lost and the worker
+/// would never stop.
+fn stopping() -> bool {
+    use std::sync::atomic::Ordering;
+    if STOP.load(Ordering::Relaxed) || BackgroundWorker::sigterm_received() {
+        STOP.store(true, Ordering::Relaxed);
+        return true;
+    }
+    false
+}
+
 /// Longest sleep between passes: bounds the latency of wake-ups for expired leases
 /// and prepared transactions, which no backend signals.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
@@ -88,14 +103,14 @@ fn resolve_prepared(xids: &[u32]) -> usize {
 fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i64> {
     let mut topics: Vec<String> = taken.topics.clone();
     let due_sql = if sweep_all {
-        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'pending' AND visible_at <= $2 \
-         UNION SELECT DISTINCT topic FROM outbox.event_queue WHERE state = 'leased' AND visible_at <= $2 AND $1 IS NOT NULL"
+        "SELECT DISTINCT topic FROM outbox.event_queue \
+          WHERE state <> 'dead' AND is_head AND visible_at <= $2 AND $1 IS NOT NULL"
     } else {
         // Only events that became claimable by the clock: delayed publishes
         // (visible after they were published), retries and expired leases. An
         // immediate publish was already announced by its own commit, in the mode
         // its session chose.
-        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1 AND visible_at <= $2 \
+        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at > $1 AND visible_at <= $2 \
            AND (visible_at > published_at OR attempts > 0 OR state = 'leased')"
     };
     let next = Spi::connect(|c| {
@@ -119,7 +134,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         }
         let next: Option<TimestampWithTimeZone> = c
             .select(
-                "SELECT min(visible_at) FROM outbox.event_queue WHERE state <> 'dead' AND visible_at > $1",
+                "SELECT min(visible_at) FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at > $1",
                 None,
                 &[now_ts.into()],
             )
@@ -202,7 +217,7 @@ fn run_maintenance() {
                     break;
                 }
             }
-            if BackgroundWorker::sigterm_received() {
+            if stopping() {
                 break;
             }
         }
@@ -251,7 +266,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     let mut last_maintenance = Instant::now();
     let mut sleep = Duration::ZERO;
     loop {
-        if !BackgroundWorker::wait_latch(Some(sleep)) {
+        if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
             break;
         }
         if BackgroundWorker::sighup_received() {
