@@ -313,7 +313,9 @@ fn setting(name: &str) -> Option<String> {
     }
     let c = CString::new(name).ok()?;
     unsafe {
-        let v = pg_sys::GetConfigOption(c.as_ptr(), true, false);
+        // The SHOW form carries units ('12h', '7d'), so it casts to interval correctly;
+        // GetConfigOption would return bare numbers in the setting's base unit.
+        let v = pg_sys::GetConfigOptionByName(c.as_ptr(), std::ptr::null_mut(), true);
         if v.is_null() {
             None
         } else {

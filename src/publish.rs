@@ -90,7 +90,8 @@ const CHECK_HEADERS: Stmt = Stmt {
     sql: "SELECT CASE WHEN jsonb_typeof($1) <> 'object' THEN 1 \
                       WHEN EXISTS (SELECT 1 FROM jsonb_each($1) AS e WHERE jsonb_typeof(e.value) <> 'string') THEN 2 \
                       ELSE 0 END, \
-                 (SELECT e.key FROM jsonb_each($1) AS e WHERE jsonb_typeof(e.value) <> 'string' ORDER BY e.key LIMIT 1), \
+                 CASE WHEN jsonb_typeof($1) = 'object' THEN \
+                      (SELECT e.key FROM jsonb_each($1) AS e WHERE jsonb_typeof(e.value) <> 'string' ORDER BY e.key LIMIT 1) END, \
                  CASE WHEN $2::text IS NOT NULL AND NOT $1 ? 'traceparent' \
                       THEN $1 || jsonb_build_object('traceparent', $2::text) ELSE $1 END",
     types: &[pg_sys::JSONBOID, pg_sys::TEXTOID],

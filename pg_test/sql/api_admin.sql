@@ -1,6 +1,8 @@
 -- Operator API: replay, replay_dead, cancel (each allowed and refused state),
 -- dead-letter policies, the topic registry and the outbox.events view.
+SET client_min_messages = warning;
 DROP EXTENSION IF EXISTS outbox_ext CASCADE;
+RESET client_min_messages;
 CREATE EXTENSION outbox_ext;
 \set VERBOSITY terse
 SET outbox.notify = off;

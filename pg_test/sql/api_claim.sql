@@ -1,6 +1,8 @@
 -- claim: batch sizes, leases, topic filters, attempt counting, lease expiry,
 -- dead-lettering of expired leases, claim order and per-subject order.
+SET client_min_messages = warning;
 DROP EXTENSION IF EXISTS outbox_ext CASCADE;
+RESET client_min_messages;
 CREATE EXTENSION outbox_ext;
 \set VERBOSITY terse
 SET outbox.notify = off;

@@ -1,6 +1,8 @@
 -- ack (single and batch), fail, extend_lease and backoff_delay: every transition
 -- of a leased event and every fencing refusal.
+SET client_min_messages = warning;
 DROP EXTENSION IF EXISTS outbox_ext CASCADE;
+RESET client_min_messages;
 CREATE EXTENSION outbox_ext;
 \set VERBOSITY terse
 SET outbox.notify = off;

@@ -1,6 +1,8 @@
 -- publish / publish_batch: validation, limits, headers, deliver_at, traceparent,
 -- dispatch-key dedupe, strict topics, and the extension's dump registration.
+SET client_min_messages = warning;
 DROP EXTENSION IF EXISTS outbox_ext CASCADE;
+RESET client_min_messages;
 CREATE EXTENSION outbox_ext;
 \set VERBOSITY terse
 SET outbox.notify = off;

@@ -1,7 +1,9 @@
 -- Retention: purge (delivered + cancelled), purge_dead, per-topic windows,
 -- dispatch-key lifetime, run_maintenance and the maintenance log.
 -- Ages are faked by moving timestamps back on the underlying tables.
+SET client_min_messages = warning;
 DROP EXTENSION IF EXISTS outbox_ext CASCADE;
+RESET client_min_messages;
 CREATE EXTENSION outbox_ext;
 \set VERBOSITY terse
 SET outbox.notify = off;
