@@ -1,0 +1,36 @@
+-- Comments for the functions pgrx declares from Rust (#[pg_extern]) and for the
+-- internal helpers. Internal names start with '_': they are not part of the
+-- public API and may change between versions.
+
+COMMENT ON FUNCTION outbox.wakeup_status() IS
+'Background worker state from shared memory, one row: worker_pid (integer, 0 when not running), database (oid served), passes (bigint, wake-up passes completed), '
+'topics_waiting and prepared_waiting (integer, wake-ups queued for the next pass), preloaded (boolean: library in shared_preload_libraries). '
+'Without preload: one row of zeros with preloaded = false. No errors. Follows anchors.md 3(b).3 (coalesced NOTIFY from a background worker).';
+
+COMMENT ON FUNCTION outbox._wake(text) IS
+'Internal: note a wake-up for topic (NULL = any topic) in the current transaction according to outbox.notify. Used by replay, cancel and alter_topic. Returns void; no errors.';
+
+COMMENT ON FUNCTION outbox._promote_heads(text[], boolean) IS
+'Internal: make the earliest live event of each subject its head (claimable), taking the subject locks first (wait = false skips subjects whose lock is busy). '
+'Returns the number of events promoted (integer). See src/subject.rs.';
+
+COMMENT ON FUNCTION outbox._setting(text) IS
+'Internal: the SHOW form (with units) of an outbox.* setting; calling it loads the library so the setting exists in a fresh session. Errors: 22023 for a name outside outbox.';
+
+COMMENT ON FUNCTION outbox._pattern_kind(text) IS
+'Internal: classify a topic pattern as ''exact'', ''prefix'' (a.b.*) or ''all'' (*). Errors: 22004 NULL; 22023 malformed.';
+
+COMMENT ON FUNCTION outbox._topic_matches(text, text) IS
+'Internal: whether topic matches a pattern (exact, a.b.* or *). Errors as outbox._pattern_kind.';
+
+COMMENT ON FUNCTION outbox._check_topic(text) IS
+'Internal: raise 22004 for a NULL topic and 22023 for a malformed one.';
+
+COMMENT ON FUNCTION outbox._check_policy(integer, interval, interval, interval, text, interval, interval) IS
+'Internal: validate topic policy values (22023 when out of range).';
+
+COMMENT ON FUNCTION outbox._retention_guc(text) IS
+'Internal: an interval-valued outbox.* setting (retention windows).';
+
+COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) IS
+'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs.';
