@@ -127,6 +127,12 @@ def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, noti
     end = start + int(duration_s * 1e9) if duration_s else None
 
     def loop(k):
+        try:
+            _loop(k)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the main thread
+            results[k] = e
+
+    def _loop(k):
         conn = conns[k]
         recs = []
         i = 0
@@ -161,6 +167,9 @@ def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, noti
     t1 = now_ns()
     for c in conns:
         c.close()
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
     recs = []
     for _, _, r in results:
         recs.extend(r)

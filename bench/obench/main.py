@@ -154,7 +154,7 @@ def main(argv=None):
                 continue
             t = time.monotonic()
             say(f"scenario {title}")
-            for attempt in (1, 2):
+            for attempt in (1, 2, 3):
                 marks = (len(ctx.rows), len(ctx.targets), len(ctx.sections))
                 if _so_stat() != cluster_lib:
                     cluster_lib = _restart_on_new_library(ctx, cluster, say)
@@ -167,7 +167,7 @@ def main(argv=None):
                     # restart it on the new library and run the scenario again (once).
                     if _so_stat() != cluster_lib:
                         cluster_lib = _restart_on_new_library(ctx, cluster, say)
-                        if attempt == 1:
+                        if attempt < 3:
                             del ctx.rows[marks[0]:], ctx.targets[marks[1]:], ctx.sections[marks[2]:]
                             ctx.retried.append(title)
                             say(f"scenario {title}: retrying on the new library")
