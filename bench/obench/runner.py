@@ -121,15 +121,16 @@ class Ctx:
     def checkpoint(self):
         self.sql("CHECKPOINT")
 
-    def load_outbox(self, n, topic="bench.drain", subjects=0):
+    def load_outbox(self, n, topic="bench.drain", subjects=0, conn=None):
+        run = (conn or self.admin).execute
         done = 0
         while done < n:
             k = min(10000, n - done)
             if subjects:
-                self.sql(S.LOAD["outbox_subjects"], {"topic": topic, "payload": S.PAYLOAD, "n": k,
-                                                     "first": done, "subjects": subjects})
+                run(S.LOAD["outbox_subjects"], {"topic": topic, "payload": S.PAYLOAD, "n": k,
+                                                "first": done, "subjects": subjects})
             else:
-                self.sql(S.LOAD["outbox"], {"topic": topic, "payload": S.PAYLOAD, "n": k})
+                run(S.LOAD["outbox"], {"topic": topic, "payload": S.PAYLOAD, "n": k})
             done += k
 
     def load_plain(self, n, topic="bench.drain"):
