@@ -110,6 +110,13 @@ CREATE TABLE outbox.dispatch_keys (
 );
 CREATE INDEX dispatch_keys_event_idx ON outbox.dispatch_keys (event_id);
 
+-- Subjects whose next head could not be promoted without waiting (a publisher of
+-- the subject held its lock); claim() retries them. Transient, so not dumped: the
+-- maintenance repair finds any subject lost here.
+CREATE TABLE outbox.subject_repairs (
+    subject text PRIMARY KEY
+);
+
 -- What the background worker's maintenance runs did.
 CREATE SEQUENCE outbox.maintenance_run_seq AS bigint;
 CREATE TABLE outbox.maintenance_runs (

@@ -146,6 +146,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let default_lease = Interval::from_micros(gucs::default_lease_us());
         let now = pg_sys::GetCurrentTimestamp();
 
+        crate::subject::retry_deferred();
         let out = fcall::SetResult::begin(fcinfo);
         let mut args = vec![
             worker.as_str().into(),

@@ -42,6 +42,17 @@ const TRY_LOCK_MANY: Stmt = Stmt {
     types: &[pg_sys::TEXTARRAYOID],
 };
 
+const DEFER: Stmt = Stmt {
+    sql: "INSERT INTO outbox.subject_repairs (subject) SELECT s FROM unnest($1::text[]) AS s \
+          ON CONFLICT DO NOTHING",
+    types: &[pg_sys::TEXTARRAYOID],
+};
+
+const TAKE_DEFERRED: Stmt = Stmt {
+    sql: "WITH r AS (DELETE FROM outbox.subject_repairs RETURNING subject) SELECT array_agg(subject) FROM r",
+    types: &[],
+};
+
 const PROMOTE: Stmt = Stmt {
     sql: "UPDATE outbox.event_queue q SET is_head = true \
             FROM (SELECT (SELECT min(p.id) FROM outbox.event_queue p \
@@ -89,12 +100,27 @@ pub fn promote_nowait(subjects: &[String]) -> usize {
     list.sort();
     list.dedup();
     let locked: Vec<String> =
-        plans::run(&TRY_LOCK_MANY, &[list.into()], |t| crate::errors::spi(t.first().get_one::<Vec<String>>()))
+        plans::run(&TRY_LOCK_MANY, &[list.clone().into()], |t| crate::errors::spi(t.first().get_one::<Vec<String>>()))
             .unwrap_or_default();
+    let busy: Vec<String> = list.into_iter().filter(|s| !locked.contains(s)).collect();
+    if !busy.is_empty() {
+        // A publisher of these subjects is mid-transaction; claim() retries them.
+        plans::run(&DEFER, &[busy.into()], |_| ());
+    }
     if locked.is_empty() {
         return 0;
     }
     plans::count(&PROMOTE, &[locked.into()])
+}
+
+/// Retry promotions deferred by [`promote_nowait`]; called by claim() before it
+/// looks for work. Costs one statement on an empty table when nothing is deferred.
+pub fn retry_deferred() {
+    let subjects: Vec<String> =
+        plans::run(&TAKE_DEFERRED, &[], |t| crate::errors::spi(t.first().get_one::<Vec<String>>())).unwrap_or_default();
+    if !subjects.is_empty() {
+        promote_nowait(&subjects);
+    }
 }
 
 /// `outbox._promote_heads(subjects text[], wait boolean DEFAULT true) -> integer`:
