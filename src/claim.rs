@@ -190,7 +190,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             }
             retired
         });
-        crate::subject::promote(&retired);
+        crate::subject::promote_nowait(&retired);
         fcall::finish_set(fcinfo)
     }
 }

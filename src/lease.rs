@@ -101,7 +101,7 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         };
         let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
         let (n, retired) = plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
-        crate::subject::promote(&retired);
+        crate::subject::promote_nowait(&retired);
         (n > 0).into_datum().unwrap()
     }
 }
@@ -153,7 +153,7 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)],
             subjects_of,
         );
-        crate::subject::promote(&retired);
+        crate::subject::promote_nowait(&retired);
         (n as i32).into_datum().unwrap()
     }
 }
@@ -231,7 +231,7 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         } else if !blocks {
             // Dead under 'skip' (or no subject): the next event of the subject leads.
             if let Some(s) = subject {
-                crate::subject::promote(&[s]);
+                crate::subject::promote_nowait(&[s]);
             }
         }
         state.into_datum().unwrap()

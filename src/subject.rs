@@ -13,7 +13,11 @@
 //!   concurrently has either committed (publish sees it gone) or not yet taken
 //!   the lock (the retiring transaction will see the new event and promote it);
 //! - ack, cancel, fail/claim to dead under 'skip', and purge_dead retire a head
-//!   and then promote the subject's earliest live event.
+//!   and then promote the subject's earliest live event. Only cancel (an
+//!   operator action) waits for the lock; the others try it, and when a publisher
+//!   of the subject is mid-transaction they leave the subject in
+//!   outbox.subject_repairs, which the next claim() retries. So an ack never
+//!   waits for an application transaction.
 //! Under REPEATABLE READ a promotion can miss an event committed after the
 //! retiring transaction's snapshot; the background worker's maintenance repairs
 //! such heads (`outbox._purge_step('heads', ...)`), and claim's own NOT EXISTS
