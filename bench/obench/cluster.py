@@ -120,6 +120,12 @@ class Cluster:
                    capture_output=True, text=True)
         self.running = False
 
+    def is_running(self):
+        if not os.path.isdir(self.data):
+            return False
+        r = _as_pg([f"{PG_BINDIR}/pg_ctl", "status", "-D", self.data], capture_output=True, text=True)
+        return r.returncode == 0
+
     def destroy(self):
         self.stop(quiet=True)
         shutil.rmtree(self.root, ignore_errors=True)

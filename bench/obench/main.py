@@ -123,7 +123,10 @@ def main(argv=None):
 
     _wait_for_library(say)
     so_start = _so_info()
-    cluster = Cluster(f"/tmp/outbox-bench-{args.port}", args.port)
+    _clean_stale_dirs(args.port, say)
+    # One directory per run: a second benchmark on the machine (e.g. a CI clone)
+    # must never stop or delete this run's cluster; a port clash fails at start.
+    cluster = Cluster(f"/tmp/outbox-bench-{args.port}-{os.getpid()}", args.port)
     ctx = None
     rc = 0
     load_start = _load()
@@ -163,9 +166,11 @@ def main(argv=None):
                     break
                 except Exception:
                     err = traceback.format_exc()
-                    # Someone reinstalled the extension under the running server:
-                    # restart it on the new library and run the scenario again (once).
-                    if _so_stat() != cluster_lib:
+                    # On a shared machine someone may reinstall the extension under the
+                    # running server, or stop it: restart it (on the new library) and
+                    # run the scenario again.
+                    time.sleep(1)
+                    if _so_stat() != cluster_lib or not cluster.is_running():
                         cluster_lib = _restart_on_new_library(ctx, cluster, say)
                         if attempt < 3:
                             del ctx.rows[marks[0]:], ctx.targets[marks[1]:], ctx.sections[marks[2]:]
@@ -263,8 +268,23 @@ def _is_debug_build(path):
     return os.path.getsize(path) > 20 * 1024 * 1024
 
 
+def _clean_stale_dirs(port, say):
+    """Remove cluster directories of earlier runs whose harness process is gone."""
+    import glob
+    import shutil
+    for d in glob.glob(f"/tmp/outbox-bench-{port}-*"):
+        pid = d.rsplit("-", 1)[-1]
+        if not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        c = Cluster(d, port)
+        if c.is_running():
+            c.stop()
+        shutil.rmtree(d, ignore_errors=True)
+        say(f"removed the stale cluster directory {d}")
+
+
 def _restart_on_new_library(ctx, cluster, say):
-    say("the outbox_ext library was replaced; restarting the cluster on the new one")
+    say("the outbox_ext library was replaced or the server stopped; restarting the cluster")
     _wait_for_library(say)
     try:
         ctx.admin.close()

@@ -13,7 +13,8 @@ trap 'rm -rf "$OUT"' EXIT
 if [ -n "${OUTBOX_TEST_PYTHON:-}" ]; then
     export OUTBOX_BENCH_VENV="$(cd "$(dirname "$OUTBOX_TEST_PYTHON")/.." && pwd)"
 fi
-OUTBOX_SKIP_SETUP=1 "$REPO/bench/run" --quick --out "$OUT" </dev/null
+# Port 5471: a manual bench/run (default 5470) may be running on the same machine.
+OUTBOX_SKIP_SETUP=1 "$REPO/bench/run" --quick --port "${OUTBOX_BENCH_SUITE_PORT:-5471}" --out "$OUT" </dev/null
 rc=$?
 
 ok=1
