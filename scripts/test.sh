@@ -148,6 +148,23 @@ fi
 rm -rf "$RESULTS"
 mkdir -p "$RESULTS"
 
+# The system PostgreSQL is shared by every checkout on this machine: another run
+# (a colleague's, or cargo pgrx test) may have installed a different build since
+# our setup. Before each suite, re-run setup (about a second when nothing changed);
+# its stamp compares the installed files with our build and reinstalls ours if not.
+ensure_extension() {
+    [ "${OUTBOX_SKIP_SETUP:-0}" = "1" ] && return 0
+    local log="$RESULTS/setup-recheck.log"
+    if ! bash "$SCRIPT_DIR/setup.sh" </dev/null >"$log" 2>&1; then
+        tail -n 30 "$log"
+        fail "$1: scripts/setup.sh failed when re-checking the installed extension"
+        return 1
+    fi
+    if grep -q '^setup: extension installed' "$log"; then
+        echo "test.sh: the installed outbox_ext was not this checkout's build; reinstalled it"
+    fi
+}
+
 # ---------------------------------------------------------------------------
 # Cluster helpers
 # ---------------------------------------------------------------------------
@@ -230,6 +247,7 @@ run_regress() {
         return 0
     fi
     section "regress (pg_regress, pg_test/sql)"
+    ensure_extension regress || return 0
     ensure_plain_cluster || { fail "regress: cluster $PLAIN did not start"; return 0; }
     out="$RESULTS/regress"
     mkdir -p "$out"
@@ -296,6 +314,7 @@ run_isolation() {
         return 0
     fi
     section "isolation (pg_isolation_regress, pg_test/specs)"
+    ensure_extension isolation || return 0
     ensure_plain_cluster || { fail "isolation: cluster $PLAIN did not start"; return 0; }
     out="$RESULTS/isolation"
     mkdir -p "$out"
@@ -372,6 +391,7 @@ run_py() {
         return 0
     fi
     section "py (pytest, pg_test/py)"
+    ensure_extension py || return 0
     fresh_clusters py || true
     out="$RESULTS/py"
     mkdir -p "$out"
@@ -470,6 +490,7 @@ run_suites() {
     mkdir -p "$out"
     for n in "${names[@]}"; do
         section "suite $n (pg_test/suites/$n.sh)"
+        ensure_extension "suite $n" || continue
         if ! fresh_clusters "suite $n"; then
             continue
         fi
