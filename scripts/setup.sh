@@ -47,12 +47,13 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 # postgresql-15-pgq3, pgqd, postgresql-15-cron: comparison points and neighbours in tests.
 # postgresql-15-pgtap, libtap-parser-sourcehandler-pgtap-perl: pgTAP and pg_prove.
 # python3-venv: `python3 -m venv` on Debian's python needs it.
+# jq, curl: the shell reference worker and its webhook handler.
 APT_PACKAGES=(
     postgresql-15 postgresql-server-dev-15 postgresql-client-15
     libclang-dev clang libssl-dev pkg-config sudo
     postgresql-15-pgq3 pgqd postgresql-15-cron
     postgresql-15-pgtap libtap-parser-sourcehandler-pgtap-perl
-    python3-venv
+    python3-venv jq curl
 )
 
 pkg_installed() {
