@@ -186,6 +186,13 @@ COMMENT ON FUNCTION outbox.cancel(bigint) IS
 
 -- The topic registry.
 
+-- publish() caches outbox.topics per backend (src/topics.rs); any change to the
+-- table invalidates every backend's copy.
+CREATE FUNCTION outbox._topics_changed() RETURNS trigger
+LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_topics_changed';
+CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.topics
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+
 CREATE FUNCTION outbox._check_topic(topic text) RETURNS void
 LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp

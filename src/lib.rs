@@ -21,6 +21,7 @@ pub mod lease;
 pub mod plans;
 pub mod publish;
 pub mod subject;
+pub mod topics;
 pub mod validate;
 pub mod wakeup;
 pub mod worker;
@@ -44,6 +45,7 @@ v1_function!(outbox_ack_batch, pg_finfo_outbox_ack_batch, lease::ack_batch);
 v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);
 v1_function!(outbox_extend_lease, pg_finfo_outbox_extend_lease, lease::extend_lease);
 v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff_delay);
+v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topics_changed);
 
 /// Library initialisation: GUCs, shared memory, transaction callbacks and, when
 /// preloaded, the background worker.
@@ -52,6 +54,7 @@ pub extern "C-unwind" fn _PG_init() {
     let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     gucs::init(preloaded);
     wakeup::init(preloaded);
+    topics::init();
     if preloaded {
         worker::register();
     }

@@ -21,13 +21,29 @@ use crate::{gucs, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
+// Two shapes, so the common case (no subject) starts no subquery at all.
 const INSERT_ONE: Stmt = Stmt {
+    sql: "INSERT INTO outbox.event_queue (id, topic, dispatch_key, payload, headers, max_attempts, visible_at) \
+          VALUES (COALESCE($7, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
+                  CASE WHEN $6 IS NULL OR $6 < now() THEN now() ELSE $6 END) \
+          RETURNING id",
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::JSONBOID,
+        pg_sys::JSONBOID,
+        pg_sys::INT4OID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
+    ],
+};
+
+const INSERT_ONE_SUBJECT: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at, is_head) \
-          SELECT COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
-                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $6), \
-                 CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, \
-                 $2 IS NULL OR NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
-                                            WHERE p.subject = $2 AND (p.state <> 'dead' OR p.blocks_subject)) \
+          VALUES (COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, $6, \
+                  CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, \
+                  NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
+                               WHERE p.subject = $2 AND (p.state <> 'dead' OR p.blocks_subject))) \
           RETURNING id",
     types: &[
         pg_sys::TEXTOID,
@@ -40,8 +56,6 @@ const INSERT_ONE: Stmt = Stmt {
         pg_sys::INT8OID,
     ],
 };
-
-const TOPIC_EXISTS: Stmt = Stmt { sql: "SELECT true FROM outbox.topics WHERE topic = $1", types: &[pg_sys::TEXTOID] };
 
 const KEY_CLAIM: Stmt = Stmt {
     sql: "INSERT INTO outbox.dispatch_keys (dispatch_key, event_id) VALUES ($1, nextval('outbox.event_id_seq')) \
@@ -62,7 +76,7 @@ const NEXT_IDS: Stmt = Stmt {
 const INSERT_MANY: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, headers, max_attempts, visible_at, is_head) \
           SELECT u.id, $1, u.s, u.p, $6, \
-                 COALESCE((SELECT t.max_attempts FROM outbox.topics t WHERE t.topic = $1), $5), now(), \
+                 $5, now(), \
                  u.s IS NULL OR (u.id = min(u.id) OVER (PARTITION BY u.s) \
                                  AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
                                                   WHERE p.subject = u.s AND (p.state <> 'dead' OR p.blocks_subject))) \
@@ -70,14 +84,17 @@ const INSERT_MANY: Stmt = Stmt {
     types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID, pg_sys::JSONBOID],
 };
 
-/// Raise P0002 when strict topics are on and `topic` is not registered.
-fn check_registered(topic: &str) {
-    if gucs::strict_topics() && plans::one::<bool>(&TOPIC_EXISTS, &[topic.into()]).is_none() {
-        errors::raise_hint(
+/// Raise P0002 when strict topics are on and `topic` is not registered; return the
+/// max_attempts new events of `topic` get.
+fn topic_max_attempts(topic: &str) -> i32 {
+    match crate::topics::lookup(topic) {
+        Some(max) => max.unwrap_or_else(gucs::max_attempts),
+        None if gucs::strict_topics() => errors::raise_hint(
             NO_DATA_FOUND,
             format!("topic {topic:?} is not registered and outbox.strict_topics is on"),
             "Register it with outbox.create_topic() or fix the topic name.",
-        );
+        ),
+        None => gucs::max_attempts(),
     }
 }
 
@@ -154,6 +171,7 @@ fn reserve_key(key: &str) -> Result<i64, i64> {
 
 struct One<'a> {
     topic: &'a str,
+    max_attempts: i32,
     subject: Option<&'a str>,
     key: Option<&'a str>,
     payload: pg_sys::Datum,
@@ -171,17 +189,27 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
         },
         None => None,
     };
-    let args = [
-        e.topic.into(),
-        param(e.subject.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID),
-        param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID),
+    let key = param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID);
+    let tail = [
         param(Some(e.payload), pg_sys::JSONBOID),
         param(e.headers, pg_sys::JSONBOID),
-        gucs::max_attempts().into(),
+        e.max_attempts.into(),
         param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
         param(id.map(|i| i.into_datum().unwrap()), pg_sys::INT8OID),
     ];
-    let id = plans::one::<i64>(&INSERT_ONE, &args).unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
+    let new_id = match e.subject {
+        None => {
+            let mut args = vec![e.topic.into(), key];
+            args.extend(tail);
+            plans::one::<i64>(&INSERT_ONE, &args)
+        }
+        Some(s) => {
+            let mut args = vec![e.topic.into(), s.into(), key];
+            args.extend(tail);
+            plans::one::<i64>(&INSERT_ONE_SUBJECT, &args)
+        }
+    };
+    let id = new_id.unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
     (id, true)
 }
 
@@ -210,12 +238,13 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 errors::raise(INVALID_PARAMETER, "deliver_at must not be infinity");
             }
         }
-        check_registered(&topic);
+        let max_attempts = topic_max_attempts(&topic);
         if let Some(s) = &subject {
             crate::subject::lock(s);
         }
         let (id, inserted) = insert_one(&One {
             topic: &topic,
+            max_attempts,
             subject: subject.as_deref(),
             key: key.as_deref(),
             payload,
@@ -268,7 +297,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         for k in keys.iter().flatten().flatten() {
             validate::key("dispatch_key", k);
         }
-        check_registered(&topic);
+        let max_attempts = topic_max_attempts(&topic);
 
         let out = fcall::SetResult::begin(fcinfo);
         if let Some(subjects) = &subjects {
@@ -293,6 +322,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             for (i, p) in payloads.iter().enumerate() {
                 let (id, ins) = insert_one(&One {
                     topic: &topic,
+                    max_attempts,
                     subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
                     key: keys.as_ref().and_then(|k| k[i].as_deref()),
                     payload: p.unwrap(),
@@ -314,7 +344,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                     ids.clone().into(),
                     fcall::param(Some(payloads_d), pg_sys::JSONBARRAYOID),
                     fcall::param(subjects_d, pg_sys::TEXTARRAYOID),
-                    gucs::max_attempts().into(),
+                    max_attempts.into(),
                     fcall::param(prepare_headers(None), pg_sys::JSONBOID),
                 ],
                 |_| (),

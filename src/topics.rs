@@ -1,0 +1,71 @@
+//! A per-backend cache of the topic registry for the publish path.
+//!
+//! publish() needs the topic's max_attempts. Looking it up in SQL on every call
+//! costs an index-scan node to start and stop per publish (about a tenth of its
+//! time), so each backend keeps `outbox.topics` in memory. Any change to the table
+//! fires a statement trigger that sends a relcache invalidation for it; every
+//! backend's relcache callback then drops its copy, and the next publish reloads
+//! it. Invalidations are transactional: other sessions see the change when it
+//! commits, the changing session at its next command.
+
+use crate::errors;
+use crate::plans::{self, Stmt};
+use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+thread_local! {
+    /// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
+    static CACHE: RefCell<Option<HashMap<String, Option<i32>>>> = const { RefCell::new(None) };
+}
+
+const LOAD: Stmt = Stmt { sql: "SELECT topic, max_attempts FROM outbox.topics", types: &[] };
+
+/// Register the invalidation callback. Called from `_PG_init`.
+pub fn init() {
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(relcache_callback), pg_sys::Datum::from(0)) };
+}
+
+#[pg_guard]
+unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+    // The relid of outbox.topics is not at hand here without a catalog lookup
+    // (not allowed in a callback), and any relcache invalidation is rare next to
+    // publishes, so every invalidation drops the (tiny) cache.
+    CACHE.with(|c| *c.borrow_mut() = None);
+}
+
+/// The registered state of `topic`: None when unregistered, Some(max_attempts)
+/// when registered (whose inner None means "use outbox.max_attempts").
+pub fn lookup(topic: &str) -> Option<Option<i32>> {
+    let cached = CACHE.with(|c| c.borrow().as_ref().map(|m| m.get(topic).copied()));
+    if let Some(hit) = cached {
+        return hit;
+    }
+    let map: HashMap<String, Option<i32>> = plans::run(&LOAD, &[], |t| {
+        t.map(|row| {
+            let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
+            let max: Option<i32> = errors::spi(row.get::<i32>(2));
+            (name, max)
+        })
+        .collect()
+    });
+    let hit = map.get(topic).copied();
+    CACHE.with(|c| *c.borrow_mut() = Some(map));
+    hit
+}
+
+/// Trigger body for `outbox._topics_changed()`: invalidate every backend's cache.
+///
+/// # Safety
+/// Called by PostgreSQL as a statement-level trigger on outbox.topics.
+pub unsafe fn topics_changed(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let ctx = (*fcinfo).context;
+        if ctx.is_null() || !pgrx::is_a(ctx, pg_sys::NodeTag::T_TriggerData) {
+            errors::raise(errors::INVALID_PARAMETER, "_topics_changed() must be called as a trigger");
+        }
+        let td = ctx as *mut pg_sys::TriggerData;
+        pg_sys::CacheInvalidateRelcacheByRelid((*(*td).tg_relation).rd_id);
+        pg_sys::Datum::from(0)
+    }
+}
