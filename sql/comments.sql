@@ -34,3 +34,6 @@ COMMENT ON FUNCTION outbox._retention_guc(text) IS
 
 COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) IS
 'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs.';
+
+COMMENT ON FUNCTION outbox._topics_changed() IS
+'Internal trigger function on outbox.topics: invalidates every backend''s cached copy of the topic registry (src/topics.rs).';
