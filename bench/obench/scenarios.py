@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -86,6 +87,7 @@ def s1_publish(ctx):
     finally:
         stop.set()
         lt.join(5)
+        shutil.rmtree(tmp, ignore_errors=True)
 
     rows = []
     for name, *_ in S1_SYSTEMS:
