@@ -58,6 +58,7 @@ const PREPARED_POLL: Duration = Duration::from_millis(20);
 struct Taken {
     topics: Vec<String>,
     overflow: bool,
+    recheck_due: bool,
     prepared: Vec<u32>,
 }
 
@@ -66,7 +67,12 @@ fn take_shared() -> Taken {
     let topics = (0..w.ntopics)
         .map(|i| String::from_utf8_lossy(&w.topics[i][..w.lens[i] as usize]).into_owned())
         .collect();
-    let t = Taken { topics, overflow: w.overflow, prepared: w.prepared[..w.nprepared].to_vec() };
+    let t = Taken {
+        topics,
+        overflow: w.overflow,
+        recheck_due: w.recheck_due,
+        prepared: w.prepared[..w.nprepared].to_vec(),
+    };
     w.ntopics = 0;
     w.overflow = false;
     w.recheck_due = false;
@@ -263,6 +269,8 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     log!("outbox_ext worker started for database {db:?}");
 
     let mut last_check = unsafe { pg_sys::GetCurrentTimestamp() };
+    // Absolute time (µs) of the next known due event; i64::MAX when none.
+    let mut next_due_at: i64 = 0;
     let mut last_maintenance = Instant::now();
     let mut sleep = Duration::ZERO;
     loop {
@@ -276,29 +284,48 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         let committed_prepared = if taken.prepared.is_empty() { 0 } else { resolve_prepared(&taken.prepared) };
         let sweep_all = taken.overflow || committed_prepared > 0;
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        // A pass woken only by commits just sends their NOTIFYs: no queries. The
+        // queries (due events, next due time) run when something may have come
+        // due: a delayed publish or retry was scheduled, the known next due time
+        // passed, an overflow, or a second went by (expired leases are found then).
+        let sweep = sweep_all
+            || taken.recheck_due
+            || now >= next_due_at
+            || now.saturating_sub(last_check) >= MAX_SLEEP.as_micros() as i64;
         let result = PgTryBuilder::new(|| {
-            let next = BackgroundWorker::transaction(|| notify_pass(&taken, last_check, now, sweep_all));
-            Ok(next)
+            if sweep {
+                Ok(Some(BackgroundWorker::transaction(|| notify_pass(&taken, last_check, now, sweep_all))))
+            } else {
+                if !taken.topics.is_empty() {
+                    BackgroundWorker::transaction(|| {
+                        for t in &taken.topics {
+                            wakeup::notify_now(t);
+                        }
+                    });
+                }
+                Ok(None)
+            }
         })
         .catch_others(|e| {
             unsafe { pg_sys::AbortCurrentTransaction() };
             Err(describe(&e))
         })
         .execute();
-        let next_due = match result {
-            Ok(n) => {
+        match result {
+            Ok(Some(next)) => {
                 last_check = now;
-                n
+                next_due_at = next.map(|us| now.saturating_add(us)).unwrap_or(i64::MAX);
             }
+            Ok(None) => {}
             Err(e) => {
                 warning!("outbox worker: wake-up pass failed, retrying: {e}");
                 // Put the topics back so they are not lost.
                 if !taken.topics.is_empty() || taken.overflow {
                     WAKE.exclusive().overflow = true;
                 }
-                Some(1_000_000)
+                next_due_at = now.saturating_add(1_000_000);
             }
-        };
+        }
         WAKE.exclusive().passes += 1;
 
         let interval = gucs::maintenance_interval_ms();
@@ -307,11 +334,9 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             last_maintenance = Instant::now();
         }
 
-        sleep = match next_due {
-            Some(us) if us > 0 => Duration::from_micros(us as u64).min(MAX_SLEEP),
-            Some(_) => Duration::from_millis(1),
-            None => MAX_SLEEP,
-        };
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let until_sweep = (last_check.saturating_add(MAX_SLEEP.as_micros() as i64)).min(next_due_at);
+        sleep = Duration::from_micros(until_sweep.saturating_sub(now).max(1000) as u64).min(MAX_SLEEP);
         if WAKE.share().nprepared > 0 {
             sleep = sleep.min(PREPARED_POLL);
         }
