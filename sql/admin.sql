@@ -45,7 +45,7 @@ LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    n bigint;
+    t text;
 BEGIN
     IF id IS NULL THEN
         RETURN false;
@@ -55,10 +55,10 @@ BEGIN
        SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
            lease_token = NULL, leased_by = NULL, leased_at = NULL,
            dead_at = NULL, blocks_subject = false
-     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
-    GET DIAGNOSTICS n = ROW_COUNT;
-    IF n OPERATOR(pg_catalog.>) 0 THEN
-        PERFORM outbox._wake(NULL);
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead'
+    RETURNING q.topic INTO t;
+    IF FOUND THEN
+        PERFORM outbox._wake(t);
         RETURN true;
     END IF;
     -- Cancelled events live in the archive: move them back, keeping id and history.
@@ -75,12 +75,13 @@ BEGIN
                SELECT 1 FROM outbox.event_queue p
                 WHERE p.subject OPERATOR(pg_catalog.=) m.subject AND p.id OPERATOR(pg_catalog.<) m.id
                   AND (p.state OPERATOR(pg_catalog.<>) 'dead' OR p.blocks_subject))
-      FROM moved m;
-    GET DIAGNOSTICS n = ROW_COUNT;
-    IF n OPERATOR(pg_catalog.>) 0 THEN
-        PERFORM outbox._wake(NULL);
+      FROM moved m
+    RETURNING topic INTO t;
+    IF t IS NULL THEN
+        RETURN false;
     END IF;
-    RETURN n OPERATOR(pg_catalog.>) 0;
+    PERFORM outbox._wake(t);
+    RETURN true;
 END
 $$;
 

@@ -16,8 +16,7 @@ pub const MAX_BACKOFF_US: i64 = 365 * 86_400 * 1_000_000;
 /// Un-jittered delay in microseconds for a 1-based attempt.
 ///
 /// `base_us` and `max_us` must be > 0 (callers validate). Attempts below 1 are
-/// treated as 1. The result is in `[1, max(base_us, max_us)]`... more precisely
-/// `min(max_us, base_us << (attempt-1))`, and at least 1 µs.
+/// treated as 1. The result is `min(max_us, base_us << (attempt-1))`, at least 1 µs.
 pub fn raw_delay_us(attempt: i32, base_us: i64, max_us: i64) -> i64 {
     let base = base_us.max(1);
     let cap = max_us.max(1);
