@@ -2,6 +2,7 @@
 //!
 //! Modules, one concern each:
 //! - [`publish`]: `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
+//! - [`heap`]: publish's direct row insert (no SPI statement)
 //! - [`claim`]: `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
 //! - [`lease`]: `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`backoff`]: retry delays
@@ -17,6 +18,7 @@ pub mod claim;
 pub mod errors;
 pub mod fcall;
 pub mod gucs;
+pub mod heap;
 pub mod lease;
 pub mod plans;
 pub mod publish;

@@ -199,6 +199,20 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
     ];
     let new_id = match e.subject {
         None => {
+            let direct = unsafe {
+                crate::heap::insert(&crate::heap::NewEvent {
+                    id,
+                    topic: e.topic.into_datum().unwrap(),
+                    dispatch_key: e.key.and_then(|k| k.into_datum()),
+                    payload: e.payload,
+                    headers: e.headers,
+                    max_attempts: e.max_attempts,
+                    deliver_at: e.deliver_at,
+                })
+            };
+            if direct.is_some() {
+                return (direct.unwrap(), true);
+            }
             let mut args = vec![e.topic.into(), key];
             args.extend(tail);
             plans::one::<i64>(&INSERT_ONE, &args)

@@ -297,3 +297,66 @@ def test_claim_in_long_transaction_not_reclaimable_before_lease_ends(plain):
     w.execute("COMMIT")
     # Measured from the claim, the lease still has most of its second left.
     assert claim_rows(o, "other", 1, "1 s") == [], "lease already expired: it was computed from transaction start"
+
+
+def test_direct_insert_matches_sql_insert_and_yields_to_triggers(plain):
+    """publish() without a subject inserts its row directly (src/heap.rs), not with
+    an INSERT statement. The row, its index entries and its visibility must be what
+    the INSERT would have produced; and once the table has something an INSERT must
+    run (here a trigger), publish() must take the INSERT path so that it runs."""
+    c = plain.conn()
+    c.execute("SET outbox.notify = off")
+    with c.transaction():
+        direct = c.execute(
+            "SELECT outbox.publish('core.direct', '{\"n\": 1}', dispatch_key => 'direct-1', "
+            "headers => '{\"h\": \"v\"}', deliver_at => now() + interval '1 hour')"
+        ).fetchone()[0]
+        # A second call in the same transaction sees the first (same key, same id).
+        again = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 2}', dispatch_key => 'direct-1')").fetchone()[0]
+        ready = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 3}')").fetchone()[0]
+    assert again == direct
+    row = c.execute(
+        "SELECT topic, subject, dispatch_key, payload, headers, state, attempts, max_attempts, "
+        "visible_at > now() + interval '59 minutes', published_at <= now(), blocks_subject, is_head "
+        "FROM outbox.event_queue WHERE id = %s",
+        (direct,),
+    ).fetchone()
+    max_attempts = int(c.execute("SHOW outbox.max_attempts").fetchone()[0])
+    assert row == ("core.direct", None, "direct-1", {"n": 1}, {"h": "v"}, "pending", 0, max_attempts,
+                   True, True, False, True)
+    # Index entries: found through each index, and only through the ones whose
+    # predicate the row satisfies.
+    c.execute("SET enable_seqscan = off")
+    c.execute("SET enable_bitmapscan = off")
+    assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE id IN (%s, %s)", (direct, ready)).fetchone()[0] == 2
+    assert c.execute(
+        "SELECT count(*) FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at < 'infinity' "
+        "AND id IN (%s, %s)", (direct, ready)).fetchone()[0] == 2
+    assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE state = 'dead' AND dead_at < 'infinity'").fetchone()[0] == 0
+    c.execute("RESET enable_seqscan")
+    c.execute("RESET enable_bitmapscan")
+    # amcheck: every heap row that satisfies an index's predicate has its entry.
+    c.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
+    checked = c.execute("SELECT count(bt_index_check(indexrelid::regclass, true)) FROM pg_index "
+                        "WHERE indrelid = 'outbox.event_queue'::regclass").fetchone()[0]
+    assert checked == 4
+    got = c.execute("SELECT id FROM outbox.claim('w', 10, topics => ARRAY['core.direct'])").fetchall()
+    assert [r[0] for r in got] == [ready]
+
+    # A trigger on the table: publish() must run it, so it must use the INSERT.
+    c.execute("CREATE TABLE public.direct_seen (id bigint)")
+    c.execute("CREATE FUNCTION public.direct_seen_f() RETURNS trigger LANGUAGE plpgsql AS "
+              "$$BEGIN INSERT INTO public.direct_seen VALUES (NEW.id); RETURN NEW; END$$")
+    c.execute("CREATE TRIGGER direct_seen AFTER INSERT ON outbox.event_queue "
+              "FOR EACH ROW EXECUTE FUNCTION public.direct_seen_f()")
+    try:
+        via_sql = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 4}')").fetchone()[0]
+        assert c.execute("SELECT array_agg(id) FROM public.direct_seen").fetchone()[0] == [via_sql]
+    finally:
+        c.execute("DROP TRIGGER direct_seen ON outbox.event_queue")
+        c.execute("DROP FUNCTION public.direct_seen_f()")
+        c.execute("DROP TABLE public.direct_seen")
+    # Without the trigger the direct path is back, and the table is still sound.
+    last = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 5}')").fetchone()[0]
+    assert last > via_sql
+    assert c.execute("SELECT count(*) FROM outbox.events WHERE topic = 'core.direct'").fetchone()[0] == 4
