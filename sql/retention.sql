@@ -115,6 +115,16 @@ COMMENT ON FUNCTION outbox._purge_step(text, interval, integer) IS
 'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events), ''keys'' (orphaned dispatch keys) or ''heads'' (repair of subject heads). '
 'Returns rows removed (bigint). Used by outbox.purge(), outbox.purge_dead() and the background worker. Errors: 22023 bad kind, negative older_than or batch_size < 1; 54000 batch_size over outbox.max_batch_size.';
 
+-- Between two committed batches: wait outbox.purge_delay, so that a large purge
+-- takes a bounded share of the machine (autovacuum's cost delay, per batch).
+CREATE FUNCTION outbox._purge_pause() RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT pg_catalog.pg_sleep(pg_catalog.date_part('epoch', outbox._setting('outbox.purge_delay')::interval)) $$;
+
+COMMENT ON FUNCTION outbox._purge_pause() IS
+'Sleeps outbox.purge_delay (ms; 0 = returns at once); returns void. Called by outbox.purge() and outbox.purge_dead() between committed batches. No errors of its own.';
+
 -- Procedures cannot pin search_path (a SET clause forbids COMMIT), so their bodies
 -- qualify every operator and call only functions that pin it.
 CREATE PROCEDURE outbox.purge(older_than interval DEFAULT NULL, batch_size integer DEFAULT 1000, INOUT removed bigint DEFAULT NULL)
@@ -129,6 +139,7 @@ BEGIN
         removed := removed OPERATOR(pg_catalog.+) n;
         COMMIT;
         EXIT WHEN n OPERATOR(pg_catalog.<) batch_size;
+        PERFORM outbox._purge_pause();
     END LOOP;
     LOOP
         n := outbox._purge_step('keys', NULL, batch_size);
@@ -140,7 +151,7 @@ $$;
 
 COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
 'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
-'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch and skipping rows that are locked. Never touches pending, leased or dead events. '
+'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 10) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
 'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
 'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Follows seed 000 (retention with audit window) and PgQ-style maintenance procedures.';
 
@@ -156,13 +167,14 @@ BEGIN
         removed := removed OPERATOR(pg_catalog.+) n;
         COMMIT;
         EXIT WHEN n OPERATOR(pg_catalog.<) batch_size;
+        PERFORM outbox._purge_pause();
     END LOOP;
 END
 $$;
 
 COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
 'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit, seed 000), '
-'in committed batches of batch_size, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
+'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
 
 CREATE FUNCTION outbox._log_maintenance(started timestamptz, delivered bigint, dead bigint) RETURNS void
 LANGUAGE sql VOLATILE

@@ -53,6 +53,8 @@ static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
 static RETENTION_DISPATCH_KEYS_S: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// How often the background worker runs retention (ms); 0 = never.
 static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+/// Pause between two retention batches (purge procedures and the worker).
+static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Database the background worker connects to.
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
@@ -219,6 +221,16 @@ pub fn init(preloaded: bool) {
         GucContext::Sighup,
         GucFlags::UNIT_MS,
     );
+    GucRegistry::define_int_guc(
+        c"outbox.purge_delay",
+        c"Pause after each committed retention batch of purge(), purge_dead() and the background worker.",
+        c"Paces retention like autovacuum's cost delay, so a large purge leaves the machine to the workers; 0 = no pause.",
+        &PURGE_DELAY_MS,
+        0,
+        10_000,
+        GucContext::Userset,
+        GucFlags::UNIT_MS,
+    );
     // PGC_POSTMASTER settings can only be defined while preloading; loaded on
     // demand there is no worker to configure anyway.
     if preloaded {
@@ -291,6 +303,10 @@ pub fn keep_delivered() -> bool {
 /// Maintenance interval in ms (0 = off).
 pub fn maintenance_interval_ms() -> i32 {
     MAINTENANCE_INTERVAL_MS.get()
+}
+/// Pause between retention batches in ms (0 = none).
+pub fn purge_delay_ms() -> i32 {
+    PURGE_DELAY_MS.get()
 }
 /// Database the worker serves.
 pub fn database() -> String {

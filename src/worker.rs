@@ -191,6 +191,11 @@ fn describe(e: &pgrx::pg_sys::panic::CaughtError) -> String {
     }
 }
 
+/// Retention steps of one maintenance run, in order.
+const KINDS: [&str; 4] = ["delivered", "dead", "keys", "heads"];
+/// Rows per retention batch (as `CALL outbox.run_maintenance()` uses).
+const BATCH: i64 = 1000;
+
 /// Run one retention step in its own transaction; returns rows removed.
 fn maintenance_step(kind: &str) -> i64 {
     BackgroundWorker::transaction(|| {
@@ -201,40 +206,63 @@ fn maintenance_step(kind: &str) -> i64 {
     })
 }
 
-fn run_maintenance() {
+/// A retention run in progress. The worker runs one batch per loop iteration and
+/// waits `outbox.purge_delay` between batches, so that wake-ups keep flowing while
+/// a large purge runs and the purge takes a bounded share of the machine (as
+/// autovacuum's cost delay does). Run to completion, a purge of 1M rows held the
+/// worker's wake-ups for its whole duration and took a core from the workers.
+struct MaintenanceRun {
+    started: i64,
+    kind: usize,
+    removed: [i64; 4],
+    error: Option<String>,
+}
+
+fn start_maintenance() -> Option<MaintenanceRun> {
     let installed = BackgroundWorker::transaction(|| {
         Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')")
             .ok()
             .flatten()
             .unwrap_or(false)
     });
-    if !installed {
-        return;
-    }
-    let started = unsafe { pg_sys::GetCurrentTimestamp() };
-    let mut removed = [0i64; 4];
-    let mut error: Option<String> = None;
-    for (i, kind) in ["delivered", "dead", "keys", "heads"].iter().enumerate() {
-        loop {
-            let r = PgTryBuilder::new(|| Ok(maintenance_step(kind)))
-                .catch_others(|e| {
-                    unsafe { pg_sys::AbortCurrentTransaction() };
-                    Err(describe(&e))
-                })
-                .execute();
-            match r {
-                Ok(0) => break,
-                Ok(n) => removed[i] += n,
-                Err(e) => {
-                    error = Some(e);
-                    break;
-                }
-            }
-            if stopping() {
-                break;
-            }
+    installed.then(|| MaintenanceRun {
+        started: unsafe { pg_sys::GetCurrentTimestamp() },
+        kind: 0,
+        removed: [0; 4],
+        error: None,
+    })
+}
+
+/// Run the next batch of `m`; true when the run is complete (and recorded).
+fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
+    let kind = KINDS[m.kind];
+    let r = PgTryBuilder::new(|| Ok(maintenance_step(kind)))
+        .catch_others(|e| {
+            unsafe { pg_sys::AbortCurrentTransaction() };
+            Err(describe(&e))
+        })
+        .execute();
+    match r {
+        // A full batch: more may remain.
+        Ok(n) if n >= BATCH => m.removed[m.kind] += n,
+        Ok(n) => {
+            m.removed[m.kind] += n;
+            m.kind += 1;
+        }
+        Err(e) => {
+            m.error = Some(e);
+            m.kind += 1;
         }
     }
+    if m.kind < KINDS.len() {
+        return false;
+    }
+    record_maintenance(m);
+    true
+}
+
+fn record_maintenance(m: &MaintenanceRun) {
+    let (started, removed, error) = (m.started, m.removed, m.error.clone());
     let _ = PgTryBuilder::new(|| {
         BackgroundWorker::transaction(|| {
             let started_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(started), false) };
@@ -280,6 +308,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     // Absolute time (µs) of the next known due event; i64::MAX when none.
     let mut next_due_at: i64 = 0;
     let mut last_maintenance = Instant::now();
+    let mut maintenance: Option<MaintenanceRun> = None;
     let mut sleep = Duration::ZERO;
     let mut last_pass = Instant::now();
     loop {
@@ -346,9 +375,17 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         last_pass = Instant::now();
 
         let interval = gucs::maintenance_interval_ms();
-        if interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64) {
-            run_maintenance();
-            last_maintenance = Instant::now();
+        if maintenance.is_none() && interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64) {
+            maintenance = start_maintenance();
+            if maintenance.is_none() {
+                last_maintenance = Instant::now();
+            }
+        }
+        if let Some(m) = maintenance.as_mut() {
+            if maintenance_batch(m) {
+                maintenance = None;
+                last_maintenance = Instant::now();
+            }
         }
 
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
@@ -357,7 +394,9 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         if WAKE.share().nprepared > 0 {
             sleep = sleep.min(PREPARED_POLL);
         }
-        if interval > 0 {
+        if maintenance.is_some() {
+            sleep = sleep.min(Duration::from_millis(gucs::purge_delay_ms() as u64));
+        } else if interval > 0 {
             let left = Duration::from_millis(interval as u64).saturating_sub(last_maintenance.elapsed());
             sleep = sleep.min(left.max(Duration::from_millis(1)));
         }

@@ -24,7 +24,7 @@ E2E_SYSTEMS = [
 
 FULL = {
     "reps": 3,
-    "s1_clients": [1, 4, 16], "s1_seconds": 2,
+    "s1_clients": [1, 4, 16], "s1_seconds": 5,
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination

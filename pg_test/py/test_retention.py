@@ -413,3 +413,67 @@ def test_pg_cron_schedules_maintenance_without_preload(cron_cluster):
         assert status == ("succeeded",), status
         assert c.execute("SELECT count(*) FROM outbox.event_archive").fetchone()[0] == 0
         assert c.execute("SELECT state FROM outbox.event_queue").fetchall() == [("pending",)]
+
+
+def test_purge_pauses_between_batches(plain):
+    """outbox.purge_delay: a pause after every committed batch except the last."""
+    c = loaded(plain.conn())
+    make_delivered(c, 30, "ret.pace", keyed=False)
+    c.execute("SET outbox.purge_delay = '150ms'")
+    t = time.monotonic()
+    assert call_purge(c, "purge", "1 day", 10) == 30  # batches of 10, 10, 10, 0: three pauses
+    paced = time.monotonic() - t
+    make_delivered(c, 30, "ret.pace", keyed=False)
+    c.execute("SET outbox.purge_delay = 0")
+    t = time.monotonic()
+    assert call_purge(c, "purge", "1 day", 10) == 30
+    flat = time.monotonic() - t
+    assert paced >= 0.45, f"three 150 ms pauses expected, the purge took {paced:.3f}s"
+    assert flat < paced - 0.3, f"purge_delay = 0 still paused: {flat:.3f}s vs {paced:.3f}s"
+    with pytest.raises(psycopg.errors.InvalidParameterValue):
+        c.execute("SET outbox.purge_delay = -1")
+
+
+def test_wakeups_flow_during_a_paced_maintenance_run(preload, listen):
+    """The worker runs retention one batch per loop iteration, so a long purge does
+    not hold back NOTIFYs: a publish in the middle of it wakes a listener at once."""
+    c = preload.conn()
+    c.execute("TRUNCATE outbox.maintenance_runs")
+    c.execute("SET outbox.notify = off")
+    # 40 batches of 1,000 old delivered rows; at 100 ms per pause the run lasts 4 s+.
+    c.execute(
+        "INSERT INTO outbox.event_archive (id, topic, payload, state, attempts, max_attempts, published_at, finished_at) "
+        "SELECT nextval('outbox.event_id_seq'), 'ret.bulk', '{}', 'delivered', 1, 10, "
+        "       now() - interval '30 days', now() - interval '30 days' FROM generate_series(1, 40000)"
+    )
+    lst = listen(preload.dsn)
+    try:
+        c.execute("ALTER SYSTEM SET outbox.purge_delay = '100ms'")
+        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '200ms'")
+        c.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 15
+        while c.execute("SELECT count(*) FROM outbox.event_archive WHERE topic = 'ret.bulk'").fetchone()[0] > 35000:
+            assert time.monotonic() < deadline, "the maintenance run did not start"
+            time.sleep(0.05)
+        lst.drain()
+        p = preload.conn()
+        p.execute("SET outbox.notify = background")
+        t = time.monotonic()
+        p.execute("SELECT outbox.publish('ret.during-purge', '{}')")
+        got = None
+        while got is None or got[0] != "ret.during-purge":
+            got = lst.first(timeout=max(0.0, 2.0 - (time.monotonic() - t)))
+            assert got is not None, "no wake-up within 2 s while maintenance ran"
+        latency = got[2] - t
+        left = c.execute("SELECT count(*) FROM outbox.event_archive WHERE topic = 'ret.bulk'").fetchone()[0]
+        assert left > 0, "the purge was already over: the test did not overlap it"
+        assert latency < 0.5, f"wake-up took {latency:.3f}s during maintenance"
+        # And the run completes and is recorded as one run.
+        deadline = time.monotonic() + 30
+        while not c.execute("SELECT count(*) FROM outbox.maintenance_log WHERE purged_delivered >= 40000").fetchone()[0]:
+            assert time.monotonic() < deadline, "the paced maintenance run did not finish"
+            time.sleep(0.2)
+    finally:
+        c.execute("ALTER SYSTEM RESET outbox.purge_delay")
+        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
+        c.execute("SELECT pg_reload_conf()")
