@@ -50,7 +50,10 @@ pub struct Pinned(#[allow(dead_code)] i32);
 /// namespace path twice per call. Measured in a 50,000-call loop it cost publish()
 /// 3-6 µs of its ~17 µs. An override search path (PostgreSQL 13-16) costs a list
 /// copy. Our saved plans record the path they were planned under, so under the
-/// same override they are never re-planned. PostgreSQL 17 removed override search
+/// same override they are never re-planned. While the override is active, a
+/// nested function's own `SET search_path` does not take effect (the override
+/// wins); everything these functions run is schema-qualified, so that only
+/// narrows lookups further. PostgreSQL 17 removed override search
 /// paths (and caches search path lookups), so there the GUC is set as
 /// `SET search_path` would.
 ///

@@ -53,6 +53,8 @@ static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
 static RETENTION_DISPATCH_KEYS_S: GucSetting<i32> = GucSetting::<i32>::new(0);
 /// How often the background worker runs retention (ms); 0 = never.
 static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000);
+/// Shortest pause between two wake-up passes of the background worker.
+static WAKEUP_COALESCE_MS: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// Pause between two retention batches (purge procedures and the worker).
 static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Database the background worker connects to.
@@ -222,6 +224,16 @@ pub fn init(preloaded: bool) {
         GucFlags::UNIT_MS,
     );
     GucRegistry::define_int_guc(
+        c"outbox.wakeup_coalesce",
+        c"Shortest pause between two wake-up passes of the background worker.",
+        c"Commits arriving meanwhile are announced together by the next pass; an idle worker answers the first commit at once. 0 = a pass per latch wake-up.",
+        &WAKEUP_COALESCE_MS,
+        0,
+        1000,
+        GucContext::Sighup,
+        GucFlags::UNIT_MS,
+    );
+    GucRegistry::define_int_guc(
         c"outbox.purge_delay",
         c"Pause after each committed retention batch of purge(), purge_dead() and the background worker.",
         c"Paces retention like autovacuum's cost delay, so a large purge leaves the machine to the workers; 0 = no pause.",
@@ -303,6 +315,10 @@ pub fn keep_delivered() -> bool {
 /// Maintenance interval in ms (0 = off).
 pub fn maintenance_interval_ms() -> i32 {
     MAINTENANCE_INTERVAL_MS.get()
+}
+/// Shortest pause between wake-up passes in ms.
+pub fn wakeup_coalesce_ms() -> i32 {
+    WAKEUP_COALESCE_MS.get()
 }
 /// Pause between retention batches in ms (0 = none).
 pub fn purge_delay_ms() -> i32 {

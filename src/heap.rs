@@ -17,6 +17,7 @@
 //! caller uses the SPI statement instead.
 
 use pgrx::pg_sys;
+use pgrx::prelude::PgSqlErrorCode;
 use pgrx::PgTupleDesc;
 
 /// Column types of outbox.event_queue, in attribute order (sql/schema.sql).
@@ -79,14 +80,20 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
         if !constr.is_null() && ((*constr).has_generated_stored || (*constr).num_check > 0) {
             return false;
         }
+        if form.relispartition {
+            return false;
+        }
         let tupdesc = PgTupleDesc::from_pg_unchecked(desc);
         tupdesc.len() == COLUMNS.len()
-            && tupdesc
-                .iter()
-                .zip(COLUMNS.iter())
-                .all(|(att, oid)| !att.attisdropped && att.atttypid == *oid)
+            && tupdesc.iter().zip(COLUMNS.iter()).enumerate().all(|(i, (att, oid))| {
+                // A NOT NULL on a column this path leaves NULL is a shape we do not know.
+                !att.attisdropped && att.atttypid == *oid && (!att.attnotnull || !LEFT_NULL.contains(&i))
+            })
     }
 }
+
+/// Columns [`insert`] leaves NULL (0-based attribute positions).
+const LEFT_NULL: [usize; 9] = [2, 3, 5, 10, 11, 12, 13, 14, 16];
 
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
 /// None when the table's shape rules this path out (then nothing was done and the
@@ -110,6 +117,10 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         let seqid = pg_sys::get_relname_relid(c"event_id_seq".as_ptr(), nsp);
         if relid == pg_sys::InvalidOid || seqid == pg_sys::InvalidOid {
             return None;
+        }
+        // What the executor checks first for any INSERT (SQLSTATE 25006).
+        if pg_sys::XactReadOnly {
+            pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
         }
         let lockmode = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
         let rel = pg_sys::table_open(relid, lockmode);
@@ -197,7 +208,7 @@ thread_local! {
 /// cache. ExecInsertIndexTuples otherwise plans and compiles every partial-index
 /// predicate (three on event_queue) on every call: a tenth of publish()'s time.
 /// An entry is used only if its source predicate is `equal()` to the one the
-/// relcache gives now, so a changed index simply rebuilds the cache.
+/// relcache gives now, so a changed index simply gets a new entry.
 ///
 /// # Safety
 /// `rri` must have its indexes open.
@@ -219,10 +230,11 @@ unsafe fn reuse_predicates(rri: *mut pg_sys::ResultRelInfo) {
             (*info).ii_PredicateState = match hit {
                 Some((true, state)) => state,
                 Some((false, _)) => {
-                    // The index changed under the same OID: start over.
-                    PREDICATES.with(|c| c.borrow_mut().clear());
-                    let cxt = PREDICATES_CXT.with(|c| c.get());
-                    pg_sys::MemoryContextReset(cxt);
+                    // Another index under a reused OID: replace that entry only. The
+                    // old state stays allocated (a few hundred bytes, once per OID
+                    // reuse): other indexes of this very call may already hold
+                    // states from the same context, so it must not be reset.
+                    PREDICATES.with(|c| c.borrow_mut().retain(|e| e.index != index));
                     cache_predicate(index, pred)
                 }
                 None => cache_predicate(index, pred),
@@ -255,17 +267,38 @@ unsafe fn cache_predicate(index: pg_sys::Oid, pred: *mut pg_sys::List) -> *mut p
     }
 }
 
+/// A non-empty list means a deferrable unique index wants a recheck at commit,
+/// which only the executor's after-trigger queue can schedule. Our schema has
+/// none; if one appears, refuse rather than skip the check.
+unsafe fn no_deferred_checks(recheck: *mut pg_sys::List) {
+    if !recheck.is_null() {
+        crate::errors::raise(
+            PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+            "outbox.event_queue has a deferrable unique index, which outbox.publish does not support",
+        );
+    }
+}
+
 #[cfg(any(feature = "pg14", feature = "pg15"))]
 unsafe fn insert_index_entries(rri: *mut pg_sys::ResultRelInfo, slot: *mut pg_sys::TupleTableSlot, estate: *mut pg_sys::EState) {
     unsafe {
-        pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, std::ptr::null_mut(), std::ptr::null_mut());
+        no_deferred_checks(pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, std::ptr::null_mut(), std::ptr::null_mut()));
     }
 }
 
 #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
 unsafe fn insert_index_entries(rri: *mut pg_sys::ResultRelInfo, slot: *mut pg_sys::TupleTableSlot, estate: *mut pg_sys::EState) {
     unsafe {
-        pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, std::ptr::null_mut(), std::ptr::null_mut(), false);
+        no_deferred_checks(pg_sys::ExecInsertIndexTuples(
+            rri,
+            slot,
+            estate,
+            false,
+            false,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            false,
+        ));
     }
 }
 

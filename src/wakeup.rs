@@ -91,8 +91,8 @@ pub static WAKE: PgLwLock<WakeShared> = unsafe { PgLwLock::new(c"outbox_wakeup")
 /// Taking `WAKE` exclusively at every commit made 16 publishers queue on it.
 ///
 /// Protocol (a sequence lock): a publisher adding a topic under `WAKE` stores
-/// its hash, then `ntopics` (release). The worker, under `WAKE`, bumps `generation`
-/// *before* it takes and clears the set. A reader loads `generation`, scans
+/// its hash, then `ntopics` (release). The worker, under `WAKE`, zeroes `ntopics`
+/// and then bumps `generation` *before* it takes the set. A reader loads `generation`, scans
 /// `hashes[..ntopics]`, and trusts a hit only if `generation` is unchanged
 /// afterwards; otherwise it takes the locked path. A 64-bit hash collision between
 /// two topics pending in the same pass would skip one NOTIFY; workers poll anyway.
@@ -141,8 +141,10 @@ fn already_pending(fast: &WakeFast, topic: &[u8]) -> bool {
 /// Called by the worker, holding `WAKE` exclusively, before it takes the set.
 pub fn begin_take(w: &mut WakeShared) {
     let fast = FAST.get();
+    // Empty first, then bump: a reader that sees the new generation cannot also
+    // see the old count, so a hit it trusts is a topic added after this take.
+    fast.ntopics.store(0, Ordering::SeqCst);
     fast.generation.fetch_add(1, Ordering::SeqCst);
-    fast.ntopics.store(0, Ordering::Release);
     w.ntopics = 0;
 }
 

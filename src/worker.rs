@@ -52,10 +52,6 @@ fn stopping() -> bool {
 /// Longest sleep between passes: bounds the latency of wake-ups for expired leases
 /// and prepared transactions, which no backend signals.
 const MAX_SLEEP: Duration = Duration::from_secs(1);
-/// Shortest pause between the end of one pass and the start of the next. Bounds
-/// the worker to under 1,000 passes per second however fast publishers commit; a
-/// worker woken after a quiet millisecond does not wait at all.
-const COALESCE: Duration = Duration::from_millis(1);
 /// Sleep while prepared transactions are being tracked.
 const PREPARED_POLL: Duration = Duration::from_millis(20);
 
@@ -309,18 +305,23 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     let mut next_due_at: i64 = 0;
     let mut last_maintenance = Instant::now();
     let mut maintenance: Option<MaintenanceRun> = None;
+    let mut next_batch_at = Instant::now();
     let mut sleep = Duration::ZERO;
     let mut last_pass = Instant::now();
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
             break;
         }
-        // Coalesce: under a stream of commits, let them gather for a moment
-        // instead of running one pass (one transaction, one NOTIFY) per commit.
-        // Commits that arrive meanwhile find their topic pending and skip the lock.
+        // Coalesce (outbox.wakeup_coalesce, 1 ms): under a stream of commits, let
+        // them gather for a moment instead of running one pass (one transaction,
+        // one NOTIFY per topic) per commit; at 1 ms the worker stays under 1,000
+        // passes a second however fast publishers commit. Commits arriving
+        // meanwhile find their topic pending and skip the lock. A worker woken after
+        // a quiet moment does not wait at all.
+        let coalesce = Duration::from_millis(gucs::wakeup_coalesce_ms() as u64);
         let since = last_pass.elapsed();
-        if since < COALESCE {
-            std::thread::sleep(COALESCE - since);
+        if since < coalesce {
+            std::thread::sleep(coalesce - since);
         }
         if BackgroundWorker::sighup_received() {
             unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
@@ -381,10 +382,16 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
                 last_maintenance = Instant::now();
             }
         }
+        // One batch when its time has come; commits waking the worker meanwhile get
+        // their NOTIFYs but do not hurry the purge.
         if let Some(m) = maintenance.as_mut() {
-            if maintenance_batch(m) {
-                maintenance = None;
-                last_maintenance = Instant::now();
+            if Instant::now() >= next_batch_at {
+                if maintenance_batch(m) {
+                    maintenance = None;
+                    last_maintenance = Instant::now();
+                } else {
+                    next_batch_at = Instant::now() + Duration::from_millis(gucs::purge_delay_ms() as u64);
+                }
             }
         }
 
@@ -395,7 +402,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             sleep = sleep.min(PREPARED_POLL);
         }
         if maintenance.is_some() {
-            sleep = sleep.min(Duration::from_millis(gucs::purge_delay_ms() as u64));
+            sleep = sleep.min(next_batch_at.saturating_duration_since(Instant::now()));
         } else if interval > 0 {
             let left = Duration::from_millis(interval as u64).saturating_sub(last_maintenance.elapsed());
             sleep = sleep.min(left.max(Duration::from_millis(1)));

@@ -352,3 +352,44 @@ def test_retry_wakes_listener_when_due(preload, listen, mode):
     assert 0.25 <= dt <= 1.3, times
     (attempt,) = p.execute("SELECT attempt FROM outbox.claim('w', 1)").fetchone()
     assert attempt == 2
+
+
+def test_wakeup_coalesce_batches_a_stream_but_not_the_first_commit(preload, listen):
+    """outbox.wakeup_coalesce: under a stream of commits the worker runs at most one
+    pass per interval (each topic announced once per pass), while the first commit
+    after a quiet spell is announced at once."""
+    admin = preload.conn()
+    lst = listen(preload.dsn)
+    pub = preload.conn()
+    pub.execute("SET outbox.notify = background")
+    try:
+        admin.execute("ALTER SYSTEM SET outbox.wakeup_coalesce = '250ms'")
+        admin.execute("SELECT pg_reload_conf()")
+        time.sleep(1.0)  # the worker reloads on its next wake-up; leave a quiet spell
+        pub.execute("SELECT outbox.publish('wk.coalesce.first', '{}')")  # applies the reload
+        time.sleep(1.0)
+        lst.drain()
+        # Quiet for a second: the next commit must not wait for the interval.
+        t = time.monotonic()
+        pub.execute("SELECT outbox.publish('wk.coalesce.first', '{}')")
+        got = lst.first(timeout=2.0)
+        assert got is not None and got[0] == "wk.coalesce.first"
+        assert got[2] - t < 0.15, f"first commit after a quiet spell waited {got[2] - t:.3f}s"
+        time.sleep(0.5)
+        lst.drain()
+        # A stream: 100 commits over ~1 s.
+        passes0 = admin.execute("SELECT passes FROM outbox.wakeup_status()").fetchone()[0]
+        t0 = time.monotonic()
+        for _ in range(100):
+            pub.execute("SELECT outbox.publish('wk.coalesce.stream', '{}')")
+            time.sleep(0.01)
+        elapsed = time.monotonic() - t0
+        heard = [n for n in lst.collect(1.0) if n[0] == "wk.coalesce.stream"]
+        passes = admin.execute("SELECT passes FROM outbox.wakeup_status()").fetchone()[0] - passes0
+        bound = elapsed / 0.25 + 3
+        assert 1 <= len(heard) <= bound, f"{len(heard)} notifications for 100 commits in {elapsed:.2f}s"
+        assert passes <= bound + 2, f"{passes} passes in {elapsed:.2f}s with a 250 ms interval"
+    finally:
+        admin.execute("ALTER SYSTEM RESET outbox.wakeup_coalesce")
+        admin.execute("SELECT pg_reload_conf()")
+        pub.execute("SELECT outbox.publish('wk.coalesce.reset', '{}')")  # wakes the worker to reload
