@@ -151,7 +151,7 @@ $$;
 
 COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
 'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
-'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 10) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
+'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 20) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
 'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
 'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Follows seed 000 (retention with audit window) and PgQ-style maintenance procedures.';
 

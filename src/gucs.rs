@@ -56,7 +56,7 @@ static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000)
 /// Shortest pause between two wake-up passes of the background worker.
 static WAKEUP_COALESCE_MS: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// Pause between two retention batches (purge procedures and the worker).
-static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(10);
+static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(20);
 /// Database the background worker connects to.
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
