@@ -210,8 +210,8 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
                     deliver_at: e.deliver_at,
                 })
             };
-            if direct.is_some() {
-                return (direct.unwrap(), true);
+            if let Some(id) = direct {
+                return (id, true);
             }
             let mut args = vec![e.topic.into(), key];
             args.extend(tail);

@@ -205,8 +205,8 @@ fn maintenance_step(kind: &str) -> i64 {
 /// A retention run in progress. The worker runs one batch per loop iteration and
 /// waits `outbox.purge_delay` between batches, so that wake-ups keep flowing while
 /// a large purge runs and the purge takes a bounded share of the machine (as
-/// autovacuum's cost delay does). Run to completion, a purge of 1M rows held the
-/// worker's wake-ups for its whole duration and took a core from the workers.
+/// autovacuum's cost delay does). Run to completion, as before 0.2.0, a large purge
+/// held back every wake-up until it finished.
 struct MaintenanceRun {
     started: i64,
     kind: usize,
