@@ -52,7 +52,7 @@ BEGIN
     END IF;
     -- Dead events live in the hot relation: flip them back to pending.
     UPDATE outbox.event_queue q
-       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
            lease_token = NULL, leased_by = NULL, leased_at = NULL,
            dead_at = NULL, blocks_subject = false
      WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead'
@@ -70,7 +70,7 @@ BEGIN
     INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
                                     attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
     SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
-           0, m.max_attempts, pg_catalog.clock_timestamp(), m.last_error, m.errors, m.published_at,
+           0, m.max_attempts, GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()), m.last_error, m.errors, m.published_at,
            m.subject IS NULL OR NOT EXISTS (
                SELECT 1 FROM outbox.event_queue p
                 WHERE p.subject OPERATOR(pg_catalog.=) m.subject AND p.id OPERATOR(pg_catalog.<) m.id
@@ -118,7 +118,7 @@ BEGIN
         RETURN n;
     END IF;
     UPDATE outbox.event_queue q
-       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
            lease_token = NULL, leased_by = NULL, leased_at = NULL,
            dead_at = NULL, blocks_subject = false
      WHERE q.state OPERATOR(pg_catalog.=) 'dead'

@@ -10,6 +10,9 @@
 //!    that used the last attempt, moves it to dead with "lease expired".
 //! 3. The outer SELECT returns the leased rows in id order.
 //!
+//! The scan starts at the low-water mark ($6, $7) of src/lowwater.rs, so the
+//! dead index entries of events claimed and acked before it are never read again.
+//!
 //! "now" is passed in as a parameter, taken from the clock when claim() starts,
 //! so it can bound the index scan: a volatile clock_timestamp() in the WHERE
 //! clause could only filter, and 100,000 delayed events would be read on every
@@ -18,7 +21,7 @@
 use crate::errors;
 use crate::fcall::{self, param};
 use crate::plans::{self, Stmt};
-use crate::{gucs, validate};
+use crate::{gucs, lowwater, validate};
 use pgrx::prelude::*;
 
 macro_rules! claim_sql {
@@ -26,7 +29,7 @@ macro_rules! claim_sql {
         concat!(
             "WITH cand AS (",
             "  SELECT q.id FROM outbox.event_queue q",
-            "   WHERE q.state <> 'dead' AND q.is_head AND q.visible_at <= $5 ",
+            "   WHERE q.state <> 'dead' AND q.is_head AND q.visible_at <= $5 AND (q.visible_at, q.id) >= ($6, $7) ",
             $filter,
             "     AND (q.subject IS NULL OR NOT EXISTS (",
             "          SELECT 1 FROM outbox.event_queue p",
@@ -78,20 +81,29 @@ const CLAIM_ALL: Stmt = Stmt {
         pg_sys::INTERVALOID,
         pg_sys::INTERVALOID,
         pg_sys::TIMESTAMPTZOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
     ],
 };
 
 const CLAIM_TOPICS: Stmt = Stmt {
-    sql: claim_sql!("AND (q.topic = ANY($6) OR q.topic ^@ ANY($7))"),
+    sql: claim_sql!("AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"),
     types: &[
         pg_sys::TEXTOID,
         pg_sys::INT4OID,
         pg_sys::INTERVALOID,
         pg_sys::INTERVALOID,
         pg_sys::TIMESTAMPTZOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
         pg_sys::TEXTARRAYOID,
         pg_sys::TEXTARRAYOID,
     ],
+};
+
+const RAISE_LEASE: Stmt = Stmt {
+    sql: "UPDATE outbox.event_queue SET visible_at = $2 WHERE id = ANY ($1) AND visible_at < $2",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::TIMESTAMPTZOID],
 };
 
 /// Split claim's `topics` argument into exact names and prefixes; None means all.
@@ -147,6 +159,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let now = pg_sys::GetCurrentTimestamp();
 
         crate::subject::retry_deferred();
+        let (from_t, from_id) = lowwater::claim_start();
         let out = fcall::SetResult::begin(fcinfo);
         let mut args = vec![
             worker.as_str().into(),
@@ -154,6 +167,8 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             param(lease_d, pg_sys::INTERVALOID),
             default_lease.into(),
             param(Some(pg_sys::Datum::from(now)), pg_sys::TIMESTAMPTZOID),
+            param(Some(pg_sys::Datum::from(from_t)), pg_sys::TIMESTAMPTZOID),
+            from_id.into(),
         ];
         let stmt = match filter {
             None => &CLAIM_ALL,
@@ -163,11 +178,17 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 &CLAIM_TOPICS
             }
         };
-        let retired: Vec<String> = plans::run(stmt, &args, |table| {
+        let mut raise: Vec<i64> = Vec::new();
+        let (retired, floor): (Vec<String>, i64) = plans::run(stmt, &args, |table| {
             let mut retired = Vec::new();
             if table.is_empty() {
-                return retired;
+                return (retired, lowwater::NONE);
             }
+            // The update has assigned this transaction's id: a lease expiry at or
+            // below the publish floor would sort below the low-water mark once it
+            // passes, so it is raised (src/lowwater.rs). Only a claim transaction
+            // older than its lease can hit this.
+            let floor = lowwater::floor_now();
             let tt = pg_sys::SPI_tuptable;
             let natts = (*(*tt).tupdesc).natts as usize;
             let mut values = vec![pg_sys::Datum::from(0); natts];
@@ -176,6 +197,10 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 pg_sys::heap_deform_tuple(*(*tt).vals.add(i), (*tt).tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
                 let leased = bool::from_datum(values[10], nulls[10]).unwrap_or(false);
                 if leased {
+                    if (values[8].value() as i64) < floor {
+                        values[8] = pg_sys::Datum::from(floor);
+                        raise.push(values[0].value() as i64);
+                    }
                     out.put_values(&mut values, &mut nulls);
                 } else {
                     // The lease expired on the last attempt and the event went dead.
@@ -188,8 +213,11 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                     }
                 }
             }
-            retired
+            (retired, floor)
         });
+        if !raise.is_empty() {
+            plans::run(&RAISE_LEASE, &[raise.into(), param(Some(pg_sys::Datum::from(floor)), pg_sys::TIMESTAMPTZOID)], |_| ());
+        }
         crate::subject::promote_nowait(&retired);
         fcall::finish_set(fcinfo)
     }

@@ -142,9 +142,11 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
 
         let now = pg_sys::GetCurrentTransactionStartTimestamp();
         let visible_at = match e.deliver_at {
-            Some(d) if (d.value() as i64) > now => d,
-            _ => pg_sys::Datum::from(now),
+            Some(d) if (d.value() as i64) > now => d.value() as i64,
+            _ => now,
         };
+        // Assigns the transaction id, which simple_heap_insert would do anyway.
+        let visible_at = pg_sys::Datum::from(visible_at.max(crate::lowwater::floor_after_xid()));
         let mut values = [pg_sys::Datum::from(0usize); 19];
         let mut nulls = [true; 19];
         let mut set = |i: usize, d: Option<pg_sys::Datum>| {

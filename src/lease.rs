@@ -73,7 +73,7 @@ const FAIL_LOCK: Stmt = Stmt {
 const FAIL_APPLY: Stmt = Stmt {
     sql: "UPDATE outbox.event_queue SET \
             state = $2, \
-            visible_at = CASE WHEN $2 = 'pending' THEN clock_timestamp() + $3 ELSE visible_at END, \
+            visible_at = CASE WHEN $2 = 'pending' THEN GREATEST(clock_timestamp() + $3, $6) ELSE visible_at END, \
             lease_token = NULL, \
             last_error = $4, \
             errors = COALESCE(errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object( \
@@ -81,13 +81,13 @@ const FAIL_APPLY: Stmt = Stmt {
             dead_at = CASE WHEN $2 = 'dead' THEN clock_timestamp() END, \
             blocks_subject = ($2 = 'dead' AND $5) \
           WHERE id = $1",
-    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INTERVALOID, pg_sys::TEXTOID, pg_sys::BOOLOID],
+    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INTERVALOID, pg_sys::TEXTOID, pg_sys::BOOLOID, pg_sys::TIMESTAMPTZOID],
 };
 
 const EXTEND: Stmt = Stmt {
-    sql: "UPDATE outbox.event_queue SET visible_at = clock_timestamp() + $3 \
+    sql: "UPDATE outbox.event_queue SET visible_at = GREATEST(clock_timestamp() + $3, $4) \
           WHERE id = $1 AND lease_token = $2 AND state = 'leased' RETURNING visible_at",
-    types: &[pg_sys::INT8OID, pg_sys::UUIDOID, pg_sys::INTERVALOID],
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID, pg_sys::INTERVALOID, pg_sys::TIMESTAMPTZOID],
 };
 
 /// `outbox.ack(id, lease_token) -> boolean`.
@@ -224,6 +224,8 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 Interval::from_micros(delay_us).into(),
                 error.as_str().into(),
                 blocks.into(),
+                // FAIL_LOCK's row lock assigned the transaction id.
+                crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
             ],
         );
         if !dead {
@@ -250,7 +252,12 @@ pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             return fcall::return_null(fcinfo);
         };
         let until: Option<TimestampWithTimeZone> =
-            plans::one(&EXTEND, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID), lease.into()]);
+            plans::one(&EXTEND, &[
+                param(Some(id), pg_sys::INT8OID),
+                param(Some(tok), pg_sys::UUIDOID),
+                lease.into(),
+                crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
+            ]);
         match until {
             Some(ts) => ts.into_datum().unwrap(),
             None => fcall::return_null(fcinfo),

@@ -5,6 +5,7 @@
 //! - [`heap`]: publish's direct row insert (no SPI statement)
 //! - [`claim`]: `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
 //! - [`lease`]: `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
+//! - [`lowwater`]: where claim's index scan starts (dead entries are never re-read)
 //! - [`backoff`]: retry delays
 //! - [`wakeup`] and [`worker`]: LISTEN/NOTIFY without serialising publishers, retention runs
 //! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`]: plumbing
@@ -20,6 +21,7 @@ pub mod fcall;
 pub mod gucs;
 pub mod heap;
 pub mod lease;
+pub mod lowwater;
 pub mod plans;
 pub mod publish;
 pub mod subject;
@@ -32,7 +34,7 @@ pub mod worker;
 
 pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
-pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, gucs::setting]);
+pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, gucs::setting, lowwater::visible_floor]);
 pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
 pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
@@ -56,6 +58,7 @@ pub extern "C-unwind" fn _PG_init() {
     let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     gucs::init(preloaded);
     wakeup::init(preloaded);
+    lowwater::init(preloaded);
     topics::init();
     if preloaded {
         worker::register();

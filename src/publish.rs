@@ -25,7 +25,7 @@ use pgrx::JsonB;
 const INSERT_ONE: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, dispatch_key, payload, headers, max_attempts, visible_at) \
           VALUES (COALESCE($7, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
-                  CASE WHEN $6 IS NULL OR $6 < now() THEN now() ELSE $6 END) \
+                  GREATEST(CASE WHEN $6 IS NULL OR $6 < now() THEN now() ELSE $6 END, $8)) \
           RETURNING id",
     types: &[
         pg_sys::TEXTOID,
@@ -35,13 +35,14 @@ const INSERT_ONE: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TIMESTAMPTZOID,
         pg_sys::INT8OID,
+        pg_sys::TIMESTAMPTZOID,
     ],
 };
 
 const INSERT_ONE_SUBJECT: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at, is_head) \
           VALUES (COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, $6, \
-                  CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, \
+                  GREATEST(CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, $9), \
                   NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
                                WHERE p.subject = $2 AND (p.state <> 'dead' OR p.blocks_subject))) \
           RETURNING id",
@@ -54,6 +55,7 @@ const INSERT_ONE_SUBJECT: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TIMESTAMPTZOID,
         pg_sys::INT8OID,
+        pg_sys::TIMESTAMPTZOID,
     ],
 };
 
@@ -76,12 +78,20 @@ const NEXT_IDS: Stmt = Stmt {
 const INSERT_MANY: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, subject, payload, headers, max_attempts, visible_at, is_head) \
           SELECT u.id, $1, u.s, u.p, $6, \
-                 $5, now(), \
+                 $5, GREATEST(now(), $7), \
                  u.s IS NULL OR (u.id = min(u.id) OVER (PARTITION BY u.s) \
                                  AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
                                                   WHERE p.subject = u.s AND (p.state <> 'dead' OR p.blocks_subject))) \
           FROM unnest($2::bigint[], $3::jsonb[], $4::text[]) AS u(id, p, s)",
-    types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID, pg_sys::JSONBARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT4OID, pg_sys::JSONBOID],
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT8ARRAYOID,
+        pg_sys::JSONBARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::INT4OID,
+        pg_sys::JSONBOID,
+        pg_sys::TIMESTAMPTZOID,
+    ],
 };
 
 /// Raise P0002 when strict topics are on and `topic` is not registered; return the
@@ -197,6 +207,7 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
         param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
         param(id.map(|i| i.into_datum().unwrap()), pg_sys::INT8OID),
     ];
+    let floor = || crate::lowwater::ts_param(crate::lowwater::floor_after_xid());
     let new_id = match e.subject {
         None => {
             let direct = unsafe {
@@ -215,11 +226,13 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
             }
             let mut args = vec![e.topic.into(), key];
             args.extend(tail);
+            args.push(floor());
             plans::one::<i64>(&INSERT_ONE, &args)
         }
         Some(s) => {
             let mut args = vec![e.topic.into(), s.into(), key];
             args.extend(tail);
+            args.push(floor());
             plans::one::<i64>(&INSERT_ONE_SUBJECT, &args)
         }
     };
@@ -360,6 +373,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                     fcall::param(subjects_d, pg_sys::TEXTARRAYOID),
                     max_attempts.into(),
                     fcall::param(prepare_headers(None), pg_sys::JSONBOID),
+                    crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
                 ],
                 |_| (),
             );

@@ -58,12 +58,14 @@ const TAKE_DEFERRED: Stmt = Stmt {
 };
 
 const PROMOTE: Stmt = Stmt {
-    sql: "UPDATE outbox.event_queue q SET is_head = true \
+    // The new head keeps its place unless that is below the publish floor
+    // (src/lowwater.rs): then it enters the claim index just above it.
+    sql: "UPDATE outbox.event_queue q SET is_head = true, visible_at = GREATEST(q.visible_at, $2) \
             FROM (SELECT (SELECT min(p.id) FROM outbox.event_queue p \
                            WHERE p.subject = s AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
                     FROM unnest($1::text[]) AS s) AS h \
            WHERE q.id = h.head AND NOT q.is_head",
-    types: &[pg_sys::TEXTARRAYOID],
+    types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
 };
 
 /// Take the advisory lock of one subject (until transaction end).
@@ -90,7 +92,8 @@ pub fn promote(subjects: &[String]) -> usize {
     list.sort();
     list.dedup();
     lock_many(&list);
-    plans::count(&PROMOTE, &[list.into()])
+    let floor = crate::lowwater::floor_after_xid();
+    plans::count(&PROMOTE, &[list.into(), crate::lowwater::ts_param(floor)])
 }
 
 /// Like [`promote`], but never waits: subjects whose lock a publisher holds are
@@ -114,7 +117,8 @@ pub fn promote_nowait(subjects: &[String]) -> usize {
     if locked.is_empty() {
         return 0;
     }
-    plans::count(&PROMOTE, &[locked.into()])
+    let floor = crate::lowwater::floor_after_xid();
+    plans::count(&PROMOTE, &[locked.into(), crate::lowwater::ts_param(floor)])
 }
 
 /// Retry promotions deferred by [`promote_nowait`]; called by claim() before it

@@ -221,6 +221,17 @@ fn start_maintenance() -> Option<MaintenanceRun> {
             .flatten()
             .unwrap_or(false)
     });
+    if installed {
+        // Rows written around the outbox functions must not stay hidden below the
+        // claim low-water mark (src/lowwater.rs).
+        let _ = PgTryBuilder::new(|| Ok::<bool, String>(BackgroundWorker::transaction(crate::lowwater::audit)))
+            .catch_others(|e| {
+                unsafe { pg_sys::AbortCurrentTransaction() };
+                warning!("outbox worker: low-water audit failed: {}", describe(&e));
+                Ok(false)
+            })
+            .execute();
+    }
     installed.then(|| MaintenanceRun {
         started: unsafe { pg_sys::GetCurrentTimestamp() },
         kind: 0,

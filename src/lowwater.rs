@@ -1,0 +1,379 @@
+//! The claim low-water mark: where claim() starts its index scan (issue 5).
+//!
+//! claim() walks `event_queue_ready_idx` in (visible_at, id) order from the lowest
+//! key. Every claimed and acked event leaves dead index entries behind until VACUUM
+//! removes them, and they sit exactly where that walk starts. When autovacuum is
+//! behind, or when an open snapshot (a REPEATABLE READ report, an idle session in a
+//! transaction) holds the xmin horizon so that VACUUM may remove nothing and btree
+//! may not even mark the entries killed, every claim re-reads all of them and their
+//! heap tuples (anchors.md lesson 4; bench 6a and 6b).
+//!
+//! So claim() starts at a low-water mark W, a key (visible_at, id) below which no
+//! live event of the claim index is, now or later. Entries below W are never read
+//! again, however many there are.
+//!
+//! "Or later" is the hard part, because an event can enter the index with an old
+//! visible_at: a publish in a transaction that began long ago (visible_at = now(),
+//! the transaction's start), the next event of a subject promoted to head, a retry
+//! or a replay. Two mechanisms make it hold:
+//!
+//! 1. The publish floor F, one shared timestamp that only rises. Every write that
+//!    puts an event into the claim index first has its transaction id assigned, then
+//!    reads F, and stores visible_at > F (F + 1 µs when it would be lower). F trails
+//!    the clock, so this never delays an event; it only stops one from sorting
+//!    before events that were already claimable.
+//! 2. W advances in two steps, which claims take at most every [`STEP_INTERVAL_US`]:
+//!    - A: V := min(first live key, (clock, 0)); F := max(F, V.t); then N := the
+//!      next transaction id.
+//!    - B: once a snapshot S has xmin >= N (every transaction with an xid below N
+//!      has ended), V' := the first live key in S, and W := max(W, min(V, V')).
+//!
+//! Why B is safe: a row version live after B is either visible in S, so its key is
+//! at least V' >= W, or was written by a transaction with an xid >= N. That xid was
+//! assigned after N was read, so after F had risen to V.t; the writer read F after
+//! getting its xid and stored visible_at > V.t: a key above V >= W. A transaction
+//! that holds an xid for long (not a read-only snapshot) only stalls step B.
+//!
+//! Writes that bypass the outbox functions (a data-only restore into a live table,
+//! a manual INSERT) could land below W. The maintenance run looks for such rows and
+//! resets W when it finds one ([`audit`]); TRUNCATE, VACUUM FULL and a re-created
+//! table change the relation's file node, which resets W too. Without
+//! `shared_preload_libraries` there is no shared memory: F and W stay at -infinity
+//! and claims scan from the start of the index, as before.
+
+use crate::gucs;
+use crate::plans::{self, Stmt};
+use pgrx::atomics::PgAtomic;
+use pgrx::lwlock::PgLwLock;
+use pgrx::prelude::*;
+use pgrx::shmem::*;
+use std::sync::atomic::{fence, AtomicI64, Ordering};
+
+/// TimestampTz -infinity: no floor, no low-water mark.
+pub const NONE: i64 = i64::MIN;
+/// Least time between two steps of one table's low-water mark, in microseconds.
+/// A step costs one or two index probes; between steps a claim re-reads at most
+/// the entries of the events claimed since the last step.
+pub const STEP_INTERVAL_US: i64 = 10_000;
+/// Databases (event_queue relations) tracked at once; more fall back to no mark.
+const SLOTS: usize = 8;
+
+/// The publish floor F (TimestampTz, microseconds since 2000-01-01).
+pub struct Floor {
+    pub t: AtomicI64,
+}
+
+impl Default for Floor {
+    fn default() -> Self {
+        Floor { t: AtomicI64::new(NONE) }
+    }
+}
+
+unsafe impl PGRXSharedMemory for Floor {}
+
+/// The shared publish floor (exists only when preloaded).
+pub static FLOOR: PgAtomic<Floor> = unsafe { PgAtomic::new(c"outbox_publish_floor") };
+
+/// Low-water state of one database's `outbox.event_queue`.
+#[derive(Copy, Clone)]
+pub struct Slot {
+    pub db: u32,
+    pub rel: u32,
+    /// pg_class.relfilenode when the mark was computed.
+    pub node: u32,
+    /// W as (visible_at, id); (NONE, 0) when unknown.
+    pub w: (i64, i64),
+    /// Step A's (V.t, V.id, N), waiting for step B.
+    pub pending: Option<(i64, i64, u64)>,
+    /// When the last step started (GetCurrentTimestamp).
+    pub last_step: i64,
+    /// Bumped by every change, so a step applies only to the state it started from.
+    pub generation: u64,
+    /// Times the audit found a row below W and reset it.
+    pub resets: u64,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot { db: 0, rel: 0, node: 0, w: (NONE, 0), pending: None, last_step: NONE, generation: 0, resets: 0 }
+    }
+}
+
+/// Every tracked table's low-water state.
+#[derive(Copy, Clone, Default)]
+pub struct Marks {
+    pub slots: [Slot; SLOTS],
+}
+
+unsafe impl PGRXSharedMemory for Marks {}
+
+/// The shared low-water marks (exist only when preloaded).
+pub static MARKS: PgLwLock<Marks> = unsafe { PgLwLock::new(c"outbox_low_water") };
+
+/// Register the shared memory. Called from `_PG_init`.
+pub fn init(preloaded: bool) {
+    if preloaded {
+        pgrx::pg_shmem_init!(FLOOR);
+        pgrx::pg_shmem_init!(MARKS);
+    }
+}
+
+fn above(f: i64) -> i64 {
+    if f == NONE {
+        NONE
+    } else {
+        f + 1
+    }
+}
+
+/// The floor as it stands now, plus 1 µs (NONE without preload). Only valid for a
+/// write whose transaction id is already assigned: see [`floor_after_xid`].
+pub fn floor_now() -> i64 {
+    if !gucs::preloaded() {
+        return NONE;
+    }
+    fence(Ordering::SeqCst);
+    above(FLOOR.get().t.load(Ordering::SeqCst))
+}
+
+/// The least visible_at (TimestampTz µs) the current transaction may store for an
+/// event that enters the claim index: the publish floor F plus 1 µs, or NONE (-infinity).
+///
+/// Assigns the transaction id first, as the module's proof requires. In a
+/// read-only transaction it assigns nothing and returns NONE: the write that
+/// follows fails with 25006 anyway.
+pub fn floor_after_xid() -> i64 {
+    if !gucs::preloaded() || unsafe { pg_sys::XactReadOnly } {
+        return NONE;
+    }
+    unsafe {
+        pg_sys::GetCurrentTransactionId();
+    }
+    floor_now()
+}
+
+/// `outbox._visible_floor() -> timestamptz`: [`floor_after_xid`] for the PL/pgSQL
+/// paths (replay). Assigns the caller's transaction id. -infinity without preload.
+#[pg_extern(name = "_visible_floor", volatile, parallel_unsafe)]
+fn visible_floor() -> TimestampWithTimeZone {
+    let f = floor_after_xid();
+    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(f), false).unwrap() }
+}
+
+/// `outbox._claim_low_water() -> TABLE(publish_floor timestamptz, low_water_at
+/// timestamptz, low_water_id bigint, step_pending boolean, resets bigint)`: this
+/// database's state, for tests and monitoring. -infinity / 0 when unknown.
+#[pg_extern(name = "_claim_low_water", volatile, parallel_safe)]
+fn claim_low_water() -> TableIterator<
+    'static,
+    (
+        name!(publish_floor, TimestampWithTimeZone),
+        name!(low_water_at, TimestampWithTimeZone),
+        name!(low_water_id, i64),
+        name!(step_pending, bool),
+        name!(resets, i64),
+    ),
+> {
+    let ts = |v: i64| unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(v), false).unwrap() };
+    let (f, slot) = if gucs::preloaded() {
+        let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+        let m = MARKS.share();
+        (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| s.db == db && s.rel != 0).copied())
+    } else {
+        (NONE, None)
+    };
+    let s = slot.unwrap_or_default();
+    TableIterator::once((ts(f), ts(s.w.0), s.w.1, s.pending.is_some(), s.resets as i64))
+}
+
+/// OID and file node of `outbox.event_queue`, locked as claim() will lock it.
+unsafe fn queue_identity() -> Option<(u32, u32)> {
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
+        let relid = pg_sys::get_relname_relid(c"event_queue".as_ptr(), nsp);
+        if relid == pg_sys::InvalidOid {
+            return None;
+        }
+        // The lock processes pending invalidations, so the file node read below is
+        // current (a TRUNCATE committed elsewhere shows here).
+        let rel = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+        let node = (*(*rel).rd_rel).relfilenode.to_u32();
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        Some((relid.to_u32(), node))
+    }
+}
+
+/// First live key of the claim index at or above `from`, in the statement's
+/// snapshot, with that snapshot's xmin and the clock.
+const PROBE: Stmt = Stmt {
+    sql: "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, f.visible_at, f.id, clock_timestamp() \
+            FROM (SELECT 1) AS one LEFT JOIN LATERAL ( \
+                 SELECT q.visible_at, q.id FROM outbox.event_queue q \
+                  WHERE q.state <> 'dead' AND q.is_head AND (q.visible_at, q.id) >= ($1, $2) \
+                  ORDER BY q.visible_at, q.id LIMIT 1) AS f ON true",
+    types: &[pg_sys::TIMESTAMPTZOID, pg_sys::INT8OID],
+};
+
+struct Probe {
+    xmin: u64,
+    first: Option<(i64, i64)>,
+    clock: i64,
+}
+
+/// A timestamptz statement parameter from TimestampTz microseconds.
+pub fn ts_param(v: i64) -> pgrx::datum::DatumWithOid<'static> {
+    crate::fcall::param(Some(pg_sys::Datum::from(v)), pg_sys::TIMESTAMPTZOID)
+}
+
+fn probe(from: (i64, i64)) -> Probe {
+    plans::run(&PROBE, &[ts_param(from.0), from.1.into()], |t| {
+        let row = t.first();
+        let xmin: i64 = crate::errors::spi(row.get::<i64>(1)).unwrap_or(0);
+        let raw = |n: usize| -> Option<i64> {
+            crate::errors::spi(row.get::<TimestampWithTimeZone>(n))
+                .map(|ts| ts.into_datum().map(|d| d.value() as i64).unwrap_or(NONE))
+        };
+        let first = match (raw(2), crate::errors::spi(row.get::<i64>(3))) {
+            (Some(v), Some(id)) => Some((v, id)),
+            _ => None,
+        };
+        Probe { xmin: xmin as u64, first, clock: raw(4).unwrap_or(NONE) }
+    })
+}
+
+/// Where this claim starts its scan: W for this database's event_queue, or
+/// (NONE, 0). Takes a step of the mark first when one is due (module docs).
+///
+/// # Errors
+/// Only those of its probe statement (e.g. a statement timeout), as for claim.
+pub fn claim_start() -> (i64, i64) {
+    if !gucs::preloaded() {
+        return (NONE, 0);
+    }
+    let Some((rel, node)) = (unsafe { queue_identity() }) else {
+        return (NONE, 0);
+    };
+    let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    {
+        let m = MARKS.share();
+        if let Some(s) = m.slots.iter().find(|s| s.db == db && s.rel == rel && s.node == node) {
+            if now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
+                return s.w;
+            }
+        }
+    }
+    // A step is due: take it, unless another claim just did.
+    let (i, generation, w, pending) = {
+        let mut m = MARKS.exclusive();
+        let i = match m.slots.iter().position(|s| s.db == db && s.rel == rel) {
+            Some(i) => i,
+            None => {
+                // A free slot, else the one stepped least recently.
+                let (i, _) = m.slots.iter().enumerate().min_by_key(|(_, s)| (s.db != 0, s.last_step)).unwrap();
+                i
+            }
+        };
+        let s = &mut m.slots[i];
+        if s.db != db || s.rel != rel || s.node != node {
+            let resets = if s.db == db && s.rel == rel { s.resets } else { 0 };
+            *s = Slot { db, rel, node, resets, generation: s.generation + 1, ..Slot::default() };
+        }
+        if now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
+            return s.w;
+        }
+        s.last_step = now;
+        (i, s.generation, s.w, s.pending)
+    };
+    step(i, generation, w, pending, (db, rel, node))
+}
+
+fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, i64, u64)>, id: (u32, u32, u32)) -> (i64, i64) {
+    let same = |s: &Slot| (s.db, s.rel, s.node) == id;
+    if let Some((vt, vid, n)) = pending {
+        // Step B.
+        let p = probe(w);
+        if p.xmin < n {
+            // A transaction that may have read the old floor is still running.
+            return w;
+        }
+        let cand = match p.first {
+            Some(f) if f < (vt, vid) => f,
+            _ => (vt, vid),
+        };
+        let mut m = MARKS.exclusive();
+        let s = &mut m.slots[i];
+        if !same(s) || s.generation != generation {
+            return if same(s) { s.w } else { (NONE, 0) };
+        }
+        if cand > s.w {
+            s.w = cand;
+        }
+        s.pending = None;
+        s.generation += 1;
+        generation = s.generation;
+        w = s.w;
+    }
+    // Step A.
+    let p = probe(w);
+    let clock_key = (p.clock, 0);
+    let v = match p.first {
+        Some(f) if f < clock_key => f,
+        _ => clock_key,
+    };
+    FLOOR.get().t.fetch_max(v.0, Ordering::SeqCst);
+    fence(Ordering::SeqCst);
+    let n = unsafe { pg_sys::ReadNextFullTransactionId() }.value;
+    let mut m = MARKS.exclusive();
+    let s = &mut m.slots[i];
+    if same(s) && s.generation == generation {
+        s.pending = Some((v.0, v.1, n));
+        s.generation += 1;
+    }
+    w
+}
+
+/// Any live event of the claim index below W (written other than through the
+/// outbox functions)?
+const BELOW: Stmt = Stmt {
+    sql: "SELECT EXISTS (SELECT 1 FROM outbox.event_queue q \
+                          WHERE q.state <> 'dead' AND q.is_head AND (q.visible_at, q.id) < ($1, $2))",
+    types: &[pg_sys::TIMESTAMPTZOID, pg_sys::INT8OID],
+};
+
+/// Check that no live event of this database's claim index lies below W, and
+/// forget W (claims scan from the start again until the next steps) if one does.
+/// Run by the maintenance worker. Returns true when it reset the mark.
+///
+/// W is read before the statement takes its snapshot: every row that snapshot
+/// sees live was either live when W was computed or written after, both above W,
+/// unless it bypassed the outbox functions.
+pub fn audit() -> bool {
+    if !gucs::preloaded() {
+        return false;
+    }
+    let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let found = {
+        let m = MARKS.share();
+        m.slots.iter().find(|s| s.db == db && s.rel != 0 && s.w.0 != NONE).map(|s| (s.rel, s.node, s.w))
+    };
+    let Some((rel, node, w)) = found else {
+        return false;
+    };
+    let below = plans::one::<bool>(&BELOW, &[ts_param(w.0), w.1.into()]).unwrap_or(false);
+    if !below {
+        return false;
+    }
+    let mut m = MARKS.exclusive();
+    if let Some(s) = m.slots.iter_mut().find(|s| s.db == db && s.rel == rel && s.node == node) {
+        s.w = (NONE, 0);
+        s.pending = None;
+        s.generation += 1;
+        s.resets += 1;
+    }
+    log!("outbox: found events below the claim low-water mark (written outside the outbox functions?); claims scan from the start again");
+    true
+}
