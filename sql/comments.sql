@@ -37,3 +37,13 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) IS
 
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics: invalidates every backend''s cached copy of the topic registry (src/topics.rs).';
+
+COMMENT ON FUNCTION outbox._visible_floor() IS
+'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '
+'-infinity without shared_preload_libraries. Assigns the caller''s transaction id first (src/lowwater.rs explains why). Used by replay and replay_dead. No errors.';
+
+COMMENT ON FUNCTION outbox._claim_low_water() IS
+'Internal, for tests and monitoring: one row with publish_floor (timestamptz, the floor events enter the claim index above), '
+'low_water_at and low_water_id (timestamptz, bigint: the key claim() starts its index scan at in this database; -infinity and 0 when unknown), '
+'step_pending (boolean: step A done, step B waiting for older transactions) and resets (bigint: times the maintenance audit found an event below the mark). '
+'-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (issue 5; the PgQ-style alternative is table rotation, anchors.md lesson 4).';

@@ -38,7 +38,7 @@ pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schem
 pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
 pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
-pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard"]);
+pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor]);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);
