@@ -250,7 +250,8 @@ fn probe(from: (i64, i64)) -> Probe {
 /// # Errors
 /// Only those of its probe statement (e.g. a statement timeout), as for claim.
 pub fn claim_start() -> (i64, i64) {
-    if !gucs::preloaded() {
+    // A read-only transaction (or a standby) gets 25006 from the claim itself.
+    if !gucs::preloaded() || unsafe { pg_sys::XactReadOnly } {
         return (NONE, 0);
     }
     let Some((rel, node)) = (unsafe { queue_identity() }) else {
@@ -282,7 +283,11 @@ pub fn claim_start() -> (i64, i64) {
             let resets = if s.db == db && s.rel == rel { s.resets } else { 0 };
             *s = Slot { db, rel, node, resets, generation: s.generation + 1, ..Slot::default() };
         }
-        if now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
+        // Steps need a fresh snapshot per statement (step B's xmin test), and a
+        // serializable claim should not take predicate locks for them: leave the
+        // steps to READ COMMITTED claims.
+        let fresh_snapshots = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+        if !fresh_snapshots || now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
             return s.w;
         }
         s.last_step = now;
