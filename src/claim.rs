@@ -186,8 +186,8 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             }
             // The update has assigned this transaction's id: a lease expiry at or
             // below the publish floor would sort below the low-water mark once it
-            // passes, so it is raised (src/lowwater.rs). Only a claim transaction
-            // older than its lease can hit this.
+            // passes, so it is raised (src/lowwater.rs). Only a claim statement
+            // that ran longer than its lease, or a clock set back, can hit this.
             let floor = lowwater::floor_now();
             let tt = pg_sys::SPI_tuptable;
             let natts = (*(*tt).tupdesc).natts as usize;

@@ -51,12 +51,17 @@ use std::sync::atomic::{fence, AtomicI64, Ordering};
 
 /// TimestampTz -infinity: no floor, no low-water mark.
 pub const NONE: i64 = i64::MIN;
+/// The key below every key: claims scan from the start of the index.
+pub const START: (i64, i64) = (NONE, i64::MIN);
+/// A floor this far above the clock means the clock was set back: start over.
+const CLOCK_SLACK_US: i64 = 1_000_000;
 /// Least time between two steps of one table's low-water mark, in microseconds.
 /// A step costs one or two index probes; between steps a claim re-reads at most
 /// the entries of the events claimed since the last step.
 pub const STEP_INTERVAL_US: i64 = 10_000;
-/// Databases (event_queue relations) tracked at once; more fall back to no mark.
-const SLOTS: usize = 8;
+/// Databases (event_queue relations) tracked at once; beyond that, databases take
+/// each other's slots and their marks restart.
+const SLOTS: usize = 64;
 
 /// The publish floor F (TimestampTz, microseconds since 2000-01-01).
 pub struct Floor {
@@ -81,7 +86,7 @@ pub struct Slot {
     pub rel: u32,
     /// pg_class.relfilenode when the mark was computed.
     pub node: u32,
-    /// W as (visible_at, id); (NONE, 0) when unknown.
+    /// W as (visible_at, id); START when unknown.
     pub w: (i64, i64),
     /// Step A's (V.t, V.id, N), waiting for step B.
     pub pending: Option<(i64, i64, u64)>,
@@ -95,14 +100,20 @@ pub struct Slot {
 
 impl Default for Slot {
     fn default() -> Self {
-        Slot { db: 0, rel: 0, node: 0, w: (NONE, 0), pending: None, last_step: NONE, generation: 0, resets: 0 }
+        Slot { db: 0, rel: 0, node: 0, w: START, pending: None, last_step: NONE, generation: 0, resets: 0 }
     }
 }
 
 /// Every tracked table's low-water state.
-#[derive(Copy, Clone, Default)]
+#[derive(Copy, Clone)]
 pub struct Marks {
     pub slots: [Slot; SLOTS],
+}
+
+impl Default for Marks {
+    fn default() -> Self {
+        Marks { slots: [Slot::default(); SLOTS] }
+    }
 }
 
 unsafe impl PGRXSharedMemory for Marks {}
@@ -175,12 +186,14 @@ fn claim_low_water() -> TableIterator<
     ),
 > {
     let ts = |v: i64| unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(v), false).unwrap() };
-    let (f, slot) = if gucs::preloaded() {
-        let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-        let m = MARKS.share();
-        (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| s.db == db && s.rel != 0).copied())
-    } else {
-        (NONE, None)
+    let (f, slot) = match (gucs::preloaded(), unsafe { queue_identity_unlocked() }) {
+        (true, Some((rel, node))) => {
+            let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+            let m = MARKS.share();
+            (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| (s.db, s.rel, s.node) == (db, rel, node)).copied())
+        }
+        (true, None) => (FLOOR.get().t.load(Ordering::SeqCst), None),
+        _ => (NONE, None),
     };
     let s = slot.unwrap_or_default();
     TableIterator::once((ts(f), ts(s.w.0), s.w.1, s.pending.is_some(), s.resets as i64))
@@ -188,6 +201,15 @@ fn claim_low_water() -> TableIterator<
 
 /// OID and file node of `outbox.event_queue`, locked as claim() will lock it.
 unsafe fn queue_identity() -> Option<(u32, u32)> {
+    unsafe { identity(pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
+}
+
+/// The same for readers (monitoring, the audit).
+unsafe fn queue_identity_unlocked() -> Option<(u32, u32)> {
+    unsafe { identity(pg_sys::AccessShareLock as pg_sys::LOCKMODE) }
+}
+
+unsafe fn identity(lockmode: pg_sys::LOCKMODE) -> Option<(u32, u32)> {
     unsafe {
         let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
         if nsp == pg_sys::InvalidOid {
@@ -199,7 +221,7 @@ unsafe fn queue_identity() -> Option<(u32, u32)> {
         }
         // The lock processes pending invalidations, so the file node read below is
         // current (a TRUNCATE committed elsewhere shows here).
-        let rel = pg_sys::table_open(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE);
+        let rel = pg_sys::table_open(relid, lockmode);
         let node = (*(*rel).rd_rel).relfilenode.to_u32();
         pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
         Some((relid.to_u32(), node))
@@ -244,50 +266,93 @@ fn probe(from: (i64, i64)) -> Probe {
     })
 }
 
+thread_local! {
+    /// (event_queue OID, when checked, SQL has the floor): see [`sql_ready`].
+    static SQL_READY: std::cell::Cell<(u32, i64, bool)> = const { std::cell::Cell::new((0, NONE, false)) };
+}
+
+const HAS_FLOOR_SQL: Stmt = Stmt {
+    sql: "SELECT to_regprocedure('outbox._visible_floor()') IS NOT NULL",
+    types: &[],
+};
+
+/// Whether the installed SQL applies the floor everywhere (0.3.0 and later). Until
+/// `ALTER EXTENSION outbox_ext UPDATE` has run, the new library may serve 0.2.0's
+/// replay functions, which write visible_at without the floor: no mark then.
+/// Re-checked at most once a second until true, per table.
+fn sql_ready(rel: u32, now: i64) -> bool {
+    let (r, at, ok) = SQL_READY.with(|c| c.get());
+    if r == rel && (ok || now.saturating_sub(at) < 1_000_000) {
+        return ok;
+    }
+    let ok = plans::one::<bool>(&HAS_FLOOR_SQL, &[]).unwrap_or(false);
+    SQL_READY.with(|c| c.set((rel, now, ok)));
+    ok
+}
+
+/// Forget every mark (the clock was set back past the floor); see [`step`].
+fn reset_all(m: &mut Marks) {
+    for s in m.slots.iter_mut() {
+        s.w = START;
+        s.pending = None;
+        s.generation += 1;
+    }
+}
+
 /// Where this claim starts its scan: W for this database's event_queue, or
-/// (NONE, 0). Takes a step of the mark first when one is due (module docs).
+/// [`START`]. Takes a step of the mark first when one is due (module docs).
+///
+/// Steps are taken only by READ COMMITTED claims: step B needs a snapshot newer
+/// than its transaction, and a serializable claim should not take predicate
+/// locks for them. Claims at other levels use the mark as it stands.
 ///
 /// # Errors
-/// Only those of its probe statement (e.g. a statement timeout), as for claim.
+/// Only those of its probe statements (e.g. a statement timeout), as for claim.
 pub fn claim_start() -> (i64, i64) {
     // A read-only transaction (or a standby) gets 25006 from the claim itself.
     if !gucs::preloaded() || unsafe { pg_sys::XactReadOnly } {
-        return (NONE, 0);
+        return START;
     }
     let Some((rel, node)) = (unsafe { queue_identity() }) else {
-        return (NONE, 0);
+        return START;
     };
     let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let steps = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    // A clock set back makes now < last_step: a step is due then.
+    let due = |s: &Slot| steps && (now < s.last_step || now.saturating_sub(s.last_step) >= STEP_INTERVAL_US);
     {
         let m = MARKS.share();
-        if let Some(s) = m.slots.iter().find(|s| s.db == db && s.rel == rel && s.node == node) {
-            if now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
-                return s.w;
-            }
+        let found = m.slots.iter().find(|s| s.db == db && s.rel == rel && s.node == node);
+        match found {
+            Some(s) if !due(s) => return s.w,
+            None if !steps => return START,
+            _ => {}
         }
+    }
+    if !sql_ready(rel, now) {
+        return START;
     }
     // A step is due: take it, unless another claim just did.
     let (i, generation, w, pending) = {
         let mut m = MARKS.exclusive();
-        let i = match m.slots.iter().position(|s| s.db == db && s.rel == rel) {
+        let i = match m.slots.iter().position(|s| s.db == db && s.rel == rel && s.node == node) {
             Some(i) => i,
             None => {
-                // A free slot, else the one stepped least recently.
+                // The table is new to us (or was truncated or re-created): drop
+                // this database's old slots, then take a free slot, else the one
+                // stepped least recently.
+                for s in m.slots.iter_mut().filter(|s| s.db == db) {
+                    *s = Slot { generation: s.generation + 1, ..Slot::default() };
+                }
                 let (i, _) = m.slots.iter().enumerate().min_by_key(|(_, s)| (s.db != 0, s.last_step)).unwrap();
+                let s = &mut m.slots[i];
+                *s = Slot { db, rel, node, generation: s.generation + 1, ..Slot::default() };
                 i
             }
         };
         let s = &mut m.slots[i];
-        if s.db != db || s.rel != rel || s.node != node {
-            let resets = if s.db == db && s.rel == rel { s.resets } else { 0 };
-            *s = Slot { db, rel, node, resets, generation: s.generation + 1, ..Slot::default() };
-        }
-        // Steps need a fresh snapshot per statement (step B's xmin test), and a
-        // serializable claim should not take predicate locks for them: leave the
-        // steps to READ COMMITTED claims.
-        let fresh_snapshots = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
-        if !fresh_snapshots || now.saturating_sub(s.last_step) < STEP_INTERVAL_US {
+        if !due(s) {
             return s.w;
         }
         s.last_step = now;
@@ -312,7 +377,7 @@ fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, 
         let mut m = MARKS.exclusive();
         let s = &mut m.slots[i];
         if !same(s) || s.generation != generation {
-            return if same(s) { s.w } else { (NONE, 0) };
+            return if same(s) { s.w } else { START };
         }
         if cand > s.w {
             s.w = cand;
@@ -329,7 +394,18 @@ fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, 
         Some(f) if f < clock_key => f,
         _ => clock_key,
     };
-    FLOOR.get().t.fetch_max(v.0, Ordering::SeqCst);
+    let floor = FLOOR.get();
+    if floor.t.load(Ordering::SeqCst).saturating_sub(p.clock) > CLOCK_SLACK_US {
+        // The clock was set back: the floor would hold every new event back until
+        // the clock caught up. Forget every mark first (no W then depends on the
+        // floor, and pending steps are dropped by their generation), then lower it.
+        let mut m = MARKS.exclusive();
+        reset_all(&mut m);
+        floor.t.store(p.clock, Ordering::SeqCst);
+        warning!("outbox: the clock went back; the claim low-water marks start over");
+        return START;
+    }
+    floor.t.fetch_max(v.0, Ordering::SeqCst);
     fence(Ordering::SeqCst);
     let n = unsafe { pg_sys::ReadNextFullTransactionId() }.value;
     let mut m = MARKS.exclusive();
@@ -361,11 +437,14 @@ pub fn audit() -> bool {
         return false;
     }
     let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+    let Some((rel, node)) = (unsafe { queue_identity_unlocked() }) else {
+        return false;
+    };
     let found = {
         let m = MARKS.share();
-        m.slots.iter().find(|s| s.db == db && s.rel != 0 && s.w.0 != NONE).map(|s| (s.rel, s.node, s.w))
+        m.slots.iter().find(|s| (s.db, s.rel, s.node) == (db, rel, node) && s.w != START).map(|s| s.w)
     };
-    let Some((rel, node, w)) = found else {
+    let Some(w) = found else {
         return false;
     };
     let below = plans::one::<bool>(&BELOW, &[ts_param(w.0), w.1.into()]).unwrap_or(false);
@@ -374,7 +453,7 @@ pub fn audit() -> bool {
     }
     let mut m = MARKS.exclusive();
     if let Some(s) = m.slots.iter_mut().find(|s| s.db == db && s.rel == rel && s.node == node) {
-        s.w = (NONE, 0);
+        s.w = START;
         s.pending = None;
         s.generation += 1;
         s.resets += 1;

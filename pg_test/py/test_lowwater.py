@@ -287,3 +287,93 @@ def test_no_event_is_stranded_under_concurrent_long_publishers(preload):
     assert not left, f"events left undelivered after the workers went idle for 2 s: {left[:5]} (mark {m})"
     assert sorted(acked) == sorted(committed)
     assert len(committed) > 50, len(committed)
+
+
+def _step_a_while(c, topic, n=12):
+    """Publish, claim and ack a few events with pauses, so that claims take steps."""
+    for _ in range(n):
+        c.execute("SELECT outbox.publish(%s, '{}')", (topic,))
+        rows = c.execute("SELECT id, lease_token FROM outbox.claim('lw-step', 10, topics => ARRAY[%s])", (topic,)).fetchall()
+        for eid, tok in rows:
+            c.execute("SELECT outbox.ack(%s, %s)", (eid, tok))
+        time.sleep(0.015)
+
+
+def test_mark_stays_off_until_the_sql_is_upgraded(preload_dsn):
+    """A new library serving 0.2.0's SQL (between installing the package and ALTER
+    EXTENSION UPDATE) must not use a mark: 0.2.0's replay writes no floor."""
+    from scratch_db import create_db, drop_db
+    from test_upgrade import install_fixture
+
+    name = "outbox_lw_upgrade"
+    dsn = create_db(preload_dsn, name, extension=False)
+    try:
+        with connect(dsn) as c:
+            install_fixture(c, "0.2.0")
+            c.execute("CREATE EXTENSION outbox_ext VERSION '0.2.0'")
+            c.execute("SET outbox.notify = off")
+            _step_a_while(c, "lw.v2")
+            (eid,) = c.execute(
+                "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) "
+                "VALUES ('lw.manual', '{}', 5, now() - interval '1 hour') RETURNING id").fetchone()
+            got = [r[0] for r in c.execute("SELECT id FROM outbox.claim('lw-test', 10, topics => ARRAY['lw.manual'])")]
+            assert got == [eid], "a 0.2.0 schema served by the new library used a low-water mark"
+            c.execute("ALTER EXTENSION outbox_ext UPDATE")
+        with connect(dsn) as c:  # a new session, as after the upgrade
+            c.execute("SET outbox.notify = off")
+            _step_a_while(c, "lw.v3")
+            assert mark(c)[0] is not None, "no low-water mark after the upgrade"
+            (eid,) = c.execute(
+                "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) "
+                "VALUES ('lw.manual', '{}', 5, now() - interval '1 hour') RETURNING id").fetchone()
+            got = [r[0] for r in c.execute("SELECT id FROM outbox.claim('lw-test', 10, topics => ARRAY['lw.manual'])")]
+            assert got == [], "after the upgrade, claims should start at the mark"
+    finally:
+        drop_db(preload_dsn, name)
+
+
+def test_recreated_extension_starts_without_a_mark(preload_dsn):
+    from scratch_db import create_db, drop_db
+
+    name = "outbox_lw_recreate"
+    dsn = create_db(preload_dsn, name)
+    try:
+        with connect(dsn) as c:
+            c.execute("SET outbox.notify = off")
+            _step_a_while(c, "lw.one")
+            assert mark(c)[0] is not None
+            c.execute("DROP EXTENSION outbox_ext CASCADE")
+            c.execute("CREATE EXTENSION outbox_ext")
+            m = mark(c)
+            assert m[0] is None and m[3] == 0, f"a re-created outbox shows the old table's mark: {m}"
+            (eid,) = c.execute(
+                "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) "
+                "VALUES ('lw.manual', '{}', 5, now() - interval '1 hour') RETURNING id").fetchone()
+            got = [r[0] for r in c.execute("SELECT id FROM outbox.claim('lw-test', 10, topics => ARRAY['lw.manual'])")]
+            assert got == [eid]
+    finally:
+        drop_db(preload_dsn, name)
+
+
+def test_claim_uses_the_mark_as_an_index_bound(preload):
+    """The row comparison must bound the index scan (Index Cond), not filter rows
+    after reading them, or the dead entries below the mark would still be read."""
+    c = preload.conn()
+    c.execute("SET outbox.notify = off")
+    c.execute("SELECT count(*) FROM outbox.publish_batch('lw.plan', (SELECT array_agg('{}'::jsonb) FROM generate_series(1, 2000)))")
+    c.execute("ANALYZE outbox.event_queue")
+    plans = []
+    c.add_notice_handler(lambda d: plans.append(d.message_primary or ""))
+    c.execute("LOAD 'auto_explain'")
+    c.execute("SET auto_explain.log_min_duration = 0")
+    c.execute("SET auto_explain.log_nested_statements = on")
+    c.execute("SET client_min_messages = log")
+    c.execute("BEGIN")
+    c.execute("SELECT count(*) FROM outbox.claim('lw-plan', 100, topics => ARRAY['lw.plan'])")
+    c.execute("ROLLBACK")
+    c.execute("SET client_min_messages = notice")
+    claim_plans = [p for p in plans if "event_queue_ready_idx" in p]
+    assert claim_plans, f"no claim plan logged: {plans[:3]}"
+    scan = claim_plans[0].split("event_queue_ready_idx", 1)[1]
+    cond = scan.split("Index Cond:", 1)[1].splitlines()[0]
+    assert "ROW(visible_at, id) >= ROW(" in cond, claim_plans[0]
