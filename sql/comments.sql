@@ -47,3 +47,8 @@ COMMENT ON FUNCTION outbox._claim_low_water() IS
 'low_water_at and low_water_id (timestamptz, bigint: the key claim() starts its index scan at in this database; -infinity and 0 when unknown), '
 'step_pending (boolean: step A done, step B waiting for older transactions) and resets (bigint: times the maintenance audit found an event below the mark). '
 '-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (issue 5; the PgQ-style alternative is table rotation, anchors.md lesson 4).';
+
+COMMENT ON FUNCTION outbox._audit_low_water() IS
+'Internal: look for live events below this database''s claim low-water mark (rows written into outbox.event_queue other than through the outbox functions) '
+'and forget the mark if there are any, so claims find them. Returns true when it reset the mark (boolean). Run by the maintenance worker and outbox.run_maintenance(). '
+'Reads every dead index entry below the mark: about as costly as one claim without the mark. No errors of its own. See src/lowwater.rs.';

@@ -21,6 +21,11 @@ STRICT VOLATILE PARALLEL SAFE
 LANGUAGE c
 AS 'MODULE_PATHNAME', 'claim_low_water_wrapper';
 
+CREATE FUNCTION outbox."_audit_low_water"() RETURNS bool
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c
+AS 'MODULE_PATHNAME', 'audit_low_water_wrapper';
+
 COMMENT ON FUNCTION outbox._visible_floor() IS
 'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '
 '-infinity without shared_preload_libraries. Assigns the caller''s transaction id first (src/lowwater.rs explains why). Used by replay and replay_dead. No errors.';
@@ -33,8 +38,14 @@ COMMENT ON FUNCTION outbox._claim_low_water() IS
 '-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (issue 5; the PgQ-style alternative is table rotation, anchors.md lesson 4).';
 
 
-REVOKE EXECUTE ON FUNCTION outbox._visible_floor(), outbox._claim_low_water() FROM PUBLIC;
-GRANT EXECUTE ON FUNCTION outbox._claim_low_water() TO outbox_admin;
+COMMENT ON FUNCTION outbox._audit_low_water() IS
+'Internal: look for live events below this database''s claim low-water mark (rows written into outbox.event_queue other than through the outbox functions) '
+'and forget the mark if there are any, so claims find them. Returns true when it reset the mark (boolean). Run by the maintenance worker and outbox.run_maintenance(). '
+'Reads every dead index entry below the mark: about as costly as one claim without the mark. No errors of its own. See src/lowwater.rs.';
+
+
+REVOKE EXECUTE ON FUNCTION outbox._visible_floor(), outbox._claim_low_water(), outbox._audit_low_water() FROM PUBLIC;
+GRANT EXECUTE ON FUNCTION outbox._claim_low_water(), outbox._audit_low_water() TO outbox_admin;
 
 -- A replayed event enters the claim index above the publish floor.
 CREATE OR REPLACE FUNCTION outbox.replay(id bigint) RETURNS boolean
@@ -128,3 +139,26 @@ $$;
 -- CREATE OR REPLACE keeps the privileges but not SECURITY DEFINER.
 ALTER FUNCTION outbox.replay(bigint) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) SECURITY DEFINER;
+
+-- The pg_cron path audits the mark too.
+CREATE OR REPLACE PROCEDURE outbox.run_maintenance()
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    started timestamptz := pg_catalog.clock_timestamp();
+    d bigint;
+    x bigint;
+BEGIN
+    PERFORM outbox._audit_low_water();
+    CALL outbox.purge(NULL, 1000, d);
+    CALL outbox.purge_dead(NULL, 1000, x);
+    PERFORM outbox._log_maintenance(started, d, x);
+    COMMIT;
+END
+$$;
+
+COMMENT ON PROCEDURE outbox.run_maintenance() IS
+'One retention run with the default windows (purge, then purge_dead), recorded in outbox.maintenance_log; first it checks the claim low-water mark (outbox._audit_low_water). '
+'The background worker does the same every outbox.maintenance_interval when preloaded; without preload, schedule it with pg_cron: '
+'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';
+

@@ -192,6 +192,7 @@ DECLARE
     d bigint;
     x bigint;
 BEGIN
+    PERFORM outbox._audit_low_water();
     CALL outbox.purge(NULL, 1000, d);
     CALL outbox.purge_dead(NULL, 1000, x);
     PERFORM outbox._log_maintenance(started, d, x);
@@ -200,6 +201,6 @@ END
 $$;
 
 COMMENT ON PROCEDURE outbox.run_maintenance() IS
-'One retention run with the default windows (purge, then purge_dead), recorded in outbox.maintenance_log. '
+'One retention run with the default windows (purge, then purge_dead), recorded in outbox.maintenance_log; first it checks the claim low-water mark (outbox._audit_low_water). '
 'The background worker does the same every outbox.maintenance_interval when preloaded; without preload, schedule it with pg_cron: '
 'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';

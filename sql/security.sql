@@ -64,7 +64,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint), outbox.replay_dead(text, timest
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, bigint, bigint),
     outbox._purge_pause(),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
-    outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(),
+    outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()
     TO outbox_admin;
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),

@@ -35,10 +35,10 @@ pub mod worker;
 pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
 pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, gucs::setting, lowwater::visible_floor]);
-pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin"]);
+pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin", lowwater::audit_low_water]);
 pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
-pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor]);
+pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water]);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);

@@ -417,6 +417,13 @@ fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, 
     w
 }
 
+/// `outbox._audit_low_water() -> boolean`: [`audit`] for the calling database, for
+/// `outbox.run_maintenance()` (pg_cron) and operators. True when it reset the mark.
+#[pg_extern(name = "_audit_low_water", volatile, parallel_unsafe)]
+fn audit_low_water() -> bool {
+    audit()
+}
+
 /// Any live event of the claim index below W (written other than through the
 /// outbox functions)?
 const BELOW: Stmt = Stmt {

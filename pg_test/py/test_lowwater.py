@@ -377,3 +377,19 @@ def test_claim_uses_the_mark_as_an_index_bound(preload):
     scan = claim_plans[0].split("event_queue_ready_idx", 1)[1]
     cond = scan.split("Index Cond:", 1)[1].splitlines()[0]
     assert "ROW(visible_at, id) >= ROW(" in cond, claim_plans[0]
+
+
+def test_audit_function_finds_rows_below_the_mark(preload):
+    c = preload.conn()
+    c.execute("SET outbox.notify = off")
+    (t,) = c.execute("SELECT clock_timestamp()").fetchone()
+    time.sleep(0.01)
+    c.execute("SELECT outbox.publish('lw.new', '{}')")
+    advance_past(c, t)
+    assert c.execute("SELECT outbox._audit_low_water()").fetchone()[0] is False
+    (eid,) = c.execute(
+        "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) "
+        "VALUES ('lw.manual', '{}', 5, now() - interval '1 hour') RETURNING id").fetchone()
+    assert claim_ids(c, "lw.manual") == []
+    assert c.execute("SELECT outbox._audit_low_water()").fetchone()[0] is True
+    assert claim_ids(c, "lw.manual") == [eid]
