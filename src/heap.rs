@@ -95,6 +95,19 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
 /// Columns [`insert`] leaves NULL (0-based attribute positions).
 const LEFT_NULL: [usize; 9] = [2, 3, 5, 10, 11, 12, 13, 14, 16];
 
+/// OID of relation `name` in schema outbox (syscache lookups), or None when the
+/// extension is not installed in this database.
+pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        (relid != pg_sys::InvalidOid).then_some(relid)
+    }
+}
+
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
 /// None when the table's shape rules this path out (then nothing was done and the
 /// caller must use its SPI statement). Errors are PostgreSQL's own (disk full,
@@ -109,15 +122,9 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         return None;
     }
     unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
+        let (Some(relid), Some(seqid)) = (outbox_relid(c"event_queue"), outbox_relid(c"event_id_seq")) else {
             return None;
-        }
-        let relid = pg_sys::get_relname_relid(c"event_queue".as_ptr(), nsp);
-        let seqid = pg_sys::get_relname_relid(c"event_id_seq".as_ptr(), nsp);
-        if relid == pg_sys::InvalidOid || seqid == pg_sys::InvalidOid {
-            return None;
-        }
+        };
         // What the executor checks first for any INSERT (SQLSTATE 25006).
         if pg_sys::XactReadOnly {
             pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());

@@ -98,6 +98,12 @@ pub struct Slot {
     pub resets: u64,
 }
 
+impl Slot {
+    fn key(&self) -> (u32, u32, u32) {
+        (self.db, self.rel, self.node)
+    }
+}
+
 impl Default for Slot {
     fn default() -> Self {
         Slot { db: 0, rel: 0, node: 0, w: START, pending: None, last_step: NONE, generation: 0, resets: 0 }
@@ -190,7 +196,7 @@ fn claim_low_water() -> TableIterator<
         (true, Some((rel, node))) => {
             let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
             let m = MARKS.share();
-            (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| (s.db, s.rel, s.node) == (db, rel, node)).copied())
+            (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| s.key() == (db, rel, node)).copied())
         }
         (true, None) => (FLOOR.get().t.load(Ordering::SeqCst), None),
         _ => (NONE, None),
@@ -210,15 +216,8 @@ unsafe fn queue_identity_unlocked() -> Option<(u32, u32)> {
 }
 
 unsafe fn identity(lockmode: pg_sys::LOCKMODE) -> Option<(u32, u32)> {
+    let relid = crate::heap::outbox_relid(c"event_queue")?;
     unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return None;
-        }
-        let relid = pg_sys::get_relname_relid(c"event_queue".as_ptr(), nsp);
-        if relid == pg_sys::InvalidOid {
-            return None;
-        }
         // The lock processes pending invalidations, so the file node read below is
         // current (a TRUNCATE committed elsewhere shows here).
         let rel = pg_sys::table_open(relid, lockmode);
@@ -323,7 +322,7 @@ pub fn claim_start() -> (i64, i64) {
     let due = |s: &Slot| steps && (now < s.last_step || now.saturating_sub(s.last_step) >= STEP_INTERVAL_US);
     {
         let m = MARKS.share();
-        let found = m.slots.iter().find(|s| s.db == db && s.rel == rel && s.node == node);
+        let found = m.slots.iter().find(|s| s.key() == (db, rel, node));
         match found {
             Some(s) if !due(s) => return s.w,
             None if !steps => return START,
@@ -336,7 +335,7 @@ pub fn claim_start() -> (i64, i64) {
     // A step is due: take it, unless another claim just did.
     let (i, generation, w, pending) = {
         let mut m = MARKS.exclusive();
-        let i = match m.slots.iter().position(|s| s.db == db && s.rel == rel && s.node == node) {
+        let i = match m.slots.iter().position(|s| s.key() == (db, rel, node)) {
             Some(i) => i,
             None => {
                 // The table is new to us (or was truncated or re-created): drop
@@ -362,7 +361,7 @@ pub fn claim_start() -> (i64, i64) {
 }
 
 fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, i64, u64)>, id: (u32, u32, u32)) -> (i64, i64) {
-    let same = |s: &Slot| (s.db, s.rel, s.node) == id;
+    let same = |s: &Slot| s.key() == id;
     if let Some((vt, vid, n)) = pending {
         // Step B.
         let p = probe(w);
@@ -449,7 +448,7 @@ pub fn audit() -> bool {
     };
     let found = {
         let m = MARKS.share();
-        m.slots.iter().find(|s| (s.db, s.rel, s.node) == (db, rel, node) && s.w != START).map(|s| s.w)
+        m.slots.iter().find(|s| s.key() == (db, rel, node) && s.w != START).map(|s| s.w)
     };
     let Some(w) = found else {
         return false;
@@ -459,7 +458,7 @@ pub fn audit() -> bool {
         return false;
     }
     let mut m = MARKS.exclusive();
-    if let Some(s) = m.slots.iter_mut().find(|s| s.db == db && s.rel == rel && s.node == node) {
+    if let Some(s) = m.slots.iter_mut().find(|s| s.key() == (db, rel, node)) {
         s.w = START;
         s.pending = None;
         s.generation += 1;
