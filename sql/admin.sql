@@ -46,10 +46,21 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     t text;
+    subj text;
 BEGIN
     IF id IS NULL THEN
         RETURN false;
     END IF;
+    -- Subject lock first, as publish and cancel take it: whether the replayed event
+    -- leads its subject is decided under it, from a snapshot taken after it
+    -- (outbox._promote_heads, src/subject.rs), whatever the isolation level.
+    SELECT q.subject INTO subj FROM outbox.event_queue q
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
+    IF NOT FOUND THEN
+        SELECT a.subject INTO subj FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled';
+    END IF;
+    PERFORM outbox._lock_subject(subj);
     -- Dead events live in the hot relation: flip them back to pending.
     UPDATE outbox.event_queue q
        SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
@@ -62,6 +73,8 @@ BEGIN
         RETURN true;
     END IF;
     -- Cancelled events live in the archive: move them back, keeping id and history.
+    -- They enter as non-heads; the promotion below makes the subject's earliest
+    -- live event its head.
     WITH moved AS (
         DELETE FROM outbox.event_archive a
          WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled'
@@ -71,14 +84,14 @@ BEGIN
                                     attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
     SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
            0, m.max_attempts, GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()), m.last_error, m.errors, m.published_at,
-           m.subject IS NULL OR NOT EXISTS (
-               SELECT 1 FROM outbox.event_queue p
-                WHERE p.subject OPERATOR(pg_catalog.=) m.subject AND p.id OPERATOR(pg_catalog.<) m.id
-                  AND (p.state OPERATOR(pg_catalog.<>) 'dead' OR p.blocks_subject))
+           m.subject IS NULL
       FROM moved m
     RETURNING topic INTO t;
     IF t IS NULL THEN
         RETURN false;
+    END IF;
+    IF subj IS NOT NULL THEN
+        PERFORM outbox._promote_heads(ARRAY[subj]);
     END IF;
     PERFORM outbox._wake(t);
     RETURN true;
@@ -88,7 +101,8 @@ $$;
 COMMENT ON FUNCTION outbox.replay(bigint) IS
 'Move a dead or cancelled event back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
-'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Follows seed 004 (dead-lettered rows are kept for replay) and pg-boss redrive.';
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Follows seed 004 (dead-lettered rows are kept for replay) and pg-boss redrive.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
@@ -153,7 +167,7 @@ BEGIN
     -- cancel cannot deadlock with the promotion of the next head.
     SELECT q.subject INTO subj FROM outbox.event_queue q WHERE q.id OPERATOR(pg_catalog.=) cancel.id;
     IF subj IS NOT NULL THEN
-        PERFORM pg_catalog.pg_advisory_xact_lock(1869903970, pg_catalog.hashtext(subj));
+        PERFORM outbox._lock_subject(subj);
     END IF;
     WITH moved AS (
         DELETE FROM outbox.event_queue q
@@ -183,7 +197,8 @@ $$;
 COMMENT ON FUNCTION outbox.cancel(bigint) IS
 'Cancel an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
 'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
-'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy.';
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
 
 -- The topic registry.
 

@@ -11,8 +11,21 @@ COMMENT ON FUNCTION outbox._wake(text) IS
 'Internal: note a wake-up for topic (NULL = any topic) in the current transaction according to outbox.notify. Used by replay, cancel and alter_topic. Returns void; no errors.';
 
 COMMENT ON FUNCTION outbox._promote_heads(text[], boolean) IS
-'Internal: make the earliest live event of each subject its head (claimable), taking the subject locks first (wait = false skips subjects whose lock is busy). '
-'Returns the number of events promoted (integer). See src/subject.rs.';
+'Internal: make the earliest live event of each subject its head (claimable), under the subject lock and from a snapshot taken after it, at any isolation level. '
+'wait = false never waits for a lock. Subjects whose lock is busy, past the transaction''s promotion budget (max_locks_per_transaction) or whose next head row is locked '
+'are left in outbox.subject_repairs, which every claim retries. Returns the number of events promoted (integer). No errors of its own. See src/subject.rs.';
+
+COMMENT ON FUNCTION outbox._lock_subject(text) IS
+'Internal: take a subject''s advisory lock until transaction end (NULL: nothing), waiting for it, counted against outbox.max_subject_locks. '
+'Used by cancel and replay, which decide headship. Returns void. Errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
+
+COMMENT ON FUNCTION outbox._maintenance_steps() IS
+'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
+'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair). No errors.';
+
+COMMENT ON FUNCTION outbox._maintenance_step(text) IS
+'Internal: one batch of a maintenance step (see outbox._maintenance_steps()) in the caller''s transaction: (removed bigint, done boolean; done = nothing more to do in this run). '
+'Errors: 22023 unknown step; those of outbox._purge_step().';
 
 COMMENT ON FUNCTION outbox._setting(text) IS
 'Internal: the SHOW form (with units) of an outbox.* setting; calling it loads the library so the setting exists in a fresh session. Errors: 22023 for a name outside outbox.';
@@ -32,8 +45,8 @@ COMMENT ON FUNCTION outbox._check_policy(integer, interval, interval, interval, 
 COMMENT ON FUNCTION outbox._retention_guc(text) IS
 'Internal: an interval-valued outbox.* setting (retention windows).';
 
-COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) IS
-'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs.';
+COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
+'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
 
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics: invalidates every backend''s cached copy of the topic registry (src/topics.rs).';

@@ -47,3 +47,32 @@ COMMENT ON FUNCTION outbox._drop_guard() IS
 CREATE EVENT TRIGGER outbox_drop_guard ON ddl_command_start
     WHEN TAG IN ('DROP EXTENSION')
     EXECUTE FUNCTION outbox._drop_guard();
+
+-- Per-subject order relies on ids being drawn in the order publishers take the
+-- subject lock; with a sequence CACHE above 1 each backend pre-allocates a block
+-- of ids, and a later publisher can draw a smaller id. So ALTER SEQUENCE that
+-- leaves outbox.event_id_seq with a cache is refused (outbox.health() reports a
+-- cache set while event triggers were off).
+CREATE FUNCTION outbox._sequence_guard() RETURNS event_trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c bigint;
+BEGIN
+    SELECT s.seqcache INTO c FROM pg_sequence s WHERE s.seqrelid = to_regclass('outbox.event_id_seq');
+    IF c > 1 THEN
+        RAISE EXCEPTION 'outbox: outbox.event_id_seq must keep CACHE 1 (got %)', c
+            USING ERRCODE = '0A000',
+                  HINT = 'Event ids must be drawn in subject lock order for per-subject delivery order; a sequence cache breaks it.';
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION outbox._sequence_guard() IS
+'Event trigger function (ddl_command_end, ALTER SEQUENCE): refuses, with SQLSTATE 0A000, a change that leaves outbox.event_id_seq with a CACHE above 1, '
+'since per-subject delivery order needs ids drawn in subject lock order. Returns nothing.';
+
+CREATE EVENT TRIGGER outbox_sequence_guard ON ddl_command_end
+    WHEN TAG IN ('ALTER SEQUENCE')
+    EXECUTE FUNCTION outbox._sequence_guard();

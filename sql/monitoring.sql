@@ -129,7 +129,21 @@ BEGIN
                       COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
     RETURN NEXT;
 
-    -- 6. The background worker.
+    -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
+    -- which a sequence cache breaks (each backend pre-allocates a block of ids).
+    -- sql/guard.sql refuses ALTER SEQUENCE ... CACHE; this catches a bypass.
+    SELECT s.seqcache INTO n FROM pg_sequence s WHERE s.seqrelid = 'outbox.event_id_seq'::regclass;
+    check_name := 'id_sequence'; value := n;
+    IF n > 1 THEN
+        status := 'critical';
+        message := format('outbox.event_id_seq has CACHE %s: ids no longer follow the subject lock order, so per-subject delivery order can break; run ALTER SEQUENCE outbox.event_id_seq CACHE 1', n);
+    ELSE
+        status := 'ok';
+        message := 'outbox.event_id_seq draws ids one at a time (CACHE 1)';
+    END IF;
+    RETURN NEXT;
+
+    -- 7. The background worker.
     SELECT * INTO w FROM outbox.wakeup_status();
     check_name := 'background_worker'; value := w.worker_pid;
     IF NOT w.preloaded THEN
@@ -153,4 +167,4 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical, after seed 000''s alert), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
-'dead_tuples (hot relation), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -176,31 +176,50 @@ COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
 'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit, seed 000), '
 'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
 
-CREATE FUNCTION outbox._log_maintenance(started timestamptz, delivered bigint, dead bigint) RETURNS void
+-- One row of outbox.maintenance_runs; counts maps a column name (the logged_as
+-- of outbox._maintenance_steps()) to rows removed.
+CREATE FUNCTION outbox._log_maintenance(started timestamptz, counts jsonb) RETURNS void
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead)
-    VALUES (started, pg_catalog.clock_timestamp(), delivered, dead)
+    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead, purged_keys)
+    VALUES (started, pg_catalog.clock_timestamp(),
+            COALESCE((counts ->> 'purged_delivered')::bigint, 0),
+            COALESCE((counts ->> 'purged_dead')::bigint, 0),
+            COALESCE((counts ->> 'purged_keys')::bigint, 0))
 $$;
 
+-- The steps and their order come from outbox._maintenance_steps(), the list the
+-- background worker runs too (src/maintenance.rs), so the two cannot drift.
 CREATE PROCEDURE outbox.run_maintenance()
 LANGUAGE plpgsql
 AS $$
 DECLARE
     started timestamptz := pg_catalog.clock_timestamp();
-    d bigint;
-    x bigint;
+    s record;
+    b record;
+    counts pg_catalog.jsonb := '{}';
 BEGIN
-    PERFORM outbox._audit_low_water();
-    CALL outbox.purge(NULL, 1000, d);
-    CALL outbox.purge_dead(NULL, 1000, x);
-    PERFORM outbox._log_maintenance(started, d, x);
+    FOR s IN SELECT m.step, m.logged_as FROM outbox._maintenance_steps() AS m LOOP
+        LOOP
+            SELECT * INTO b FROM outbox._maintenance_step(s.step);
+            IF s.logged_as IS NOT NULL THEN
+                counts := counts OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(s.logged_as,
+                    COALESCE((counts OPERATOR(pg_catalog.->>) s.logged_as)::bigint, 0) OPERATOR(pg_catalog.+) b.removed);
+            END IF;
+            COMMIT;
+            EXIT WHEN b.done;
+            PERFORM outbox._purge_pause();
+        END LOOP;
+    END LOOP;
+    PERFORM outbox._log_maintenance(started, counts);
     COMMIT;
 END
 $$;
 
 COMMENT ON PROCEDURE outbox.run_maintenance() IS
-'One retention run with the default windows (purge, then purge_dead), recorded in outbox.maintenance_log; first it checks the claim low-water mark (outbox._audit_low_water). '
-'The background worker does the same every outbox.maintenance_interval when preloaded; without preload, schedule it with pg_cron: '
+'One maintenance run, the same steps in the same order as the background worker''s (outbox._maintenance_steps(): the claim low-water audit, retention of delivered and cancelled events, '
+'of dead letters and of orphaned dispatch keys with the default windows, then the subject-heads repair), each in committed batches with outbox.purge_delay between them; '
+'recorded in outbox.maintenance_log (purged_delivered, purged_dead, purged_keys). None of the steps is needed for delivery. '
+'Run it with CALL outside an explicit transaction block. Without preload, schedule it with pg_cron: '
 'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';

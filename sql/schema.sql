@@ -124,10 +124,14 @@ CREATE TABLE outbox.dispatch_keys (
 CREATE INDEX dispatch_keys_event_idx ON outbox.dispatch_keys (event_id);
 
 -- Subjects whose next head could not be promoted without waiting (a publisher of
--- the subject held its lock); claim() retries them. Transient, so not dumped: the
--- maintenance repair finds any subject lost here.
+-- the subject held its lock, the transaction's lock budget was spent, or the new
+-- head's row was locked); every claim() retries a bounded number of them with
+-- SKIP LOCKED (src/subject.rs). No unique key: an insert must never wait for
+-- another transaction's uncommitted insert of the same subject, and duplicates
+-- cost one extra promotion attempt. Dumped, because a lost row could leave a
+-- subject without a head until a maintenance repair.
 CREATE TABLE outbox.subject_repairs (
-    subject text PRIMARY KEY
+    subject text NOT NULL
 );
 
 -- What the background worker's maintenance runs did.
@@ -147,6 +151,7 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.event_queue', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_archive', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.dispatch_keys', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_runs', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.subject_repairs', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_run_seq', '');
 

@@ -54,14 +54,15 @@ ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, 
 ALTER FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_topic(text, boolean) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
-ALTER FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint), outbox.replay_dead(text, timestamptz, timestamptz, boolean),
     outbox.cancel(bigint),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.drop_topic(text, boolean),
-    outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, bigint, bigint),
+    outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
+    outbox._maintenance_steps(), outbox._maintenance_step(text),
     outbox._purge_pause(),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),

@@ -52,8 +52,8 @@ macro_rules! claim_sql {
             "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
             "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
             "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",
-            "    errors = CASE WHEN q.state = 'leased' THEN COALESCE(q.errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object(",
-            "               'attempt', q.attempts, 'at', clock_timestamp(), 'worker', q.leased_by, 'error', 'lease expired'))",
+            "    errors = CASE WHEN q.state = 'leased' THEN ",
+            crate::history_append!("q.errors", "jsonb_build_object('attempt', q.attempts, 'at', clock_timestamp(), 'worker', q.leased_by, 'error', 'lease expired')"),
             "             ELSE q.errors END,",
             "    dead_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN clock_timestamp() ELSE q.dead_at END,",
             "    blocks_subject = q.state = 'leased' AND q.attempts >= q.max_attempts AND q.subject IS NOT NULL",
@@ -158,8 +158,10 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let default_lease = Interval::from_micros(gucs::default_lease_us());
         let now = pg_sys::GetCurrentTimestamp();
 
-        crate::subject::retry_deferred();
+        // The mark first: its steps read committed state only while this
+        // transaction has written nothing (src/lowwater.rs), and the retry below writes.
         let (from_t, from_id) = lowwater::claim_start();
+        crate::subject::retry_deferred();
         let out = fcall::SetResult::begin(fcinfo);
         let mut args = vec![
             worker.as_str().into(),
@@ -218,7 +220,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         if !raise.is_empty() {
             plans::run(&RAISE_LEASE, &[raise.into(), param(Some(pg_sys::Datum::from(floor)), pg_sys::TIMESTAMPTZOID)], |_| ());
         }
-        crate::subject::promote_nowait(&retired);
+        crate::subject::promote(&retired, false);
         fcall::finish_set(fcinfo)
     }
 }

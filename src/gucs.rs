@@ -33,6 +33,11 @@ static BACKOFF_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(30 * 60 * 1000);
 static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Payload size limit: 1 MB. Outbox events are notifications, not blobs.
 static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
+/// Most subject locks (advisory locks, held until commit) one transaction may take
+/// for publish, cancel and replay: each is an entry in the shared lock table,
+/// which at default settings holds about 7,800 (max_locks_per_transaction 64 times
+/// the number of backends); past it every session's lock requests fail (53200).
+static MAX_SUBJECT_LOCKS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 /// Largest claim, ack or publish batch.
 static MAX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// Reject publishes to unregistered topics (seed 004: fail the business transaction
@@ -137,6 +142,16 @@ pub fn init(preloaded: bool) {
         c"Largest batch claim(), ack() or publish_batch() accepts.",
         c"",
         &MAX_BATCH_SIZE,
+        1,
+        1_000_000,
+        GucContext::Suset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.max_subject_locks",
+        c"Most distinct subject locks one transaction may hold (publish, cancel, replay; SQLSTATE 54000 above).",
+        c"Each is an entry in the shared lock table until commit. Promotions of subject heads take at most max_locks_per_transaction of them and defer the rest to later claims.",
+        &MAX_SUBJECT_LOCKS,
         1,
         1_000_000,
         GucContext::Suset,
@@ -284,6 +299,10 @@ pub fn max_payload_bytes() -> i64 {
 /// Batch limit.
 pub fn max_batch_size() -> i32 {
     MAX_BATCH_SIZE.get()
+}
+/// Per-transaction bound on subject locks.
+pub fn max_subject_locks() -> usize {
+    MAX_SUBJECT_LOCKS.get().max(1) as usize
 }
 /// Strict topic registry.
 pub fn strict_topics() -> bool {

@@ -10,7 +10,8 @@
 //! for an INSERT statement.
 //!
 //! What an INSERT statement would do and this path does not: fire triggers, apply
-//! column defaults, check constraints, row-level security, generated columns.
+//! column defaults, check constraints, row-level security, generated columns,
+//! rules.
 //! The extension's table has none of these (state has no CHECK on purpose, see
 //! sql/schema.sql), and [`insert`] verifies the relation still looks like that on
 //! every call; if anyone added a trigger, a column or RLS, it returns None and the
@@ -70,6 +71,9 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
         let form = &*(*rel).rd_rel;
         if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char
             || !(*rel).trigdesc.is_null()
+            // A rule (DO ALSO / INSTEAD) rewrites an INSERT statement; only the
+            // SQL path runs it (issue 14.7).
+            || form.relhasrules
             || form.relrowsecurity
             || form.relforcerowsecurity
         {

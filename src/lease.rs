@@ -18,6 +18,25 @@ use pgrx::prelude::*;
 /// Longest error text kept per failure; longer texts are cut at a character boundary.
 pub const MAX_ERROR_BYTES: usize = 8192;
 
+/// SQL expression: the attempt history `$h` (a jsonb array, or NULL) with the entry
+/// `$e` appended, bounded to 20 elements. Once full, the history keeps the first
+/// failure, then `{"omitted": n}` (failures dropped so far), then the latest 18:
+/// `max_attempts` may be up to 1,000,000 (and `outbox.max_attempts` is a user
+/// setting), so an unbounded history could grow one row past any size (issue 14.7).
+/// claim() (expired leases) and fail() both append through this one expression.
+#[macro_export]
+macro_rules! history_append {
+    ($h:literal, $e:literal) => {
+        concat!(
+            "CASE WHEN jsonb_array_length(COALESCE(", $h, ", '[]'::jsonb)) < 20 ",
+            "THEN COALESCE(", $h, ", '[]'::jsonb) || jsonb_build_array(", $e, ") ",
+            "ELSE jsonb_build_array(", $h, " -> 0, jsonb_build_object('omitted', ",
+            "COALESCE((", $h, " -> 1 ->> 'omitted')::int8 + 1, 2))) ",
+            "|| jsonb_path_query_array(", $h, ", '$[3 to last]') || jsonb_build_array(", $e, ") END"
+        )
+    };
+}
+
 macro_rules! archive_from {
     ($delete:literal) => {
         concat!(
@@ -71,16 +90,18 @@ const FAIL_LOCK: Stmt = Stmt {
 };
 
 const FAIL_APPLY: Stmt = Stmt {
-    sql: "UPDATE outbox.event_queue SET \
-            state = $2, \
-            visible_at = CASE WHEN $2 = 'pending' THEN GREATEST(clock_timestamp() + $3, $6) ELSE visible_at END, \
-            lease_token = NULL, \
-            last_error = $4, \
-            errors = COALESCE(errors, '[]'::jsonb) || jsonb_build_array(jsonb_build_object( \
-                       'attempt', attempts, 'at', clock_timestamp(), 'worker', leased_by, 'error', $4)), \
-            dead_at = CASE WHEN $2 = 'dead' THEN clock_timestamp() END, \
-            blocks_subject = ($2 = 'dead' AND $5) \
-          WHERE id = $1",
+    sql: concat!(
+        "UPDATE outbox.event_queue SET ",
+        "state = $2, ",
+        "visible_at = CASE WHEN $2 = 'pending' THEN GREATEST(clock_timestamp() + $3, $6) ELSE visible_at END, ",
+        "lease_token = NULL, ",
+        "last_error = $4, ",
+        "errors = ",
+        crate::history_append!("errors", "jsonb_build_object('attempt', attempts, 'at', clock_timestamp(), 'worker', leased_by, 'error', $4)"),
+        ", dead_at = CASE WHEN $2 = 'dead' THEN clock_timestamp() END, ",
+        "blocks_subject = ($2 = 'dead' AND $5) ",
+        "WHERE id = $1"
+    ),
     types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INTERVALOID, pg_sys::TEXTOID, pg_sys::BOOLOID, pg_sys::TIMESTAMPTZOID],
 };
 
@@ -101,7 +122,7 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         };
         let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
         let (n, retired) = plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
-        crate::subject::promote_nowait(&retired);
+        crate::subject::promote(&retired, false);
         (n > 0).into_datum().unwrap()
     }
 }
@@ -153,7 +174,7 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)],
             subjects_of,
         );
-        crate::subject::promote_nowait(&retired);
+        crate::subject::promote(&retired, false);
         (n as i32).into_datum().unwrap()
     }
 }
@@ -233,7 +254,7 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         } else if !blocks {
             // Dead under 'skip' (or no subject): the next event of the subject leads.
             if let Some(s) = subject {
-                crate::subject::promote_nowait(&[s]);
+                crate::subject::promote(&[s], false);
             }
         }
         state.into_datum().unwrap()

@@ -6,9 +6,12 @@
 //! - [`claim`]: `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
 //! - [`lease`]: `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`lowwater`]: where claim's index scan starts (dead entries are never re-read)
+//! - [`subject`]: subject heads and the subject lock budget
+//! - [`maintenance`]: the one list of maintenance steps
 //! - [`backoff`]: retry delays
 //! - [`wakeup`] and [`worker`]: LISTEN/NOTIFY without serialising publishers, retention runs
-//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`]: plumbing
+//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`], [`xact`]: plumbing
+//! - [`pg`]: PostgreSQL internals the liveness rules depend on (snapshots, locks)
 //!
 //! The schema and the SQL-level API live in `sql/`.
 
@@ -22,6 +25,8 @@ pub mod gucs;
 pub mod heap;
 pub mod lease;
 pub mod lowwater;
+pub mod maintenance;
+pub mod pg;
 pub mod plans;
 pub mod publish;
 pub mod subject;
@@ -29,13 +34,14 @@ pub mod topics;
 pub mod validate;
 pub mod wakeup;
 pub mod worker;
+pub mod xact;
 
 ::pgrx::pg_module_magic!(name, version);
 
 pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
-pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, gucs::setting, lowwater::visible_floor]);
-pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin", lowwater::audit_low_water]);
+pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, subject::lock_subject, gucs::setting, lowwater::visible_floor]);
+pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]);
 pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
 pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water]);
@@ -55,9 +61,11 @@ v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topi
 /// preloaded, the background worker.
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
+    pg::quiet_rust_backtraces();
     let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
     gucs::init(preloaded);
     wakeup::init(preloaded);
+    xact::init();
     lowwater::init(preloaded);
     topics::init();
     if preloaded {

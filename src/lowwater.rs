@@ -145,12 +145,41 @@ fn above(f: i64) -> i64 {
 
 /// The floor as it stands now, plus 1 µs (NONE without preload). Only valid for a
 /// write whose transaction id is already assigned: see [`floor_after_xid`].
+///
+/// A floor more than [`CLOCK_SLACK_US`] ahead of the clock means the clock was set
+/// back: every write would then store a visible_at that far in the future, so the
+/// writer starts the marks over first ([`clock_went_back`]). Checked here, on every
+/// write, and not only by claims' steps, because a stalled step B (a forgotten
+/// prepared transaction) stops the steps (issue 14.6).
 pub fn floor_now() -> i64 {
     if !gucs::preloaded() {
         return NONE;
     }
     fence(Ordering::SeqCst);
-    above(FLOOR.get().t.load(Ordering::SeqCst))
+    let f = FLOOR.get().t.load(Ordering::SeqCst);
+    if f != NONE {
+        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        if clock_went_back(f, now) {
+            return above(FLOOR.get().t.load(Ordering::SeqCst));
+        }
+    }
+    above(f)
+}
+
+/// When floor `f` is more than [`CLOCK_SLACK_US`] ahead of `now`: forget every mark
+/// (no W then depends on the floor, and pending steps are dropped by their
+/// generation), lower the floor to `now`, and return true.
+fn clock_went_back(f: i64, now: i64) -> bool {
+    if f == NONE || f.saturating_sub(now) <= CLOCK_SLACK_US {
+        return false;
+    }
+    {
+        let mut m = MARKS.exclusive();
+        reset_all(&mut m);
+        FLOOR.get().t.store(now, Ordering::SeqCst);
+    }
+    warning!("outbox: the clock went back; the claim low-water marks start over");
+    true
 }
 
 /// The least visible_at (TimestampTz µs) the current transaction may store for an
@@ -317,7 +346,12 @@ pub fn claim_start() -> (i64, i64) {
     };
     let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
     let now = unsafe { pg_sys::GetCurrentTimestamp() };
-    let steps = unsafe { pg_sys::XactIsoLevel } < pg_sys::XACT_REPEATABLE_READ as i32;
+    // Steps read the first live key in this transaction's snapshot. Once the
+    // transaction has written (a cancel, an ack, an earlier claim), that snapshot
+    // shows its own uncommitted changes, which a rollback would undo: a mark
+    // computed from them could pass a committed event (issue 14.2). So only a
+    // transaction that has no xid yet takes steps.
+    let steps = !crate::pg::uses_xact_snapshot() && !crate::pg::xid_assigned();
     // A clock set back makes now < last_step: a step is due then.
     let due = |s: &Slot| steps && (now < s.last_step || now.saturating_sub(s.last_step) >= STEP_INTERVAL_US);
     {
@@ -362,6 +396,10 @@ pub fn claim_start() -> (i64, i64) {
 
 fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, i64, u64)>, id: (u32, u32, u32)) -> (i64, i64) {
     let same = |s: &Slot| s.key() == id;
+    // Before anything else, so a stalled step B cannot hide a clock set back.
+    if clock_went_back(FLOOR.get().t.load(Ordering::SeqCst), unsafe { pg_sys::GetCurrentTimestamp() }) {
+        return START;
+    }
     if let Some((vt, vid, n)) = pending {
         // Step B.
         let p = probe(w);
@@ -394,14 +432,7 @@ fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, 
         _ => clock_key,
     };
     let floor = FLOOR.get();
-    if floor.t.load(Ordering::SeqCst).saturating_sub(p.clock) > CLOCK_SLACK_US {
-        // The clock was set back: the floor would hold every new event back until
-        // the clock caught up. Forget every mark first (no W then depends on the
-        // floor, and pending steps are dropped by their generation), then lower it.
-        let mut m = MARKS.exclusive();
-        reset_all(&mut m);
-        floor.t.store(p.clock, Ordering::SeqCst);
-        warning!("outbox: the clock went back; the claim low-water marks start over");
+    if clock_went_back(floor.t.load(Ordering::SeqCst), p.clock) {
         return START;
     }
     floor.t.fetch_max(v.0, Ordering::SeqCst);

@@ -233,7 +233,10 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
             let mut args = vec![e.topic.into(), s.into(), key];
             args.extend(tail);
             args.push(floor());
-            plans::one::<i64>(&INSERT_ONE_SUBJECT, &args)
+            // is_head is decided under the subject lock, from a snapshot taken
+            // after it (src/subject.rs): under REPEATABLE READ the transaction
+            // snapshot may predate the ack of the subject's previous head.
+            crate::pg::run_latest(&INSERT_ONE_SUBJECT, &args, |r| r.i64(0, 1))
         }
     };
     let id = new_id.unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
@@ -364,7 +367,8 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             let ids: Vec<i64> = plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>()))
                 .unwrap_or_default();
             let subjects_d = fcall::raw(fcinfo, 2);
-            plans::run(
+            // Headship from a snapshot taken after the subject locks (src/subject.rs).
+            crate::pg::run_latest(
                 &INSERT_MANY,
                 &[
                     topic.as_str().into(),

@@ -3,143 +3,278 @@
 //! An event is its subject's head when no earlier live event (pending, leased,
 //! or dead under the 'block' policy) of the same subject exists. Only heads are
 //! in the claim index, so events queued behind a blocked subject cost a claim
-//! nothing (issue 3: 10,000 events behind one blocked subject must not slow a
-//! claim of other work).
+//! nothing (10,000 events behind one blocked subject must not slow a claim of
+//! other work).
 //!
-//! Every path that sets or clears `is_head` holds the subject's advisory lock
-//! (the one publish() takes), and runs its read in a statement that starts after
-//! the lock was granted:
-//! - publish computes `is_head` after taking the lock, so a head being retired
-//!   concurrently has either committed (publish sees it gone) or not yet taken
-//!   the lock (the retiring transaction will see the new event and promote it);
-//! - ack, cancel, fail/claim to dead under 'skip', and purge_dead retire a head
-//!   and then promote the subject's earliest live event. Only cancel (an
-//!   operator action) waits for the lock; the others try it, and when a publisher
-//!   of the subject is mid-transaction they leave the subject in
-//!   outbox.subject_repairs, which the next claim() retries. So an ack never
-//!   waits for an application transaction.
-//! Under REPEATABLE READ a promotion can miss an event committed after the
-//! retiring transaction's snapshot; the background worker's maintenance repairs
-//! such heads (`outbox._purge_step('heads', ...)`), and claim's own NOT EXISTS
-//! check keeps order even if a head flag were ever wrong.
+//! # Invariant: every live event that has no earlier live event of its subject is
+//! # a head, or its subject is in `outbox.subject_repairs`, once the writing
+//! # transactions have committed.
+//!
+//! Proof sketch. Headship is decided only under the subject's advisory lock
+//! (publish, cancel and replay wait for it; promotions try it), and only by a
+//! statement run under a snapshot taken after the lock was granted
+//! ([`crate::pg::run_latest`]), whatever the isolation level. The lock is released
+//! after the holder's commit is visible, so that snapshot sees every commit of
+//! every earlier holder of the lock.
+//! - publish inserts e with is_head = "no earlier live event of s" as of that
+//!   snapshot. An earlier head h that a concurrent transaction R is retiring is
+//!   either gone in the snapshot (R committed before the lock was granted to us),
+//!   or R retires it later, and then R's promotion runs under the same lock after
+//!   us, or R could not get the lock (we hold it) and left s in subject_repairs.
+//! - retiring a head (ack, cancel, dead under 'skip', purge of a blocking dead
+//!   letter, a policy switch to 'skip') is followed, in the same transaction, by
+//!   [`promote`]: with the lock held it makes the earliest live event the head;
+//!   when the lock is busy (a publisher of s is mid-transaction), when the
+//!   transaction's lock budget is spent, or when the new head's row is locked, it
+//!   inserts s into outbox.subject_repairs instead. That row commits or rolls back
+//!   with the retirement itself.
+//! - every claim first takes a bounded number of subject_repairs rows (SKIP
+//!   LOCKED, so it never waits) and promotes them the same way; what it cannot
+//!   promote it puts back. So a deferred promotion is retried by the next claims,
+//!   and maintenance is not needed for liveness. Claim's own NOT EXISTS check
+//!   keeps per-subject order even if a head flag were ever wrong.
+//!
+//! # Lock budget
+//! Each subject lock is an entry in the shared lock table until the transaction
+//! ends. Locks a transaction needs (publish, cancel, replay) are counted and
+//! refused with SQLSTATE 54000 past `outbox.max_subject_locks`; locks taken only
+//! to promote a head are optional and stop at `max_locks_per_transaction` per
+//! transaction, deferring the rest. So no statement of the outbox can fill the
+//! lock table, whatever the number of subjects it touches.
 
+use crate::errors;
 use crate::plans::{self, Stmt};
+use crate::{gucs, lowwater, pg};
 use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
 
-/// First key of the subject advisory locks (0x6f757462 = "outb").
+/// First key of the subject advisory locks (0x6f757462 = "outb"); the second is
+/// `hashtext(subject)`.
 pub const SUBJECT_LOCK_KEY: i32 = 1_869_903_970;
 
-const LOCK_ONE: Stmt = Stmt {
-    sql: "SELECT pg_advisory_xact_lock(1869903970, hashtext($1))",
-    types: &[pg_sys::TEXTOID],
-};
+thread_local! {
+    /// Subject lock hashes this transaction holds, each with the subtransactions
+    /// that took it (a lock taken in a subtransaction goes away when it aborts).
+    static HELD: RefCell<HashMap<i32, Vec<pg_sys::SubTransactionId>>> = RefCell::new(HashMap::new());
+}
 
-const LOCK_MANY: Stmt = Stmt {
-    sql: "SELECT count(pg_advisory_xact_lock(1869903970, h)) FROM \
-          (SELECT DISTINCT hashtext(s) AS h FROM unnest($1::text[]) AS s WHERE s IS NOT NULL ORDER BY 1) AS x",
-    types: &[pg_sys::TEXTARRAYOID],
-};
+fn holds(h: i32) -> bool {
+    HELD.with(|m| m.borrow().contains_key(&h))
+}
 
-const TRY_LOCK_MANY: Stmt = Stmt {
-    sql: "SELECT array_agg(s) FROM unnest($1::text[]) AS s \
-          WHERE pg_try_advisory_xact_lock(1869903970, hashtext(s))",
-    types: &[pg_sys::TEXTARRAYOID],
-};
+fn held_count() -> usize {
+    HELD.with(|m| m.borrow().len())
+}
+
+fn note_held(h: i32) {
+    let sub = pg::subxact_id();
+    HELD.with(|m| {
+        let mut m = m.borrow_mut();
+        let owners = m.entry(h).or_default();
+        if !owners.contains(&sub) {
+            owners.push(sub);
+        }
+    });
+}
+
+/// Transaction end (commit, abort, prepare): every subject lock is gone or
+/// belongs to the prepared transaction.
+pub fn on_xact_end() {
+    HELD.with(|m| m.borrow_mut().clear());
+}
+
+/// A subtransaction aborted: the locks it took were released.
+pub fn on_subxact_abort(my: pg_sys::SubTransactionId) {
+    HELD.with(|m| {
+        let mut m = m.borrow_mut();
+        m.retain(|_, owners| {
+            owners.retain(|s| *s != my);
+            !owners.is_empty()
+        });
+    });
+}
+
+/// A subtransaction committed: its locks now belong to its parent.
+pub fn on_subxact_commit(my: pg_sys::SubTransactionId, parent: pg_sys::SubTransactionId) {
+    HELD.with(|m| {
+        for owners in m.borrow_mut().values_mut() {
+            if let Some(i) = owners.iter().position(|s| *s == my) {
+                owners.swap_remove(i);
+                if !owners.contains(&parent) {
+                    owners.push(parent);
+                }
+            }
+        }
+    });
+}
+
+/// Take the subject locks of `subjects` (until transaction end), waiting for them,
+/// in hash order so that two transactions locking overlapping sets cannot
+/// deadlock on them. Raises 54000 before taking any when this transaction would
+/// then hold more than `outbox.max_subject_locks`.
+pub fn lock_many(subjects: &[String]) {
+    let mut hashes: Vec<i32> = subjects.iter().map(|s| pg::hashtext(s)).collect();
+    hashes.sort_unstable();
+    hashes.dedup();
+    hashes.retain(|h| !holds(*h));
+    let limit = gucs::max_subject_locks();
+    if held_count() + hashes.len() > limit {
+        errors::raise_hint(
+            errors::TOO_LARGE,
+            format!(
+                "this transaction would hold {} subject locks, more than outbox.max_subject_locks ({limit})",
+                held_count() + hashes.len()
+            ),
+            "Each distinct subject published, cancelled or replayed in a transaction holds a lock until commit: \
+             split the transaction, or raise outbox.max_subject_locks together with max_locks_per_transaction.",
+        );
+    }
+    for h in hashes {
+        pg::advisory_xact_lock(SUBJECT_LOCK_KEY, h);
+        note_held(h);
+    }
+}
+
+/// Take the lock of one subject; see [`lock_many`].
+pub fn lock(subject: &str) {
+    let h = pg::hashtext(subject);
+    if holds(h) {
+        return;
+    }
+    lock_many(&[subject.to_string()]);
+}
+
+/// Room left for optional (promotion) locks in this transaction.
+fn promotion_room() -> usize {
+    gucs::max_subject_locks().min(pg::max_locks_per_xact()).saturating_sub(held_count())
+}
+
+/// Split `list` (sorted, distinct) into subjects whose lock this transaction now
+/// holds and subjects to defer (lock busy, or no room left in the budget).
+fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String>) {
+    let mut locked = Vec::new();
+    let mut deferred = Vec::new();
+    // Hash order, as lock_many: waiting promotions must not deadlock each other.
+    let mut by_hash: Vec<(i32, String)> = list.into_iter().map(|s| (pg::hashtext(&s), s)).collect();
+    by_hash.sort_unstable();
+    for (h, s) in by_hash {
+        if holds(h) {
+            locked.push(s);
+        } else if promotion_room() == 0 {
+            deferred.push(s);
+        } else if wait {
+            pg::advisory_xact_lock(SUBJECT_LOCK_KEY, h);
+            note_held(h);
+            locked.push(s);
+        } else if pg::try_advisory_xact_lock(SUBJECT_LOCK_KEY, h) {
+            note_held(h);
+            locked.push(s);
+        } else {
+            deferred.push(s);
+        }
+    }
+    (locked, deferred)
+}
 
 const DEFER: Stmt = Stmt {
-    sql: "INSERT INTO outbox.subject_repairs (subject) SELECT s FROM unnest($1::text[]) AS s \
-          ON CONFLICT DO NOTHING",
+    sql: "INSERT INTO outbox.subject_repairs (subject) SELECT s FROM unnest($1::text[]) AS s",
     types: &[pg_sys::TEXTARRAYOID],
 };
 
 const TAKE_DEFERRED: Stmt = Stmt {
-    sql: "WITH r AS (DELETE FROM outbox.subject_repairs RETURNING subject) SELECT array_agg(subject) FROM r",
-    types: &[],
+    // SKIP LOCKED: a claim never waits for a repair another transaction holds
+    // (issue 14.3); the table has no unique key, so inserts never wait either.
+    sql: "WITH d AS (DELETE FROM outbox.subject_repairs r \
+                      WHERE r.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox.subject_repairs x \
+                                                 LIMIT $1 FOR UPDATE SKIP LOCKED)) \
+                     RETURNING r.subject) \
+          SELECT array_agg(DISTINCT d.subject) FROM d",
+    types: &[pg_sys::INT8OID],
 };
 
 const PROMOTE: Stmt = Stmt {
-    // The new head keeps its place unless that is below the publish floor
-    // (src/lowwater.rs): then it enters the claim index just above it.
-    sql: "UPDATE outbox.event_queue q SET is_head = true, visible_at = GREATEST(q.visible_at, $2) \
-            FROM (SELECT (SELECT min(p.id) FROM outbox.event_queue p \
-                           WHERE p.subject = s AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
-                    FROM unnest($1::text[]) AS s) AS h \
-           WHERE q.id = h.head AND NOT q.is_head",
+    // For each subject: its earliest live event becomes the head, entering the
+    // claim index above the publish floor (src/lowwater.rs). A head row that
+    // another transaction has locked is skipped, never waited for, and returned
+    // for deferral, with how many were promoted.
+    sql: "WITH h AS ( \
+            SELECT s.subject, (SELECT min(p.id) FROM outbox.event_queue p \
+                                WHERE p.subject = s.subject AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
+              FROM unnest($1::text[]) AS s(subject)), \
+          c AS ( \
+            SELECT q.id FROM outbox.event_queue q \
+             WHERE q.id = ANY (ARRAY(SELECT h.head FROM h WHERE h.head IS NOT NULL)) AND NOT q.is_head \
+               FOR UPDATE OF q SKIP LOCKED), \
+          u AS ( \
+            UPDATE outbox.event_queue q SET is_head = true, visible_at = GREATEST(q.visible_at, $2) \
+             WHERE q.id = ANY (ARRAY(SELECT c.id FROM c)) RETURNING q.id) \
+          SELECT (SELECT count(*) FROM u), \
+                 ARRAY(SELECT h.subject FROM h JOIN outbox.event_queue q ON q.id = h.head \
+                        WHERE NOT q.is_head AND q.id <> ALL (ARRAY(SELECT u.id FROM u)))",
     types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
 };
 
-/// Take the advisory lock of one subject (until transaction end).
-pub fn lock(subject: &str) {
-    plans::run(&LOCK_ONE, &[subject.into()], |_| ());
+fn defer(subjects: Vec<String>) {
+    if !subjects.is_empty() {
+        plans::run(&DEFER, &[subjects.into()], |_| ());
+    }
 }
 
-/// Take the advisory locks of several subjects, in hash order so that two
-/// transactions locking overlapping sets cannot deadlock on them.
-pub fn lock_many(subjects: &[String]) {
+/// After heads of `subjects` were retired in this transaction: make each
+/// subject's earliest live event its head, under the subject lock. Subjects it
+/// cannot lock (busy when `wait` is false, or past the promotion budget) or whose
+/// next head row is locked are left in outbox.subject_repairs for the next
+/// claims. Never waits when `wait` is false. Returns events promoted.
+pub fn promote(subjects: &[String], wait: bool) -> usize {
     if subjects.is_empty() {
+        return 0;
+    }
+    let list: Vec<String> = subjects.iter().cloned().collect::<HashSet<_>>().into_iter().collect();
+    let (locked, mut deferred) = lock_for_promotion(list, wait);
+    let mut promoted = 0;
+    if !locked.is_empty() {
+        let floor = lowwater::floor_after_xid();
+        let (n, skipped) = pg::run_latest(&PROMOTE, &[locked.into(), lowwater::ts_param(floor)], |r| {
+            (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2))
+        });
+        promoted = n;
+        deferred.extend(skipped);
+    }
+    defer(deferred);
+    promoted
+}
+
+/// Retry promotions deferred by [`promote`]; called by claim() before it looks
+/// for work. Takes at most the transaction's remaining promotion budget, skips
+/// rows other transactions hold, and costs one statement on an empty table when
+/// nothing is deferred.
+pub fn retry_deferred() {
+    let room = promotion_room();
+    if room == 0 {
         return;
     }
-    plans::run(&LOCK_MANY, &[subjects.to_vec().into()], |_| ());
-}
-
-/// After heads of `subjects` were retired in this transaction: lock the subjects
-/// and make each one's earliest live event its head. Returns events promoted.
-pub fn promote(subjects: &[String]) -> usize {
-    if subjects.is_empty() {
-        return 0;
-    }
-    let mut list = subjects.to_vec();
-    list.sort();
-    list.dedup();
-    lock_many(&list);
-    let floor = crate::lowwater::floor_after_xid();
-    plans::count(&PROMOTE, &[list.into(), crate::lowwater::ts_param(floor)])
-}
-
-/// Like [`promote`], but never waits: subjects whose lock a publisher holds are
-/// left for the maintenance repair (`outbox._purge_step('heads', ...)`). For
-/// retention, which must never block application transactions.
-pub fn promote_nowait(subjects: &[String]) -> usize {
-    if subjects.is_empty() {
-        return 0;
-    }
-    let mut list = subjects.to_vec();
-    list.sort();
-    list.dedup();
-    let locked: Vec<String> =
-        plans::run(&TRY_LOCK_MANY, &[list.clone().into()], |t| crate::errors::spi(t.first().get_one::<Vec<String>>()))
-            .unwrap_or_default();
-    let busy: Vec<String> = list.into_iter().filter(|s| !locked.contains(s)).collect();
-    if !busy.is_empty() {
-        // A publisher of these subjects is mid-transaction; claim() retries them.
-        plans::run(&DEFER, &[busy.into()], |_| ());
-    }
-    if locked.is_empty() {
-        return 0;
-    }
-    let floor = crate::lowwater::floor_after_xid();
-    plans::count(&PROMOTE, &[locked.into(), crate::lowwater::ts_param(floor)])
-}
-
-/// Retry promotions deferred by [`promote_nowait`]; called by claim() before it
-/// looks for work. Costs one statement on an empty table when nothing is deferred.
-pub fn retry_deferred() {
-    let subjects: Vec<String> =
-        plans::run(&TAKE_DEFERRED, &[], |t| crate::errors::spi(t.first().get_one::<Vec<String>>())).unwrap_or_default();
+    let subjects = pg::run_latest(&TAKE_DEFERRED, &[(room as i64).into()], |r| r.texts(0, 1));
     if !subjects.is_empty() {
-        promote_nowait(&subjects);
+        promote(&subjects, false);
     }
 }
 
 /// `outbox._promote_heads(subjects text[], wait boolean DEFAULT true) -> integer`:
-/// [`promote`] (or [`promote_nowait`]) for the PL/pgSQL paths (cancel, purge_dead,
-/// alter_topic, the heads repair).
+/// [`promote`] for the PL/pgSQL paths (cancel, replay, purge_dead, alter_topic,
+/// the heads repair).
 #[pg_extern(name = "_promote_heads", volatile, parallel_unsafe)]
 fn promote_heads(subjects: Option<Vec<Option<String>>>, wait: default!(bool, true)) -> i32 {
     let list: Vec<String> = subjects.unwrap_or_default().into_iter().flatten().collect();
-    if wait {
-        promote(&list) as i32
-    } else {
-        promote_nowait(&list) as i32
+    promote(&list, wait) as i32
+}
+
+/// `outbox._lock_subject(subject text) -> void`: take the subject's lock until
+/// transaction end, counted against `outbox.max_subject_locks` (54000 past it), for
+/// the PL/pgSQL paths that decide headship (cancel, replay).
+#[pg_extern(name = "_lock_subject", volatile, parallel_unsafe)]
+fn lock_subject(subject: Option<&str>) {
+    if let Some(s) = subject {
+        lock(s);
     }
 }

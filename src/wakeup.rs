@@ -20,7 +20,6 @@ use pgrx::lwlock::PgLwLock;
 use pgrx::prelude::*;
 use pgrx::shmem::*;
 use std::cell::{Cell, RefCell};
-use std::ffi::c_void;
 use std::hash::{Hash, Hasher};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
@@ -171,10 +170,6 @@ pub fn init(preloaded: bool) {
     if preloaded {
         pgrx::pg_shmem_init!(WAKE);
         pgrx::pg_shmem_init!(FAST);
-    }
-    unsafe {
-        pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut());
-        pg_sys::RegisterSubXactCallback(Some(subxact_callback), std::ptr::null_mut());
     }
 }
 
@@ -342,8 +337,9 @@ fn flush_prepared(p: Pending) {
     unsafe { set_latch(latch) };
 }
 
-#[pg_guard]
-unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut c_void) {
+/// Transaction end (src/xact.rs): hand the committed topics to the worker, or
+/// drop them.
+pub fn on_xact_event(event: pg_sys::XactEvent::Type) {
     use pg_sys::XactEvent::*;
     match event {
         XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT => {
@@ -367,13 +363,9 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
     }
 }
 
-#[pg_guard]
-unsafe extern "C-unwind" fn subxact_callback(
-    event: pg_sys::SubXactEvent::Type,
-    my: pg_sys::SubTransactionId,
-    parent: pg_sys::SubTransactionId,
-    _arg: *mut c_void,
-) {
+/// Subtransaction end (src/xact.rs): topics of an aborted savepoint are dropped,
+/// those of a released one move to its parent.
+pub fn on_subxact_event(event: pg_sys::SubXactEvent::Type, my: pg_sys::SubTransactionId, parent: pg_sys::SubTransactionId) {
     use pg_sys::SubXactEvent::*;
     PENDING.with(|p| {
         let mut p = p.borrow_mut();

@@ -17,7 +17,7 @@
 //! not restart workers anyway).
 
 use crate::wakeup::{self, WAKE};
-use crate::gucs;
+use crate::{gucs, maintenance};
 use pgrx::bgworkers::*;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -187,19 +187,9 @@ fn describe(e: &pgrx::pg_sys::panic::CaughtError) -> String {
     }
 }
 
-/// Retention steps of one maintenance run, in order.
-const KINDS: [&str; 4] = ["delivered", "dead", "keys", "heads"];
-/// Rows per retention batch (as `CALL outbox.run_maintenance()` uses).
-const BATCH: i64 = 1000;
-
-/// Run one retention step in its own transaction; returns rows removed.
-fn maintenance_step(kind: &str) -> i64 {
-    BackgroundWorker::transaction(|| {
-        Spi::get_one_with_args::<i64>("SELECT outbox._purge_step($1, NULL, 1000)", &[kind.into()])
-            .ok()
-            .flatten()
-            .unwrap_or(0)
-    })
+/// Run one batch of a maintenance step in its own transaction; returns rows affected.
+fn maintenance_step(step: &str) -> i64 {
+    BackgroundWorker::transaction(|| maintenance::run_step(step))
 }
 
 /// A retention run in progress. The worker runs one batch per loop iteration and
@@ -209,8 +199,8 @@ fn maintenance_step(kind: &str) -> i64 {
 /// held back every wake-up until it finished.
 struct MaintenanceRun {
     started: i64,
-    kind: usize,
-    removed: [i64; 4],
+    step: usize,
+    removed: [i64; maintenance::STEPS.len()],
     error: Option<String>,
 }
 
@@ -221,29 +211,18 @@ fn start_maintenance() -> Option<MaintenanceRun> {
             .flatten()
             .unwrap_or(false)
     });
-    if installed {
-        // Rows written around the outbox functions must not stay hidden below the
-        // claim low-water mark (src/lowwater.rs).
-        let _ = PgTryBuilder::new(|| Ok::<bool, String>(BackgroundWorker::transaction(crate::lowwater::audit)))
-            .catch_others(|e| {
-                unsafe { pg_sys::AbortCurrentTransaction() };
-                warning!("outbox worker: low-water audit failed: {}", describe(&e));
-                Ok(false)
-            })
-            .execute();
-    }
     installed.then(|| MaintenanceRun {
         started: unsafe { pg_sys::GetCurrentTimestamp() },
-        kind: 0,
-        removed: [0; 4],
+        step: 0,
+        removed: [0; maintenance::STEPS.len()],
         error: None,
     })
 }
 
 /// Run the next batch of `m`; true when the run is complete (and recorded).
 fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
-    let kind = KINDS[m.kind];
-    let r = PgTryBuilder::new(|| Ok(maintenance_step(kind)))
+    let (step, _) = maintenance::STEPS[m.step];
+    let r = PgTryBuilder::new(|| Ok(maintenance_step(step)))
         .catch_others(|e| {
             unsafe { pg_sys::AbortCurrentTransaction() };
             Err(describe(&e))
@@ -251,17 +230,17 @@ fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
         .execute();
     match r {
         // A full batch: more may remain.
-        Ok(n) if n >= BATCH => m.removed[m.kind] += n,
+        Ok(n) if n >= maintenance::BATCH => m.removed[m.step] += n,
         Ok(n) => {
-            m.removed[m.kind] += n;
-            m.kind += 1;
+            m.removed[m.step] += n;
+            m.step += 1;
         }
         Err(e) => {
-            m.error = Some(e);
-            m.kind += 1;
+            m.error = Some(format!("{step}: {e}"));
+            m.step += 1;
         }
     }
-    if m.kind < KINDS.len() {
+    if m.step < maintenance::STEPS.len() {
         return false;
     }
     record_maintenance(m);
@@ -273,10 +252,20 @@ fn record_maintenance(m: &MaintenanceRun) {
     let _ = PgTryBuilder::new(|| {
         BackgroundWorker::transaction(|| {
             let started_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(started), false) };
+            // The columns come from the step list, as in outbox._log_maintenance().
+            let logged = |col: &str| -> i64 {
+                maintenance::STEPS.iter().zip(removed.iter()).filter(|((_, c), _)| *c == Some(col)).map(|(_, n)| *n).sum()
+            };
             Spi::run_with_args(
                 "INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead, purged_keys, error) \
                  VALUES ($1, clock_timestamp(), $2, $3, $4, $5)",
-                &[started_ts.into(), removed[0].into(), removed[1].into(), removed[2].into(), error.clone().into()],
+                &[
+                    started_ts.into(),
+                    logged("purged_delivered").into(),
+                    logged("purged_dead").into(),
+                    logged("purged_keys").into(),
+                    error.clone().into(),
+                ],
             )
         })
         .map_err(|e| e.to_string())

@@ -1,0 +1,984 @@
+"""Liveness: no committed event may become unclaimable without maintenance.
+
+Each test reproduces one way 0.3.0 strands events (or blocks workers, or leaks
+resources) and asserts the fixed behaviour. Every scenario runs in a scratch
+database of its own (`liveness_<test>`), which no background worker serves, so the
+maintenance repair (`_purge_step('heads')`, the low-water audit) never runs there:
+whatever makes an event claimable must be the API itself. Only the run_maintenance
+test calls maintenance, and the prepared-transaction wake-up test uses database
+`postgres` of the preload cluster on purpose (it needs the background worker).
+
+Every connection has a lock_timeout and a statement_timeout, so a statement that
+would wait for ever fails instead, and every wait loop has a deadline.
+"""
+
+import hashlib
+import os
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from conftest import PGCLUSTER, connect
+from scratch_db import create_db, drop_db
+
+CLUSTERS = ["plain", "preload"]
+
+# ---------------------------------------------------------------------------
+# Shared helpers
+# ---------------------------------------------------------------------------
+
+
+def _db_name(node_name):
+    base = re.sub(r"[^a-z0-9_]+", "_", node_name.lower().replace("test_", "", 1)).strip("_")
+    name = f"liveness_{base}"
+    if len(name) > 63:
+        digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+        name = f"{name[:54]}_{digest}"
+    return name
+
+
+class Scratch:
+    """A scratch database with the extension, its tracked connections, and cleanup."""
+
+    def __init__(self, admin_dsn, name):
+        self.admin_dsn = admin_dsn
+        self.name = name
+        self.dsn = create_db(admin_dsn, name)
+        self._conns = []
+
+    def conn(self, lock_timeout="5s", statement_timeout="30s", notify="off", autocommit=True):
+        opts = f"-c lock_timeout={lock_timeout} -c statement_timeout={statement_timeout}"
+        if notify:
+            opts += f" -c outbox.notify={notify}"
+        c = connect(self.dsn, autocommit=autocommit, options=opts)
+        self._conns.append(c)
+        return c
+
+    def close(self):
+        for c in self._conns:
+            try:
+                c.close()
+            except Exception:
+                pass
+        self._conns.clear()
+        # A prepared transaction keeps the database from being dropped.
+        try:
+            with connect(self.dsn) as c:
+                for (gid,) in c.execute(
+                    "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall():
+                    c.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        except psycopg.Error:
+            pass
+        drop_db(self.admin_dsn, self.name)
+
+
+@pytest.fixture
+def scratch(request):
+    """scratch("plain" | "preload") -> Scratch: a fresh database on that cluster,
+    dropped at the end of the test."""
+    made = []
+
+    def make(cluster):
+        admin = request.getfixturevalue(f"{cluster}_dsn")
+        db = Scratch(admin, _db_name(request.node.name))
+        made.append(db)
+        return db
+
+    yield make
+    for db in made:
+        db.close()
+
+
+def publish(c, topic, subject=None, payload="{}"):
+    return c.execute("SELECT outbox.publish(%s, %s::jsonb, subject => %s)", (topic, payload, subject)).fetchone()[0]
+
+
+def publish_batch(c, topic, n, subjects=None):
+    return [r[0] for r in c.execute(
+        "SELECT outbox.publish_batch(%s, array_fill('{}'::jsonb, ARRAY[%s]), %s::text[])",
+        (topic, n, subjects)).fetchall()]
+
+
+def claim(c, topics, n=100, lease=None, worker="lv-worker"):
+    """[(id, lease_token)] claimed from `topics` (a name, a list, or None = all)."""
+    if isinstance(topics, str):
+        topics = [topics]
+    return [(r[0], r[1]) for r in c.execute(
+        "SELECT id, lease_token FROM outbox.claim(%s, %s, %s::interval, %s::text[])",
+        (worker, n, lease, topics)).fetchall()]
+
+
+def ack(c, eid, tok):
+    return c.execute("SELECT outbox.ack(%s::bigint, %s::uuid)", (eid, tok)).fetchone()[0]
+
+
+def ack_many(c, rows):
+    if not rows:
+        return 0
+    return c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])",
+                     ([r[0] for r in rows], [r[1] for r in rows])).fetchone()[0]
+
+
+def key_of(c, eid):
+    return c.execute("SELECT visible_at, id FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+
+
+def lw_mark(c):
+    """(step_pending, low_water_at or None, low_water_id) of this database, or None."""
+    try:
+        return c.execute("SELECT step_pending, NULLIF(low_water_at, '-infinity'), low_water_id "
+                         "FROM outbox._claim_low_water()").fetchone()
+    except psycopg.Error:
+        return None
+
+
+def describe(c, eid):
+    """One line on where an event is, for failure messages."""
+    r = c.execute(
+        "SELECT state, is_head, attempts, subject, visible_at, lease_token IS NOT NULL "
+        "FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+    if r:
+        state, head, attempts, subject, vis, _ = r
+        txt = (f"event {eid}: {state}, is_head={str(head).lower()}, attempts={attempts}, "
+               f"subject={subject!r}, visible_at={vis}")
+        m = lw_mark(c)
+        if m and m[1] is not None:
+            txt += f"; claim low-water mark ({m[1]}, {m[2]})"
+            if (vis, eid) < (m[1], m[2]):
+                txt += " is ABOVE the event"
+        reps = c.execute("SELECT to_regclass('outbox.subject_repairs') IS NOT NULL").fetchone()[0]
+        if reps and subject is not None:
+            if c.execute("SELECT EXISTS (SELECT 1 FROM outbox.subject_repairs WHERE subject = %s)",
+                         (subject,)).fetchone()[0]:
+                txt += "; its subject is queued in outbox.subject_repairs"
+        return txt
+    r = c.execute("SELECT state FROM outbox.event_archive WHERE id = %s", (eid,)).fetchone()
+    return f"event {eid}: {r[0]} (archived)" if r else f"event {eid}: does not exist"
+
+
+def expect_claim(c, topics, eid, timeout=3.0, lease=None, why=""):
+    """Claim (retrying until `timeout`) until a claim returns event `eid`; the claim
+    must return nothing else. Returns the lease token. Fails with where the event is
+    stuck when no claim returns it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = claim(c, topics, 10, lease)
+        if rows:
+            ids = [r[0] for r in rows]
+            assert ids == [eid], f"expected a claim to return only event {eid}, got {ids} ({describe(c, eid)})"
+            return rows[0][1]
+        if time.monotonic() > deadline:
+            pytest.fail(f"{describe(c, eid)} -- stranded: no claim returned it within {timeout}s{why}",
+                        pytrace=False)
+        time.sleep(0.05)
+
+
+def drain(c, topics, expect, timeout=10.0, fail_once=(), record=None, batch=1000):
+    """Claim and ack until every id in `expect` was acked (fail each id in
+    `fail_once` once with retry_in '0' first). Returns ack order. Fails with the
+    ids left over, and where they are."""
+    want = set(expect)
+    done, failed, order = set(), set(), []
+    deadline = time.monotonic() + timeout
+    while want - done:
+        rows = claim(c, topics, batch)
+        if not rows:
+            if time.monotonic() > deadline:
+                left = sorted(want - done)
+                info = "; ".join(describe(c, i) for i in left[:5])
+                pytest.fail(f"{len(left)} committed events never became claimable (no maintenance ran): {info}",
+                            pytrace=False)
+            time.sleep(0.02)
+            continue
+        oks = []
+        for eid, tok in rows:
+            if eid in fail_once and eid not in failed:
+                st = c.execute("SELECT outbox.fail(%s, %s, 'flaky', retry_in => '0')", (eid, tok)).fetchone()[0]
+                assert st == "pending", f"fail of event {eid} returned {st}"
+                failed.add(eid)
+            else:
+                oks.append((eid, tok))
+        n = ack_many(c, oks)
+        assert n == len(oks), f"acked {n} of {len(oks)} claimed events"
+        for eid, _ in oks:
+            done.add(eid)
+            order.append(eid)
+            if record is not None:
+                record.append(eid)
+    return order
+
+
+def step(c):
+    """One claim of a topic nobody publishes to: it takes a low-water step when due."""
+    c.execute("SELECT count(*) FROM outbox.claim('lv-stepper', 1, NULL, ARRAY['lv.nothing'])")
+
+
+def steps_while_open(stepper, seconds=0.12):
+    """Claims at 15 ms spacing (steps are at least 10 ms apart) while the caller
+    holds transactions open, so that step A runs after their xids were assigned and
+    step B waits for them; then up to 1 s more until step_pending is seen."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        step(stepper)
+        time.sleep(0.015)
+    deadline = time.monotonic() + 1.0
+    while True:
+        m = lw_mark(stepper)
+        if m is None or m[0] or time.monotonic() > deadline:
+            return m
+        step(stepper)
+        time.sleep(0.015)
+
+
+def advisory_locks(c, pid):
+    return c.execute("SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = %s", (pid,)).fetchone()[0]
+
+
+# ---------------------------------------------------------------------------
+# 1. REPEATABLE READ / SERIALIZABLE transactions must not strand a subject.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+@pytest.mark.parametrize("iso", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_snapshot_publisher_does_not_strand_its_subject(cluster, iso, scratch):
+    """The publisher's snapshot predates the ack of the subject's head: its event
+    must still become the head."""
+    db = scratch(cluster)
+    w, p = db.conn(), db.conn()
+    e1 = publish(w, "t.a", "s")
+    [(got, tok1)] = claim(w, "t.a")
+    assert got == e1
+    p.execute(f"BEGIN ISOLATION LEVEL {iso}")
+    p.execute("SELECT 1")  # the snapshot is taken here
+    assert ack(w, e1, tok1)
+    e2 = publish(p, "t.a", "s")
+    p.execute("COMMIT")
+    e3 = publish(w, "t.a", "s")
+    tok2 = expect_claim(w, "t.a", e2, why=f" (published under {iso} after its subject's head was acked)")
+    assert ack(w, e2, tok2)
+    tok3 = expect_claim(w, "t.a", e3, why=" (published after the stranded event)")
+    assert ack(w, e3, tok3)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_repeatable_read_publish_batch_does_not_strand_its_subject(cluster, scratch):
+    db = scratch(cluster)
+    w, p = db.conn(), db.conn()
+    e1 = publish(w, "t.a", "s")
+    [(_, tok1)] = claim(w, "t.a")
+    p.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    p.execute("SELECT 1")
+    assert ack(w, e1, tok1)
+    e2, e2b = publish_batch(p, "t.a", 2, ["s", "s"])
+    p.execute("COMMIT")
+    e3 = publish(w, "t.a", "s")
+    for eid in (e2, e2b, e3):
+        tok = expect_claim(w, "t.a", eid, why=" (publish_batch under REPEATABLE READ)")
+        assert ack(w, eid, tok)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_repeatable_read_replay_of_cancelled_event_becomes_claimable(cluster, scratch):
+    db = scratch(cluster)
+    w, r = db.conn(), db.conn()
+    e1 = publish(w, "t.a", "s")
+    [(_, tok1)] = claim(w, "t.a")
+    e2 = publish(w, "t.a", "s")
+    assert w.execute("SELECT outbox.cancel(%s)", (e2,)).fetchone()[0]
+    r.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    r.execute("SELECT 1")
+    assert ack(w, e1, tok1)  # the subject's live head goes while R's snapshot still has it
+    assert r.execute("SELECT outbox.replay(%s)", (e2,)).fetchone()[0]
+    r.execute("COMMIT")
+    tok = expect_claim(w, "t.a", e2, why=" (cancelled, then replayed under REPEATABLE READ)")
+    assert ack(w, e2, tok)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_repeatable_read_ack_promotes_successor_committed_after_its_snapshot(cluster, scratch):
+    db = scratch(cluster)
+    c, wk, p = db.conn(), db.conn(), db.conn()
+    e1 = publish(c, "t.a", "s")
+    [(_, tok1)] = claim(c, "t.a")
+    wk.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    wk.execute("SELECT 1")
+    e2 = publish(p, "t.a", "s")  # autocommit: committed after the worker's snapshot
+    assert ack(wk, e1, tok1)
+    wk.execute("COMMIT")
+    tok = expect_claim(c, "t.a", e2, why=" (its head was acked by a REPEATABLE READ worker)")
+    assert ack(c, e2, tok)
+
+
+# ---------------------------------------------------------------------------
+# 2. The claim low-water mark must not pass an event that a transaction's own
+#    uncommitted change hides from the step's probe.
+# ---------------------------------------------------------------------------
+
+
+def _lowwater_round(db, variant):
+    """One round; returns True when the mark passed the event's key while Y was
+    open (so on 0.3.0 the round really set the trap)."""
+    s, p, y, chk = db.conn(), db.conn(), db.conn(), db.conn()
+    h = None
+    tok = None
+    if variant == "claim":
+        # An older transaction with an xid keeps step B failing until it ends, so
+        # that Y's own claim of the event takes no step.
+        h = db.conn()
+        h.execute("BEGIN")
+        h.execute("SELECT pg_current_xact_id()")
+    if variant == "ack":
+        # The publisher leases its own event with a lease that expires before the
+        # steps below; REPEATABLE READ claims take no step.
+        p.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    else:
+        p.execute("BEGIN")
+    e = publish(p, "lv.e")
+    if variant == "ack":
+        rows = claim(p, "lv.e", lease="1 ms")
+        assert [r[0] for r in rows] == [e], f"setup: the publisher could not claim its own event: {rows}"
+        tok = rows[0][1]
+        time.sleep(0.02)
+    steps_while_open(s)
+    p.execute("COMMIT")
+    key = key_of(s, e)
+    y.execute("BEGIN")
+    if variant == "savepoint":
+        y.execute("SAVEPOINT a")
+    if variant in ("cancel", "savepoint"):
+        assert y.execute("SELECT outbox.cancel(%s)", (e,)).fetchone()[0]
+    elif variant == "ack":
+        assert ack(y, e, tok)
+    elif variant == "claim":
+        claim(y, "lv.e")
+        h.execute("COMMIT")
+    time.sleep(0.02)
+    step(y)  # a claim inside Y steps the mark
+    m = lw_mark(s)
+    if variant == "savepoint":
+        y.execute("ROLLBACK TO SAVEPOINT a")
+        y.execute("COMMIT")
+    else:
+        y.execute("ROLLBACK")
+    took = bool(m and m[1] is not None and key and (m[1], m[2]) > tuple(key))
+    why = (f" (Y's {variant} was rolled back; the mark stood at ({m[1]}, {m[2]}) while Y was open, "
+           f"the event's key is {tuple(key) if key else None})") if m else ""
+    tok = expect_claim(chk, "lv.e", e, timeout=4.0, why=why)
+    assert ack(chk, e, tok)
+    return took
+
+
+@pytest.mark.parametrize("variant", ["cancel", "savepoint", "ack", "claim"])
+def test_claim_in_open_transaction_keeps_the_low_water_mark_below_committed_events(variant, scratch):
+    db = scratch("preload")
+    # On 0.3.0 the first round already strands the event; the extra rounds only
+    # guard against a background transaction having made step B wait by chance.
+    for _ in range(3):
+        if _lowwater_round(db, variant):
+            break
+
+
+# ---------------------------------------------------------------------------
+# 3. A claim (or claim + ack) in an open transaction must not block other workers.
+# ---------------------------------------------------------------------------
+
+
+def _deferred_promotion(c, p, topic, subject):
+    """A head acked while a publisher of its subject holds the subject lock: the
+    successor's promotion is deferred. Returns the successor's id."""
+    e1 = publish(c, topic, subject)
+    [(got, tok1)] = claim(c, topic)
+    assert got == e1
+    p.execute("BEGIN")
+    e2 = publish(p, topic, subject)
+    t0 = time.monotonic()
+    assert ack(c, e1, tok1)
+    assert time.monotonic() - t0 < 1.0, "ack waited for the publisher's subject lock"
+    p.execute("COMMIT")
+    return e2
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_open_claim_transaction_does_not_block_other_claims(cluster, scratch):
+    db = scratch(cluster)
+    c, p = db.conn(), db.conn()
+    c1, c2 = db.conn(), db.conn(lock_timeout="1s")
+    e2 = _deferred_promotion(c, p, "t.c", "s")
+    c1.execute("BEGIN")
+    rows1 = claim(c1, "t.c", 10, worker="c1")
+    t0 = time.monotonic()
+    try:
+        rows2 = claim(c2, "t.c", 10, worker="c2")
+    except psycopg.Error as err:
+        pytest.fail(f"a claim waited for another session's open claim transaction and failed after "
+                    f"{time.monotonic() - t0:.2f}s: SQLSTATE {err.sqlstate}: {err}", pytrace=False)
+    elapsed = time.monotonic() - t0
+    assert elapsed < 1.0, f"a claim took {elapsed:.2f}s while another session's claim transaction was open"
+    both = {r[0] for r in rows1} & {r[0] for r in rows2}
+    assert not both, f"events {both} were claimed by both sessions"
+    c1.execute("COMMIT")
+    for eid, tok in rows1 + rows2:
+        assert ack(c, eid, tok)
+    done = {r[0] for r in rows1 + rows2}
+    if e2 not in done:
+        drain(c, "t.c", [e2], timeout=3.0)
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scratch):
+    db = scratch(cluster)
+    c, p, wk = db.conn(), db.conn(), db.conn()
+    o = db.conn(lock_timeout="1s")
+    a2 = _deferred_promotion(c, p, "t.c", "sa")
+    # Another worker holds a lease on the head of an unrelated subject with a successor.
+    b1 = publish(c, "t.d", "sb")
+    b2 = publish(c, "t.d", "sb")
+    [(got, tokb1)] = claim(o, "t.d", worker="o")
+    assert got == b1
+    wk.execute("BEGIN")
+    mine = claim(wk, "t.c", 10, worker="wk")
+    for eid, tok in mine:
+        assert ack(wk, eid, tok)
+    # wk stays open. Other sessions' claims and acks must not wait for it.
+    for what, stmt, args in [
+        ("claim", "SELECT count(*) FROM outbox.claim('o', 10, NULL, ARRAY['t.c', 't.d'])", None),
+        ("ack", "SELECT outbox.ack(%s::bigint, %s::uuid)", (b1, tokb1)),
+        ("claim of everything", "SELECT count(*) FROM outbox.claim('o', 10)", None),
+    ]:
+        t0 = time.monotonic()
+        try:
+            o.execute(stmt, args)
+        except psycopg.Error as err:
+            pytest.fail(f"{what} waited for a worker's open claim+ack transaction and failed after "
+                        f"{time.monotonic() - t0:.2f}s: SQLSTATE {err.sqlstate}: {err}", pytrace=False)
+        elapsed = time.monotonic() - t0
+        assert elapsed < 1.0, f"{what} took {elapsed:.2f}s while a worker's claim+ack transaction was open"
+    wk.execute("COMMIT")
+    # The claims above may have leased b2 / a2 (o's claims never acked them): let
+    # those leases go and check both still get delivered.
+    c.execute("UPDATE outbox.event_queue SET visible_at = now() - interval '1 s' WHERE state = 'leased'")
+    expect = [e for e in (a2, b2) if e not in {r[0] for r in mine}]
+    drain(c, ["t.c", "t.d"], expect, timeout=3.0)
+
+
+# ---------------------------------------------------------------------------
+# 4. Subject advisory locks are bounded.
+# ---------------------------------------------------------------------------
+
+MAX_SUBJECT_LOCKS = 1000
+
+
+def _heads_with_successors(c, topic, prefix, nsubjects, chunk=1000):
+    """nsubjects subjects, each with a head and one successor, published with
+    publish_batch in transactions of at most `chunk` distinct subjects."""
+    for start in range(0, nsubjects, chunk):
+        n = min(chunk, nsubjects - start)
+        subjects = [f"{prefix}{start + i}" for i in range(n) for _ in (0, 1)]
+        ids = publish_batch(c, topic, len(subjects), subjects)
+        assert len(ids) == 2 * n
+
+
+def test_batch_ack_holds_a_bounded_number_of_subject_locks(scratch):
+    db = scratch("plain")
+    c, a, mon = db.conn(), db.conn(statement_timeout="60s"), db.conn()
+    n = 10_000
+    _heads_with_successors(c, "t.l", "a", n)
+    _heads_with_successors(c, "t.l", "b", n)
+    batch1 = claim(c, "t.l", n)
+    batch2 = claim(c, "t.l", n)
+    assert len(batch1) == n and len(batch2) == n, (len(batch1), len(batch2))
+    heads = {r[0] for r in batch1 + batch2}
+    successors = {r[0] for r in c.execute("SELECT id FROM outbox.event_queue WHERE topic = 't.l' AND state = 'pending'")}
+    assert len(successors) == 2 * n
+    (apid,) = a.execute("SELECT pg_backend_pid()").fetchone()
+    a.execute("BEGIN")
+    for i, batch in enumerate((batch1, batch2), 1):
+        try:
+            got = ack_many(a, batch)
+        except psycopg.Error as err:
+            pytest.fail(f"acking batch {i} of {n} heads in one transaction failed: SQLSTATE {err.sqlstate}: {err}",
+                        pytrace=False)
+        assert got == n
+        held = advisory_locks(mon, apid)
+        assert held <= MAX_SUBJECT_LOCKS, (
+            f"after acking batch {i} ({n} heads with successors) the acking transaction holds {held} "
+            f"advisory locks (bound: outbox.max_subject_locks = {MAX_SUBJECT_LOCKS})")
+    a.execute("COMMIT")
+    assert not heads & successors
+    drain(c, "t.l", successors, timeout=40.0)
+
+
+def test_publishing_too_many_subjects_in_one_statement_fails_cleanly(scratch):
+    db = scratch("plain")
+    c, other = db.conn(statement_timeout="60s"), db.conn()
+    with pytest.raises(psycopg.Error) as ei:
+        c.execute("SELECT count(outbox.publish('t.l', '{}', subject => 's' || g)) FROM generate_series(1, 40000) g")
+    err = ei.value
+    assert err.sqlstate == "54000", (
+        f"publishing 40,000 subjects in one statement failed with SQLSTATE {err.sqlstate} ({err}), "
+        f"expected 54000 (program_limit_exceeded) before the shared lock table fills")
+    # Nothing is left holding locks: others (and this session) publish with subjects.
+    assert publish(other, "t.l", "after-1")
+    assert len(publish_batch(other, "t.l", 500, [f"after-b{i}" for i in range(500)])) == 500
+    assert publish(c, "t.l", "after-2")
+    assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 't.l'").fetchone()[0] == 502
+
+
+def test_alter_topic_skip_releases_many_subjects_with_bounded_locks(scratch):
+    db = scratch("plain")
+    c, a, mon = db.conn(), db.conn(statement_timeout="60s"), db.conn()
+    n = 3000
+    c.execute("SELECT outbox.create_topic('t.k')")
+    _heads_with_successors(c, "t.k", "k", n)
+    heads = claim(c, "t.k", n)
+    assert len(heads) == n
+    dead = c.execute(
+        "SELECT count(*) FROM unnest(%s::bigint[], %s::uuid[]) AS u(i, t) "
+        "WHERE outbox.fail(u.i, u.t, 'poison', permanent => true) = 'dead'",
+        ([r[0] for r in heads], [r[1] for r in heads])).fetchone()[0]
+    assert dead == n
+    successors = {r[0] for r in c.execute("SELECT id FROM outbox.event_queue WHERE topic = 't.k' AND state = 'pending'")}
+    assert len(successors) == n
+    assert claim(c, "t.k") == [], "setup: dead letters under 'block' should hold their subjects"
+    (apid,) = a.execute("SELECT pg_backend_pid()").fetchone()
+    a.execute("BEGIN")
+    a.execute("SELECT outbox.alter_topic('t.k', dead_letter_policy => 'skip')")
+    held = advisory_locks(mon, apid)
+    assert held <= MAX_SUBJECT_LOCKS, (
+        f"alter_topic(dead_letter_policy => 'skip') releasing {n} subjects holds {held} advisory locks "
+        f"(bound {MAX_SUBJECT_LOCKS})")
+    a.execute("COMMIT")
+    drain(c, "t.k", successors, timeout=20.0)
+
+
+# ---------------------------------------------------------------------------
+# 5. replay of a cancelled event must take the subject lock.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_replay_of_cancelled_event_racing_the_head_ack(cluster, scratch):
+    db = scratch(cluster)
+    w, r = db.conn(lock_timeout="2s"), db.conn()
+    e1 = publish(w, "t.a", "s")
+    [(_, tok1)] = claim(w, "t.a")
+    e2 = publish(w, "t.a", "s")
+    assert w.execute("SELECT outbox.cancel(%s)", (e2,)).fetchone()[0]
+    r.execute("BEGIN")
+    assert r.execute("SELECT outbox.replay(%s)", (e2,)).fetchone()[0]
+    t0 = time.monotonic()
+    assert ack(w, e1, tok1)  # must neither wait for R nor miss R's event
+    assert time.monotonic() - t0 < 1.0, "ack waited for the replaying transaction"
+    r.execute("COMMIT")
+    tok = expect_claim(w, "t.a", e2, why=" (replayed in a transaction that committed after the head's ack)")
+    assert ack(w, e2, tok)
+
+
+# ---------------------------------------------------------------------------
+# 6. A clock set back while step B is stalled (libfaketime).
+# ---------------------------------------------------------------------------
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+FT_CLUSTER, FT_PORT = "lv-faketime", 5496
+
+
+@pytest.fixture(scope="module")
+def faketime_cluster():
+    if not Path(FAKETIME_LIB).exists():
+        pytest.skip(f"libfaketime is not installed ({FAKETIME_LIB}; Debian package faketime)")
+    ts_file = Path(f"/tmp/outbox-pg-{FT_CLUSTER}.faketime")
+    ts_file.write_text("+0\n")
+    ts_file.chmod(0o644)
+    env = dict(os.environ, LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=str(ts_file),
+               FAKETIME_NO_CACHE="1", FAKETIME_DONT_FAKE_MONOTONIC="1",
+               FAKETIME_DONT_RESET="1")
+    r = subprocess.run(["bash", PGCLUSTER, "start", FT_CLUSTER, str(FT_PORT), "--preload",
+                        "-c", "max_prepared_transactions=8"],
+                       env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode != 0:
+        subprocess.run(["bash", PGCLUSTER, "destroy", FT_CLUSTER], capture_output=True, timeout=120)
+        pytest.fail(f"could not start the faketime cluster: {r.stderr[-800:]}")
+    try:
+        yield f"host=127.0.0.1 port={FT_PORT} user=postgres dbname=postgres", ts_file
+    finally:
+        ts_file.write_text("+0\n")
+        subprocess.run(["bash", PGCLUSTER, "destroy", FT_CLUSTER], capture_output=True, timeout=120)
+        ts_file.unlink(missing_ok=True)
+
+
+def test_clock_set_back_while_step_b_is_stalled_does_not_delay_events(faketime_cluster):
+    admin, ts_file = faketime_cluster
+    name = "liveness_clock_back"
+    dsn = create_db(admin, name)
+    holder = None
+    try:
+        opts = "-c lock_timeout=5s -c statement_timeout=30s -c outbox.notify=off"
+        c = connect(dsn, options=opts)
+        holder = connect(dsn, options=opts)
+        # A prepared transaction with an xid stalls step B for as long as it exists.
+        holder.execute("CREATE TABLE public.x (i int)")
+        holder.execute("BEGIN")
+        holder.execute("INSERT INTO public.x VALUES (1)")
+        holder.execute("PREPARE TRANSACTION 'lv_clock_holder'")
+        publish(c, "t.warm")
+        for _ in range(20):  # steps: A raises the publish floor to the clock, B waits
+            step(c)
+            time.sleep(0.015)
+        (floor,) = c.execute("SELECT NULLIF(publish_floor, '-infinity') FROM outbox._claim_low_water()").fetchone()
+        (now,) = c.execute("SELECT clock_timestamp()").fetchone()
+        assert floor is not None and abs((now - floor).total_seconds()) < 5, (
+            f"setup: the publish floor did not follow the clock ({floor} vs {now})")
+        ts_file.write_text("-3600\n")  # the clock goes back one hour
+        time.sleep(0.05)
+        (back,) = c.execute("SELECT clock_timestamp()").fetchone()
+        assert (now - back).total_seconds() > 3000, f"setup: libfaketime did not set the clock back ({now} -> {back})"
+        for _ in range(5):
+            step(c)
+            time.sleep(0.015)
+        e = publish(c, "t.clock")
+        (vis, clock) = c.execute("SELECT visible_at, clock_timestamp() FROM outbox.event_queue WHERE id = %s",
+                                 (e,)).fetchone()
+        ahead = (vis - clock).total_seconds()
+        assert ahead < 5, (
+            f"event {e} published after the clock went back 1 h has visible_at {ahead:.0f}s in the future "
+            f"(the publish floor kept the old time while step B was stalled by a prepared transaction)")
+        tok = expect_claim(c, "t.clock", e, timeout=3.0, why=" (clock set back 1 h)")
+        assert ack(c, e, tok)
+    finally:
+        ts_file.write_text("+0\n")
+        if holder is not None:
+            try:
+                holder.execute("ROLLBACK PREPARED 'lv_clock_holder'")
+            except psycopg.Error:
+                pass
+        drop_db(admin, name)
+
+
+# ---------------------------------------------------------------------------
+# 7. Smaller ones.
+# ---------------------------------------------------------------------------
+
+
+def test_event_id_sequence_cache_is_guarded(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    seqcache = "SELECT seqcache FROM pg_sequence WHERE seqrelid = 'outbox.event_id_seq'::regclass"
+    try:
+        c.execute("ALTER SEQUENCE outbox.event_id_seq CACHE 10")
+    except psycopg.Error as err:
+        assert err.sqlstate == "0A000", f"ALTER SEQUENCE ... CACHE 10 failed with {err.sqlstate} ({err}), expected 0A000"
+    else:
+        pytest.fail(f"ALTER SEQUENCE outbox.event_id_seq CACHE 10 was accepted (seqcache now "
+                    f"{c.execute(seqcache).fetchone()[0]}): a cached sequence breaks per-subject id order",
+                    pytrace=False)
+    assert c.execute(seqcache).fetchone()[0] == 1
+    # Forced with event triggers off: health() must say so.
+    c.execute("SET session_replication_role = replica")
+    c.execute("ALTER SEQUENCE outbox.event_id_seq CACHE 10")
+    c.execute("RESET session_replication_role")
+    assert c.execute(seqcache).fetchone()[0] == 10
+    rows = c.execute("SELECT status, message FROM outbox.health() WHERE check_name = 'id_sequence'").fetchall()
+    assert rows, "outbox.health() has no 'id_sequence' check"
+    assert [r[0] for r in rows] == ["critical"], f"id_sequence check with CACHE 10: {rows}"
+
+
+def _errors_of(c, eid):
+    return c.execute("SELECT errors, last_error FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+
+
+def _check_bounded_history(errors, n, text_of):
+    assert isinstance(errors, list), errors
+    assert len(errors) == 20, f"after {n} failed attempts the history has {len(errors)} entries, expected 20"
+    assert errors[0].get("attempt") == 1 and errors[0].get("error") == text_of(1), errors[0]
+    assert errors[1] == {"omitted": n - 19}, f"element 1 should be {{'omitted': {n - 19}}}, got {errors[1]}"
+    tail = [(x.get("attempt"), x.get("error")) for x in errors[2:]]
+    assert tail == [(a, text_of(a)) for a in range(n - 17, n + 1)], tail
+
+
+def test_attempt_history_is_bounded(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    c.execute("SELECT outbox.create_topic('t.e', max_attempts => 1000)")
+    e = publish(c, "t.e")
+    for i in range(1, 51):
+        rows = claim(c, "t.e")
+        assert [r[0] for r in rows] == [e], f"round {i}: claim returned {rows}"
+        st = c.execute("SELECT outbox.fail(%s, %s, %s, retry_in => '0')", (e, rows[0][1], f"error {i}")).fetchone()[0]
+        assert st == "pending"
+    errors, last = _errors_of(c, e)
+    _check_bounded_history(errors, 50, lambda a: f"error {a}")
+    assert last == "error 50"
+
+
+def test_attempt_history_is_bounded_for_expired_leases(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    c.execute("SELECT outbox.create_topic('t.e', max_attempts => 1000)")
+    e = publish(c, "t.e")
+    for i in range(31):  # 31 claims: the first 30 leases expire
+        deadline = time.monotonic() + 2
+        while True:
+            rows = claim(c, "t.e", lease="50 ms")
+            if rows:
+                break
+            assert time.monotonic() < deadline, f"round {i}: the expired lease was not reclaimed"
+            time.sleep(0.01)
+        assert [r[0] for r in rows] == [e]
+        time.sleep(0.06)
+    errors, last = _errors_of(c, e)
+    _check_bounded_history(errors, 30, lambda a: "lease expired")
+    assert last == "lease expired"
+
+
+def test_prepared_transactions_beyond_the_shared_list_are_announced(preload, listen):
+    """Database postgres of the preload cluster: its worker sends the wake-ups."""
+    dsn = preload.dsn
+    n = 40
+    gids = [f"lv_prep_{i}" for i in range(1, n + 1)]
+    with connect(dsn) as o:
+        if int(o.execute("SHOW max_prepared_transactions").fetchone()[0]) < n:
+            pytest.skip("max_prepared_transactions < 40 on the preload cluster")
+    lst = listen(dsn)
+    p = connect(dsn, options="-c lock_timeout=5s -c statement_timeout=30s")
+    try:
+        p.execute("SET outbox.notify = 'background'")
+        for i, gid in enumerate(gids, 1):
+            p.execute("BEGIN")
+            publish(p, f"t.p{i}")
+            p.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        time.sleep(0.2)
+        lst.drain()
+        # First the ones the shared list (32 entries) can track; once the worker has
+        # resolved them, the rest.
+        for gid in gids[:32]:
+            p.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            if p.execute("SELECT prepared_waiting FROM outbox.wakeup_status()").fetchone()[0] == 0:
+                break
+            time.sleep(0.02)
+        time.sleep(0.1)
+        for gid in gids[32:]:
+            p.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+        want = {f"t.p{i}" for i in range(1, n + 1)}
+        seen = set()
+        deadline = time.monotonic() + 3.0
+        while want - seen and time.monotonic() < deadline:
+            got = lst.first(max(deadline - time.monotonic(), 0.01))
+            if got:
+                seen.add(got[0])
+        missing = sorted(want - seen, key=lambda t: int(t[3:]))
+        assert not missing, f"no notification within 3 s after COMMIT PREPARED for {len(missing)} topics: {missing}"
+    finally:
+        for (gid,) in p.execute("SELECT gid FROM pg_prepared_xacts WHERE gid = ANY(%s)", (gids,)).fetchall():
+            p.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        p.execute("SET lock_timeout = '10s'")
+        p.execute("TRUNCATE outbox.event_queue, outbox.event_archive")
+        p.close()
+
+
+def test_publish_honours_rules_on_the_queue(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    c.execute("CREATE TABLE public.audit (id bigint)")
+    c.execute("CREATE RULE r AS ON INSERT TO outbox.event_queue DO ALSO INSERT INTO public.audit VALUES (NEW.id)")
+    e = c.execute("SELECT outbox.publish('t.r', '{}')").fetchone()[0]
+    rows = [r[0] for r in c.execute("SELECT id FROM public.audit").fetchall()]
+    assert rows == [e], f"the rule on outbox.event_queue recorded {rows} for published event {e}"
+
+
+# -- Rust backtraces must not reach error DETAIL lines -----------------------
+
+BT_CLUSTER, BT_PORT = "lv-bt", 5495
+BACKTRACE = re.compile(r"std::|pgrx::|outbox_ext::|^\s*\d+: ", re.M)
+
+
+@pytest.fixture(scope="module")
+def bt_dsn():
+    env = dict(os.environ, RUST_BACKTRACE="1")
+    r = subprocess.run(["bash", PGCLUSTER, "start", BT_CLUSTER, str(BT_PORT), "--preload"],
+                       env=env, capture_output=True, text=True, timeout=180)
+    if r.returncode != 0:
+        subprocess.run(["bash", PGCLUSTER, "destroy", BT_CLUSTER], capture_output=True, timeout=120)
+        pytest.fail(f"could not start cluster {BT_CLUSTER}: {r.stderr[-800:]}")
+    try:
+        dsn = f"host=127.0.0.1 port={BT_PORT} user=postgres dbname=postgres"
+        pidfile = Path(f"/tmp/outbox-pg/{BT_CLUSTER}/data/postmaster.pid")
+        try:
+            pid = pidfile.read_text().split()[0]
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert b"RUST_BACKTRACE=1" in environ, "setup: RUST_BACKTRACE=1 did not reach the postmaster"
+        except OSError:
+            pass  # cannot inspect the server's environment: trust pgcluster.sh
+        with connect(dsn) as c:
+            c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
+        yield dsn
+    finally:
+        subprocess.run(["bash", PGCLUSTER, "destroy", BT_CLUSTER], capture_output=True, timeout=120)
+
+
+def _bt_bad_input(c, o):
+    c.execute("SELECT * FROM outbox.claim('', 1)")
+
+
+def _bt_read_only(c, o):
+    c.execute("BEGIN READ ONLY")
+    c.execute("SELECT outbox.publish('t.x', '{}', subject => 's')")
+
+
+def _bt_lock_timeout_claim(c, o):
+    o.execute("BEGIN")
+    o.execute("LOCK TABLE outbox.event_queue IN ACCESS EXCLUSIVE MODE")
+    c.execute("SET lock_timeout = '200ms'")
+    c.execute("SELECT * FROM outbox.claim('w', 1)")
+
+
+def _bt_lock_timeout_ack(c, o):
+    o.execute("BEGIN")
+    o.execute("LOCK TABLE outbox.event_queue IN ACCESS EXCLUSIVE MODE")
+    c.execute("SET lock_timeout = '200ms'")
+    c.execute("SELECT outbox.ack(1, gen_random_uuid())")
+
+
+def _bt_too_many_subjects(c, o):
+    c.execute("SELECT count(outbox.publish('t.l', '{}', subject => 's' || g)) FROM generate_series(1, 40000) g")
+
+
+@pytest.mark.parametrize("case, sqlstate, run", [
+    ("bad input", "22023", _bt_bad_input),
+    ("read-only transaction", "25006", _bt_read_only),
+    ("lock_timeout in claim", "55P03", _bt_lock_timeout_claim),
+    ("lock_timeout in ack", "55P03", _bt_lock_timeout_ack),
+    ("too many subject locks", "54000", _bt_too_many_subjects),
+])
+def test_errors_carry_no_rust_backtrace(bt_dsn, case, sqlstate, run):
+    c = connect(bt_dsn, options="-c statement_timeout=30s -c outbox.notify=off")
+    o = connect(bt_dsn)
+    try:
+        with pytest.raises(psycopg.Error) as ei:
+            run(c, o)
+        err = ei.value
+        assert err.sqlstate == sqlstate, f"{case}: SQLSTATE {err.sqlstate} ({err}), expected {sqlstate}"
+        for field in ("message_primary", "message_detail", "message_hint"):
+            text = getattr(err.diag, field)
+            assert text is None or not BACKTRACE.search(text), (
+                f"{case}: a Rust backtrace leaked into the error's {field}:\n{text[:1500]}")
+    finally:
+        c.close()
+        o.close()
+
+
+def test_run_maintenance_repairs_heads_and_records_purged_keys(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    e1 = publish(c, "t.m", "s")
+    c.execute("UPDATE outbox.event_queue SET is_head = false WHERE id = %s", (e1,))
+    c.execute("INSERT INTO outbox.dispatch_keys (dispatch_key, event_id, created_at) "
+              "VALUES ('lv-orphan', 999999999, now() - interval '1 day')")
+    assert claim(c, "t.m") == [], "setup: an event with is_head = false should not be claimable"
+    c.execute("CALL outbox.run_maintenance()")
+    head = c.execute("SELECT is_head FROM outbox.event_queue WHERE id = %s", (e1,)).fetchone()[0]
+    assert head, f"run_maintenance did not repair the subject head ({describe(c, e1)})"
+    tok = expect_claim(c, "t.m", e1, timeout=1.0)
+    assert ack(c, e1, tok)
+    row = c.execute("SELECT purged_keys, error FROM outbox.maintenance_log ORDER BY run_id DESC LIMIT 1").fetchone()
+    assert row is not None, "run_maintenance recorded no maintenance_log row"
+    assert row[0] >= 1, f"run_maintenance purged the orphaned dispatch key but recorded purged_keys = {row[0]}"
+    assert c.execute("SELECT count(*) FROM outbox.dispatch_keys WHERE dispatch_key = 'lv-orphan'").fetchone()[0] == 0
+
+
+# ---------------------------------------------------------------------------
+# 8. The contract end to end: every committed event is claimable without maintenance.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cluster", CLUSTERS)
+def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch):
+    db = scratch(cluster)
+    c, p, r, wk = db.conn(), db.conn(), db.conn(), db.conn()
+    committed, acks = [], []
+    topics = ["e2e.a", "e2e.b"]
+    c.execute("SELECT outbox.create_topic('e2e.b', max_attempts => 100)")
+
+    def pub(conn, topic, subject=None):
+        eid = publish(conn, topic, subject)
+        return eid
+
+    def ack_rec(conn, eid, tok):
+        assert ack(conn, eid, tok), f"ack of event {eid} failed"
+        acks.append(eid)
+
+    # Heads of several subjects and some unordered events.
+    x1, y1, z1, w1, u1 = (pub(c, "e2e.a", s) for s in ("x", "y", "z", "w", "u"))
+    v1 = pub(c, "e2e.b", "v")
+    free = [pub(c, "e2e.b") for _ in range(3)]
+    committed += [x1, y1, z1, w1, u1, v1, *free]
+    leased = dict(claim(c, "e2e.a", 10))
+    leased.update(claim(c, "e2e.b", 10))
+    assert {x1, y1, z1, w1, u1, v1} <= set(leased), leased
+    for f in free:
+        ack_rec(c, f, leased[f])
+
+    # A REPEATABLE READ publisher whose snapshot predates the acks of x1 and v1.
+    p.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    p.execute("SELECT 1")
+    ack_rec(c, x1, leased[x1])
+    ack_rec(c, v1, leased[v1])
+    x2 = pub(p, "e2e.a", "x")
+    vb = publish_batch(p, "e2e.b", 3, ["v", "v", "v"])
+    p.execute("COMMIT")
+    committed += [x2, *vb]
+
+    # y1's lease is left to expire (a crashed worker); y2 waits behind it.
+    c.execute("UPDATE outbox.event_queue SET visible_at = clock_timestamp() + interval '50 ms' WHERE id = %s", (y1,))
+    y2 = pub(c, "e2e.a", "y")
+    committed.append(y2)
+
+    # z1 fails and is retried at once; z2 waits behind it.
+    assert c.execute("SELECT outbox.fail(%s, %s, 'boom', retry_in => '0')", (z1, leased[z1])).fetchone()[0] == "pending"
+    z2 = pub(c, "e2e.a", "z")
+    committed.append(z2)
+
+    # w2 is cancelled and replayed in a transaction that commits after w1's ack.
+    w2 = pub(c, "e2e.a", "w")
+    assert c.execute("SELECT outbox.cancel(%s)", (w2,)).fetchone()[0]
+    r.execute("BEGIN")
+    assert r.execute("SELECT outbox.replay(%s)", (w2,)).fetchone()[0]
+    ack_rec(c, w1, leased[w1])
+    r.execute("COMMIT")
+    committed.append(w2)
+
+    # A REPEATABLE READ worker acks u1 after u2 was committed behind it.
+    wk.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    wk.execute("SELECT 1")
+    u2 = pub(c, "e2e.a", "u")
+    committed.append(u2)
+    assert ack(wk, u1, leased[u1])
+    wk.execute("COMMIT")
+    acks.append(u1)
+
+    time.sleep(0.06)  # y1's lease has expired
+    rest = set(committed) - set(acks)
+    fail_once = {e for e in rest if e % 3 == 0}
+    drain(c, topics, rest, timeout=5.0, fail_once=fail_once, record=acks)
+
+    left = c.execute("SELECT id, state, is_head FROM outbox.event_queue WHERE topic = ANY(%s)", (topics,)).fetchall()
+    assert not left, f"events left in the queue after the drain: {left}"
+    delivered = {row[0] for row in c.execute(
+        "SELECT id FROM outbox.event_archive WHERE state = 'delivered' AND topic = ANY(%s)", (topics,))}
+    assert delivered == set(committed), (sorted(set(committed) - delivered), sorted(delivered - set(committed)))
+    # Per subject, acks came in id (= commit) order.
+    subj = dict(c.execute("SELECT id, subject FROM outbox.event_archive WHERE subject IS NOT NULL AND topic = ANY(%s)",
+                          (topics,)).fetchall())
+    by = {}
+    for eid in acks:
+        if eid in subj:
+            by.setdefault(subj[eid], []).append(eid)
+    for s, ids in by.items():
+        assert ids == sorted(ids), f"subject {s!r} delivered out of order: {ids}"

@@ -1,0 +1,381 @@
+-- outbox_ext 0.3.0 -> 0.4.0
+\echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.4.0'" to load this file. \quit
+
+-- Liveness (issue 14): no committed event is stranded and no claim waits.
+-- - Headship is decided under the subject lock from a snapshot taken after it, at
+--   every isolation level (src/subject.rs); replay of a cancelled event takes the
+--   subject lock.
+-- - outbox.subject_repairs has no unique key (an insert never waits) and is dumped.
+-- - Subject locks are bounded per transaction (outbox.max_subject_locks, 54000).
+-- - One list of maintenance steps for the worker and run_maintenance().
+-- - ALTER SEQUENCE outbox.event_id_seq CACHE n is refused; health() checks it.
+
+ALTER TABLE outbox.subject_repairs DROP CONSTRAINT subject_repairs_pkey;
+ALTER TABLE outbox.subject_repairs ALTER COLUMN subject SET NOT NULL;
+SELECT pg_catalog.pg_extension_config_dump('outbox.subject_repairs', '');
+
+CREATE FUNCTION outbox."_lock_subject"(
+	"subject" TEXT /* Option < & str > */
+) RETURNS void
+VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'lock_subject_wrapper';
+
+CREATE FUNCTION outbox."_maintenance_step"(
+	"step" TEXT /* & str */
+) RETURNS TABLE (
+	"removed" bigint,  /* i64 */
+	"done" bool  /* bool */
+)
+STRICT VOLATILE PARALLEL UNSAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'maintenance_step_wrapper';
+
+CREATE FUNCTION outbox."_maintenance_steps"() RETURNS TABLE (
+	"step" TEXT,  /* String */
+	"logged_as" TEXT  /* Option < String > */
+)
+IMMUTABLE STRICT PARALLEL SAFE
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'maintenance_steps_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox.replay(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    t text;
+    subj text;
+BEGIN
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    -- Subject lock first, as publish and cancel take it: whether the replayed event
+    -- leads its subject is decided under it, from a snapshot taken after it
+    -- (outbox._promote_heads, src/subject.rs), whatever the isolation level.
+    SELECT q.subject INTO subj FROM outbox.event_queue q
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
+    IF NOT FOUND THEN
+        SELECT a.subject INTO subj FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled';
+    END IF;
+    PERFORM outbox._lock_subject(subj);
+    -- Dead events live in the hot relation: flip them back to pending.
+    UPDATE outbox.event_queue q
+       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
+           lease_token = NULL, leased_by = NULL, leased_at = NULL,
+           dead_at = NULL, blocks_subject = false
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead'
+    RETURNING q.topic INTO t;
+    IF FOUND THEN
+        PERFORM outbox._wake(t);
+        RETURN true;
+    END IF;
+    -- Cancelled events live in the archive: move them back, keeping id and history.
+    -- They enter as non-heads; the promotion below makes the subject's earliest
+    -- live event its head.
+    WITH moved AS (
+        DELETE FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled'
+        RETURNING a.*
+    )
+    INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
+                                    attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
+           0, m.max_attempts, GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()), m.last_error, m.errors, m.published_at,
+           m.subject IS NULL
+      FROM moved m
+    RETURNING topic INTO t;
+    IF t IS NULL THEN
+        RETURN false;
+    END IF;
+    IF subj IS NOT NULL THEN
+        PERFORM outbox._promote_heads(ARRAY[subj]);
+    END IF;
+    PERFORM outbox._wake(t);
+    RETURN true;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.replay(bigint) IS
+'Move a dead or cancelled event back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
+'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Follows seed 004 (dead-lettered rows are kept for replay) and pg-boss redrive.';
+
+CREATE OR REPLACE FUNCTION outbox.cancel(id bigint) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    subj text;
+BEGIN
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    -- Subject lock first, row lock second: the order ack and publish use, so a
+    -- cancel cannot deadlock with the promotion of the next head.
+    SELECT q.subject INTO subj FROM outbox.event_queue q WHERE q.id OPERATOR(pg_catalog.=) cancel.id;
+    IF subj IS NOT NULL THEN
+        PERFORM outbox._lock_subject(subj);
+    END IF;
+    WITH moved AS (
+        DELETE FROM outbox.event_queue q
+         WHERE q.id OPERATOR(pg_catalog.=) cancel.id
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead'])
+        RETURNING q.*
+    )
+    INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state,
+                                      attempts, max_attempts, leased_by, last_error, errors,
+                                      published_at, finished_at)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'cancelled',
+           m.attempts, m.max_attempts, m.leased_by, m.last_error, m.errors,
+           m.published_at, pg_catalog.clock_timestamp()
+      FROM moved m;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        -- A cancelled head of a subject may unblock the next event.
+        IF subj IS NOT NULL THEN
+            PERFORM outbox._promote_heads(ARRAY[subj]);
+        END IF;
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n OPERATOR(pg_catalog.>) 0;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.cancel(bigint) IS
+'Cancel an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
+'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
+
+DROP FUNCTION outbox._log_maintenance(timestamptz, bigint, bigint);
+
+-- One row of outbox.maintenance_runs; counts maps a column name (the logged_as
+-- of outbox._maintenance_steps()) to rows removed.
+CREATE FUNCTION outbox._log_maintenance(started timestamptz, counts jsonb) RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO outbox.maintenance_runs (started_at, finished_at, purged_delivered, purged_dead, purged_keys)
+    VALUES (started, pg_catalog.clock_timestamp(),
+            COALESCE((counts ->> 'purged_delivered')::bigint, 0),
+            COALESCE((counts ->> 'purged_dead')::bigint, 0),
+            COALESCE((counts ->> 'purged_keys')::bigint, 0))
+$$;
+
+-- The steps and their order come from outbox._maintenance_steps(), the list the
+-- background worker runs too (src/maintenance.rs), so the two cannot drift.
+CREATE OR REPLACE PROCEDURE outbox.run_maintenance()
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    started timestamptz := pg_catalog.clock_timestamp();
+    s record;
+    b record;
+    counts pg_catalog.jsonb := '{}';
+BEGIN
+    FOR s IN SELECT m.step, m.logged_as FROM outbox._maintenance_steps() AS m LOOP
+        LOOP
+            SELECT * INTO b FROM outbox._maintenance_step(s.step);
+            IF s.logged_as IS NOT NULL THEN
+                counts := counts OPERATOR(pg_catalog.||) pg_catalog.jsonb_build_object(s.logged_as,
+                    COALESCE((counts OPERATOR(pg_catalog.->>) s.logged_as)::bigint, 0) OPERATOR(pg_catalog.+) b.removed);
+            END IF;
+            COMMIT;
+            EXIT WHEN b.done;
+            PERFORM outbox._purge_pause();
+        END LOOP;
+    END LOOP;
+    PERFORM outbox._log_maintenance(started, counts);
+    COMMIT;
+END
+$$;
+
+COMMENT ON PROCEDURE outbox.run_maintenance() IS
+'One maintenance run, the same steps in the same order as the background worker''s (outbox._maintenance_steps(): the claim low-water audit, retention of delivered and cancelled events, '
+'of dead letters and of orphaned dispatch keys with the default windows, then the subject-heads repair), each in committed batches with outbox.purge_delay between them; '
+'recorded in outbox.maintenance_log (purged_delivered, purged_dead, purged_keys). None of the steps is needed for delivery. '
+'Run it with CALL outside an explicit transaction block. Without preload, schedule it with pg_cron: '
+'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';
+
+CREATE OR REPLACE FUNCTION outbox.health(
+    backlog_age        interval DEFAULT '60 seconds',
+    backlog_critical   bigint   DEFAULT 1000,
+    xmin_warn          interval DEFAULT '5 minutes',
+    xmin_critical      interval DEFAULT '1 hour',
+    dead_tuples_warn   bigint   DEFAULT 100000
+) RETURNS TABLE (check_name text, status text, value numeric, message text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    r record;
+    w record;
+BEGIN
+    IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
+       OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
+        RAISE EXCEPTION 'outbox: health() thresholds must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF backlog_age < interval '0' OR backlog_age > interval '100 years'
+       OR xmin_warn < interval '0' OR xmin_warn > interval '100 years'
+       OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
+    END IF;
+    -- 1. Backlog age (seed 000 alerts when pending events older than 60 s exceed 1,000).
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    check_name := 'backlog_age'; value := n;
+    status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s ready events waiting longer than %s', n, backlog_age);
+    RETURN NEXT;
+
+    -- 2. Dead letters in the last hour.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    check_name := 'dead_letters'; value := n;
+    status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s events dead-lettered in the last hour', n);
+    RETURN NEXT;
+
+    -- 3. Expired leases: workers died or handlers outlive their lease.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'leased' AND e.visible_at <= now();
+    check_name := 'expired_leases'; value := n;
+    status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s leases expired without ack or fail', n);
+    RETURN NEXT;
+
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+      INTO r
+      FROM pg_stat_activity a
+     WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
+     ORDER BY a.xact_start
+     LIMIT 1;
+    check_name := 'xmin_horizon';
+    IF r.pid IS NULL THEN
+        value := 0; status := 'ok'; message := 'no other session holds the xmin horizon';
+    ELSE
+        value := round(extract(epoch FROM r.age)::numeric, 3);
+        status := CASE WHEN r.age >= xmin_critical THEN 'critical' WHEN r.age >= xmin_warn THEN 'warn' ELSE 'ok' END;
+        message := format('oldest snapshot held for %s by pid %s (user %s, application %L, %s)',
+                          date_trunc('second', r.age), r.pid, r.usename, r.application_name, r.state);
+    END IF;
+    RETURN NEXT;
+    FOR r IN SELECT gid, now() - prepared AS age FROM pg_prepared_xacts ORDER BY prepared LIMIT 1 LOOP
+        IF r.age >= xmin_warn THEN
+            check_name := 'xmin_horizon'; value := round(extract(epoch FROM r.age)::numeric, 3);
+            status := CASE WHEN r.age >= xmin_critical THEN 'critical' ELSE 'warn' END;
+            message := format('prepared transaction %L open for %s', r.gid, date_trunc('second', r.age));
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+
+    -- 5. Dead tuples in the hot relation.
+    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
+    status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
+                        AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
+    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    RETURN NEXT;
+
+    -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
+    -- which a sequence cache breaks (each backend pre-allocates a block of ids).
+    -- sql/guard.sql refuses ALTER SEQUENCE ... CACHE; this catches a bypass.
+    SELECT s.seqcache INTO n FROM pg_sequence s WHERE s.seqrelid = 'outbox.event_id_seq'::regclass;
+    check_name := 'id_sequence'; value := n;
+    IF n > 1 THEN
+        status := 'critical';
+        message := format('outbox.event_id_seq has CACHE %s: ids no longer follow the subject lock order, so per-subject delivery order can break; run ALTER SEQUENCE outbox.event_id_seq CACHE 1', n);
+    ELSE
+        status := 'ok';
+        message := 'outbox.event_id_seq draws ids one at a time (CACHE 1)';
+    END IF;
+    RETURN NEXT;
+
+    -- 7. The background worker.
+    SELECT * INTO w FROM outbox.wakeup_status();
+    check_name := 'background_worker'; value := w.worker_pid;
+    IF NOT w.preloaded THEN
+        status := 'warn';
+        message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
+    ELSIF w.worker_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox background worker is not running';
+    ELSIF w.database <> (SELECT oid FROM pg_database WHERE datname = current_database()) THEN
+        status := 'warn';
+        message := format('the background worker serves another database (outbox.database = %L)', current_setting('outbox.database'));
+    ELSE
+        status := 'ok';
+        message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    END IF;
+    RETURN NEXT;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
+'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
+'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical, after seed 000''s alert), dead_letters (last hour), '
+'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+
+-- Per-subject order relies on ids being drawn in the order publishers take the
+-- subject lock; with a sequence CACHE above 1 each backend pre-allocates a block
+-- of ids, and a later publisher can draw a smaller id. So ALTER SEQUENCE that
+-- leaves outbox.event_id_seq with a cache is refused (outbox.health() reports a
+-- cache set while event triggers were off).
+CREATE FUNCTION outbox._sequence_guard() RETURNS event_trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    c bigint;
+BEGIN
+    SELECT s.seqcache INTO c FROM pg_sequence s WHERE s.seqrelid = to_regclass('outbox.event_id_seq');
+    IF c > 1 THEN
+        RAISE EXCEPTION 'outbox: outbox.event_id_seq must keep CACHE 1 (got %)', c
+            USING ERRCODE = '0A000',
+                  HINT = 'Event ids must be drawn in subject lock order for per-subject delivery order; a sequence cache breaks it.';
+    END IF;
+END
+$$;
+
+COMMENT ON FUNCTION outbox._sequence_guard() IS
+'Event trigger function (ddl_command_end, ALTER SEQUENCE): refuses, with SQLSTATE 0A000, a change that leaves outbox.event_id_seq with a CACHE above 1, '
+'since per-subject delivery order needs ids drawn in subject lock order. Returns nothing.';
+
+CREATE EVENT TRIGGER outbox_sequence_guard ON ddl_command_end
+    WHEN TAG IN ('ALTER SEQUENCE')
+    EXECUTE FUNCTION outbox._sequence_guard();
+
+COMMENT ON FUNCTION outbox._promote_heads(text[], boolean) IS
+'Internal: make the earliest live event of each subject its head (claimable), under the subject lock and from a snapshot taken after it, at any isolation level. '
+'wait = false never waits for a lock. Subjects whose lock is busy, past the transaction''s promotion budget (max_locks_per_transaction) or whose next head row is locked '
+'are left in outbox.subject_repairs, which every claim retries. Returns the number of events promoted (integer). No errors of its own. See src/subject.rs.';
+
+COMMENT ON FUNCTION outbox._lock_subject(text) IS
+'Internal: take a subject''s advisory lock until transaction end (NULL: nothing), waiting for it, counted against outbox.max_subject_locks. '
+'Used by cancel and replay, which decide headship. Returns void. Errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
+
+COMMENT ON FUNCTION outbox._maintenance_steps() IS
+'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
+'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair). No errors.';
+
+COMMENT ON FUNCTION outbox._maintenance_step(text) IS
+'Internal: one batch of a maintenance step (see outbox._maintenance_steps()) in the caller''s transaction: (removed bigint, done boolean; done = nothing more to do in this run). '
+'Errors: 22023 unknown step; those of outbox._purge_step().';
+
+COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
+'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
+
+-- Privileges, as sql/security.sql sets them on a fresh install.
+REVOKE EXECUTE ON FUNCTION outbox._lock_subject(text), outbox._maintenance_steps(), outbox._maintenance_step(text),
+    outbox._log_maintenance(timestamptz, jsonb), outbox._sequence_guard() FROM PUBLIC;
+ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox._log_maintenance(timestamptz, jsonb), outbox._maintenance_steps(), outbox._maintenance_step(text) TO outbox_admin;

@@ -1,0 +1,53 @@
+//! The maintenance steps, as data: the background worker and `CALL
+//! outbox.run_maintenance()` (the pg_cron path) both run exactly this list, in
+//! this order, and record the same columns of `outbox.maintenance_runs`.
+//!
+//! None of the steps is needed for delivery (src/subject.rs, src/lowwater.rs):
+//! they reclaim space and repair what was written around the outbox functions.
+
+use pgrx::prelude::*;
+
+/// Rows per retention batch.
+pub const BATCH: i64 = 1000;
+
+/// (step, column of outbox.maintenance_runs that records its count).
+/// - `audit`: look for rows below the claim low-water mark (written around the API);
+/// - `delivered`, `dead`, `keys`: retention of the archive, dead letters, orphaned keys;
+/// - `heads`: promote subject heads a bypassing write may have left unset.
+pub const STEPS: [(&str, Option<&str>); 5] = [
+    ("audit", None),
+    ("delivered", Some("purged_delivered")),
+    ("dead", Some("purged_dead")),
+    ("keys", Some("purged_keys")),
+    ("heads", None),
+];
+
+/// Run one batch of `step` in the current transaction; returns rows affected (a
+/// step is complete when this is below [`BATCH`]).
+pub fn run_step(step: &str) -> i64 {
+    if step == "audit" {
+        return crate::lowwater::audit() as i64;
+    }
+    Spi::get_one_with_args::<i64>("SELECT outbox._purge_step($1, NULL, $2::int4)", &[step.into(), (BATCH as i32).into()])
+        .ok()
+        .flatten()
+        .unwrap_or(0)
+}
+
+/// `outbox._maintenance_steps() -> TABLE(step text, logged_as text)`: [`STEPS`].
+#[pg_extern(name = "_maintenance_steps", immutable, parallel_safe)]
+fn maintenance_steps() -> TableIterator<'static, (name!(step, String), name!(logged_as, Option<String>))> {
+    TableIterator::new(STEPS.iter().map(|(s, c)| (s.to_string(), c.map(|c| c.to_string()))))
+}
+
+/// `outbox._maintenance_step(step text) -> TABLE(removed bigint, done boolean)`:
+/// one batch of [`run_step`], for `outbox.run_maintenance()`; `done` says the
+/// step has nothing more to do in this run. 22023 for a step not in the list.
+#[pg_extern(name = "_maintenance_step", volatile, parallel_unsafe)]
+fn maintenance_step(step: &str) -> TableIterator<'static, (name!(removed, i64), name!(done, bool))> {
+    if !STEPS.iter().any(|(s, _)| *s == step) {
+        crate::errors::raise(crate::errors::INVALID_PARAMETER, format!("unknown maintenance step {step:?}"));
+    }
+    let n = run_step(step);
+    TableIterator::once((n, n < BATCH))
+}

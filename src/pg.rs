@@ -1,0 +1,230 @@
+//! PostgreSQL internals that the liveness rules depend on, behind one boundary.
+//!
+//! Everything here is a thin, documented wrapper over a `pg_sys` call whose
+//! contract the callers rely on:
+//! - [`run_latest`]: run a saved statement under a snapshot taken *now*, not under
+//!   the transaction snapshot. Headship decisions (src/subject.rs) must see every
+//!   commit that preceded the subject lock they hold; a REPEATABLE READ or
+//!   SERIALIZABLE transaction's own snapshot may predate that lock (issue 14.1).
+//! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
+//!   called directly instead of through an SQL statement.
+//! - [`xid_assigned`], [`uses_xact_snapshot`]: transaction state the low-water
+//!   mark and the subject rules branch on.
+//! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
+
+use crate::errors;
+use crate::plans::Stmt;
+use pgrx::datum::DatumWithOid;
+use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+thread_local! {
+    /// Saved plans of [`run_latest`], keyed by SQL text (SPI_keepplan: they live
+    /// for the backend, and the plan cache revalidates them after DDL).
+    static RAW_PLANS: RefCell<HashMap<&'static str, usize>> = RefCell::new(HashMap::new());
+}
+
+/// Rows of a [`run_latest`] result, readable while SPI's memory is alive.
+pub struct Rows {
+    tuptable: *mut pg_sys::SPITupleTable,
+    n: usize,
+}
+
+impl Rows {
+    /// Number of rows returned.
+    pub fn len(&self) -> usize {
+        self.n
+    }
+
+    /// True when no row was returned.
+    pub fn is_empty(&self) -> bool {
+        self.n == 0
+    }
+
+    fn datum(&self, row: usize, col: i32) -> Option<pg_sys::Datum> {
+        if row >= self.n {
+            return None;
+        }
+        // SAFETY: row < n rows of the live SPI tuple table, col is 1-based and the
+        // statement's result has that column (checked by the callers' SQL).
+        unsafe {
+            let mut isnull = false;
+            let tuple = *(*self.tuptable).vals.add(row);
+            let d = pg_sys::SPI_getbinval(tuple, (*self.tuptable).tupdesc, col, &mut isnull);
+            (!isnull).then_some(d)
+        }
+    }
+
+    /// Column `col` (1-based) of row `row` as bigint.
+    pub fn i64(&self, row: usize, col: i32) -> Option<i64> {
+        self.datum(row, col).map(|d| d.value() as i64)
+    }
+
+    /// Column `col` (1-based) of row `row` as a text array, NULL elements dropped.
+    pub fn texts(&self, row: usize, col: i32) -> Vec<String> {
+        // SAFETY: the column is a text[] datum of the live tuple table.
+        self.datum(row, col)
+            .and_then(|d| unsafe { Vec::<Option<String>>::from_datum(d, false) })
+            .unwrap_or_default()
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+}
+
+/// Run `stmt` with `args` under a snapshot taken now (`GetLatestSnapshot`),
+/// advancing the command counter so the transaction's own changes are visible,
+/// and hand the result to `f` while SPI's memory is alive.
+///
+/// Under READ COMMITTED this is what every statement gets anyway; under
+/// REPEATABLE READ and SERIALIZABLE it sees commits made after the transaction
+/// snapshot was taken (the way PostgreSQL's own foreign-key checks read rows,
+/// `ri_triggers.c`). A row changed by a transaction that committed after the
+/// transaction snapshot is then read and written at its newest version; an update
+/// of a row changed concurrently still raises a serialization failure as usual.
+pub fn run_latest<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(&Rows) -> R) -> R {
+    Spi::connect_mut(|_client| {
+        let plan = raw_plan(stmt);
+        let mut values: Vec<pg_sys::Datum> = Vec::with_capacity(args.len());
+        let mut nulls: Vec<std::ffi::c_char> = Vec::with_capacity(args.len());
+        for a in args {
+            match a.datum() {
+                Some(d) => {
+                    values.push(d.sans_lifetime());
+                    nulls.push(b' ' as std::ffi::c_char);
+                }
+                None => {
+                    values.push(pg_sys::Datum::from(0usize));
+                    nulls.push(b'n' as std::ffi::c_char);
+                }
+            }
+        }
+        // SAFETY: SPI is connected (connect_mut), the plan was prepared for exactly
+        // these parameter types, and the datums outlive the call.
+        let rc = unsafe {
+            pg_sys::SPI_execute_snapshot(
+                plan,
+                values.as_mut_ptr(),
+                nulls.as_ptr(),
+                pg_sys::GetLatestSnapshot(),
+                std::ptr::null_mut(),
+                false,
+                true,
+                0,
+            )
+        };
+        if rc < 0 {
+            errors::raise(errors::INTERNAL, format!("SPI_execute_snapshot failed: {rc}"));
+        }
+        // SAFETY: SPI_execute_snapshot just set SPI_tuptable / SPI_processed.
+        let rows = unsafe {
+            let tt = pg_sys::SPI_tuptable;
+            Rows { tuptable: tt, n: if tt.is_null() { 0 } else { pg_sys::SPI_processed as usize } }
+        };
+        f(&rows)
+    })
+}
+
+fn raw_plan(stmt: &Stmt) -> pg_sys::SPIPlanPtr {
+    if let Some(p) = RAW_PLANS.with(|m| m.borrow().get(stmt.sql).copied()) {
+        return p as pg_sys::SPIPlanPtr;
+    }
+    let sql = std::ffi::CString::new(stmt.sql).expect("statement text has no NUL");
+    let mut types: Vec<pg_sys::Oid> = stmt.types.to_vec();
+    // SAFETY: SPI is connected by the caller; SPI_prepare copies the text.
+    let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };
+    if plan.is_null() {
+        errors::raise(errors::INTERNAL, format!("SPI_prepare failed: {}", unsafe { pg_sys::SPI_result }));
+    }
+    // SAFETY: a fresh plan from SPI_prepare; kept for the life of the backend.
+    unsafe { pg_sys::SPI_keepplan(plan) };
+    RAW_PLANS.with(|m| m.borrow_mut().insert(stmt.sql, plan as usize));
+    plan
+}
+
+/// `hashtext(s)` under the database's default collation, as SQL's `hashtext(s)`
+/// computes it: the second key of a subject lock.
+pub fn hashtext(s: &str) -> i32 {
+    let d = s.into_datum().expect("text datum");
+    // SAFETY: hashtext is a strict, immutable V1 function of one text argument;
+    // the datum lives until the call returns. pgrx's direct calls pass no
+    // collation, which hashtext refuses, so the call frame is built here.
+    unsafe {
+        let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
+        let fcinfo = pg_sys::palloc0(size).cast::<pg_sys::FunctionCallInfoBaseData>();
+        (*fcinfo).fncollation = pg_sys::DEFAULT_COLLATION_OID;
+        (*fcinfo).nargs = 1;
+        let arg: *mut pg_sys::NullableDatum = std::ptr::addr_of_mut!((*fcinfo).args).cast();
+        (*arg).value = d;
+        (*arg).isnull = false;
+        let h = pg_sys::hashtext(fcinfo).value() as i32;
+        pg_sys::pfree(fcinfo.cast());
+        h
+    }
+}
+
+/// `pg_advisory_xact_lock(k1, k2)`: wait for the lock, held until transaction end.
+pub fn advisory_xact_lock(k1: i32, k2: i32) {
+    // SAFETY: a plain V1 function call with two int4 arguments.
+    unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(
+            pg_sys::pg_advisory_xact_lock_int4,
+            &[k1.into_datum(), k2.into_datum()],
+        );
+    }
+}
+
+/// `pg_try_advisory_xact_lock(k1, k2)`: take the lock if it is free, never wait.
+pub fn try_advisory_xact_lock(k1: i32, k2: i32) -> bool {
+    // SAFETY: a plain V1 function call with two int4 arguments; returns bool.
+    unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(
+            pg_sys::pg_try_advisory_xact_lock_int4,
+            &[k1.into_datum(), k2.into_datum()],
+        )
+        .is_some_and(|d| d.value() != 0)
+    }
+}
+
+/// True when the current transaction has a transaction id, i.e. it may already
+/// have written something that a rollback would undo.
+pub fn xid_assigned() -> bool {
+    // SAFETY: reads backend-local transaction state.
+    unsafe { pg_sys::GetTopTransactionIdIfAny() != pg_sys::InvalidTransactionId }
+}
+
+/// True under REPEATABLE READ and SERIALIZABLE (one snapshot for the transaction).
+pub fn uses_xact_snapshot() -> bool {
+    // SAFETY: reads a backend-local GUC variable.
+    unsafe { pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 }
+}
+
+/// The current subtransaction's id (callbacks track what it took).
+pub fn subxact_id() -> pg_sys::SubTransactionId {
+    // SAFETY: reads backend-local transaction state.
+    unsafe { pg_sys::GetCurrentSubTransactionId() }
+}
+
+/// `max_locks_per_transaction`, the lock table's share per backend.
+pub fn max_locks_per_xact() -> usize {
+    // SAFETY: reads a postmaster-level GUC variable.
+    (unsafe { pg_sys::max_locks_per_xact }).max(1) as usize
+}
+
+/// Keep Rust backtraces out of error reports.
+///
+/// pgrx's panic hook captures `std::backtrace::Backtrace` for every error that
+/// crosses Rust frames and prints it into the ERROR's DETAIL when the server's
+/// environment enables backtraces (`RUST_BACKTRACE=1`, common on developer and CI
+/// machines): clients then saw 24 stack frames as DETAIL. `RUST_LIB_BACKTRACE`
+/// takes precedence over `RUST_BACKTRACE` for that API only, so setting it to 0
+/// silences library captures while panics printed to the server log keep theirs.
+/// An operator who sets `RUST_LIB_BACKTRACE` explicitly keeps their choice. Called
+/// from `_PG_init`, before any capture has cached the setting.
+pub fn quiet_rust_backtraces() {
+    if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
+        // The process is single-threaded here (postmaster or a backend loading us).
+        std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
+}
