@@ -172,8 +172,9 @@ ensure_extension() {
 start_cluster() {
     local name="$1"
     STARTED+=("$name")
+    # Prepared transactions are part of what the tests exercise (2PC publishers).
     # Only the first line ("running on port ..."); errors go to stderr anyway.
-    "$PGCLUSTER" start "$@" | sed -n 1p
+    "$PGCLUSTER" start "$@" -c max_prepared_transactions=64 | sed -n 1p
 }
 
 # psql as the cluster superuser, failing on the first error.

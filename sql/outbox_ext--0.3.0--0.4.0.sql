@@ -378,4 +378,6 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 REVOKE EXECUTE ON FUNCTION outbox._lock_subject(text), outbox._maintenance_steps(), outbox._maintenance_step(text),
     outbox._log_maintenance(timestamptz, jsonb), outbox._sequence_guard() FROM PUBLIC;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
+ALTER FUNCTION outbox.replay(bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox.cancel(bigint) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox._log_maintenance(timestamptz, jsonb), outbox._maintenance_steps(), outbox._maintenance_step(text) TO outbox_admin;

@@ -56,6 +56,9 @@ pub struct WakeShared {
     pub prepared: [u32; SHARED_PREPARED],
     /// Passes the worker has completed (for tests and monitoring).
     pub passes: u64,
+    /// Bumped for each prepared transaction that published but did not fit in
+    /// `prepared`: the worker then watches `pg_prepared_xacts` itself.
+    pub untracked_prepared: u64,
 }
 
 impl Default for WakeShared {
@@ -72,6 +75,7 @@ impl Default for WakeShared {
             nprepared: 0,
             prepared: [0; SHARED_PREPARED],
             passes: 0,
+            untracked_prepared: 0,
         }
     }
 }
@@ -328,9 +332,10 @@ fn flush_prepared(p: Pending) {
             w.prepared[i] = xid;
             w.nprepared += 1;
         } else {
-            // No room to track it: the worker's periodic sweep will find the
-            // events; record an overflow so the next pass looks.
-            w.overflow = true;
+            // No room to track it: the worker watches pg_prepared_xacts until it
+            // has seen no prepared transaction for a while, and sweeps every ready
+            // topic whenever one of them is resolved (src/worker.rs).
+            w.untracked_prepared += 1;
         }
         w.latch
     };

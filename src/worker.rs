@@ -54,6 +54,67 @@ fn stopping() -> bool {
 const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// Sleep while prepared transactions are being tracked.
 const PREPARED_POLL: Duration = Duration::from_millis(20);
+/// After a prepared transaction that did not fit in the shared list, how long
+/// `pg_prepared_xacts` must stay empty before the worker stops watching it. A
+/// PREPARE announces itself before it shows in that view; this covers the gap.
+const UNTRACKED_GRACE: Duration = Duration::from_secs(1);
+
+/// Prepared transactions the shared list could not hold: the worker watches the
+/// prepared transactions of its database and sweeps when one is resolved.
+#[derive(Default)]
+struct Untracked {
+    seen: u64,
+    active: bool,
+    watched: Vec<u32>,
+    empty_since: Option<Instant>,
+}
+
+impl Untracked {
+    /// True when a watched prepared transaction was resolved since the last call.
+    fn poll(&mut self) -> bool {
+        let gen = WAKE.share().untracked_prepared;
+        if gen != self.seen {
+            self.seen = gen;
+            self.active = true;
+            self.empty_since = None;
+        }
+        if !self.active {
+            return false;
+        }
+        let listed = PgTryBuilder::new(|| {
+            Ok::<Vec<u32>, String>(BackgroundWorker::transaction(|| {
+                Spi::get_one::<Vec<i64>>(
+                    "SELECT COALESCE(array_agg(transaction::text::int8), '{}') FROM pg_catalog.pg_prepared_xacts \
+                      WHERE database = current_database()",
+                )
+                .ok()
+                .flatten()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|x| x as u32)
+                .collect()
+            }))
+        })
+        .catch_others(|e| {
+            unsafe { pg_sys::AbortCurrentTransaction() };
+            Err(describe(&e))
+        })
+        .execute();
+        let Ok(now_listed) = listed else {
+            return true;
+        };
+        let resolved = self.watched.iter().any(|x| !now_listed.contains(x));
+        self.watched = now_listed;
+        if self.watched.is_empty() {
+            if self.empty_since.get_or_insert_with(Instant::now).elapsed() >= UNTRACKED_GRACE {
+                self.active = false;
+            }
+        } else {
+            self.empty_since = None;
+        }
+        resolved
+    }
+}
 
 struct Taken {
     topics: Vec<String>,
@@ -308,6 +369,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     let mut next_batch_at = Instant::now();
     let mut sleep = Duration::ZERO;
     let mut last_pass = Instant::now();
+    let mut untracked = Untracked::default();
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
             break;
@@ -328,7 +390,8 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         }
         let taken = take_shared();
         let committed_prepared = if taken.prepared.is_empty() { 0 } else { resolve_prepared(&taken.prepared) };
-        let sweep_all = taken.overflow || committed_prepared > 0;
+        let untracked_resolved = untracked.poll();
+        let sweep_all = taken.overflow || committed_prepared > 0 || untracked_resolved;
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         // A pass woken only by commits just sends their NOTIFYs: no queries. The
         // queries (due events, next due time) run when something may have come
@@ -398,7 +461,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         let now = unsafe { pg_sys::GetCurrentTimestamp() };
         let until_sweep = (last_check.saturating_add(MAX_SLEEP.as_micros() as i64)).min(next_due_at);
         sleep = Duration::from_micros(until_sweep.saturating_sub(now).max(1000) as u64).min(MAX_SLEEP);
-        if WAKE.share().nprepared > 0 {
+        if WAKE.share().nprepared > 0 || untracked.active {
             sleep = sleep.min(PREPARED_POLL);
         }
         if maintenance.is_some() {

@@ -32,7 +32,7 @@ DSN_PRELOAD = (
 REPO = Path(os.environ.get("OUTBOX_REPO") or Path(__file__).resolve().parents[2])
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or str(REPO / "scripts" / "pgcluster.sh")
 
-TABLES = "outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics"
+TABLES = "outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics, outbox.subject_repairs"
 
 
 def connect(dsn, autocommit=True, **kw):

@@ -221,18 +221,36 @@ def step(c):
 def steps_while_open(stepper, seconds=0.12):
     """Claims at 15 ms spacing (steps are at least 10 ms apart) while the caller
     holds transactions open, so that step A runs after their xids were assigned and
-    step B waits for them; then up to 1 s more until step_pending is seen."""
+    step B waits for them; then up to 0.5 s more until step_pending is seen."""
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         step(stepper)
         time.sleep(0.015)
-    deadline = time.monotonic() + 1.0
+    deadline = time.monotonic() + 0.5
     while True:
         m = lw_mark(stepper)
         if m is None or m[0] or time.monotonic() > deadline:
             return m
         step(stepper)
         time.sleep(0.015)
+
+
+def prompt(c, what, stmt, args=None, limit=1.0):
+    """Run `stmt`, which must neither fail nor take `limit` seconds (the
+    connection's lock_timeout is about that long, so a statement that waits for
+    another session's lock fails instead of hanging)."""
+    t0 = time.monotonic()
+    err = None
+    try:
+        rows = c.execute(stmt, args).fetchall()
+    except psycopg.Error as e:
+        err = e
+    elapsed = time.monotonic() - t0
+    if err is not None:
+        pytest.fail(f"{what} failed after {elapsed:.2f}s: SQLSTATE {err.sqlstate}: "
+                    f"{err.diag.message_primary}", pytrace=False)
+    assert elapsed < limit, f"{what} took {elapsed:.2f}s"
+    return rows
 
 
 def advisory_locks(c, pid):
@@ -377,9 +395,9 @@ def _lowwater_round(db, variant):
 @pytest.mark.parametrize("variant", ["cancel", "savepoint", "ack", "claim"])
 def test_claim_in_open_transaction_keeps_the_low_water_mark_below_committed_events(variant, scratch):
     db = scratch("preload")
-    # On 0.3.0 the first round already strands the event; the extra rounds only
+    # On 0.3.0 the first round already strands the event; the second round only
     # guard against a background transaction having made step B wait by chance.
-    for _ in range(3):
+    for _ in range(2):
         if _lowwater_round(db, variant):
             break
 
@@ -412,14 +430,9 @@ def test_open_claim_transaction_does_not_block_other_claims(cluster, scratch):
     e2 = _deferred_promotion(c, p, "t.c", "s")
     c1.execute("BEGIN")
     rows1 = claim(c1, "t.c", 10, worker="c1")
-    t0 = time.monotonic()
-    try:
-        rows2 = claim(c2, "t.c", 10, worker="c2")
-    except psycopg.Error as err:
-        pytest.fail(f"a claim waited for another session's open claim transaction and failed after "
-                    f"{time.monotonic() - t0:.2f}s: SQLSTATE {err.sqlstate}: {err}", pytrace=False)
-    elapsed = time.monotonic() - t0
-    assert elapsed < 1.0, f"a claim took {elapsed:.2f}s while another session's claim transaction was open"
+    rows2 = [(r[0], r[1]) for r in prompt(
+        c2, "a claim while another session's claim transaction was open",
+        "SELECT id, lease_token FROM outbox.claim('c2', 10, NULL, ARRAY['t.c'])")]
     both = {r[0] for r in rows1} & {r[0] for r in rows2}
     assert not both, f"events {both} were claimed by both sessions"
     c1.execute("COMMIT")
@@ -435,34 +448,27 @@ def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scra
     db = scratch(cluster)
     c, p, wk = db.conn(), db.conn(), db.conn()
     o = db.conn(lock_timeout="1s")
-    a2 = _deferred_promotion(c, p, "t.c", "sa")
     # Another worker holds a lease on the head of an unrelated subject with a successor.
     b1 = publish(c, "t.d", "sb")
     b2 = publish(c, "t.d", "sb")
     [(got, tokb1)] = claim(o, "t.d", worker="o")
     assert got == b1
+    # Then a promotion is deferred, so the worker's claim below has one to retry.
+    a2 = _deferred_promotion(c, p, "t.c", "sa")
     wk.execute("BEGIN")
     mine = claim(wk, "t.c", 10, worker="wk")
     for eid, tok in mine:
         assert ack(wk, eid, tok)
     # wk stays open. Other sessions' claims and acks must not wait for it.
     for what, stmt, args in [
-        ("claim", "SELECT count(*) FROM outbox.claim('o', 10, NULL, ARRAY['t.c', 't.d'])", None),
+        ("claim", "SELECT count(*) FROM outbox.claim('o', 10, '100 ms', ARRAY['t.c', 't.d'])", None),
         ("ack", "SELECT outbox.ack(%s::bigint, %s::uuid)", (b1, tokb1)),
-        ("claim of everything", "SELECT count(*) FROM outbox.claim('o', 10)", None),
+        ("claim of everything", "SELECT count(*) FROM outbox.claim('o', 10, '100 ms')", None),
     ]:
-        t0 = time.monotonic()
-        try:
-            o.execute(stmt, args)
-        except psycopg.Error as err:
-            pytest.fail(f"{what} waited for a worker's open claim+ack transaction and failed after "
-                        f"{time.monotonic() - t0:.2f}s: SQLSTATE {err.sqlstate}: {err}", pytrace=False)
-        elapsed = time.monotonic() - t0
-        assert elapsed < 1.0, f"{what} took {elapsed:.2f}s while a worker's claim+ack transaction was open"
+        prompt(o, f"{what} while a worker's claim+ack transaction was open", stmt, args)
     wk.execute("COMMIT")
-    # The claims above may have leased b2 / a2 (o's claims never acked them): let
-    # those leases go and check both still get delivered.
-    c.execute("UPDATE outbox.event_queue SET visible_at = now() - interval '1 s' WHERE state = 'leased'")
+    # o's claims above may have leased b2 or a2 for 100 ms without acking them:
+    # both must still be delivered.
     expect = [e for e in (a2, b2) if e not in {r[0] for r in mine}]
     drain(c, ["t.c", "t.d"], expect, timeout=3.0)
 
@@ -472,6 +478,7 @@ def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scra
 # ---------------------------------------------------------------------------
 
 MAX_SUBJECT_LOCKS = 1000
+ACK_BATCH_HEADS = 10_000
 
 
 def _heads_with_successors(c, topic, prefix, nsubjects, chunk=1000):
@@ -487,30 +494,26 @@ def _heads_with_successors(c, topic, prefix, nsubjects, chunk=1000):
 def test_batch_ack_holds_a_bounded_number_of_subject_locks(scratch):
     db = scratch("plain")
     c, a, mon = db.conn(), db.conn(statement_timeout="60s"), db.conn()
-    n = 10_000
+    n = ACK_BATCH_HEADS
     _heads_with_successors(c, "t.l", "a", n)
     _heads_with_successors(c, "t.l", "b", n)
     batch1 = claim(c, "t.l", n)
     batch2 = claim(c, "t.l", n)
     assert len(batch1) == n and len(batch2) == n, (len(batch1), len(batch2))
-    heads = {r[0] for r in batch1 + batch2}
     successors = {r[0] for r in c.execute("SELECT id FROM outbox.event_queue WHERE topic = 't.l' AND state = 'pending'")}
     assert len(successors) == 2 * n
     (apid,) = a.execute("SELECT pg_backend_pid()").fetchone()
     a.execute("BEGIN")
     for i, batch in enumerate((batch1, batch2), 1):
-        try:
-            got = ack_many(a, batch)
-        except psycopg.Error as err:
-            pytest.fail(f"acking batch {i} of {n} heads in one transaction failed: SQLSTATE {err.sqlstate}: {err}",
-                        pytrace=False)
+        [(got,)] = prompt(a, f"acking batch {i} of {n} heads (one transaction)",
+                          "SELECT outbox.ack(%s::bigint[], %s::uuid[])",
+                          ([r[0] for r in batch], [r[1] for r in batch]), limit=60.0)
         assert got == n
         held = advisory_locks(mon, apid)
         assert held <= MAX_SUBJECT_LOCKS, (
             f"after acking batch {i} ({n} heads with successors) the acking transaction holds {held} "
             f"advisory locks (bound: outbox.max_subject_locks = {MAX_SUBJECT_LOCKS})")
     a.execute("COMMIT")
-    assert not heads & successors
     drain(c, "t.l", successors, timeout=40.0)
 
 
@@ -521,7 +524,8 @@ def test_publishing_too_many_subjects_in_one_statement_fails_cleanly(scratch):
         c.execute("SELECT count(outbox.publish('t.l', '{}', subject => 's' || g)) FROM generate_series(1, 40000) g")
     err = ei.value
     assert err.sqlstate == "54000", (
-        f"publishing 40,000 subjects in one statement failed with SQLSTATE {err.sqlstate} ({err}), "
+        f"publishing 40,000 subjects in one statement failed with SQLSTATE {err.sqlstate} "
+        f"({err.diag.message_primary}), "
         f"expected 54000 (program_limit_exceeded) before the shared lock table fills")
     # Nothing is left holding locks: others (and this session) publish with subjects.
     assert publish(other, "t.l", "after-1")
@@ -596,8 +600,7 @@ def faketime_cluster():
     ts_file.write_text("+0\n")
     ts_file.chmod(0o644)
     env = dict(os.environ, LD_PRELOAD=FAKETIME_LIB, FAKETIME_TIMESTAMP_FILE=str(ts_file),
-               FAKETIME_NO_CACHE="1", FAKETIME_DONT_FAKE_MONOTONIC="1",
-               FAKETIME_DONT_RESET="1")
+               FAKETIME_NO_CACHE="1", FAKETIME_DONT_FAKE_MONOTONIC="1")
     r = subprocess.run(["bash", PGCLUSTER, "start", FT_CLUSTER, str(FT_PORT), "--preload",
                         "-c", "max_prepared_transactions=8"],
                        env=env, capture_output=True, text=True, timeout=180)
@@ -621,13 +624,15 @@ def test_clock_set_back_while_step_b_is_stalled_does_not_delay_events(faketime_c
         opts = "-c lock_timeout=5s -c statement_timeout=30s -c outbox.notify=off"
         c = connect(dsn, options=opts)
         holder = connect(dsn, options=opts)
-        # A prepared transaction with an xid stalls step B for as long as it exists.
         holder.execute("CREATE TABLE public.x (i int)")
+        for _ in range(10):  # steps: A raises the publish floor to the clock
+            step(c)
+            time.sleep(0.015)
+        # A prepared transaction with an xid stalls step B for as long as it exists.
         holder.execute("BEGIN")
         holder.execute("INSERT INTO public.x VALUES (1)")
         holder.execute("PREPARE TRANSACTION 'lv_clock_holder'")
-        publish(c, "t.warm")
-        for _ in range(20):  # steps: A raises the publish floor to the clock, B waits
+        for _ in range(10):
             step(c)
             time.sleep(0.015)
         (floor,) = c.execute("SELECT NULLIF(publish_floor, '-infinity') FROM outbox._claim_low_water()").fetchone()
@@ -672,7 +677,8 @@ def test_event_id_sequence_cache_is_guarded(scratch):
     try:
         c.execute("ALTER SEQUENCE outbox.event_id_seq CACHE 10")
     except psycopg.Error as err:
-        assert err.sqlstate == "0A000", f"ALTER SEQUENCE ... CACHE 10 failed with {err.sqlstate} ({err}), expected 0A000"
+        assert err.sqlstate == "0A000", (
+            f"ALTER SEQUENCE ... CACHE 10 failed with {err.sqlstate} ({err.diag.message_primary}), expected 0A000")
     else:
         pytest.fail(f"ALTER SEQUENCE outbox.event_id_seq CACHE 10 was accepted (seqcache now "
                     f"{c.execute(seqcache).fetchone()[0]}): a cached sequence breaks per-subject id order",
@@ -850,28 +856,42 @@ def _bt_too_many_subjects(c, o):
     c.execute("SELECT count(outbox.publish('t.l', '{}', subject => 's' || g)) FROM generate_series(1, 40000) g")
 
 
-@pytest.mark.parametrize("case, sqlstate, run", [
-    ("bad input", "22023", _bt_bad_input),
-    ("read-only transaction", "25006", _bt_read_only),
-    ("lock_timeout in claim", "55P03", _bt_lock_timeout_claim),
-    ("lock_timeout in ack", "55P03", _bt_lock_timeout_ack),
-    ("too many subject locks", "54000", _bt_too_many_subjects),
-])
-def test_errors_carry_no_rust_backtrace(bt_dsn, case, sqlstate, run):
-    c = connect(bt_dsn, options="-c statement_timeout=30s -c outbox.notify=off")
-    o = connect(bt_dsn)
-    try:
-        with pytest.raises(psycopg.Error) as ei:
-            run(c, o)
-        err = ei.value
-        assert err.sqlstate == sqlstate, f"{case}: SQLSTATE {err.sqlstate} ({err}), expected {sqlstate}"
-        for field in ("message_primary", "message_detail", "message_hint"):
-            text = getattr(err.diag, field)
-            assert text is None or not BACKTRACE.search(text), (
-                f"{case}: a Rust backtrace leaked into the error's {field}:\n{text[:1500]}")
-    finally:
-        c.close()
-        o.close()
+BT_CASES = [
+    ("bad input: claim('', 1)", "22023", _bt_bad_input),
+    ("PostgreSQL error inside SPI: publish in a read-only transaction", "25006", _bt_read_only),
+    ("lock_timeout inside claim", "55P03", _bt_lock_timeout_claim),
+    ("lock_timeout inside ack", "55P03", _bt_lock_timeout_ack),
+    ("too many subject locks in one statement", "54000", _bt_too_many_subjects),
+]
+
+
+def test_errors_carry_no_rust_backtrace(bt_dsn):
+    """The server runs with RUST_BACKTRACE=1; no error raised in the extension's
+    Rust code may carry a backtrace."""
+    problems = []
+    for case, sqlstate, run in BT_CASES:
+        c = connect(bt_dsn, options="-c statement_timeout=30s -c outbox.notify=off")
+        o = connect(bt_dsn)
+        try:
+            err = None
+            try:
+                run(c, o)
+            except psycopg.Error as e:
+                err = e
+            if err is None:
+                problems.append(f"{case}: no error (expected SQLSTATE {sqlstate})")
+                continue
+            if err.sqlstate != sqlstate:
+                problems.append(f"{case}: SQLSTATE {err.sqlstate} ({err.diag.message_primary}), expected {sqlstate}")
+            for field in ("message_primary", "message_detail", "message_hint"):
+                text = getattr(err.diag, field)
+                if text is not None and BACKTRACE.search(text):
+                    first = [ln for ln in text.splitlines() if ln.strip()][:3]
+                    problems.append(f"{case}: a Rust backtrace in the error's {field}: {' | '.join(first)} ...")
+        finally:
+            c.close()
+            o.close()
+    assert not problems, "\n".join(problems)
 
 
 def test_run_maintenance_repairs_heads_and_records_purged_keys(scratch):
@@ -903,7 +923,7 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
     db = scratch(cluster)
     c, p, r, wk = db.conn(), db.conn(), db.conn(), db.conn()
     committed, acks = [], []
-    topics = ["e2e.a", "e2e.b"]
+    topics = ["e2e.a", "e2e.b", "e2e.c"]
     c.execute("SELECT outbox.create_topic('e2e.b', max_attempts => 100)")
 
     def pub(conn, topic, subject=None):
@@ -915,12 +935,15 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
         acks.append(eid)
 
     # Heads of several subjects and some unordered events.
-    x1, y1, z1, w1, u1 = (pub(c, "e2e.a", s) for s in ("x", "y", "z", "w", "u"))
+    x1, z1, w1, u1 = (pub(c, "e2e.a", s) for s in ("x", "z", "w", "u"))
+    y1 = pub(c, "e2e.c", "y")
     v1 = pub(c, "e2e.b", "v")
     free = [pub(c, "e2e.b") for _ in range(3)]
     committed += [x1, y1, z1, w1, u1, v1, *free]
     leased = dict(claim(c, "e2e.a", 10))
     leased.update(claim(c, "e2e.b", 10))
+    # y1's lease is left to expire (a crashed worker).
+    leased.update(claim(c, "e2e.c", 10, lease="50 ms"))
     assert {x1, y1, z1, w1, u1, v1} <= set(leased), leased
     for f in free:
         ack_rec(c, f, leased[f])
@@ -935,9 +958,8 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
     p.execute("COMMIT")
     committed += [x2, *vb]
 
-    # y1's lease is left to expire (a crashed worker); y2 waits behind it.
-    c.execute("UPDATE outbox.event_queue SET visible_at = clock_timestamp() + interval '50 ms' WHERE id = %s", (y1,))
-    y2 = pub(c, "e2e.a", "y")
+    # y2 waits behind y1, whose lease expires.
+    y2 = pub(c, "e2e.c", "y")
     committed.append(y2)
 
     # z1 fails and is retried at once; z2 waits behind it.

@@ -164,7 +164,10 @@ CALLS = {
     "health": "SELECT * FROM outbox.health()",
     "wakeup_status": "SELECT * FROM outbox.wakeup_status()",
     "_purge_step": "SELECT outbox._purge_step('dead', '0', 10)",
-    "_log_maintenance": "SELECT outbox._log_maintenance(now(), 0, 0)",
+    "_log_maintenance": "SELECT outbox._log_maintenance(now(), '{}')",
+    "_maintenance_steps": "SELECT * FROM outbox._maintenance_steps()",
+    "_maintenance_step": "SELECT * FROM outbox._maintenance_step('keys')",
+    "_lock_subject": "SELECT outbox._lock_subject('s')",
     "_promote_heads": "SELECT outbox._promote_heads(ARRAY['s'])",
     "_wake": "SELECT outbox._wake(NULL)",
     "nextval": "SELECT nextval('outbox.event_id_seq')",
@@ -199,7 +202,8 @@ READS = {k for k in CALLS if k.startswith("select_")}
 WORKER_CALLS = {"claim", "ack", "ack_batch", "fail", "extend_lease"}
 ADMIN_CALLS = {"replay", "replay_dead", "cancel", "create_topic", "alter_topic", "drop_topic",
                "purge", "purge_dead", "run_maintenance", "health", "wakeup_status"}
-INTERNAL = {"_purge_step", "_log_maintenance", "_promote_heads", "_wake"}
+INTERNAL = {"_purge_step", "_log_maintenance", "_maintenance_steps", "_maintenance_step", "_promote_heads", "_wake",
+            "_lock_subject"}
 
 DENIED = {
     # "outbox_publisher may publish (single and batch) and nothing else"
@@ -207,7 +211,7 @@ DENIED = {
     # "A worker cannot publish, replay or purge"; it reads events only through claim.
     "work_u": sorted(set(CALLS) - WORKER_CALLS),
     # The admin reads everything but writes only through the API, and does not deliver.
-    "admin_u": sorted(WRITES | WORKER_CALLS | {"_wake"}),
+    "admin_u": sorted(WRITES | WORKER_CALLS | {"_wake", "_lock_subject"}),
     "nobody_u": sorted(CALLS),
 }
 CASES = [(role, call) for role, calls in DENIED.items() for call in calls]
@@ -304,7 +308,7 @@ def test_admin_may_replay_cancel_manage_topics_and_read(plain, roles):
         for rel in ("event_queue", "event_archive", "dispatch_keys", "topics", "maintenance_runs", *VIEWS):
             adm.execute(f"SELECT count(*) FROM outbox.{rel}")
         checks = [r[0] for r in adm.execute("SELECT check_name FROM outbox.health()").fetchall()]
-        assert len(set(checks)) == 6
+        assert len(set(checks)) == 7
         adm.execute("SELECT * FROM outbox.wakeup_status()")
     finally:
         adm.close()

@@ -63,6 +63,7 @@ import json
 import os
 import queue
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -94,7 +95,15 @@ TOPICS = {
 }
 PUB_TOPICS = ["chk.fast", "chk.skip", "chk.slow", "chk.unreg"]
 WORK_TOPICS = PUB_TOPICS
-SUBJECTS = [f"s{i}" for i in range(10)]
+NSUBJECTS = 10
+EPOCH = 15.0
+
+
+def subjects_now():
+    """The small pool of subjects publishers use now. The pool changes every EPOCH
+    seconds, so that a subject stuck by a defect does not take all the load with it."""
+    e = int(time.time() // EPOCH)
+    return [f"e{e}s{i}" for i in range(NSUBJECTS)]
 SERVER_SETTINGS = {
     "outbox.maintenance_interval": "0",
     "max_prepared_transactions": "64",
@@ -205,6 +214,12 @@ class Ctx:
         """Classify a server error. Returns the SQLSTATE; records a violation when the
         error is not one an application must expect at this call."""
         st = getattr(ex, "sqlstate", None) or "conn"
+        if getattr(ex, "_chk_seen", False):
+            return st
+        try:
+            ex._chk_seen = True
+        except Exception:
+            pass
         diag = getattr(ex, "diag", None)
         detail = getattr(diag, "message_detail", None) if diag else None
         msg = (getattr(diag, "message_primary", None) if diag else None) or str(ex).strip()
@@ -215,6 +230,10 @@ class Ctx:
             self.violation("server_errors", f"backtrace in DETAIL ({where}: {st} {msg[:120]})",
                            detail=detail[:2000], **ctx)
         if st in RETRY or st in accepted:
+            return st
+        if st == "0A000" and "PREPARE" in msg:
+            self.violation("server_errors", f"PREPARE TRANSACTION refused after publish in database "
+                           f"{ctx.get('db')}: {st} {msg[:150]}", **ctx)
             return st
         if self.quiescing.is_set() and st in ("conn", "57P01", "08006", "08003", "25P02"):
             return st
@@ -308,11 +327,14 @@ def pub_tx(ctx, rnd, c, db, tag):
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
         if iso != "READ COMMITTED" and rnd.random() < 0.7:
-            # Take the snapshot now, publish later: the subject's head may be acked
-            # in between (defect 1 on 0.3.0).
-            first_subject = rnd.choice(SUBJECTS)
-            c.execute("SELECT count(*) FROM outbox.event_queue WHERE subject = %s", (first_subject,))
-            time.sleep(rnd.uniform(0.05, 0.5))
+            # Read first (the snapshot), publish later: the subject's head, leased now,
+            # may be acked in between.
+            pool = subjects_now()
+            row = c.execute("SELECT subject FROM outbox.event_queue WHERE is_head AND state = 'leased' "
+                            "AND subject = ANY(%s) ORDER BY random() LIMIT 1", (pool,)).fetchone()
+            first_subject = row[0] if row else rnd.choice(pool)
+            ctx.op(k="pub_snapshot", db=db, tag=tag, subj=first_subject, iso=iso)
+            time.sleep(rnd.uniform(0.05, 0.6))
         for k in range(rnd.randint(1, 3)):
             sp = f"sp{k}" if rnd.random() < 0.2 else None
             if sp:
@@ -415,7 +437,7 @@ def payload(pk, rnd):
 def publish_one(ctx, rnd, c, db, tag, k, op, subject=None):
     topic = rnd.choice(PUB_TOPICS)
     if subject is None and rnd.random() < 0.75:
-        subject = rnd.choice(SUBJECTS)
+        subject = rnd.choice(subjects_now())
     key, want = pick_key(ctx, rnd, db, tag, k, 0)
     delay = round(rnd.uniform(0.02, 0.4), 3) if rnd.random() < 0.08 else None
     pk = f"{tag}.{k}.0"
@@ -436,7 +458,8 @@ def publish_one(ctx, rnd, c, db, tag, k, op, subject=None):
 def publish_many(ctx, rnd, c, db, tag, k, op):
     topic = rnd.choice(PUB_TOPICS)
     m = rnd.randint(2, 6)
-    subjects = [rnd.choice(SUBJECTS) if rnd.random() < 0.7 else None for _ in range(m)] if rnd.random() < 0.75 else None
+    pool = subjects_now()
+    subjects = [rnd.choice(pool) if rnd.random() < 0.7 else None for _ in range(m)] if rnd.random() < 0.75 else None
     keys = None
     if rnd.random() < 0.3:
         keys = [f"u-{tag}.{k}.{j}" if rnd.random() < 0.6 else None for j in range(m)]
@@ -496,6 +519,7 @@ def claim(ctx, c, db, wname, wtx, batch, lease, topics):
     except psycopg.Error as ex:
         st = getattr(ex, "sqlstate", None)
         if st == "55P03":
+            ex._chk_seen = True
             ctx.violation("claim_no_wait", f"claim hit lock_timeout (55P03) in {db}: {str(ex).strip()[:200]}",
                           db=db, wtx=wtx)
             ctx.inc("claim lock_timeout")
@@ -568,6 +592,7 @@ def worker(ctx, idx):
             else:
                 worker_tx(ctx, rnd, c, db, wname, n)
         except psycopg.Error as ex:
+            ctx.server_error(ex, "worker", db=db)
             if is_conn_error(ex) or c is None:
                 s.drop(db)
             else:
@@ -607,7 +632,11 @@ def worker_auto(ctx, rnd, c, db, wname, n):
         elif a < 0.71:
             fail_call(ctx, c, db, row, True, wtx)
         elif a < 0.76:
-            until = c.execute("SELECT outbox.extend_lease(%s, %s, '1 s')", (row[0], row[5])).fetchone()[0]
+            try:
+                until = c.execute("SELECT outbox.extend_lease(%s, %s, '1 s')", (row[0], row[5])).fetchone()[0]
+            except psycopg.Error as ex:
+                ctx.server_error(ex, "extend_lease", db=db, id=row[0])
+                raise
             ctx.inc("extend_lease")
             ctx.op(k="extend", db=db, id=row[0], ok=until is not None)
             ack_auto(ctx, c, db, wname, row)
@@ -659,17 +688,22 @@ def worker_tx(ctx, rnd, c, db, wname, n):
     with ctx.lock:
         ctx.wtx[wtx] = rec
     acks = []
+    stage = "begin"
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
         ctx.op(k="wbegin", db=db, wtx=wtx, iso=iso)
         rounds = rnd.choices([1, 2, 3], weights=[4, 4, 2])[0]
         for r in range(rounds):
+            stage = "claim"
             rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 6), rnd.choice([None, "500 ms", "1 s"]),
                          topics_arg(rnd))
-            if rnd.random() < 0.25:
-                # An operator-style change in the same transaction (cancel of a queued event).
-                eid = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND topic <> 'chk.big' "
-                                "ORDER BY random() LIMIT 1").fetchone()
+            if rnd.random() < 0.12:
+                # An operator-style change in the same transaction: cancel a queued event
+                # (often the newest claimable one).
+                stage = "cancel"
+                order = "id DESC" if rnd.random() < 0.6 else "random()"
+                eid = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND is_head "
+                                f"AND topic <> 'chk.big' ORDER BY {order} LIMIT 1").fetchone()
                 if eid:
                     ok = c.execute("SELECT outbox.cancel(%s)", (eid[0],)).fetchone()[0]
                     if ok:
@@ -679,6 +713,7 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                     ctx.op(k="cancel", db=db, id=eid[0], ok=ok, wtx=wtx)
             for row in rows:
                 a = rnd.random()
+                stage = "ack/fail"
                 if a < 0.6:
                     ok = c.execute("SELECT outbox.ack(%s, %s)", (row[0], row[5])).fetchone()[0]
                     acks.append((row[0], bool(ok)))
@@ -688,8 +723,9 @@ def worker_tx(ctx, rnd, c, db, wname, n):
             if r + 1 < rounds:
                 time.sleep(rnd.uniform(0.012, 0.04))  # let the low-water mark step inside the tx
         time.sleep(rnd.choice([0, 0, rnd.uniform(0.05, 0.4)]))
+        stage = "end"
         rec["xid"] = c.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
-        if rnd.random() < 0.3:
+        if rnd.random() < 0.35:
             c.execute("ROLLBACK")
             rec["client"] = "rollback"
             ctx.inc("worker rollbacks")
@@ -701,6 +737,10 @@ def worker_tx(ctx, rnd, c, db, wname, n):
             ctx.op(k="wcommit", db=db, wtx=wtx, xid=rec["xid"])
     except psycopg.Error as ex:
         rec["client"] = "unknown" if is_conn_error(ex) and rec["xid"] else "error"
+        if True:  # claim(), fail_call() already recorded theirs (_chk_seen)
+            # cancel waits for the subject lock (an operator action): lock_timeout there is fine
+            ctx.server_error(ex, f"worker transaction ({stage})", db=db, wtx=wtx,
+                             accepted=("55P03",) if stage == "cancel" else ())
         safe_rollback(c)
         ctx.op(k="wabort", db=db, wtx=wtx, st=getattr(ex, "sqlstate", None))
         raise
@@ -782,7 +822,7 @@ def operator(ctx):
                           (topic, ma, pol))
                 ctx.inc("alter_topic")
                 ctx.op(k="alter_topic", db=db, topic=topic, policy=pol, max_attempts=ma)
-            elif a < 0.85:
+            elif a < 0.75:
                 # cancel of any live event (pending, dead, or a leased one: false)
                 row = c.execute("SELECT id FROM outbox.event_queue WHERE topic <> 'chk.big' "
                                 "ORDER BY random() LIMIT 1").fetchone()
@@ -844,14 +884,14 @@ def bigops(ctx):
         db = DBS[n % 2]
         try:
             with ctx.big:
-                if n % 5 != 0:
-                    m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(600, 1000)
-                    big_publish(ctx, rnd, s.get(db), db, f"b-{n}", m)
+                out = {d: s.get(d).execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big' "
+                                           "AND is_head AND state = 'pending'").fetchone()[0] for d in DBS}
+                top = max(DBS, key=lambda d: out[d])
+                if out[top] >= ctx.args.big_ack or (n % 12 == 0 and out[top] > 0):
+                    big_ack(ctx, rnd, s.get(top), top, n)
                 else:
-                    out = {d: s.get(d).execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big' "
-                                               "AND is_head").fetchone()[0] for d in DBS}
-                    db = max(DBS, key=lambda d: out[d])
-                    big_ack(ctx, rnd, s.get(db), db, n)
+                    m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(700, 1000)
+                    big_publish(ctx, rnd, s.get(db), db, f"b-{n}", m)
         except psycopg.Error as ex:
             if is_conn_error(ex):
                 s.drop(db)
@@ -901,7 +941,7 @@ def big_ack(ctx, rnd, c, db, n):
         ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
     c.execute("SET lock_timeout = '2s'")
     try:
-        rows = claim(ctx, c, db, "bigw", wtx, 6000, "5 s", ["chk.big"])
+        rows = claim(ctx, c, db, "bigw", wtx, 10000, "5 s", ["chk.big"])
     except psycopg.Error:
         c.execute("RESET lock_timeout")
         return
@@ -915,29 +955,32 @@ def big_ack(ctx, rnd, c, db, n):
             pass
 
 
-def sampler(ctx, done):
+def sampler(ctx, done, db):
     s = Session(ctx, "sampler", ["SET statement_timeout = '5s'"])
     seen = set()
     q = ("SELECT a.pid, a.datname, a.wait_event_type, a.wait_event, left(a.query, 300), "
          "pg_blocking_pids(a.pid), a.application_name, "
          "(SELECT json_agg(json_build_object('pid', b.pid, 'app', b.application_name, 'state', b.state, "
-         "'wait', b.wait_event_type || ':' || b.wait_event, 'query', left(b.query, 300))) "
-         "FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids(a.pid))) "
+         "'wait', b.wait_event_type || ':' || b.wait_event, 'query', left(b.query, 200))) "
+         "FROM pg_stat_activity b WHERE b.pid = ANY (pg_blocking_pids(a.pid))), "
+         "(SELECT json_agg(json_build_object('locktype', l.locktype, 'rel', l.relation::regclass::text, "
+         "'mode', l.mode)) FROM pg_locks l WHERE l.pid = a.pid AND NOT l.granted) "
          "FROM pg_stat_activity a WHERE a.state = 'active' AND a.wait_event_type = 'Lock' "
-         "AND a.query LIKE '%%outbox.claim(%%' AND a.pid <> pg_backend_pid()")
+         "AND a.datname = current_database() "
+         "AND a.query LIKE '%outbox.claim(%' AND a.pid <> pg_backend_pid()")
     while not done.is_set():
         try:
-            c = s.get("postgres")
-            for pid, dat, wt, we, query, blockers, app, binfo in c.execute(q).fetchall():
+            c = s.get(db)
+            for pid, dat, wt, we, query, blockers, app, binfo, waiting in c.execute(q).fetchall():
                 ctx.inc("lock-wait samples")
                 key = (pid, tuple(blockers or []))
-                rec = dict(pid=pid, db=dat, wait=f"{wt}:{we}", query=query, app=app, blockers=binfo)
+                rec = dict(pid=pid, db=dat, wait=f"{wt}:{we}", lock=waiting, query=query, app=app, blockers=binfo)
                 ctx.op(k="lockwait", **rec)
                 if key not in seen:
                     seen.add(key)
                     ctx.lockwaits.append(rec)
         except psycopg.Error:
-            s.drop("postgres")
+            s.drop(db)
             time.sleep(0.2)
         time.sleep(0.05)
     s.close()
@@ -997,7 +1040,7 @@ def quiesce(ctx, threads, resolver_t):
     c.close()
 
 
-def drain(ctx, committed_fn):
+def drain(ctx):
     """Replay every dead and cancelled event, drain with autocommit claim + ack, until every
     committed event is delivered or nothing moved for --stall seconds."""
     t0 = time.time()
@@ -1037,21 +1080,38 @@ def drain(ctx, committed_fn):
                 rows = claim(ctx, c, db, "drain", f"drain-{db}-{rounds}", 500, "10 s", None)
                 with ctx.lock:
                     ctx.wtx[f"drain-{db}-{rounds}"] = {"db": db, "xid": None, "client": "commit"}
-                for row in rows:
-                    ack_auto(ctx, c, db, "drain", row)
+                if len(rows) > 20:
+                    ack_batch(ctx, c, db, "drain", rows, f"drain-b-{db}-{rounds}")
+                else:
+                    for row in rows:
+                        ack_auto(ctx, c, db, "drain", row)
                 got += len(rows)
             except psycopg.Error as ex:
+                ctx.server_error(ex, "drain", db=db)
                 if is_conn_error(ex):
                     sess[db].drop(db)
-        delivered, total = committed_fn(sess)
-        if delivered != last_delivered or got:
+                else:
+                    safe_rollback(c)
+        # Everything committed is delivered when no live or cancelled event is left.
+        remaining = 0
+        for db in DBS:
+            try:
+                remaining += sess[db].get(db).execute(
+                    "SELECT (SELECT count(*) FROM outbox.event_queue) + "
+                    "(SELECT count(*) FROM outbox.event_archive WHERE state = 'cancelled')").fetchone()[0]
+            except psycopg.Error as ex:
+                ctx.server_error(ex, "drain count", db=db)
+                sess[db].drop(db)
+                remaining += 1
+        if last_delivered < 0 or remaining < last_delivered:
             last_progress = time.time()
-            last_delivered = delivered
-        if delivered >= total:
-            log(f"drain: all {total} committed events delivered after {time.time() - t0:.1f}s")
+            last_delivered = remaining
+        if remaining == 0:
+            log(f"drain: queues empty after {time.time() - t0:.1f}s")
             break
         if time.time() - last_progress > stall or time.time() > hard:
-            log(f"drain: gave up after {time.time() - t0:.1f}s: {delivered}/{total} committed events delivered")
+            log(f"drain: gave up after {time.time() - t0:.1f}s: {remaining} events still queued "
+                f"(nothing delivered for {time.time() - last_progress:.0f}s)")
             break
         if not got:
             time.sleep(0.1)
@@ -1210,14 +1270,20 @@ class Analysis:
         self.describe_stranded()
 
     def describe_stranded(self):
+        """One violation per stranded subject (its first stranded event, in full) and per
+        stranded event without a subject."""
         ctx = self.ctx
         if not self.stranded:
             return
-        lw = {}
-        for db in DBS:
-            r = self.c[db].execute("SELECT * FROM outbox._claim_low_water()").fetchone()
-            lw[db] = r
-        for i, (db, eid) in enumerate(self.stranded):
+        lw = {db: self.c[db].execute("SELECT * FROM outbox._claim_low_water()").fetchone() for db in DBS}
+        groups = defaultdict(list)
+        for db, eid in self.stranded:
+            row = self.final.get((db, eid))
+            subj = row[1] if row else None
+            groups[(db, subj if subj is not None else f"#{eid}")].append(eid)
+        self.stranded_groups = groups
+        for (db, gkey), eids in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
+            eid = min(eids)
             c = self.c[db]
             ev = c.execute("SELECT id, topic, subject, state, attempts, max_attempts, available_at, lease_expires_at, "
                            "published_at, last_error FROM outbox.events WHERE id = %s", (eid,)).fetchone()
@@ -1229,21 +1295,24 @@ class Analysis:
                 earlier = c.execute("SELECT count(*) FROM outbox.event_queue WHERE subject = %s AND id < %s "
                                     "AND (state <> 'dead' OR blocks_subject)", (subj, eid)).fetchone()[0] if subj else 0
                 if not q[2] and earlier == 0:
-                    hint.append("not a head, and no earlier live event of its subject: never promoted")
-                if q[2] and lw[db] and (q[3], q[0]) < (lw[db][1], lw[db][2]):
-                    hint.append("head below the claim low-water mark")
-                if q[1] == "pending" and q[2] and earlier:
+                    hint.append("is_head = false and no earlier live event of its subject: never promoted")
+                elif earlier:
                     hint.append(f"behind {earlier} earlier live events of its subject")
+                if q[2] and lw[db] and (q[3], q[0]) < (lw[db][1], lw[db][2]):
+                    hint.append("a head below the claim low-water mark")
+                if q[1] == "dead":
+                    hint.append("dead after the drain")
             else:
                 hint.append("not in event_queue")
             tag = self.committed.get((db, eid))
             t = ctx.pubtx.get(tag, {})
             if (db, eid) in ctx.cancelled:
-                hint.append("was cancelled and replayed")
+                hint.append("it was cancelled and replayed")
             hint.append(f"publisher {tag} iso={t.get('iso')} mode={t.get('mode')}")
-            ctx.violation("delivery", f"stranded: committed event {db}/{eid} never acked ({'; '.join(hint)})",
+            more = f"; {len(eids) - 1} later events of this subject stranded too" if len(eids) > 1 else ""
+            ctx.violation("delivery", f"stranded: committed event {db}/{eid} never acked ({'; '.join(hint)}){more}",
                           db=db, id=eid, subj=(q[5] if q else (ev[2] if ev else None)),
-                          events_row=str(ev), queue_row=str(q), low_water=str(lw[db]))
+                          events_row=fmt_row(ev), queue_row=fmt_row(q), low_water=fmt_row(lw[db]))
 
     def check_order(self, final):
         ctx = self.ctx
@@ -1323,10 +1392,18 @@ class Analysis:
     def check_lockwaits(self):
         ctx = self.ctx
         for rec in ctx.lockwaits[:30]:
-            ctx.violation("claim_no_wait", f"claim waited on a lock in {rec['db']} ({rec['wait']}); "
-                          f"blockers: {json.dumps(rec['blockers'])[:600]}", **{k: v for k, v in rec.items() if k != 'blockers'})
+            ctx.violation("claim_no_wait", f"claim ({rec['app']}) waited on a lock in {rec['db']} ({rec['wait']} "
+                          f"{json.dumps(rec['lock'])}); blockers: {json.dumps(rec['blockers'])[:700]}",
+                          **{k: v for k, v in rec.items() if k not in ('blockers', 'db')})
         if len(ctx.lockwaits) > 30:
             ctx.violation("claim_no_wait", f"... {len(ctx.lockwaits) - 30} more distinct lock waits of claims")
+
+
+def fmt_row(r):
+    if r is None:
+        return "None"
+    return "(" + ", ".join(v.isoformat(sep=" ", timespec="microseconds") if hasattr(v, "isoformat") else repr(v)
+                           for v in r) + ")"
 
 
 def relevant_ops(ctx, limit=200):
@@ -1421,6 +1498,8 @@ def main():
                     help="use the server already running on 127.0.0.1:--port (its outbox schema is re-created)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     ap.add_argument("--logdir", default=None)
+    ap.add_argument("--big-ack", type=int, default=5000,
+                    help="bigops acks one database's big events in one batch once it has this many")
     args = ap.parse_args()
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
@@ -1454,8 +1533,9 @@ def main():
         threads.append(threading.Thread(target=bigops, args=(ctx,), name="bigops", daemon=True))
         res_t = threading.Thread(target=resolver, args=(ctx,), name="resolver", daemon=True)
         samp_done = threading.Event()
-        samp_t = threading.Thread(target=sampler, args=(ctx, samp_done), name="sampler", daemon=True)
-        for t in threads + [res_t, samp_t]:
+        samp_ts = [threading.Thread(target=sampler, args=(ctx, samp_done, db), name=f"sampler-{db}", daemon=True)
+                   for db in DBS]
+        for t in threads + [res_t] + samp_ts:
             t.start()
         t0 = time.time()
         while time.time() - t0 < args.duration:
@@ -1470,18 +1550,11 @@ def main():
         an = Analysis(ctx)
         an.outcomes()
 
-        def committed_progress(sess):
-            tot = len(an.committed)
-            d = 0
-            for db in DBS:
-                ids = [eid for (d0, eid) in an.committed if d0 == db]
-                d += an.c[db].execute("SELECT count(*) FROM outbox.event_archive WHERE state = 'delivered' "
-                                      "AND id = ANY(%s)", (ids,)).fetchone()[0]
-            return d, tot
-        dt = drain(ctx, committed_progress)
+        dt = drain(ctx)
         time.sleep(0.3)
         samp_done.set()
-        samp_t.join(5)
+        for t in samp_ts:
+            t.join(5)
         an.run()
         report(ctx, an, dt)
         failed = sum(1 for inv in INVARIANTS if ctx.violations.get(inv))
@@ -1539,11 +1612,27 @@ def report(ctx, an, drain_time):
             log(f"  {inv}: ok")
             continue
         log(f"  {inv}: FAILED ({len(vs)} violations)")
-        for msg, c in vs[:25]:
-            log(f"      {msg}")
-            for k in ("events_row", "queue_row", "low_water", "detail"):
-                if c.get(k):
-                    log(f"          {k}: {c[k]}")
+        # group repeats (same message apart from numbers); show each kind once
+        groups = {}
+        for msg, c in vs:
+            key = re.sub(r"\d+", "N", msg)[:160]
+            groups.setdefault(key, []).append((msg, c))
+        shown = 0
+        for key, items in groups.items():
+            for msg, c in items[:(25 if inv in ("delivery", "subject_order") else 1 if "backtrace" in key else 2)]:
+                shown += 1
+                if shown > 60:
+                    break
+                log(f"      {msg}")
+                for k in ("events_row", "queue_row", "low_water", "detail"):
+                    if c.get(k):
+                        text = [t.strip() for t in str(c[k]).strip().splitlines() if t.strip()]
+                        bt = [i for i, t in enumerate(text) if re.match(r"^\d+: ", t)]
+                        if bt:  # a Rust backtrace: show its start only
+                            text = text[:bt[0]] + text[bt[0]:bt[0] + 8] + [f"... ({len(bt)} frames)"]
+                        log(f"          {k}: " + " | ".join(text[:16]))
+            if len(items) > 2 and inv not in ("delivery", "subject_order"):
+                log(f"      ... {len(items)} times in all: {key[:120]}")
     if any(ctx.violations.get(inv) for inv in INVARIANTS):
         rel = relevant_ops(ctx)
         log(f"full operation log: {os.path.join(ctx.logdir, 'ops.jsonl')}; last {len(rel)} operations "
