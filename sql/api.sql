@@ -25,7 +25,7 @@ COMMENT ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) 
 'dispatch_key (idempotency key: a second publish with a retained key inserts nothing and returns the first event''s id), '
 'headers (JSON object of string values; W3C traceparent/tracestate are passed through; outbox.traceparent is copied in when absent), '
 'deliver_at (not claimable before this time; past means now). '
-'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large; '
+'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large, or the subject''s lock would make the transaction hold more than outbox.max_subject_locks (default 1000) subject locks; '
 'P0002 unregistered topic with outbox.strict_topics = on. '
 'Follows seeds 000 (publishOutboxEvent in the caller''s transaction, dispatchKey) and 001 (publish_in_tx, subject_id).';
 
@@ -42,7 +42,7 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 'Publish many events of one topic in one call, in the caller''s transaction; returns their ids (SETOF bigint) in input order. '
 'Arguments: topic as in publish; payloads (jsonb[], 1..outbox.max_batch_size elements, none NULL); subjects and dispatch_keys (NULL, or arrays of the same length whose elements may be NULL). '
 'Same validation and semantics as publish: per-subject order follows input order, a repeated dispatch key (in the batch or already retained) returns the first event''s id. '
-'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large or more than 1000 distinct subjects (each holds an advisory lock until commit); P0002 strict topics. '
+'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large, more than 1000 distinct subjects, or more than outbox.max_subject_locks subject locks held by the transaction (each holds an advisory lock until commit); P0002 strict topics. '
 'Follows pgmq send_batch.';
 
 CREATE FUNCTION outbox.claim(
@@ -103,7 +103,7 @@ AS 'MODULE_PATHNAME', 'outbox_fail';
 
 COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Report a failed delivery. Returns the new state: ''pending'' (retry scheduled), ''dead'' (permanent, or attempts reached max_attempts), or ''stale'' (token not current; nothing changed). '
-'Arguments: error (text kept as last_error and appended to the attempt history; NULL is stored as ''(no error text)''; truncated to 8 kB), '
+'Arguments: error (text kept as last_error and appended to the attempt history, which keeps the first failure, {"omitted": n} and the latest 18 once it holds 20 entries; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
 'permanent (true dead-letters at once). NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
 'Backoff follows seed 004 (failures back off, dead-letter after maxAttempts); the dead-letter state follows seed 000.';

@@ -46,8 +46,8 @@ const COLUMNS: [pg_sys::Oid; 19] = [
 
 /// A validated event without a subject, ready to insert.
 pub struct NewEvent {
-    /// Id reserved by a dispatch key, or None to draw one from outbox.event_id_seq.
-    pub id: Option<i64>,
+    /// The event's id (reserved by a dispatch key or drawn by [`next_event_id`]).
+    pub id: i64,
     /// text datum.
     pub topic: pg_sys::Datum,
     /// text datum.
@@ -112,6 +112,21 @@ pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
     }
 }
 
+/// Draw the next event id from `outbox.event_id_seq` (nextval, no SQL statement).
+///
+/// publish draws the id before its INSERT, after the subject lock, on every
+/// path: a rule on the queue (`DO ALSO ... NEW.id`) would otherwise re-evaluate a
+/// `nextval()` in the statement and see another id than the event's.
+pub fn next_event_id() -> i64 {
+    let Some(seqid) = outbox_relid(c"event_id_seq") else {
+        crate::errors::raise(crate::errors::INTERNAL, "outbox.event_id_seq does not exist");
+    };
+    // SAFETY: nextval_oid is a V1 function of one oid argument; it checks the
+    // privileges of the current user (the owner, in the SECURITY DEFINER API).
+    let d = unsafe { pgrx::fcinfo::direct_function_call_as_datum(pg_sys::nextval_oid, &[Some(pg_sys::Datum::from(seqid))]) };
+    d.map(|d| d.value() as i64).unwrap_or_else(|| crate::errors::raise(crate::errors::INTERNAL, "nextval returned NULL"))
+}
+
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
 /// None when the table's shape rules this path out (then nothing was done and the
 /// caller must use its SPI statement). Errors are PostgreSQL's own (disk full,
@@ -126,7 +141,7 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         return None;
     }
     unsafe {
-        let (Some(relid), Some(seqid)) = (outbox_relid(c"event_queue"), outbox_relid(c"event_id_seq")) else {
+        let Some(relid) = outbox_relid(c"event_queue") else {
             return None;
         };
         // What the executor checks first for any INSERT (SQLSTATE 25006).
@@ -140,13 +155,7 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
             pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
             return None;
         }
-        let id = match e.id {
-            Some(id) => id,
-            None => {
-                let d = pgrx::fcinfo::direct_function_call_as_datum(pg_sys::nextval_oid, &[Some(pg_sys::Datum::from(seqid))]);
-                d.map(|d| d.value() as i64).unwrap_or_else(|| crate::errors::raise(crate::errors::INTERNAL, "nextval returned NULL"))
-            }
-        };
+        let id = e.id;
 
         let estate = pg_sys::CreateExecutorState();
         let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);

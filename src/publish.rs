@@ -24,7 +24,7 @@ use pgrx::JsonB;
 // Two shapes, so the common case (no subject) starts no subquery at all.
 const INSERT_ONE: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, dispatch_key, payload, headers, max_attempts, visible_at) \
-          VALUES (COALESCE($7, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, \
+          VALUES ($7, $1, $2, $3, $4, $5, \
                   GREATEST(CASE WHEN $6 IS NULL OR $6 < now() THEN now() ELSE $6 END, $8)) \
           RETURNING id",
     types: &[
@@ -41,7 +41,7 @@ const INSERT_ONE: Stmt = Stmt {
 
 const INSERT_ONE_SUBJECT: Stmt = Stmt {
     sql: "INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, max_attempts, visible_at, is_head) \
-          VALUES (COALESCE($8, nextval('outbox.event_id_seq')), $1, $2, $3, $4, $5, $6, \
+          VALUES ($8, $1, $2, $3, $4, $5, $6, \
                   GREATEST(CASE WHEN $7 IS NULL OR $7 < now() THEN now() ELSE $7 END, $9), \
                   NOT EXISTS (SELECT 1 FROM outbox.event_queue p \
                                WHERE p.subject = $2 AND (p.state <> 'dead' OR p.blocks_subject))) \
@@ -194,10 +194,10 @@ struct One<'a> {
 fn insert_one(e: &One<'_>) -> (i64, bool) {
     let id = match e.key {
         Some(k) => match reserve_key(k) {
-            Ok(id) => Some(id),
+            Ok(id) => id,
             Err(existing) => return (existing, false),
         },
-        None => None,
+        None => crate::heap::next_event_id(),
     };
     let key = param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID);
     let tail = [
@@ -205,7 +205,7 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
         param(e.headers, pg_sys::JSONBOID),
         e.max_attempts.into(),
         param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
-        param(id.map(|i| i.into_datum().unwrap()), pg_sys::INT8OID),
+        id.into(),
     ];
     let floor = || crate::lowwater::ts_param(crate::lowwater::floor_after_xid());
     let new_id = match e.subject {

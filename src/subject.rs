@@ -178,7 +178,10 @@ fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String
 }
 
 const DEFER: Stmt = Stmt {
-    sql: "INSERT INTO outbox.subject_repairs (subject) SELECT s FROM unnest($1::text[]) AS s",
+    // ON CONFLICT DO NOTHING is a no-op on 0.4.0's table (no unique key, so an
+    // insert never waits); it keeps a 0.4.0 library serving 0.3.0's SQL, where
+    // the subject is the primary key, from raising unique violations.
+    sql: "INSERT INTO outbox.subject_repairs (subject) SELECT s FROM unnest($1::text[]) AS s ON CONFLICT DO NOTHING",
     types: &[pg_sys::TEXTARRAYOID],
 };
 

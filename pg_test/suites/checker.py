@@ -92,6 +92,11 @@ TOPICS = {
     "chk.big": dict(max_attempts=10, backoff_base="10 ms", backoff_max="200 ms", default_lease="5 s",
                     dead_letter_policy="block"),
     "chk.unreg": None,
+    # claimed only by the scenario threads (and by the rare worker claiming every topic)
+    "chk.lw": dict(max_attempts=10, backoff_base="10 ms", backoff_max="200 ms", default_lease="2 s",
+                   dead_letter_policy="block"),
+    "chk.rp": dict(max_attempts=10, backoff_base="10 ms", backoff_max="200 ms", default_lease="2 s",
+                   dead_letter_policy="block"),
 }
 PUB_TOPICS = ["chk.fast", "chk.skip", "chk.slow", "chk.unreg"]
 WORK_TOPICS = PUB_TOPICS
@@ -167,6 +172,7 @@ class Ctx:
         self.prepared_plan = {}   # gid -> (db, commit, tag)
         self.lockwaits = []
         self.big = threading.Semaphore(1)
+        self.big_db = None        # the database bigops is filling now
         self.conns = []           # every connection (for the final close)
 
     # -- bookkeeping ------------------------------------------------------------
@@ -873,30 +879,49 @@ def idler(ctx):
 
 
 def bigops(ctx):
-    """One big operation at a time: publish_batch of 200-2000 distinct subjects into the
-    databases in turn, and every 5th round one claim + one batch ack of every big
-    event of the database with the most (thousands of distinct subjects)."""
+    """One big operation at a time, one database at a time: publish_batch calls of
+    700-2000 distinct subjects (54000 above the documented 1000 is an accepted refusal)
+    until the database holds --big-ack big events, then one claim of all of them and one
+    batch ack (thousands of distinct subjects); whatever that leaves is acked in
+    batches of 500, and the next phase fills the other database."""
     rnd = random.Random(ctx.args.seed * 5003)
     s = Session(ctx, "bigops", ["SET statement_timeout = '60s'"])
     n = 0
-    while not ctx.stop.wait(rnd.uniform(0.5, 2.0)):
+    phase = 0
+    while not ctx.stop.wait(rnd.uniform(0.3, 1.0)):
         n += 1
-        db = DBS[n % 2]
+        db = DBS[phase % 2]
+        ctx.big_db = db
         try:
-            with ctx.big:
-                out = {d: s.get(d).execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big' "
-                                           "AND is_head AND state = 'pending'").fetchone()[0] for d in DBS}
-                top = max(DBS, key=lambda d: out[d])
-                if out[top] >= ctx.args.big_ack or (n % 12 == 0 and out[top] > 0):
-                    big_ack(ctx, rnd, s.get(top), top, n)
+            c = s.get(db)
+            out = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
+            if out < ctx.args.big_ack:
+                m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(700, 1000)
+                big_publish(ctx, rnd, c, db, f"b-{n}", m)
+                continue
+            big_ack(ctx, rnd, c, db, n)
+            # clean up (expired leases of a failed batch become claimable after 5 s)
+            t_end = time.time() + 12
+            while time.time() < t_end and not ctx.stop.is_set():
+                left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
+                if not left:
+                    break
+                cw = f"big-cl{n}-{time.monotonic_ns()}"
+                with ctx.lock:
+                    ctx.wtx[cw] = {"db": db, "xid": None, "client": "commit"}
+                rows = claim(ctx, c, db, "bigw", cw, 500, "5 s", ["chk.big"])
+                if rows:
+                    ack_batch(ctx, c, db, "bigw", rows, f"big-clb{n}-{time.monotonic_ns()}")
                 else:
-                    m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(700, 1000)
-                    big_publish(ctx, rnd, s.get(db), db, f"b-{n}", m)
+                    time.sleep(0.5)
+            phase += 1
         except psycopg.Error as ex:
             if is_conn_error(ex):
                 s.drop(db)
             else:
                 ctx.server_error(ex, "bigops", db=db)
+                safe_rollback(c)
+    ctx.big_db = None
     s.close()
 
 
@@ -953,6 +978,146 @@ def big_ack(ctx, rnd, c, db, n):
             ctx.op(k="big_ack", db=db, n=len(rows))
         except psycopg.Error:
             pass
+
+
+def scenario_publish(ctx, rnd, c, db, tag, items, hold=0.0):
+    """One publisher transaction of (topic, subject) items; returns the ids (None on error).
+    hold: seconds between BEGIN (the transaction's now()) and the first publish."""
+    tx = {"tag": tag, "db": db, "iso": "READ COMMITTED", "mode": "scenario", "ops": [], "xid": None, "client": None}
+    with ctx.lock:
+        ctx.pubtx[tag] = tx
+    ids = []
+    try:
+        c.execute("BEGIN")
+        if hold:
+            c.execute("SELECT pg_current_xact_id_if_assigned()")
+            time.sleep(hold)
+        for k, (topic, subj) in enumerate(items):
+            pk = f"{tag}.{k}.0"
+            ctx.pubops[pk] = (tag, k, 0)
+            op = {"k": k, "ids": [], "sp": None, "sp_rb": False}
+            tx["ops"].append(op)
+            eid = c.execute("SELECT outbox.publish(%s, %s::jsonb, %s)", (topic, payload(pk, rnd), subj)).fetchone()[0]
+            op["ids"].append(eid)
+            ids.append(eid)
+            ctx.op(k="published", db=db, tag=tag, pk=pk, id=eid, subj=subj, topic=topic)
+        tx["xid"] = c.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
+        c.execute("COMMIT")
+        tx["client"] = "commit"
+        ctx.inc("publisher commits")
+        ctx.op(k="pub_commit", db=db, tag=tag)
+        return ids
+    except psycopg.Error as ex:
+        ctx.server_error(ex, "scenario publish", db=db, tag=tag)
+        tx["client"] = "error"
+        safe_rollback(c)
+        if is_conn_error(ex):
+            raise
+        return None
+
+
+def scenario_replay(ctx):
+    """Replay of a cancelled event racing the ack of its subject's head: publish E1, E2
+    of a fresh subject, claim E1, cancel E2, then replay E2 in a transaction that stays
+    open while another session acks E1 (on 0.3.0 nothing promotes E2: defect 5)."""
+    rnd = random.Random(ctx.args.seed * 6007)
+    a = Session(ctx, "scen-rp-a", WORKER_SETTINGS)
+    b = Session(ctx, "scen-rp-b", ["SET statement_timeout = '30s'"])
+    n = 0
+    while not ctx.stop.wait(rnd.uniform(1.0, 4.0)):
+        n += 1
+        db = rnd.choice(DBS)
+        subj = f"rp{n}"
+        try:
+            ca, cb = a.get(db), b.get(db)
+            ids = scenario_publish(ctx, rnd, ca, db, f"rp-{n}", [("chk.rp", subj), ("chk.rp", subj)])
+            if not ids:
+                continue
+            e1, e2 = ids
+            wtx = f"rp-c{n}"
+            with ctx.lock:
+                ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+            rows = [r for r in claim(ctx, ca, db, "rp", wtx, 5, "2 s", ["chk.rp"]) if r[0] == e1]
+            ok = cb.execute("SELECT outbox.cancel(%s)", (e2,)).fetchone()[0]
+            ctx.op(k="cancel", db=db, id=e2, ok=ok, scenario="rp")
+            if ok:
+                with ctx.lock:
+                    ctx.cancelled.add((db, e2))
+            cb.execute("BEGIN")
+            ok2 = cb.execute("SELECT outbox.replay(%s)", (e2,)).fetchone()[0]
+            ctx.op(k="replay", db=db, id=e2, ok=ok2, scenario="rp", open=True)
+            if rows:
+                ack_auto(ctx, ca, db, "rp", rows[0])
+            time.sleep(rnd.uniform(0.0, 0.05))
+            cb.execute("COMMIT")
+            if ok2:
+                with ctx.lock:
+                    ctx.replayed.add((db, e2))
+            ctx.inc("scenario replay races")
+            ctx.op(k="replay_commit", db=db, id=e2, scenario="rp")
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "scenario replay", db=db)
+            for sess in (a, b):
+                c = sess.c.get(db)
+                if c is not None and not is_conn_error(ex):
+                    safe_rollback(c)
+                else:
+                    sess.drop(db)
+    a.close()
+    b.close()
+
+
+def scenario_lowwater(ctx):
+    """A claim in an explicit READ COMMITTED transaction that claimed an event committed
+    just after a low-water step, claims again (taking the next step inside the
+    transaction) and rolls back. On 0.3.0 the mark can pass the event (defect 2)."""
+    rnd = random.Random(ctx.args.seed * 7001)
+    p = Session(ctx, "scen-lw-p", ["SET statement_timeout = '30s'"])
+    t = Session(ctx, "scen-lw-t", WORKER_SETTINGS)
+    n = 0
+    while not ctx.stop.wait(rnd.uniform(0.3, 1.5)):
+        n += 1
+        db = DBS[n % 2] if ctx.big_db is None else [d for d in DBS if d != ctx.big_db][0]
+        try:
+            cp, ct = p.get(db), t.get(db)
+            subj = f"lw{n}" if rnd.random() < 0.5 else None
+            ids = scenario_publish(ctx, rnd, cp, db, f"lw-{n}", [("chk.lw", subj)], hold=rnd.uniform(0.3, 1.5))
+            if not ids:
+                continue
+            wtx = f"lw-t{n}"
+            rec = {"db": db, "xid": None, "client": None}
+            with ctx.lock:
+                ctx.wtx[wtx] = rec
+            ct.execute("BEGIN")
+            rows = claim(ctx, ct, db, "lw", wtx, 5, "2 s", ["chk.lw"])
+            for _ in range(rnd.randint(2, 5)):
+                time.sleep(0.0105)
+                claim(ctx, ct, db, "lw", wtx, 1, "2 s", ["chk.lw"])
+            rec["xid"] = ct.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+            if rows and rnd.random() < 0.2:
+                for r in rows:
+                    ok = ct.execute("SELECT outbox.ack(%s, %s)", (r[0], r[5])).fetchone()[0]
+                    with ctx.lock:
+                        ctx.acks.append((db, r[0], wtx, bool(ok)))
+                    ctx.op(k="ack", db=db, id=r[0], ok=ok, wtx=wtx, intx=True)
+                ct.execute("COMMIT")
+                rec["client"] = "commit"
+            else:
+                ct.execute("ROLLBACK")
+                rec["client"] = "rollback"
+            ctx.inc("scenario low-water rollbacks")
+            ctx.op(k="wrollback" if rec["client"] == "rollback" else "wcommit", db=db, wtx=wtx, scenario="lw",
+                   ids=[r[0] for r in rows])
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "scenario low-water", db=db)
+            for sess in (p, t):
+                c = sess.c.get(db)
+                if c is not None and not is_conn_error(ex):
+                    safe_rollback(c)
+                else:
+                    sess.drop(db)
+    p.close()
+    t.close()
 
 
 def sampler(ctx, done, db):
@@ -1531,6 +1696,8 @@ def main():
         threads.append(threading.Thread(target=operator, args=(ctx,), name="operator", daemon=True))
         threads.append(threading.Thread(target=idler, args=(ctx,), name="idler", daemon=True))
         threads.append(threading.Thread(target=bigops, args=(ctx,), name="bigops", daemon=True))
+        threads.append(threading.Thread(target=scenario_replay, args=(ctx,), name="scen-replay", daemon=True))
+        threads.append(threading.Thread(target=scenario_lowwater, args=(ctx,), name="scen-lowwater", daemon=True))
         res_t = threading.Thread(target=resolver, args=(ctx,), name="resolver", daemon=True)
         samp_done = threading.Event()
         samp_ts = [threading.Thread(target=sampler, args=(ctx, samp_done, db), name=f"sampler-{db}", daemon=True)
