@@ -34,6 +34,21 @@
 //! getting its xid and stored visible_at > V.t: a key above V >= W. A transaction
 //! that holds an xid for long (not a read-only snapshot) only stalls step B.
 //!
+//! Both steps read "the first live key" from the stepping claim's own snapshot,
+//! so that snapshot must show committed state only. A transaction that has already
+//! written (cancelled or acked an event, claimed before) sees its own uncommitted
+//! versions, which a rollback (or ROLLBACK TO SAVEPOINT) undoes: the committed
+//! version could then sort below a mark computed past it (issue 14.2). So a claim
+//! takes steps only while its transaction has no xid, i.e. has written nothing;
+//! claims in such transactions use the mark as it stands.
+//!
+//! The clock: F trails the clock, so F more than [`CLOCK_SLACK_US`] ahead of it
+//! means the clock was set back. Every write that reads F checks this, and every
+//! step before it can stall, and then starts all marks over and lowers F to the
+//! clock; otherwise writes would store visible_at as far ahead as the clock went
+//! back, and a stalled step B (a forgotten prepared transaction) would keep it so
+//! (issue 14.6).
+//!
 //! Writes that bypass the outbox functions (a data-only restore into a live table,
 //! a manual INSERT) could land below W. The maintenance run looks for such rows and
 //! resets W when it finds one ([`audit`]); TRUNCATE, VACUUM FULL and a re-created

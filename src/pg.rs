@@ -187,6 +187,24 @@ pub fn try_advisory_xact_lock(k1: i32, k2: i32) -> bool {
     }
 }
 
+/// True when no other session holds advisory lock (k1, k2) at this instant: takes
+/// it as a session lock and releases it at once, so nothing is left held, even if
+/// an error follows (the two calls have nothing between them that can fail).
+pub fn advisory_lock_is_free(k1: i32, k2: i32) -> bool {
+    // SAFETY: plain V1 function calls with two int4 arguments; returns bool.
+    unsafe {
+        let got = pgrx::fcinfo::direct_function_call_as_datum(
+            pg_sys::pg_try_advisory_lock_int4,
+            &[k1.into_datum(), k2.into_datum()],
+        )
+        .is_some_and(|d| d.value() != 0);
+        if got {
+            pgrx::fcinfo::direct_function_call_as_datum(pg_sys::pg_advisory_unlock_int4, &[k1.into_datum(), k2.into_datum()]);
+        }
+        got
+    }
+}
+
 /// True when the current transaction has a transaction id, i.e. it may already
 /// have written something that a rollback would undo.
 pub fn xid_assigned() -> bool {

@@ -29,10 +29,16 @@
 //!   inserts s into outbox.subject_repairs instead. That row commits or rolls back
 //!   with the retirement itself.
 //! - every claim first takes a bounded number of subject_repairs rows (SKIP
-//!   LOCKED, so it never waits) and promotes them the same way; what it cannot
-//!   promote it puts back. So a deferred promotion is retried by the next claims,
-//!   and maintenance is not needed for liveness. Claim's own NOT EXISTS check
-//!   keeps per-subject order even if a head flag were ever wrong.
+//!   LOCKED, so it never waits) and promotes them; what it cannot promote it puts
+//!   back. A repair row it can see is committed, so the retirement behind it is
+//!   committed too; then the lock need not be held until commit, only found free
+//!   once before the promotion's snapshot: every publisher that held it earlier
+//!   has ended (and is visible), and every later one sees the retirement and
+//!   decides its own headship. So a claim checks each subject's lock for an
+//!   instant ([`crate::pg::advisory_lock_is_free`]) and holds none of them,
+//!   which bounds nothing in the lock table. A deferred promotion is retried by
+//!   the next claims, and maintenance is not needed for liveness. Claim's own NOT
+//!   EXISTS check keeps per-subject order even if a head flag were ever wrong.
 //!
 //! # Lock budget
 //! Each subject lock is an entry in the shared lock table until the transaction
@@ -234,33 +240,43 @@ pub fn promote(subjects: &[String], wait: bool) -> usize {
         return 0;
     }
     let list: Vec<String> = subjects.iter().cloned().collect::<HashSet<_>>().into_iter().collect();
-    let (locked, mut deferred) = lock_for_promotion(list, wait);
-    let mut promoted = 0;
-    if !locked.is_empty() {
-        let floor = lowwater::floor_after_xid();
-        let (n, skipped) = pg::run_latest(&PROMOTE, &[locked.into(), lowwater::ts_param(floor)], |r| {
-            (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2))
-        });
-        promoted = n;
-        deferred.extend(skipped);
-    }
+    let (locked, deferred) = lock_for_promotion(list, wait);
     defer(deferred);
-    promoted
+    promote_now(locked)
+}
+
+/// Repairs one claim takes from outbox.subject_repairs.
+pub const REPAIR_BATCH: i64 = 128;
+
+/// Promote the heads of `subjects` (sorted, distinct) under no lock of ours but
+/// with each lock held or found free just before (see the module docs), and defer
+/// the ones whose next head row another transaction has locked. Returns events
+/// promoted.
+fn promote_now(subjects: Vec<String>) -> usize {
+    if subjects.is_empty() {
+        return 0;
+    }
+    let floor = lowwater::floor_after_xid();
+    let (n, skipped) = pg::run_latest(&PROMOTE, &[subjects.into(), lowwater::ts_param(floor)], |r| {
+        (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2))
+    });
+    defer(skipped);
+    n
 }
 
 /// Retry promotions deferred by [`promote`]; called by claim() before it looks
-/// for work. Takes at most the transaction's remaining promotion budget, skips
-/// rows other transactions hold, and costs one statement on an empty table when
-/// nothing is deferred.
+/// for work. Takes at most [`REPAIR_BATCH`] repairs, skips rows other transactions
+/// hold, never waits, and costs one statement on an empty table when nothing is
+/// deferred. A subject whose lock a publisher holds goes back into the table.
 pub fn retry_deferred() {
-    let room = promotion_room();
-    if room == 0 {
+    let subjects = pg::run_latest(&TAKE_DEFERRED, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
+    if subjects.is_empty() {
         return;
     }
-    let subjects = pg::run_latest(&TAKE_DEFERRED, &[(room as i64).into()], |r| r.texts(0, 1));
-    if !subjects.is_empty() {
-        promote(&subjects, false);
-    }
+    let (free, busy): (Vec<String>, Vec<String>) =
+        subjects.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
+    promote_now(free);
+    defer(busy);
 }
 
 /// `outbox._promote_heads(subjects text[], wait boolean DEFAULT true) -> integer`:

@@ -104,6 +104,37 @@ NSUBJECTS = 10
 EPOCH = 15.0
 
 
+CYCLE = 12.0      # every CYCLE seconds the load calms down for the last CALM seconds:
+CALM = 3.5        # no long transaction holds an xid then, so the claim low-water mark
+QUIET_BEFORE = 3.0  # can step (long holders stop QUIET_BEFORE seconds earlier)
+
+
+def phase():
+    return time.time() % CYCLE
+
+
+def calm():
+    return phase() >= CYCLE - CALM
+
+
+def quiet():
+    """No new long-held transaction now (it could still run into the calm window)."""
+    return phase() >= CYCLE - CALM - QUIET_BEFORE
+
+
+def lw_db():
+    """The database reserved for the low-water scenario during the current calm window
+    (alternates); all other load uses the other database then."""
+    return DBS[int(time.time() // CYCLE) % 2]
+
+
+def pick_db(rnd):
+    db = rnd.choice(DBS)
+    if calm() and db == lw_db():
+        db = [d for d in DBS if d != db][0]
+    return db
+
+
 def subjects_now():
     """The small pool of subjects publishers use now. The pool changes every EPOCH
     seconds, so that a subject stuck by a defect does not take all the load with it."""
@@ -294,7 +325,7 @@ def publisher(ctx, idx):
     s = Session(ctx, f"pub{idx}", ["SET statement_timeout = '30s'"])
     n = 0
     while not ctx.stop.is_set():
-        db = rnd.choice(DBS)
+        db = pick_db(rnd)
         tag = f"p{idx}-{n}"
         n += 1
         try:
@@ -326,13 +357,15 @@ def pick_key(ctx, rnd, db, tag, k, j):
 def pub_tx(ctx, rnd, c, db, tag):
     iso = rnd.choices(ISOS, weights=[5, 3, 2])[0]
     mode = rnd.choices(["commit", "rollback", "2pc", "hold"], weights=[60, 10, 18, 12])[0]
+    if quiet() and mode in ("2pc", "hold"):
+        mode = "commit"
     tx = {"tag": tag, "db": db, "iso": iso, "mode": mode, "ops": [], "xid": None, "client": None}
     with ctx.lock:
         ctx.pubtx[tag] = tx
     first_subject = None
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
-        if iso != "READ COMMITTED" and rnd.random() < 0.7:
+        if iso != "READ COMMITTED" and rnd.random() < 0.7 and not quiet():
             # Read first (the snapshot), publish later: the subject's head, leased now,
             # may be acked in between.
             pool = subjects_now()
@@ -588,7 +621,7 @@ def worker(ctx, idx):
     s = Session(ctx, f"worker{idx}", WORKER_SETTINGS)
     n = 0
     while not ctx.stop.is_set():
-        db = rnd.choice(DBS)
+        db = pick_db(rnd)
         n += 1
         c = None
         try:
@@ -728,7 +761,8 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                     fail_call(ctx, c, db, row, rnd.random() < 0.15, wtx)
             if r + 1 < rounds:
                 time.sleep(rnd.uniform(0.012, 0.04))  # let the low-water mark step inside the tx
-        time.sleep(rnd.choice([0, 0, rnd.uniform(0.05, 0.4)]))
+        if not quiet():
+            time.sleep(rnd.choice([0, 0, rnd.uniform(0.05, 0.4)]))
         stage = "end"
         rec["xid"] = c.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
         if rnd.random() < 0.35:
@@ -765,7 +799,7 @@ def operator(ctx):
     rnd = random.Random(ctx.args.seed * 3001)
     s = Session(ctx, "operator", ["SET statement_timeout = '30s'"])
     while not ctx.stop.is_set():
-        db = rnd.choice(DBS)
+        db = pick_db(rnd)
         try:
             c = s.get(db)
             a = rnd.random()
@@ -887,10 +921,12 @@ def bigops(ctx):
     rnd = random.Random(ctx.args.seed * 5003)
     s = Session(ctx, "bigops", ["SET statement_timeout = '60s'"])
     n = 0
-    phase = 0
+    bphase = 0
     while not ctx.stop.wait(rnd.uniform(0.3, 1.0)):
+        if quiet():
+            continue
         n += 1
-        db = DBS[phase % 2]
+        db = DBS[bphase % 2]
         ctx.big_db = db
         try:
             c = s.get(db)
@@ -902,7 +938,7 @@ def bigops(ctx):
             big_ack(ctx, rnd, c, db, n)
             # clean up (expired leases of a failed batch become claimable after 5 s)
             t_end = time.time() + 12
-            while time.time() < t_end and not ctx.stop.is_set():
+            while time.time() < t_end and not ctx.stop.is_set() and not quiet():
                 left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
                 if not left:
                     break
@@ -914,7 +950,7 @@ def bigops(ctx):
                     ack_batch(ctx, c, db, "bigw", rows, f"big-clb{n}-{time.monotonic_ns()}")
                 else:
                     time.sleep(0.5)
-            phase += 1
+            bphase += 1
         except psycopg.Error as ex:
             if is_conn_error(ex):
                 s.drop(db)
@@ -1026,7 +1062,7 @@ def scenario_replay(ctx):
     n = 0
     while not ctx.stop.wait(rnd.uniform(1.0, 4.0)):
         n += 1
-        db = rnd.choice(DBS)
+        db = pick_db(rnd)
         subj = f"rp{n}"
         try:
             ca, cb = a.get(db), b.get(db)
@@ -1068,56 +1104,91 @@ def scenario_replay(ctx):
 
 
 def scenario_lowwater(ctx):
-    """A claim in an explicit READ COMMITTED transaction that claimed an event committed
-    just after a low-water step, claims again (taking the next step inside the
-    transaction) and rolls back. On 0.3.0 the mark can pass the event (defect 2)."""
+    """During calm windows, in the database the rest of the load leaves alone then: a
+    publisher P publishes E0 and, once a claim of another session (S) has stepped the
+    claim low-water mark, commits; an explicit READ COMMITTED transaction T claims E0,
+    claims again ~10 ms later (taking the next step of the mark inside T) and rolls
+    back. On 0.3.0 the mark then passes E0 for good (defect 2)."""
     rnd = random.Random(ctx.args.seed * 7001)
     p = Session(ctx, "scen-lw-p", ["SET statement_timeout = '30s'"])
+    st = Session(ctx, "scen-lw-s", WORKER_SETTINGS)
     t = Session(ctx, "scen-lw-t", WORKER_SETTINGS)
     n = 0
-    while not ctx.stop.wait(rnd.uniform(0.3, 1.5)):
+    while not ctx.stop.wait(rnd.uniform(0.02, 0.1)):
+        if not calm() or phase() > CYCLE - 0.3:
+            continue
         n += 1
-        db = DBS[n % 2] if ctx.big_db is None else [d for d in DBS if d != ctx.big_db][0]
+        db = lw_db()
         try:
-            cp, ct = p.get(db), t.get(db)
+            cp, cs, ct = p.get(db), st.get(db), t.get(db)
+            # S first delivers what the rest of the load and the earlier rounds left in this
+            # database (it would hold the mark back)
+            with ctx.lock:
+                ctx.wtx[f"lw-d{n}"] = {"db": db, "xid": None, "client": "commit"}
+            t_end = time.time() + 0.8
+            while time.time() < t_end:
+                got = claim(ctx, cs, db, "lw-s", f"lw-d{n}", 200, "2 s", WORK_TOPICS + ["chk.lw", "chk.big", "chk.rp"])
+                if not got:
+                    break
+                for r in got:
+                    ack_auto(ctx, cs, db, "lw-s", r)
+            tag = f"lw-{n}"
+            tx = {"tag": tag, "db": db, "iso": "READ COMMITTED", "mode": "scenario", "ops": [], "xid": None,
+                  "client": None}
+            with ctx.lock:
+                ctx.pubtx[tag] = tx
             subj = f"lw{n}" if rnd.random() < 0.5 else None
-            ids = scenario_publish(ctx, rnd, cp, db, f"lw-{n}", [("chk.lw", subj)], hold=rnd.uniform(0.3, 1.5))
-            if not ids:
-                continue
+            pk = f"{tag}.0.0"
+            ctx.pubops[pk] = (tag, 0, 0)
+            op = {"k": 0, "ids": [], "sp": None, "sp_rb": False}
+            tx["ops"].append(op)
+            cp.execute("BEGIN")
+            eid = cp.execute("SELECT outbox.publish('chk.lw', %s::jsonb, %s)", (payload(pk, rnd), subj)).fetchone()[0]
+            op["ids"].append(eid)
+            tx["xid"] = cp.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
+            key0 = cp.execute("SELECT visible_at, id FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+            ctx.op(k="published", db=db, tag=tag, pk=pk, id=eid, subj=subj, topic="chk.lw")
+            # S steps the mark while P is open (claims of a topic nobody publishes); P commits
+            # right after S's last claim, and T claims right after that.
+            with ctx.lock:
+                ctx.wtx[f"lw-s{n}"] = {"db": db, "xid": None, "client": "commit"}
+            for _ in range(rnd.randint(2, 8)):
+                time.sleep(0.0105)
+                claim(ctx, cs, db, "lw-s", f"lw-s{n}", 1, "2 s", ["chk.none"])
+            cp.execute("COMMIT")
+            tx["client"] = "commit"
             wtx = f"lw-t{n}"
             rec = {"db": db, "xid": None, "client": None}
             with ctx.lock:
                 ctx.wtx[wtx] = rec
             ct.execute("BEGIN")
             rows = claim(ctx, ct, db, "lw", wtx, 5, "2 s", ["chk.lw"])
-            for _ in range(rnd.randint(2, 5)):
+            # Claim again until a step of the mark has happened inside T (at most ~0.4 s;
+            # only S and T claim in this database during the calm window).
+            moved = False
+            for _ in range(40):
                 time.sleep(0.0105)
                 claim(ctx, ct, db, "lw", wtx, 1, "2 s", ["chk.lw"])
+                lwm = ct.execute("SELECT low_water_at, low_water_id FROM outbox._claim_low_water()").fetchone()
+                if key0 and lwm and lwm[0] is not None and (lwm[0], lwm[1]) > tuple(key0):
+                    moved = True
+                    break
+            ctx.op(k="lw_mark", db=db, id=eid, key0=str(key0), mark=str(lwm), passed=moved, claimed=[r[0] for r in rows])
             rec["xid"] = ct.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
-            if rows and rnd.random() < 0.2:
-                for r in rows:
-                    ok = ct.execute("SELECT outbox.ack(%s, %s)", (r[0], r[5])).fetchone()[0]
-                    with ctx.lock:
-                        ctx.acks.append((db, r[0], wtx, bool(ok)))
-                    ctx.op(k="ack", db=db, id=r[0], ok=ok, wtx=wtx, intx=True)
-                ct.execute("COMMIT")
-                rec["client"] = "commit"
-            else:
-                ct.execute("ROLLBACK")
-                rec["client"] = "rollback"
+            ct.execute("ROLLBACK")
+            rec["client"] = "rollback"
             ctx.inc("scenario low-water rollbacks")
-            ctx.op(k="wrollback" if rec["client"] == "rollback" else "wcommit", db=db, wtx=wtx, scenario="lw",
-                   ids=[r[0] for r in rows])
+            ctx.op(k="wrollback", db=db, wtx=wtx, scenario="lw", ids=[r[0] for r in rows])
         except psycopg.Error as ex:
             ctx.server_error(ex, "scenario low-water", db=db)
-            for sess in (p, t):
+            for sess in (p, st, t):
                 c = sess.c.get(db)
                 if c is not None and not is_conn_error(ex):
                     safe_rollback(c)
                 else:
                     sess.drop(db)
-    p.close()
-    t.close()
+    for sess in (p, st, t):
+        sess.close()
 
 
 def sampler(ctx, done, db):
@@ -1162,7 +1233,7 @@ def terminate_load_backends(ctx, c):
 
 def quiesce(ctx, threads, resolver_t):
     ctx.stop.set()
-    deadline = time.time() + 40
+    deadline = time.time() + 20
     for t in threads:
         t.join(max(0.1, deadline - time.time()))
     ctx.pubs_done.set()
@@ -1172,8 +1243,8 @@ def quiesce(ctx, threads, resolver_t):
     alive = [t.name for t in threads if t.is_alive()]
     c = ctx.connect("postgres", "quiesce")
     if alive:
-        log(f"quiesce: threads still running after 40 s: {alive}; terminating their backends")
-        ctx.violation("server_errors", f"sessions did not finish within 40 s after the load stopped: {alive}")
+        log(f"quiesce: threads still running after 20 s: {alive}; terminating their backends")
+        ctx.violation("server_errors", f"sessions did not finish within 20 s after the load stopped: {alive}")
         terminate_load_backends(ctx, c)
         for t in threads:
             t.join(10)
@@ -1582,6 +1653,7 @@ def relevant_ops(ctx, limit=200):
             if c.get("subj") and c.get("db"):
                 subjs.add((c["db"], c["subj"]))
     out = []
+    wtxs = set()
     for r in ctx.ops:
         db = r.get("db")
         if r.get("k") == "VIOLATION":
@@ -1598,6 +1670,14 @@ def relevant_ops(ctx, limit=200):
                 hit = True
         if hit:
             out.append(r)
+            if r.get("wtx"):
+                wtxs.add(r["wtx"])
+    # plus how the transactions that touched them ended
+    seen = set(id(r) for r in out)
+    for r in ctx.ops:
+        if id(r) not in seen and r.get("wtx") in wtxs and r.get("k") in ("wbegin", "wcommit", "wrollback", "wabort"):
+            out.append(r)
+    out.sort(key=lambda r: r["n"])
     return out[-limit:]
 
 
@@ -1663,6 +1743,8 @@ def main():
                     help="use the server already running on 127.0.0.1:--port (its outbox schema is re-created)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     ap.add_argument("--logdir", default=None)
+    ap.add_argument("--deadline", type=float, default=None,
+                    help="hard limit for the whole run in seconds (default: duration + drain-max + 180)")
     ap.add_argument("--big-ack", type=int, default=5000,
                     help="bigops acks one database's big events in one batch once it has this many")
     args = ap.parse_args()
@@ -1676,7 +1758,7 @@ def main():
         raise SystemExit(143)
     signal.signal(signal.SIGTERM, on_term)
     owned = not args.no_cluster
-    hard_deadline = time.time() + args.duration + 60 + args.drain_max + 120
+    hard_deadline = time.time() + (args.deadline or args.duration + args.drain_max + 180)
     watchdog = threading.Timer(max(10.0, hard_deadline - time.time()), lambda: os.kill(os.getpid(), signal.SIGTERM))
     watchdog.daemon = True
     watchdog.start()

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Randomized concurrency checker (pg_test/suites/checker.py), short CI run: 75 s of
+# seeded random load (publishers at every isolation level with savepoints, rollbacks and
+# 2PC; workers claiming in autocommit and in explicit transactions; cancel/replay/
+# alter_topic; big batches) in two databases with maintenance off, then quiesce, drain
+# and check delivery, uncommitted events, per-subject order and claim lock waits.
+# It starts and stops its own preloaded cluster (outbox-checker, port 5482); about
+# 2.5 minutes in all. CHECKER_SEED=N reproduces a schedule; the long run:
+#   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed N
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+NAME=outbox-checker
+PORT=5482
+PY="${OUTBOX_TEST_PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+
+# checker.py stops the cluster itself; this covers a kill by the runner's timeout.
+cleanup() { bash scripts/pgcluster.sh stop "$NAME" >/dev/null 2>&1 || true; }
+trap cleanup EXIT
+
+args=(--duration "${CHECKER_DURATION:-75}" --stall 15 --drain-max 40 --deadline 170
+      --cluster "$NAME" --port "$PORT")
+[ -n "${CHECKER_SEED:-}" ] && args+=(--seed "$CHECKER_SEED")
+"$PY" pg_test/suites/checker.py "${args[@]}" &
+child=$!
+# Forward a runner's timeout to python so it can clean up, then stop the cluster.
+trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM INT
+wait "$child"
