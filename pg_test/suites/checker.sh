@@ -9,8 +9,8 @@
 #   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed N
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-NAME=outbox-checker
-PORT=5482
+NAME="${CHECKER_CLUSTER:-outbox-checker}"
+PORT="${CHECKER_PORT:-5482}"
 PY="${OUTBOX_TEST_PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 
