@@ -22,11 +22,7 @@ pub fn raw_delay_us(attempt: i32, base_us: i64, max_us: i64) -> i64 {
     let cap = max_us.max(1);
     let shift = (attempt.max(1) - 1) as u32;
     // base < 2^45 (365 days in µs), so any shift above 62 is beyond every cap.
-    let d = if shift >= 62 {
-        i64::MAX
-    } else {
-        base.checked_mul(1i64 << shift).unwrap_or(i64::MAX)
-    };
+    let d = if shift >= 62 { i64::MAX } else { base.checked_mul(1i64 << shift).unwrap_or(i64::MAX) };
     d.min(cap).max(1)
 }
 

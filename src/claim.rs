@@ -218,7 +218,11 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             (retired, floor)
         });
         if !raise.is_empty() {
-            plans::run(&RAISE_LEASE, &[raise.into(), param(Some(pg_sys::Datum::from(floor)), pg_sys::TIMESTAMPTZOID)], |_| ());
+            plans::run(
+                &RAISE_LEASE,
+                &[raise.into(), param(Some(pg_sys::Datum::from(floor)), pg_sys::TIMESTAMPTZOID)],
+                |_| (),
+            );
         }
         crate::subject::promote(&retired, false);
         fcall::finish_set(fcinfo)

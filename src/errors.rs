@@ -30,9 +30,7 @@ pub fn raise(code: PgSqlErrorCode, message: impl Into<String>) -> ! {
 /// Like [`raise`], with a HINT line.
 pub fn raise_hint(code: PgSqlErrorCode, message: impl Into<String>, hint: impl Into<String>) -> ! {
     let msg: String = message.into();
-    ErrorReport::new(code, format!("outbox: {msg}"), "")
-        .set_hint(hint.into())
-        .report(PgLogLevel::ERROR);
+    ErrorReport::new(code, format!("outbox: {msg}"), "").set_hint(hint.into()).report(PgLogLevel::ERROR);
     unreachable!("ERROR does not return")
 }
 

@@ -27,9 +27,10 @@ macro_rules! v1_function {
         #[doc(hidden)]
         #[::pgrx::pg_guard]
         pub unsafe extern "C-unwind" fn $name(fcinfo: ::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum {
+            let body: unsafe fn(::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum = $body;
             unsafe {
                 let pinned = $crate::fcall::pin_search_path();
-                let result = $body(fcinfo);
+                let result = body(fcinfo);
                 $crate::fcall::unpin_search_path(pinned);
                 result
             }
@@ -62,10 +63,8 @@ pub struct Pinned(#[allow(dead_code)] i32);
 #[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
 pub unsafe fn pin_search_path() -> Pinned {
     unsafe {
-        let mut path = pg_sys::OverrideSearchPath::default();
         // schemas = NIL, pg_catalog implicitly first, pg_temp not searched at all.
-        path.addCatalog = true;
-        path.addTemp = false;
+        let mut path = pg_sys::OverrideSearchPath { addCatalog: true, addTemp: false, ..Default::default() };
         pg_sys::PushOverrideSearchPath(&mut path);
     }
     Pinned(0)
@@ -252,9 +251,6 @@ pub unsafe fn array_elems(d: pg_sys::Datum, elem: pg_sys::Oid, what: &str) -> Ve
         let mut nulls: *mut bool = std::ptr::null_mut();
         let mut n: i32 = 0;
         pg_sys::deconstruct_array(arr, elem, typlen as i32, typbyval, typalign, &mut values, &mut nulls, &mut n);
-        (0..n as usize)
-            .map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) })
-            .collect()
+        (0..n as usize).map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) }).collect()
     }
 }
-

@@ -310,10 +310,7 @@ pub fn strict_topics() -> bool {
 }
 /// Session traceparent, if set and non-empty.
 pub fn traceparent() -> Option<String> {
-    TRACEPARENT
-        .get()
-        .and_then(|c| c.into_string().ok())
-        .filter(|s| !s.is_empty())
+    TRACEPARENT.get().and_then(|c| c.into_string().ok()).filter(|s| !s.is_empty())
 }
 /// Configured notify mode (before the preload fallback).
 pub fn notify_mode() -> NotifyMode {
@@ -345,10 +342,7 @@ pub fn purge_delay_ms() -> i32 {
 }
 /// Database the worker serves.
 pub fn database() -> String {
-    DATABASE
-        .get()
-        .and_then(|c| c.into_string().ok())
-        .unwrap_or_else(|| "postgres".to_string())
+    DATABASE.get().and_then(|c| c.into_string().ok()).unwrap_or_else(|| "postgres".to_string())
 }
 
 /// `outbox._setting(name text) -> text`: the current value of an `outbox.*`

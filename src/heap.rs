@@ -123,8 +123,11 @@ pub fn next_event_id() -> i64 {
     };
     // SAFETY: nextval_oid is a V1 function of one oid argument; it checks the
     // privileges of the current user (the owner, in the SECURITY DEFINER API).
-    let d = unsafe { pgrx::fcinfo::direct_function_call_as_datum(pg_sys::nextval_oid, &[Some(pg_sys::Datum::from(seqid))]) };
-    d.map(|d| d.value() as i64).unwrap_or_else(|| crate::errors::raise(crate::errors::INTERNAL, "nextval returned NULL"))
+    let d = unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(pg_sys::nextval_oid, &[Some(pg_sys::Datum::from(seqid))])
+    };
+    d.map(|d| d.value() as i64)
+        .unwrap_or_else(|| crate::errors::raise(crate::errors::INTERNAL, "nextval returned NULL"))
 }
 
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
@@ -141,9 +144,7 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         return None;
     }
     unsafe {
-        let Some(relid) = outbox_relid(c"event_queue") else {
-            return None;
-        };
+        let relid = outbox_relid(c"event_queue")?;
         // What the executor checks first for any INSERT (SQLSTATE 25006).
         if pg_sys::XactReadOnly {
             pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
@@ -302,14 +303,30 @@ unsafe fn no_deferred_checks(recheck: *mut pg_sys::List) {
 }
 
 #[cfg(any(feature = "pg14", feature = "pg15"))]
-unsafe fn insert_index_entries(rri: *mut pg_sys::ResultRelInfo, slot: *mut pg_sys::TupleTableSlot, estate: *mut pg_sys::EState) {
+unsafe fn insert_index_entries(
+    rri: *mut pg_sys::ResultRelInfo,
+    slot: *mut pg_sys::TupleTableSlot,
+    estate: *mut pg_sys::EState,
+) {
     unsafe {
-        no_deferred_checks(pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, std::ptr::null_mut(), std::ptr::null_mut()));
+        no_deferred_checks(pg_sys::ExecInsertIndexTuples(
+            rri,
+            slot,
+            estate,
+            false,
+            false,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+        ));
     }
 }
 
 #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
-unsafe fn insert_index_entries(rri: *mut pg_sys::ResultRelInfo, slot: *mut pg_sys::TupleTableSlot, estate: *mut pg_sys::EState) {
+unsafe fn insert_index_entries(
+    rri: *mut pg_sys::ResultRelInfo,
+    slot: *mut pg_sys::TupleTableSlot,
+    estate: *mut pg_sys::EState,
+) {
     unsafe {
         no_deferred_checks(pg_sys::ExecInsertIndexTuples(
             rri,

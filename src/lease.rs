@@ -28,11 +28,25 @@ pub const MAX_ERROR_BYTES: usize = 8192;
 macro_rules! history_append {
     ($h:literal, $e:literal) => {
         concat!(
-            "CASE WHEN jsonb_array_length(COALESCE(", $h, ", '[]'::jsonb)) < 20 ",
-            "THEN COALESCE(", $h, ", '[]'::jsonb) || jsonb_build_array(", $e, ") ",
-            "ELSE jsonb_build_array(", $h, " -> 0, jsonb_build_object('omitted', ",
-            "COALESCE((", $h, " -> 1 ->> 'omitted')::int8 + 1, 2))) ",
-            "|| jsonb_path_query_array(", $h, ", '$[3 to last]') || jsonb_build_array(", $e, ") END"
+            "CASE WHEN jsonb_array_length(COALESCE(",
+            $h,
+            ", '[]'::jsonb)) < 20 ",
+            "THEN COALESCE(",
+            $h,
+            ", '[]'::jsonb) || jsonb_build_array(",
+            $e,
+            ") ",
+            "ELSE jsonb_build_array(",
+            $h,
+            " -> 0, jsonb_build_object('omitted', ",
+            "COALESCE((",
+            $h,
+            " -> 1 ->> 'omitted')::int8 + 1, 2))) ",
+            "|| jsonb_path_query_array(",
+            $h,
+            ", '$[3 to last]') || jsonb_build_array(",
+            $e,
+            ") END"
         )
     };
 }
@@ -97,12 +111,22 @@ const FAIL_APPLY: Stmt = Stmt {
         "lease_token = NULL, ",
         "last_error = $4, ",
         "errors = ",
-        crate::history_append!("errors", "jsonb_build_object('attempt', attempts, 'at', clock_timestamp(), 'worker', leased_by, 'error', $4)"),
+        crate::history_append!(
+            "errors",
+            "jsonb_build_object('attempt', attempts, 'at', clock_timestamp(), 'worker', leased_by, 'error', $4)"
+        ),
         ", dead_at = CASE WHEN $2 = 'dead' THEN clock_timestamp() END, ",
         "blocks_subject = ($2 = 'dead' AND $5) ",
         "WHERE id = $1"
     ),
-    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INTERVALOID, pg_sys::TEXTOID, pg_sys::BOOLOID, pg_sys::TIMESTAMPTZOID],
+    types: &[
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TEXTOID,
+        pg_sys::BOOLOID,
+        pg_sys::TIMESTAMPTZOID,
+    ],
 };
 
 const EXTEND: Stmt = Stmt {
@@ -121,7 +145,8 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             return false.into_datum().unwrap();
         };
         let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
-        let (n, retired) = plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
+        let (n, retired) =
+            plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
         crate::subject::promote(&retired, false);
         (n > 0).into_datum().unwrap()
     }
@@ -231,8 +256,12 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             0
         } else {
             retry_in.unwrap_or_else(|| {
-                let base = base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
-                let cap = cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
+                let base = base
+                    .and_then(|b| validate::interval_us(&b))
+                    .map(|b| b as i64)
+                    .unwrap_or_else(gucs::backoff_base_us);
+                let cap =
+                    cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
                 backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
             })
         };
@@ -272,13 +301,15 @@ pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
             return fcall::return_null(fcinfo);
         };
-        let until: Option<TimestampWithTimeZone> =
-            plans::one(&EXTEND, &[
+        let until: Option<TimestampWithTimeZone> = plans::one(
+            &EXTEND,
+            &[
                 param(Some(id), pg_sys::INT8OID),
                 param(Some(tok), pg_sys::UUIDOID),
                 lease.into(),
                 crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
-            ]);
+            ],
+        );
         match until {
             Some(ts) => ts.into_datum().unwrap(),
             None => fcall::return_null(fcinfo),

@@ -1,17 +1,17 @@
 //! outbox_ext: the transactional outbox as a PostgreSQL extension.
 //!
 //! Modules, one concern each:
-//! - [`publish`]: `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
-//! - [`heap`]: publish's direct row insert (no SPI statement)
-//! - [`claim`]: `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
-//! - [`lease`]: `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
-//! - [`lowwater`]: where claim's index scan starts (dead entries are never re-read)
-//! - [`subject`]: subject heads and the subject lock budget
-//! - [`maintenance`]: the one list of maintenance steps
-//! - [`backoff`]: retry delays
-//! - [`wakeup`] and [`worker`]: LISTEN/NOTIFY without serialising publishers, retention runs
-//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`], [`xact`]: plumbing
-//! - [`pg`]: PostgreSQL internals the liveness rules depend on (snapshots, locks)
+//! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
+//! - [`heap`] — publish's direct row insert (no SPI statement)
+//! - [`claim`] — `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
+//! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
+//! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
+//! - [`subject`] — subject heads and the subject lock budget
+//! - [`maintenance`] — the one list of maintenance steps
+//! - [`backoff`] — retry delays
+//! - [`wakeup`] and [`worker`] — LISTEN/NOTIFY without serialising publishers, retention runs
+//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`], [`xact`] — plumbing
+//! - [`pg`] — PostgreSQL internals the liveness rules depend on (snapshots, locks)
 //!
 //! The schema and the SQL-level API live in `sql/`.
 
@@ -40,11 +40,28 @@ pub mod xact;
 
 pgrx::extension_sql_file!("../sql/schema.sql", name = "schema", bootstrap);
 pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"]);
-pgrx::extension_sql_file!("../sql/admin.sql", name = "admin", requires = ["schema", wakeup::wake, subject::promote_heads, subject::lock_subject, gucs::setting, lowwater::visible_floor]);
-pgrx::extension_sql_file!("../sql/retention.sql", name = "retention", requires = ["admin", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]);
-pgrx::extension_sql_file!("../sql/monitoring.sql", name = "monitoring", requires = ["retention", wakeup::wakeup_status]);
+pgrx::extension_sql_file!(
+    "../sql/admin.sql",
+    name = "admin",
+    requires =
+        ["schema", wakeup::wake, subject::promote_heads, subject::lock_subject, gucs::setting, lowwater::visible_floor]
+);
+pgrx::extension_sql_file!(
+    "../sql/retention.sql",
+    name = "retention",
+    requires = ["admin", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
+);
+pgrx::extension_sql_file!(
+    "../sql/monitoring.sql",
+    name = "monitoring",
+    requires = ["retention", wakeup::wakeup_status]
+);
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
-pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water]);
+pgrx::extension_sql_file!(
+    "../sql/comments.sql",
+    name = "comments",
+    requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water]
+);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);

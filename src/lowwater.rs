@@ -314,10 +314,7 @@ thread_local! {
     static SQL_READY: std::cell::Cell<(u32, i64, bool)> = const { std::cell::Cell::new((0, NONE, false)) };
 }
 
-const HAS_FLOOR_SQL: Stmt = Stmt {
-    sql: "SELECT to_regprocedure('outbox._visible_floor()') IS NOT NULL",
-    types: &[],
-};
+const HAS_FLOOR_SQL: Stmt = Stmt { sql: "SELECT to_regprocedure('outbox._visible_floor()') IS NOT NULL", types: &[] };
 
 /// Whether the installed SQL applies the floor everywhere (0.3.0 and later). Until
 /// `ALTER EXTENSION outbox_ext UPDATE` has run, the new library may serve 0.2.0's
@@ -409,7 +406,13 @@ pub fn claim_start() -> (i64, i64) {
     step(i, generation, w, pending, (db, rel, node))
 }
 
-fn step(i: usize, mut generation: u64, mut w: (i64, i64), pending: Option<(i64, i64, u64)>, id: (u32, u32, u32)) -> (i64, i64) {
+fn step(
+    i: usize,
+    mut generation: u64,
+    mut w: (i64, i64),
+    pending: Option<(i64, i64, u64)>,
+    id: (u32, u32, u32),
+) -> (i64, i64) {
     let same = |s: &Slot| s.key() == id;
     // Before anything else, so a stalled step B cannot hide a clock set back.
     if clock_went_back(FLOOR.get().t.load(Ordering::SeqCst), unsafe { pg_sys::GetCurrentTimestamp() }) {

@@ -28,10 +28,13 @@ pub fn run_step(step: &str) -> i64 {
     if step == "audit" {
         return crate::lowwater::audit() as i64;
     }
-    Spi::get_one_with_args::<i64>("SELECT outbox._purge_step($1, NULL, $2::int4)", &[step.into(), (BATCH as i32).into()])
-        .ok()
-        .flatten()
-        .unwrap_or(0)
+    Spi::get_one_with_args::<i64>(
+        "SELECT outbox._purge_step($1, NULL, $2::int4)",
+        &[step.into(), (BATCH as i32).into()],
+    )
+    .ok()
+    .flatten()
+    .unwrap_or(0)
 }
 
 /// `outbox._maintenance_steps() -> TABLE(step text, logged_as text)`: [`STEPS`].

@@ -151,7 +151,8 @@ pub fn hashtext(s: &str) -> i32 {
     // the datum lives until the call returns. pgrx's direct calls pass no
     // collation, which hashtext refuses, so the call frame is built here.
     unsafe {
-        let size = std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
+        let size =
+            std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
         let fcinfo = pg_sys::palloc0(size).cast::<pg_sys::FunctionCallInfoBaseData>();
         (*fcinfo).fncollation = pg_sys::DEFAULT_COLLATION_OID;
         (*fcinfo).nargs = 1;
@@ -199,7 +200,10 @@ pub fn advisory_lock_is_free(k1: i32, k2: i32) -> bool {
         )
         .is_some_and(|d| d.value() != 0);
         if got {
-            pgrx::fcinfo::direct_function_call_as_datum(pg_sys::pg_advisory_unlock_int4, &[k1.into_datum(), k2.into_datum()]);
+            pgrx::fcinfo::direct_function_call_as_datum(
+                pg_sys::pg_advisory_unlock_int4,
+                &[k1.into_datum(), k2.into_datum()],
+            );
         }
         got
     }

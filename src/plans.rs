@@ -39,11 +39,7 @@ fn plan_for(client: &SpiClient<'_>, stmt: &Stmt) -> Rc<OwnedPreparedStatement> {
 
 /// Run `stmt` with `args` inside an SPI connection and hand the result table to
 /// `f`. `f` runs while SPI's result memory is alive (copy anything you keep).
-pub fn run<R>(
-    stmt: &Stmt,
-    args: &[DatumWithOid<'_>],
-    f: impl FnOnce(pgrx::spi::SpiTupleTable<'_>) -> R,
-) -> R {
+pub fn run<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(pgrx::spi::SpiTupleTable<'_>) -> R) -> R {
     Spi::connect_mut(|client| {
         let plan = plan_for(client, stmt);
         let table = errors::spi(client.update(&*plan, None, args));

@@ -65,10 +65,8 @@ const KEY_CLAIM: Stmt = Stmt {
     types: &[pg_sys::TEXTOID],
 };
 
-const KEY_LOOKUP: Stmt = Stmt {
-    sql: "SELECT event_id FROM outbox.dispatch_keys WHERE dispatch_key = $1",
-    types: &[pg_sys::TEXTOID],
-};
+const KEY_LOOKUP: Stmt =
+    Stmt { sql: "SELECT event_id FROM outbox.dispatch_keys WHERE dispatch_key = $1", types: &[pg_sys::TEXTOID] };
 
 const NEXT_IDS: Stmt = Stmt {
     sql: "SELECT array_agg(nextval('outbox.event_id_seq') ORDER BY g) FROM generate_series(1, $1) AS g",
@@ -139,18 +137,15 @@ unsafe fn prepare_headers(d: Option<pg_sys::Datum>) -> Option<pg_sys::Datum> {
         });
     };
     unsafe { validate::payload_size("headers", d) };
-    let (verdict, bad_key, headers) = plans::run(
-        &CHECK_HEADERS,
-        &[param(Some(d), pg_sys::JSONBOID), tp.clone().into()],
-        |t| {
+    let (verdict, bad_key, headers) =
+        plans::run(&CHECK_HEADERS, &[param(Some(d), pg_sys::JSONBOID), tp.clone().into()], |t| {
             let t = t.first();
             let verdict: i32 = errors::spi(t.get(1)).unwrap_or(1);
             let bad_key: Option<String> = errors::spi(t.get(2));
             // Copy the (possibly new) jsonb out of SPI memory before SPI_finish.
             let h: Option<JsonB> = if tp.is_some() { errors::spi(t.get(3)) } else { None };
             (verdict, bad_key, h)
-        },
-    );
+        });
     match verdict {
         0 => {}
         1 => errors::raise(INVALID_PARAMETER, "headers must be a JSON object"),
@@ -251,7 +246,8 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         let topic: String = fcall::required(fcinfo, 0, "topic");
         validate::topic(&topic);
-        let payload = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payload must not be NULL"));
+        let payload =
+            fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payload must not be NULL"));
         validate::payload_size("payload", payload);
         let subject: Option<String> = fcall::arg(fcinfo, 2);
         if let Some(s) = &subject {
@@ -296,7 +292,8 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     unsafe {
         let topic: String = fcall::required(fcinfo, 0, "topic");
         validate::topic(&topic);
-        let payloads_d = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
+        let payloads_d =
+            fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
         let payloads = fcall::array_elems(payloads_d, pg_sys::JSONBOID, "payloads");
         if payloads.is_empty() {
             errors::raise(INVALID_PARAMETER, "payloads must not be empty");

@@ -82,7 +82,11 @@ pub fn batch_size(n: i64) {
     }
     let max = gucs::max_batch_size() as i64;
     if n > max {
-        errors::raise_hint(TOO_LARGE, format!("batch size {n} exceeds outbox.max_batch_size ({max})"), "Claim or publish in smaller batches.");
+        errors::raise_hint(
+            TOO_LARGE,
+            format!("batch size {n} exceeds outbox.max_batch_size ({max})"),
+            "Claim or publish in smaller batches.",
+        );
     }
 }
 
@@ -90,7 +94,9 @@ pub fn batch_size(n: i64) {
 /// rule). None for PG 17+ infinite intervals.
 pub fn interval_us(iv: &Interval) -> Option<i128> {
     let (m, d) = (iv.months(), iv.days());
-    if (m == i32::MAX && d == i32::MAX && iv.micros() == i64::MAX) || (m == i32::MIN && d == i32::MIN && iv.micros() == i64::MIN) {
+    if (m == i32::MAX && d == i32::MAX && iv.micros() == i64::MAX)
+        || (m == i32::MIN && d == i32::MIN && iv.micros() == i64::MIN)
+    {
         return None;
     }
     Some(m as i128 * 30 * 86_400_000_000 + d as i128 * 86_400_000_000 + iv.micros() as i128)

@@ -207,10 +207,7 @@ pub fn effective_mode() -> NotifyMode {
 /// Send NOTIFY outbox, topic (queued in the current transaction).
 pub fn notify_now(topic: &str) {
     unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_notify,
-            &[CHANNEL.into_datum(), topic.into_datum()],
-        );
+        pgrx::fcinfo::direct_function_call_as_datum(pg_sys::pg_notify, &[CHANNEL.into_datum(), topic.into_datum()]);
     }
 }
 
@@ -370,7 +367,11 @@ pub fn on_xact_event(event: pg_sys::XactEvent::Type) {
 
 /// Subtransaction end (src/xact.rs): topics of an aborted savepoint are dropped,
 /// those of a released one move to its parent.
-pub fn on_subxact_event(event: pg_sys::SubXactEvent::Type, my: pg_sys::SubTransactionId, parent: pg_sys::SubTransactionId) {
+pub fn on_subxact_event(
+    event: pg_sys::SubXactEvent::Type,
+    my: pg_sys::SubTransactionId,
+    parent: pg_sys::SubTransactionId,
+) {
     use pg_sys::SubXactEvent::*;
     PENDING.with(|p| {
         let mut p = p.borrow_mut();
@@ -422,12 +423,5 @@ fn wakeup_status() -> TableIterator<
         return TableIterator::once((0, 0, 0, 0, 0, false));
     }
     let w = WAKE.share();
-    TableIterator::once((
-        w.pid,
-        w.database as i64,
-        w.passes as i64,
-        w.ntopics as i32,
-        w.nprepared as i32,
-        true,
-    ))
+    TableIterator::once((w.pid, w.database as i64, w.passes as i64, w.ntopics as i32, w.nprepared as i32, true))
 }

@@ -8,6 +8,7 @@
 //! 2. checks prepared transactions that published: once committed, it notifies;
 //! 3. computes when the next delayed event comes due and sleeps until then (at
 //!    most 1 s), unless its latch is set first.
+//!
 //! Every `outbox.maintenance_interval` it runs retention batch by batch, one
 //! transaction per batch, and records the run in outbox.maintenance_runs.
 //!
@@ -129,9 +130,8 @@ fn take_shared() -> Taken {
     // Publishers that see their topic pending skip the lock; the generation bump
     // tells them the set is being taken (see wakeup::WakeFast).
     wakeup::begin_take(&mut w);
-    let topics = (0..ntopics)
-        .map(|i| String::from_utf8_lossy(&w.topics[i][..w.lens[i] as usize]).into_owned())
-        .collect();
+    let topics =
+        (0..ntopics).map(|i| String::from_utf8_lossy(&w.topics[i][..w.lens[i] as usize]).into_owned()).collect();
     let t = Taken {
         topics,
         overflow: w.overflow,
@@ -439,7 +439,8 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         last_pass = Instant::now();
 
         let interval = gucs::maintenance_interval_ms();
-        if maintenance.is_none() && interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64) {
+        if maintenance.is_none() && interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64)
+        {
             maintenance = start_maintenance();
             if maintenance.is_none() {
                 last_maintenance = Instant::now();

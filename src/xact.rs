@@ -19,7 +19,10 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
     use pg_sys::XactEvent::*;
     crate::wakeup::on_xact_event(event);
     match event {
-        XACT_EVENT_COMMIT | XACT_EVENT_PARALLEL_COMMIT | XACT_EVENT_ABORT | XACT_EVENT_PARALLEL_ABORT
+        XACT_EVENT_COMMIT
+        | XACT_EVENT_PARALLEL_COMMIT
+        | XACT_EVENT_ABORT
+        | XACT_EVENT_PARALLEL_ABORT
         | XACT_EVENT_PREPARE => crate::subject::on_xact_end(),
         _ => {}
     }
