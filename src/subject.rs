@@ -24,10 +24,15 @@
 //! - retiring a head (ack, cancel, dead under 'skip', purge of a blocking dead
 //!   letter, a policy switch to 'skip') is followed, in the same transaction, by
 //!   [`promote`]: with the lock held it makes the earliest live event the head;
-//!   when the lock is busy (a publisher of s is mid-transaction), when the
-//!   transaction's lock budget is spent, or when the new head's row is locked, it
-//!   inserts s into outbox.subject_repairs instead. That row commits or rolls back
-//!   with the retirement itself.
+//!   when the lock is busy (a publisher of s is mid-transaction) or the new
+//!   head's row is locked, it inserts s into outbox.subject_repairs instead. That
+//!   row commits or rolls back with the retirement itself. Past the transaction's
+//!   lock budget it only checks that the lock is free for an instant and then
+//!   promotes: a publisher that takes the lock afterwards may still see the
+//!   retired head (the retirement is not committed yet) and queue its event
+//!   behind it, which is right whenever the subject still has a live event (the
+//!   new head, whose own retirement will promote the next); when the subject is
+//!   left with no live event, s goes into outbox.subject_repairs.
 //! - every claim first takes a bounded number of subject_repairs rows (SKIP
 //!   LOCKED, so it never waits) and promotes them; what it cannot promote it puts
 //!   back. A repair row it can see is committed, so the retirement behind it is
@@ -156,10 +161,11 @@ fn promotion_room() -> usize {
     gucs::max_subject_locks().min(pg::max_locks_per_xact()).saturating_sub(held_count())
 }
 
-/// Split `list` (sorted, distinct) into subjects whose lock this transaction now
-/// holds and subjects to defer (lock busy, or no room left in the budget).
-fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String>) {
+/// Split `list` (distinct) into subjects whose lock this transaction now holds,
+/// subjects past the budget (not tried), and subjects whose lock is busy.
+fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String>, Vec<String>) {
     let mut locked = Vec::new();
+    let mut over = Vec::new();
     let mut deferred = Vec::new();
     // Hash order, as lock_many: waiting promotions must not deadlock each other.
     let mut by_hash: Vec<(i32, String)> = list.into_iter().map(|s| (pg::hashtext(&s), s)).collect();
@@ -168,7 +174,7 @@ fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String
         if holds(h) {
             locked.push(s);
         } else if promotion_room() == 0 {
-            deferred.push(s);
+            over.push(s);
         } else if wait {
             pg::advisory_xact_lock(SUBJECT_LOCK_KEY, h);
             note_held(h);
@@ -180,7 +186,7 @@ fn lock_for_promotion(list: Vec<String>, wait: bool) -> (Vec<String>, Vec<String
             deferred.push(s);
         }
     }
-    (locked, deferred)
+    (locked, over, deferred)
 }
 
 const DEFER: Stmt = Stmt {
@@ -204,9 +210,9 @@ const TAKE_DEFERRED: Stmt = Stmt {
 
 const PROMOTE: Stmt = Stmt {
     // For each subject: its earliest live event becomes the head, entering the
-    // claim index above the publish floor (src/lowwater.rs). A head row that
-    // another transaction has locked is skipped, never waited for, and returned
-    // for deferral, with how many were promoted.
+    // claim index above the publish floor (src/lowwater.rs). Returns how many were
+    // promoted, the subjects whose next head row another transaction has locked
+    // (skipped, never waited for), and the subjects with no live event at all.
     sql: "WITH h AS ( \
             SELECT s.subject, (SELECT min(p.id) FROM outbox.event_queue p \
                                 WHERE p.subject = s.subject AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
@@ -220,7 +226,8 @@ const PROMOTE: Stmt = Stmt {
              WHERE q.id = ANY (ARRAY(SELECT c.id FROM c)) RETURNING q.id) \
           SELECT (SELECT count(*) FROM u), \
                  ARRAY(SELECT h.subject FROM h JOIN outbox.event_queue q ON q.id = h.head \
-                        WHERE NOT q.is_head AND q.id <> ALL (ARRAY(SELECT u.id FROM u)))",
+                        WHERE NOT q.is_head AND q.id <> ALL (ARRAY(SELECT u.id FROM u))), \
+                 ARRAY(SELECT h.subject FROM h WHERE h.head IS NULL)",
     types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
 };
 
@@ -240,27 +247,37 @@ pub fn promote(subjects: &[String], wait: bool) -> usize {
         return 0;
     }
     let list: Vec<String> = subjects.iter().cloned().collect::<HashSet<_>>().into_iter().collect();
-    let (locked, deferred) = lock_for_promotion(list, wait);
-    defer(deferred);
-    promote_now(locked)
+    let (locked, over, busy) = lock_for_promotion(list, wait);
+    defer(busy);
+    // Past the budget: a lock found free for an instant is enough wherever the
+    // subject still has a live event (module docs); a subject left empty is
+    // deferred, since a publisher that takes the lock next cannot see this
+    // transaction's retirement yet.
+    let (free, busy): (Vec<String>, Vec<String>) =
+        over.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
+    defer(busy);
+    promote_now(locked, false) + promote_now(free, true)
 }
 
 /// Repairs one claim takes from outbox.subject_repairs.
 pub const REPAIR_BATCH: i64 = 128;
 
-/// Promote the heads of `subjects` (sorted, distinct) under no lock of ours but
-/// with each lock held or found free just before (see the module docs), and defer
-/// the ones whose next head row another transaction has locked. Returns events
-/// promoted.
-fn promote_now(subjects: Vec<String>) -> usize {
+/// Promote the heads of `subjects` (distinct), each of whose locks this
+/// transaction holds or found free just before (see the module docs). Defers the
+/// subjects whose next head row another transaction has locked and, with
+/// `defer_empty`, those that have no live event left. Returns events promoted.
+fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
     if subjects.is_empty() {
         return 0;
     }
     let floor = lowwater::floor_after_xid();
-    let (n, skipped) = pg::run_latest(&PROMOTE, &[subjects.into(), lowwater::ts_param(floor)], |r| {
-        (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2))
+    let (n, skipped, empty) = pg::run_latest(&PROMOTE, &[subjects.into(), lowwater::ts_param(floor)], |r| {
+        (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2), r.texts(0, 3))
     });
     defer(skipped);
+    if defer_empty {
+        defer(empty);
+    }
     n
 }
 
@@ -275,7 +292,9 @@ pub fn retry_deferred() {
     }
     let (free, busy): (Vec<String>, Vec<String>) =
         subjects.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
-    promote_now(free);
+    // The retirements behind these rows are committed: an empty subject needs
+    // nothing more.
+    promote_now(free, false);
     defer(busy);
 }
 

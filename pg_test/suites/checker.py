@@ -1192,7 +1192,9 @@ def scenario_lowwater(ctx):
             for _ in range(60):
                 time.sleep(0.0105)
                 claim(ctx, ct, db, "lw", wtx, 1, "2 s", ["chk.lw"])
-                lwm = ct.execute("SELECT low_water_at, low_water_id FROM outbox._claim_low_water()").fetchone()
+                # -infinity (no mark) has no Python datetime: NULL instead.
+                lwm = ct.execute("SELECT NULLIF(low_water_at, '-infinity'), low_water_id "
+                                 "FROM outbox._claim_low_water()").fetchone()
                 if key0 and lwm and lwm[0] is not None and (lwm[0], lwm[1]) > tuple(key0):
                     moved = True
                     break
@@ -1534,7 +1536,8 @@ class Analysis:
         ctx = self.ctx
         if not self.stranded:
             return
-        lw = {db: self.c[db].execute("SELECT * FROM outbox._claim_low_water()").fetchone() for db in DBS}
+        lw = {db: self.c[db].execute("SELECT publish_floor::text, low_water_at::text, low_water_id, step_pending, "
+                                      "resets FROM outbox._claim_low_water()").fetchone() for db in DBS}
         groups = defaultdict(list)
         for db, eid in self.stranded:
             row = self.final.get((db, eid))
