@@ -224,6 +224,37 @@ BEGIN
 END
 $$;
 
+-- A topic's dead-letter policy applies to the dead letters already there: 'skip'
+-- releases their subjects at once, 'block' starts holding them. Leased events of
+-- the topic are updated too (blocks_subject only counts once an event is dead, and
+-- every dead transition sets it again): the UPDATE then waits for a claim or a
+-- fail() that is turning one of them dead and sees it dead, where an UPDATE of
+-- dead rows alone would miss that uncommitted transition and leave it under the
+-- old policy. fail() takes the topic row FOR SHARE first, so it reads a policy
+-- change that is committing (src/lease.rs).
+CREATE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    released text[];
+BEGIN
+    WITH changed AS (
+        UPDATE outbox.event_queue q
+           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
+         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
+        RETURNING q.subject, q.state
+    )
+    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
+      INTO released FROM changed c;
+    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+        PERFORM outbox._promote_heads(released);
+        PERFORM outbox._wake(topic);
+    END IF;
+END
+$$;
+
 CREATE FUNCTION outbox.create_topic(
     topic               text,
     max_attempts        integer  DEFAULT NULL,
@@ -245,6 +276,11 @@ BEGIN
                                dead_letter_policy, retention_delivered, retention_dead)
     VALUES (topic, max_attempts, backoff_base, backoff_max, default_lease,
             dead_letter_policy, retention_delivered, retention_dead);
+    -- Dead letters published before the topic was registered followed the default
+    -- ('block'); they follow the registered policy from now on.
+    IF dead_letter_policy OPERATOR(pg_catalog.<>) 'block' THEN
+        PERFORM outbox._apply_dead_letter_policy(topic, dead_letter_policy);
+    END IF;
 EXCEPTION WHEN unique_violation THEN
     RAISE EXCEPTION 'outbox: topic % already exists', pg_catalog.quote_literal(topic)
         USING ERRCODE = '42710', HINT = 'Use outbox.alter_topic().';
@@ -320,21 +356,8 @@ BEGIN
         retention_dead      = COALESCE(alter_topic.retention_dead, t.retention_dead),
         updated_at          = pg_catalog.now()
      WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic;
-    -- A policy change applies to dead letters already there: 'skip' releases their
-    -- subjects at once, 'block' starts holding them.
     IF dead_letter_policy IS NOT NULL AND dead_letter_policy OPERATOR(pg_catalog.<>) cur.dead_letter_policy THEN
-        WITH changed AS (
-            UPDATE outbox.event_queue q
-               SET blocks_subject = (alter_topic.dead_letter_policy OPERATOR(pg_catalog.=) 'block')
-             WHERE q.topic OPERATOR(pg_catalog.=) alter_topic.topic
-               AND q.state OPERATOR(pg_catalog.=) 'dead' AND q.subject IS NOT NULL
-            RETURNING q.subject
-        )
-        SELECT pg_catalog.array_agg(DISTINCT c.subject) INTO released FROM changed c;
-        IF released IS NOT NULL AND alter_topic.dead_letter_policy OPERATOR(pg_catalog.=) 'skip' THEN
-            PERFORM outbox._promote_heads(released);
-            PERFORM outbox._wake(alter_topic.topic);
-        END IF;
+        PERFORM outbox._apply_dead_letter_policy(alter_topic.topic, alter_topic.dead_letter_policy);
     END IF;
 END
 $$;
@@ -350,6 +373,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     live bigint;
+    policy text;
 BEGIN
     PERFORM outbox._check_topic(topic);
     IF force IS NULL THEN
@@ -365,7 +389,12 @@ BEGIN
         RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
             USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';
     END IF;
-    DELETE FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic;
+    DELETE FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic
+    RETURNING t.dead_letter_policy INTO policy;
+    -- The events that stay fall back to the defaults, whose policy is 'block'.
+    IF policy OPERATOR(pg_catalog.<>) 'block' THEN
+        PERFORM outbox._apply_dead_letter_policy(drop_topic.topic, 'block');
+    END IF;
     RETURN true;
 END
 $$;

@@ -65,3 +65,7 @@ COMMENT ON FUNCTION outbox._audit_low_water() IS
 'Internal: look for live events below this database''s claim low-water mark (rows written into outbox.event_queue other than through the outbox functions) '
 'and forget the mark if there are any, so claims find them. Returns true when it reset the mark (boolean). Run by the maintenance worker and outbox.run_maintenance(). '
 'Reads every dead index entry below the mark: about as costly as one claim without the mark. No errors of its own. See src/lowwater.rs.';
+
+COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
+'Internal: make the dead letters of topic follow policy (''block'' or ''skip''), releasing their subjects under ''skip''; used by create_topic, alter_topic and drop_topic. '
+'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy. Returns void.';

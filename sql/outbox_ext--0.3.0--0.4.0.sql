@@ -374,6 +374,247 @@ COMMENT ON FUNCTION outbox._maintenance_step(text) IS
 COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
 
+-- Dead-letter policy changes reach dead letters already there and ones a
+-- concurrent fail() or claim is creating; create_topic and drop_topic apply them too.
+-- A topic's dead-letter policy applies to the dead letters already there: 'skip'
+-- releases their subjects at once, 'block' starts holding them. Leased events of
+-- the topic are updated too (blocks_subject only counts once an event is dead, and
+-- every dead transition sets it again): the UPDATE then waits for a claim or a
+-- fail() that is turning one of them dead and sees it dead, where an UPDATE of
+-- dead rows alone would miss that uncommitted transition and leave it under the
+-- old policy. fail() takes the topic row FOR SHARE first, so it reads a policy
+-- change that is committing (src/lease.rs).
+CREATE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    released text[];
+BEGIN
+    WITH changed AS (
+        UPDATE outbox.event_queue q
+           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
+         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
+        RETURNING q.subject, q.state
+    )
+    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
+      INTO released FROM changed c;
+    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+        PERFORM outbox._promote_heads(released);
+        PERFORM outbox._wake(topic);
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.create_topic(
+    topic               text,
+    max_attempts        integer  DEFAULT NULL,
+    backoff_base        interval DEFAULT NULL,
+    backoff_max         interval DEFAULT NULL,
+    default_lease       interval DEFAULT NULL,
+    dead_letter_policy  text     DEFAULT 'block',
+    retention_delivered interval DEFAULT NULL,
+    retention_dead      interval DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
+                                 dead_letter_policy, retention_delivered, retention_dead);
+    INSERT INTO outbox.topics (topic, max_attempts, backoff_base, backoff_max, default_lease,
+                               dead_letter_policy, retention_delivered, retention_dead)
+    VALUES (topic, max_attempts, backoff_base, backoff_max, default_lease,
+            dead_letter_policy, retention_delivered, retention_dead);
+    -- Dead letters published before the topic was registered followed the default
+    -- ('block'); they follow the registered policy from now on.
+    IF dead_letter_policy OPERATOR(pg_catalog.<>) 'block' THEN
+        PERFORM outbox._apply_dead_letter_policy(topic, dead_letter_policy);
+    END IF;
+EXCEPTION WHEN unique_violation THEN
+    RAISE EXCEPTION 'outbox: topic % already exists', pg_catalog.quote_literal(topic)
+        USING ERRCODE = '42710', HINT = 'Use outbox.alter_topic().';
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.alter_topic(
+    topic               text,
+    max_attempts        integer  DEFAULT NULL,
+    backoff_base        interval DEFAULT NULL,
+    backoff_max         interval DEFAULT NULL,
+    default_lease       interval DEFAULT NULL,
+    dead_letter_policy  text     DEFAULT NULL,
+    retention_delivered interval DEFAULT NULL,
+    retention_dead      interval DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    cur outbox.topics;
+    released text[];
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    SELECT * INTO cur FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic FOR UPDATE;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'outbox: topic % is not registered', pg_catalog.quote_literal(topic) USING ERRCODE = 'P0002';
+    END IF;
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
+                                 COALESCE(dead_letter_policy, cur.dead_letter_policy), retention_delivered, retention_dead);
+    UPDATE outbox.topics t SET
+        max_attempts        = COALESCE(alter_topic.max_attempts, t.max_attempts),
+        backoff_base        = COALESCE(alter_topic.backoff_base, t.backoff_base),
+        backoff_max         = COALESCE(alter_topic.backoff_max, t.backoff_max),
+        default_lease       = COALESCE(alter_topic.default_lease, t.default_lease),
+        dead_letter_policy  = COALESCE(alter_topic.dead_letter_policy, t.dead_letter_policy),
+        retention_delivered = COALESCE(alter_topic.retention_delivered, t.retention_delivered),
+        retention_dead      = COALESCE(alter_topic.retention_dead, t.retention_dead),
+        updated_at          = pg_catalog.now()
+     WHERE t.topic OPERATOR(pg_catalog.=) alter_topic.topic;
+    IF dead_letter_policy IS NOT NULL AND dead_letter_policy OPERATOR(pg_catalog.<>) cur.dead_letter_policy THEN
+        PERFORM outbox._apply_dead_letter_policy(alter_topic.topic, alter_topic.dead_letter_policy);
+    END IF;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.drop_topic(topic text, force boolean DEFAULT false) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    live bigint;
+    policy text;
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    IF force IS NULL THEN
+        RAISE EXCEPTION 'outbox: force must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    PERFORM 1 FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    SELECT pg_catalog.count(*) INTO live FROM outbox.event_queue q
+     WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic;
+    IF live OPERATOR(pg_catalog.>) 0 AND NOT force THEN
+        RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
+            USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';
+    END IF;
+    DELETE FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic
+    RETURNING t.dead_letter_policy INTO policy;
+    -- The events that stay fall back to the defaults, whose policy is 'block'.
+    IF policy OPERATOR(pg_catalog.<>) 'block' THEN
+        PERFORM outbox._apply_dead_letter_policy(drop_topic.topic, 'block');
+    END IF;
+    RETURN true;
+END
+$$;
+
+COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
+'Internal: make the dead letters of topic follow policy (''block'' or ''skip''), releasing their subjects under ''skip''; used by create_topic, alter_topic and drop_topic. '
+'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy. Returns void.';
+
+
+CREATE OR REPLACE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint := 0;
+    blocked text[];
+    key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
+BEGIN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads']) THEN
+        RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
+    END IF;
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox: older_than must not be negative, got %', older_than USING ERRCODE = '22023';
+    END IF;
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox: batch_size must be at least 1, got %', pg_catalog.quote_nullable(batch_size) USING ERRCODE = '22023';
+    END IF;
+    IF batch_size > outbox._setting('outbox.max_batch_size')::integer THEN
+        RAISE EXCEPTION 'outbox: batch size % exceeds outbox.max_batch_size', batch_size USING ERRCODE = '54000';
+    END IF;
+
+    IF kind = 'delivered' THEN
+        -- Rows are deleted by ctid (stable while the FOR UPDATE lock is held): the
+        -- archive has no btree on id, and a join on id would scan it per batch.
+        WITH victims AS (
+            SELECT a.ctid AS tid FROM outbox.event_archive a
+              LEFT JOIN outbox.topics t ON t.topic = a.topic
+             WHERE a.finished_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+             LIMIT batch_size
+               FOR UPDATE OF a SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.event_archive a WHERE a.ctid = ANY (ARRAY(SELECT v.tid FROM victims v))
+            RETURNING a.id, a.dispatch_key
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    ELSIF kind = 'dead' THEN
+        WITH victims AS (
+            SELECT q.id FROM outbox.event_queue q
+              LEFT JOIN outbox.topics t ON t.topic = q.topic
+             WHERE q.state = 'dead'
+               AND q.dead_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+             LIMIT batch_size
+               FOR UPDATE OF q SKIP LOCKED
+        ), gone AS (
+            -- The state test is repeated: a replay may have won the row meanwhile.
+            DELETE FROM outbox.event_queue q WHERE q.id = ANY (ARRAY(SELECT v.id FROM victims v)) AND q.state = 'dead'
+            RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
+          INTO n, blocked FROM gone g;
+        -- Purging a blocking dead letter unblocks its subject.
+        IF blocked IS NOT NULL THEN
+            PERFORM outbox._promote_heads(blocked, false);
+        END IF;
+    ELSIF kind = 'heads' THEN
+        -- Repair of heads that writes around the outbox functions left unset (a
+        -- manual INSERT, a data-only restore); the functions themselves keep heads
+        -- right without it (src/subject.rs).
+        SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
+          FROM outbox.event_queue q
+         WHERE NOT q.is_head AND q.state <> 'dead'
+           AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p
+                            WHERE p.subject = q.subject AND p.id < q.id
+                              AND (p.state <> 'dead' OR p.blocks_subject));
+        IF blocked IS NOT NULL THEN
+            n := outbox._promote_heads(blocked, false);
+        END IF;
+    ELSE
+        -- Keys whose events are gone, once they are older than the key window.
+        WITH victims AS (
+            SELECT k.dispatch_key FROM outbox.dispatch_keys k
+             WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+             LIMIT batch_size
+               FOR UPDATE OF k SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.dispatch_keys k USING victims v WHERE k.dispatch_key = v.dispatch_key
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    END IF;
+    RETURN n;
+END
+$$;
+
 -- Comments of the C functions whose contract changed.
 COMMENT ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) IS
 'Publish one event in the caller''s transaction; returns its id (bigint). It never commits: the event exists iff the caller commits (savepoints included). '
@@ -403,8 +644,12 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 
 -- Privileges, as sql/security.sql sets them on a fresh install.
 REVOKE EXECUTE ON FUNCTION outbox._lock_subject(text), outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._log_maintenance(timestamptz, jsonb), outbox._sequence_guard() FROM PUBLIC;
+    outbox._log_maintenance(timestamptz, jsonb), outbox._sequence_guard(), outbox._apply_dead_letter_policy(text, text) FROM PUBLIC;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay(bigint) SECURITY DEFINER;
 ALTER FUNCTION outbox.cancel(bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox.drop_topic(text, boolean) SECURITY DEFINER;
+ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox._log_maintenance(timestamptz, jsonb), outbox._maintenance_steps(), outbox._maintenance_step(text) TO outbox_admin;

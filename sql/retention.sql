@@ -81,8 +81,9 @@ BEGIN
             PERFORM outbox._promote_heads(blocked, false);
         END IF;
     ELSIF kind = 'heads' THEN
-        -- Repair: a promotion done under REPEATABLE READ can miss an event that
-        -- committed after its snapshot (see src/subject.rs).
+        -- Repair of heads that writes around the outbox functions left unset (a
+        -- manual INSERT, a data-only restore); the functions themselves keep heads
+        -- right without it (src/subject.rs).
         SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
           FROM outbox.event_queue q
          WHERE NOT q.is_head AND q.state <> 'dead'

@@ -36,17 +36,13 @@ macro_rules! history_append {
             ", '[]'::jsonb) || jsonb_build_array(",
             $e,
             ") ",
-            "ELSE jsonb_build_array(",
-            $h,
-            " -> 0, jsonb_build_object('omitted', ",
-            "COALESCE((",
-            $h,
-            " -> 1 ->> 'omitted')::int8 + 1, 2))) ",
-            "|| jsonb_path_query_array(",
-            $h,
-            ", '$[3 to last]') || jsonb_build_array(",
-            $e,
-            ") END"
+            // Keep the first, the marker and the latest 17 (+ the new one); a longer
+            // history (written before the bound) is cut to size on its next failure.
+            "ELSE jsonb_build_array(", $h, " -> 0, jsonb_build_object('omitted', ",
+            "COALESCE((", $h, " -> 1 ->> 'omitted')::int8, 0) + jsonb_array_length(", $h, ") - 18 ",
+            "- CASE WHEN ", $h, " -> 1 ? 'omitted' THEN 1 ELSE 0 END)) ",
+            "|| jsonb_path_query_array(", $h, ", '$[last - 16 to last]') || jsonb_build_array(", $e, ")",
+            " END"
         )
     };
 }
@@ -92,6 +88,17 @@ const ACK_BATCH: Stmt = Stmt {
            AND q.lease_token = ($2)[array_position($1, q.id)]"
     ),
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
+};
+
+/// The topic's policy row, FOR SHARE, before the event is locked: a concurrent
+/// `alter_topic` (which locks the row FOR UPDATE) then either commits first and is
+/// read by FAIL_LOCK, or waits for this transaction and sees the event dead
+/// (sql/admin.sql, `_apply_dead_letter_policy`). Topic row before event row, the
+/// order alter_topic takes them in.
+const FAIL_TOPIC_LOCK: Stmt = Stmt {
+    sql: "SELECT 1 FROM outbox.topics t \
+           WHERE t.topic = (SELECT q.topic FROM outbox.event_queue q WHERE q.id = $1) FOR SHARE OF t",
+    types: &[pg_sys::INT8OID],
 };
 
 const FAIL_LOCK: Stmt = Stmt {
@@ -235,6 +242,7 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
             return "stale".into_datum().unwrap();
         };
+        plans::run(&FAIL_TOPIC_LOCK, &[param(Some(id), pg_sys::INT8OID)], |_| ());
         let row = plans::run(&FAIL_LOCK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], |t| {
             if t.is_empty() {
                 return None;

@@ -7,8 +7,14 @@
 
 use pgrx::prelude::*;
 
-/// Rows per retention batch.
+/// Rows per retention batch, at most.
 pub const BATCH: i64 = 1000;
+
+/// Rows per retention batch: [`BATCH`], or `outbox.max_batch_size` when that is
+/// lower (a step asking for more would fail with 54000 every time).
+pub fn batch() -> i64 {
+    BATCH.min(crate::gucs::max_batch_size() as i64)
+}
 
 /// (step, column of outbox.maintenance_runs that records its count).
 /// - `audit`: look for rows below the claim low-water mark (written around the API);
@@ -30,7 +36,7 @@ pub fn run_step(step: &str) -> i64 {
     }
     Spi::get_one_with_args::<i64>(
         "SELECT outbox._purge_step($1, NULL, $2::int4)",
-        &[step.into(), (BATCH as i32).into()],
+        &[step.into(), (batch() as i32).into()],
     )
     .ok()
     .flatten()
@@ -52,5 +58,5 @@ fn maintenance_step(step: &str) -> TableIterator<'static, (name!(removed, i64), 
         crate::errors::raise(crate::errors::INVALID_PARAMETER, format!("unknown maintenance step {step:?}"));
     }
     let n = run_step(step);
-    TableIterator::once((n, n < BATCH))
+    TableIterator::once((n, n < batch()))
 }

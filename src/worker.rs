@@ -291,13 +291,18 @@ fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
         .execute();
     match r {
         // A full batch: more may remain.
-        Ok(n) if n >= maintenance::BATCH => m.removed[m.step] += n,
+        Ok(n) if n >= maintenance::batch() => m.removed[m.step] += n,
         Ok(n) => {
             m.removed[m.step] += n;
             m.step += 1;
         }
         Err(e) => {
-            m.error = Some(format!("{step}: {e}"));
+            // Every failing step is recorded, not only the last.
+            let this = format!("{step}: {e}");
+            m.error = Some(match m.error.take() {
+                Some(prev) => format!("{prev}; {this}"),
+                None => this,
+            });
             m.step += 1;
         }
     }
