@@ -14,6 +14,10 @@ ALTER TABLE outbox.subject_repairs DROP CONSTRAINT subject_repairs_pkey;
 ALTER TABLE outbox.subject_repairs ALTER COLUMN subject SET NOT NULL;
 SELECT pg_catalog.pg_extension_config_dump('outbox.subject_repairs', '');
 
+-- Vacuum never truncates the hot queue: truncation takes an ACCESS EXCLUSIVE lock
+-- that every claim and publish would wait for.
+ALTER TABLE outbox.event_queue SET (vacuum_truncate = false);
+
 CREATE FUNCTION outbox."_lock_subject"(
 	"subject" TEXT /* Option < & str > */
 ) RETURNS void

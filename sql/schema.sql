@@ -75,7 +75,11 @@ CREATE TABLE outbox.event_queue (
     -- unthrottled, since the table is small and every claim pays for its bloat.
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 5000,
-    autovacuum_vacuum_cost_delay = 0
+    autovacuum_vacuum_cost_delay = 0,
+    -- A vacuum that truncates the table's empty tail takes an ACCESS EXCLUSIVE
+    -- lock, which every claim and publish then waits for (seen by the concurrency
+    -- checker); the queue refills its pages soon anyway.
+    vacuum_truncate = false
 );
 
 -- The claim index: ready and leased subject heads in claim order. Dead rows and
