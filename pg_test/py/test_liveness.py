@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import time
+import threading
 from pathlib import Path
 
 import psycopg
@@ -1004,3 +1005,37 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
             by.setdefault(subj[eid], []).append(eid)
     for s, ids in by.items():
         assert ids == sorted(ids), f"subject {s!r} delivered out of order: {ids}"
+
+
+@pytest.mark.parametrize("first,second", [("block", "skip"), ("skip", "block")])
+def test_policy_switch_racing_a_dead_transition(first, second, scratch):
+    """alter_topic(dead_letter_policy) while fail() is turning the subject's head dead
+    in an open transaction: the dead letter must follow the new policy (0.4.0 review:
+    alter_topic's UPDATE of dead rows could not see the uncommitted transition)."""
+    db = scratch("plain")
+    a, b = db.conn(), db.conn()
+    f = db.conn(autocommit=False)
+    a.execute("SELECT outbox.create_topic('t.pr', max_attempts => 1, dead_letter_policy => %s)", (first,))
+    e1 = publish(a, "t.pr", "s")
+    e2 = publish(a, "t.pr", "s")
+    [(i, tok)] = claim(a, "t.pr")
+    assert i == e1
+    assert f.execute("SELECT outbox.fail(%s, %s, 'boom')", (e1, tok)).fetchone()[0] == "dead"
+    done = threading.Event()
+
+    def switch():
+        b.execute("SELECT outbox.alter_topic('t.pr', dead_letter_policy => %s)", (second,))
+        done.set()
+
+    t = threading.Thread(target=switch, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    f.commit()
+    t.join(10)
+    assert done.is_set(), "alter_topic did not finish"
+    blocks = a.execute("SELECT blocks_subject FROM outbox.event_queue WHERE id = %s", (e1,)).fetchone()[0]
+    assert blocks == (second == "block"), f"dead letter {e1} has blocks_subject={blocks} under '{second}'"
+    if second == "skip":
+        expect_claim(a, "t.pr", e2, why=" (its subject's dead letter is under 'skip')")
+    else:
+        assert claim(a, "t.pr") == [], "an event was claimed past a blocking dead letter"
