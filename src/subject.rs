@@ -125,10 +125,22 @@ pub fn on_subxact_commit(my: pg_sys::SubTransactionId, parent: pg_sys::SubTransa
 /// deadlock on them. Raises 54000 before taking any when this transaction would
 /// then hold more than `outbox.max_subject_locks`.
 pub fn lock_many(subjects: &[String]) {
-    let mut hashes: Vec<i32> = subjects.iter().map(|s| pg::hashtext(s)).collect();
+    lock_hashes(subjects.iter().map(|s| pg::hashtext(s)).collect());
+}
+
+/// Take the lock of one subject; see [`lock_many`].
+pub fn lock(subject: &str) {
+    lock_hashes(vec![pg::hashtext(subject)]);
+}
+
+/// [`lock_many`] for lock keys already hashed.
+fn lock_hashes(mut hashes: Vec<i32>) {
     hashes.sort_unstable();
     hashes.dedup();
     hashes.retain(|h| !holds(*h));
+    if hashes.is_empty() {
+        return;
+    }
     let limit = gucs::max_subject_locks();
     if held_count() + hashes.len() > limit {
         errors::raise_hint(
@@ -145,15 +157,6 @@ pub fn lock_many(subjects: &[String]) {
         pg::advisory_xact_lock(SUBJECT_LOCK_KEY, h);
         note_held(h);
     }
-}
-
-/// Take the lock of one subject; see [`lock_many`].
-pub fn lock(subject: &str) {
-    let h = pg::hashtext(subject);
-    if holds(h) {
-        return;
-    }
-    lock_many(&[subject.to_string()]);
 }
 
 /// Room left for optional (promotion) locks in this transaction.
@@ -247,14 +250,14 @@ pub fn promote(subjects: &[String], wait: bool) -> usize {
         return 0;
     }
     let list: Vec<String> = subjects.iter().cloned().collect::<HashSet<_>>().into_iter().collect();
-    let (locked, over, busy) = lock_for_promotion(list, wait);
-    defer(busy);
+    let (locked, over, mut busy) = lock_for_promotion(list, wait);
     // Past the budget: a lock found free for an instant is enough wherever the
     // subject still has a live event (module docs); a subject left empty is
     // deferred, since a publisher that takes the lock next cannot see this
     // transaction's retirement yet.
-    let (free, busy): (Vec<String>, Vec<String>) =
+    let (free, taken): (Vec<String>, Vec<String>) =
         over.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
+    busy.extend(taken);
     defer(busy);
     promote_now(locked, false) + promote_now(free, true)
 }
