@@ -1227,6 +1227,10 @@ def sampler(ctx, done, db):
          "(SELECT json_agg(json_build_object('locktype', l.locktype, 'rel', l.relation::regclass::text, "
          "'mode', l.mode)) FROM pg_locks l WHERE l.pid = a.pid AND NOT l.granted) "
          "FROM pg_stat_activity a WHERE a.state = 'active' AND a.wait_event_type = 'Lock' "
+         # Relation-extension and page locks are held for the moment a buffer is
+         # added or split, never until a transaction ends: not a wait on a claim
+         # or an application transaction.
+         "AND a.wait_event NOT IN ('extend', 'page') "
          "AND a.datname = current_database() "
          "AND a.query LIKE '%outbox.claim(%' AND a.pid <> pg_backend_pid()")
     while not done.is_set():
