@@ -2,10 +2,21 @@
 //!
 //! One statement does the whole claim:
 //! 1. `cand` walks `event_queue_ready_idx` in (visible_at, id) order from the
-//!    oldest visible event, skipping rows other claims hold (SKIP LOCKED) and
-//!    events whose subject has an earlier live event. The subject check is a plain
-//!    read, not a locking one, so a row another worker has locked still blocks its
-//!    successors: SKIP LOCKED cannot hide an earlier event from the check.
+//!    oldest visible event, skipping events whose subject has an earlier live
+//!    event, then locks each row with `outbox._lock_row` ([`crate::pg::try_lock_row`]),
+//!    skipping rows other transactions hold or changed since the snapshot. The
+//!    subject check is a plain read, not a locking one, so a row another worker
+//!    has locked still blocks its successors: skipping cannot hide an earlier
+//!    event from the check.
+//!
+//! # Claims never wait
+//! Every statement a claim runs either reads, or locks rows only through
+//! `_lock_row` (events) or `FOR UPDATE SKIP LOCKED` on `outbox.subject_repairs`,
+//! whose rows are inserted and deleted but never updated, so no update chain
+//! exists to follow; then it updates only rows it holds. Subject locks are only
+//! tried ([`crate::subject`]). So nothing in a claim can wait for another
+//! transaction, at any isolation level. (`FOR UPDATE SKIP LOCKED` on events did
+//! wait: [`crate::pg::try_lock_row`] says when.)
 //! 2. `upd` gives each row a new fencing token and lease, or, for an expired lease
 //!    that used the last attempt, moves it to dead with "lease expired".
 //! 3. The outer SELECT returns the leased rows in id order.
@@ -24,20 +35,48 @@ use crate::plans::{self, Stmt};
 use crate::{gucs, lowwater, validate};
 use pgrx::prelude::*;
 
-macro_rules! claim_sql {
-    ($filter:literal) => {
+/// Candidates: ready heads in claim order whose subject has no earlier live event.
+macro_rules! ready_sql {
+    ($cols:literal, $filter:literal) => {
         concat!(
-            "WITH cand AS (",
-            "  SELECT q.id FROM outbox.event_queue q",
+            "SELECT ",
+            $cols,
+            " FROM outbox.event_queue q",
             "   WHERE q.state <> 'dead' AND q.is_head AND q.visible_at <= $5 AND (q.visible_at, q.id) >= ($6, $7) ",
             $filter,
             "     AND (q.subject IS NULL OR NOT EXISTS (",
             "          SELECT 1 FROM outbox.event_queue p",
             "           WHERE p.subject = q.subject AND p.id < q.id",
             "             AND (p.state <> 'dead' OR p.blocks_subject)))",
-            "   ORDER BY q.visible_at, q.id",
-            "   LIMIT $2",
-            "   FOR UPDATE OF q SKIP LOCKED",
+            "   ORDER BY q.visible_at, q.id"
+        )
+    };
+}
+
+/// `cand`: the first $2 candidates this claim could lock. `lock_row` takes each
+/// row with [`crate::pg::try_lock_row`], in claim order: OFFSET 0 keeps the
+/// planner from pushing the lock down into the scan (it would lock every
+/// candidate, before the subject check and the sort), so the lock is the last
+/// test a row passes and the LIMIT stops it. `skip_locked` is the FOR UPDATE SKIP LOCKED of 0.4.0's SQL, used only
+/// until `ALTER EXTENSION outbox_ext UPDATE` creates `outbox._lock_row`.
+macro_rules! cand_sql {
+    (lock_row, $filter:literal) => {
+        concat!(
+            "SELECT r.id FROM (",
+            ready_sql!("q.id, q.ctid AS row", $filter),
+            " OFFSET 0) r WHERE outbox._lock_row('outbox.event_queue'::regclass::oid, r.row) LIMIT $2"
+        )
+    };
+    (skip_locked, $filter:literal) => {
+        concat!(ready_sql!("q.id", $filter), " LIMIT $2 FOR UPDATE OF q SKIP LOCKED")
+    };
+}
+
+macro_rules! claim_sql {
+    ($how:ident, $filter:literal) => {
+        concat!(
+            "WITH cand AS (",
+            cand_sql!($how, $filter),
             "), upd AS (",
             "  UPDATE outbox.event_queue q SET",
             "    state = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN 'dead' ELSE 'leased' END,",
@@ -73,33 +112,34 @@ macro_rules! claim_sql {
     };
 }
 
-const CLAIM_ALL: Stmt = Stmt {
-    sql: claim_sql!(""),
-    types: &[
-        pg_sys::TEXTOID,
-        pg_sys::INT4OID,
-        pg_sys::INTERVALOID,
-        pg_sys::INTERVALOID,
-        pg_sys::TIMESTAMPTZOID,
-        pg_sys::TIMESTAMPTZOID,
-        pg_sys::INT8OID,
-    ],
-};
+const ALL_TYPES: &[pg_sys::Oid] = &[
+    pg_sys::TEXTOID,
+    pg_sys::INT4OID,
+    pg_sys::INTERVALOID,
+    pg_sys::INTERVALOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::INT8OID,
+];
 
-const CLAIM_TOPICS: Stmt = Stmt {
-    sql: claim_sql!("AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"),
-    types: &[
-        pg_sys::TEXTOID,
-        pg_sys::INT4OID,
-        pg_sys::INTERVALOID,
-        pg_sys::INTERVALOID,
-        pg_sys::TIMESTAMPTZOID,
-        pg_sys::TIMESTAMPTZOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTARRAYOID,
-        pg_sys::TEXTARRAYOID,
-    ],
-};
+const TOPIC_TYPES: &[pg_sys::Oid] = &[
+    pg_sys::TEXTOID,
+    pg_sys::INT4OID,
+    pg_sys::INTERVALOID,
+    pg_sys::INTERVALOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::INT8OID,
+    pg_sys::TEXTARRAYOID,
+    pg_sys::TEXTARRAYOID,
+];
+
+const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, ""), types: ALL_TYPES };
+const CLAIM_TOPICS: Stmt =
+    Stmt { sql: claim_sql!(lock_row, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
+const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, ""), types: ALL_TYPES };
+const CLAIM_TOPICS_040: Stmt =
+    Stmt { sql: claim_sql!(skip_locked, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
 
 const RAISE_LEASE: Stmt = Stmt {
     sql: "UPDATE outbox.event_queue SET visible_at = $2 WHERE id = ANY ($1) AND visible_at < $2",
@@ -172,12 +212,18 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             param(Some(pg_sys::Datum::from(from_t)), pg_sys::TIMESTAMPTZOID),
             from_id.into(),
         ];
+        let lock_row = row_lock_installed();
         let stmt = match filter {
-            None => &CLAIM_ALL,
+            None if lock_row => &CLAIM_ALL,
+            None => &CLAIM_ALL_040,
             Some((exact, prefixes)) => {
                 args.push(exact.into());
                 args.push(prefixes.into());
-                &CLAIM_TOPICS
+                if lock_row {
+                    &CLAIM_TOPICS
+                } else {
+                    &CLAIM_TOPICS_040
+                }
             }
         };
         let mut raise: Vec<i64> = Vec::new();
@@ -226,5 +272,43 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         }
         crate::subject::promote(&retired, false);
         fcall::finish_set(fcinfo)
+    }
+}
+
+thread_local! {
+    static ROW_LOCK_INSTALLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+const HAS_ROW_LOCK: Stmt = Stmt { sql: "SELECT to_regprocedure('outbox._lock_row(oid, tid)') IS NOT NULL", types: &[] };
+
+/// True once the extension's SQL has `outbox._lock_row` (0.5.0 on). A library
+/// newer than the installed SQL (before `ALTER EXTENSION outbox_ext UPDATE`) uses
+/// the statements of 0.4.0, so workers keep running through an upgrade. Found
+/// once per backend; looked up on each call until then.
+pub fn row_lock_installed() -> bool {
+    if ROW_LOCK_INSTALLED.with(|c| c.get()) {
+        return true;
+    }
+    let found = plans::one::<bool>(&HAS_ROW_LOCK, &[]).unwrap_or(false);
+    if found {
+        ROW_LOCK_INSTALLED.with(|c| c.set(true));
+    }
+    found
+}
+
+/// `outbox._lock_row(rel oid, row tid) -> boolean`: [`crate::pg::try_lock_row`];
+/// true when this transaction now holds the row FOR UPDATE, false when it was
+/// skipped (held or being changed by another transaction, or changed since the
+/// statement's snapshot).
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention (declared STRICT).
+pub unsafe fn lock_row(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    unsafe {
+        let rel = pg_sys::Oid::from(fcall::raw(fcinfo, 0).map(|d| d.value() as u32).unwrap_or(0));
+        let tid = fcall::raw(fcinfo, 1)
+            .and_then(|d| pg_sys::ItemPointerData::from_datum(d, false))
+            .unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "row must not be NULL"));
+        pg_sys::Datum::from(crate::pg::try_lock_row(rel, tid) == crate::pg::RowLock::Locked)
     }
 }

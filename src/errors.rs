@@ -15,6 +15,8 @@ pub const INVALID_PARAMETER: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INVALID_PA
 pub const TOO_LARGE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCEEDED;
 /// SQLSTATE P0002: a topic is not registered while `outbox.strict_topics` is on.
 pub const NO_DATA_FOUND: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_NO_DATA_FOUND;
+/// SQLSTATE 42501: the current role lacks a privilege the call needs.
+pub const PERMISSION: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
 pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
 

@@ -15,7 +15,7 @@ use pgrx::prelude::*;
 /// search path pinned to `pg_catalog` (see [`pin_search_path`]).
 #[macro_export]
 macro_rules! v1_function {
-    ($name:ident, $finfo:ident, $body:path) => {
+    (@emit $name:ident, $finfo:ident, $call:path, $body:path) => {
         #[no_mangle]
         #[doc(hidden)]
         pub extern "C" fn $finfo() -> &'static ::pgrx::pg_sys::Pg_finfo_record {
@@ -27,15 +27,43 @@ macro_rules! v1_function {
         #[doc(hidden)]
         #[::pgrx::pg_guard]
         pub unsafe extern "C-unwind" fn $name(fcinfo: ::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum {
-            let body: unsafe fn(::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum = $body;
-            unsafe {
-                let pinned = $crate::fcall::pin_search_path();
-                let result = body(fcinfo);
-                $crate::fcall::unpin_search_path(pinned);
-                result
-            }
+            let call: unsafe fn(::pgrx::pg_sys::FunctionCallInfo, $crate::fcall::V1Body) -> ::pgrx::pg_sys::Datum =
+                $call;
+            let body: $crate::fcall::V1Body = $body;
+            unsafe { call(fcinfo, body) }
         }
     };
+    // A function that runs no SQL needs no pinned path (one call per row locked).
+    (unpinned $name:ident, $finfo:ident, $body:path) => {
+        $crate::v1_function!(@emit $name, $finfo, $crate::fcall::call_unpinned, $body);
+    };
+    ($name:ident, $finfo:ident, $body:path) => {
+        $crate::v1_function!(@emit $name, $finfo, $crate::fcall::call_pinned, $body);
+    };
+}
+
+/// A V1 function body.
+pub type V1Body = unsafe fn(pg_sys::FunctionCallInfo) -> pg_sys::Datum;
+
+/// Run `body` with the search path pinned ([`pin_search_path`]).
+///
+/// # Safety
+/// `fcinfo` is the call frame PostgreSQL passed to the function.
+pub unsafe fn call_pinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
+    unsafe {
+        let pinned = pin_search_path();
+        let result = body(fcinfo);
+        unpin_search_path(pinned);
+        result
+    }
+}
+
+/// Run `body` as it is.
+///
+/// # Safety
+/// `fcinfo` is the call frame PostgreSQL passed to the function.
+pub unsafe fn call_unpinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
+    unsafe { body(fcinfo) }
 }
 
 /// What [`unpin_search_path`] needs to undo a pin.

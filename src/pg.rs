@@ -8,6 +8,8 @@
 //!   SERIALIZABLE transaction's own snapshot may predate that lock (issue 14.1).
 //! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
 //!   called directly instead of through an SQL statement.
+//! - [`try_lock_row`]: lock one row version without waiting and without following
+//!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
 //! - [`xid_assigned`], [`uses_xact_snapshot`]: transaction state the low-water
 //!   mark and the subject rules branch on.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
@@ -206,6 +208,87 @@ pub fn advisory_lock_is_free(k1: i32, k2: i32) -> bool {
             );
         }
         got
+    }
+}
+
+/// What [`try_lock_row`] found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RowLock {
+    /// The row version is the newest one and this transaction now holds it FOR UPDATE.
+    Locked,
+    /// Another transaction holds or is changing the row: skipped, not waited for.
+    Busy,
+    /// A transaction that committed after the caller's snapshot changed or deleted
+    /// the row (or this transaction did, in a later command): the version read is
+    /// not the newest one.
+    Changed,
+}
+
+/// Lock row version `tid` of table `relid` FOR UPDATE, never waiting.
+///
+/// `SELECT ... FOR UPDATE SKIP LOCKED` skips a row whose newest version is locked,
+/// but when the version it read was updated by a transaction that has committed
+/// since its snapshot, it first locks the rest of the row's update chain, and that
+/// step (`heap_lock_updated_tuple`) waits for any transaction changing a newer
+/// version, whatever the wait policy: a claim then waited for another worker's
+/// ack, and under REPEATABLE READ it raised 40001. This lock asks the table access
+/// method for the version read and nothing else (no `TUPLE_LOCK_FLAG_*`): a newer
+/// version means [`RowLock::Changed`], which the caller treats as skipped.
+///
+/// `tid` must be a row version the calling statement read from `relid` (its
+/// `ctid`); a line pointer that holds no tuple raises 22023, a block past the end
+/// of the table raises PostgreSQL's own read error. The caller needs UPDATE on
+/// `relid` (42501), as FOR UPDATE does.
+pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock {
+    // SAFETY: the relation is opened (and its lock kept until transaction end, as
+    // FOR UPDATE keeps RowShareLock) and closed here; the slot is created for it
+    // and dropped before return; `tid` is copied, so the AM may write to it; the
+    // line pointer is checked by `tuple_fetch_row_version` (heap_fetch bounds-checks
+    // the offset and refuses unused pointers) before `tuple_lock`, which assumes a
+    // valid one.
+    unsafe {
+        if pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_UPDATE as pg_sys::AclMode)
+            != pg_sys::AclResult::ACLCHECK_OK
+        {
+            errors::raise(errors::PERMISSION, "permission denied to lock rows of this table");
+        }
+        let rel = pg_sys::relation_open(relid, pg_sys::RowShareLock as i32);
+        if (*(*rel).rd_rel).relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char || (*rel).rd_tableam.is_null() {
+            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+            errors::raise(errors::INVALID_PARAMETER, "rows can only be locked in a plain table");
+        }
+        let am = &*(*rel).rd_tableam;
+        let (Some(fetch), Some(lock)) = (am.tuple_fetch_row_version, am.tuple_lock) else {
+            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+            errors::raise(errors::INVALID_PARAMETER, "the table's access method cannot lock rows");
+        };
+        let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
+        let mut at = tid;
+        if !fetch(rel, &mut at, &raw mut pg_sys::SnapshotAnyData, slot) {
+            pg_sys::ExecDropSingleTupleTableSlot(slot);
+            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+            errors::raise(errors::INVALID_PARAMETER, "no row version at this ctid");
+        }
+        let mut at = tid;
+        let mut tmfd = pg_sys::TM_FailureData::default();
+        let r = lock(
+            rel,
+            &mut at,
+            pg_sys::GetActiveSnapshot(),
+            slot,
+            pg_sys::GetCurrentCommandId(true),
+            pg_sys::LockTupleMode::LockTupleExclusive,
+            pg_sys::LockWaitPolicy::LockWaitSkip,
+            0,
+            &mut tmfd,
+        );
+        pg_sys::ExecDropSingleTupleTableSlot(slot);
+        pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+        match r {
+            pg_sys::TM_Result::TM_Ok => RowLock::Locked,
+            pg_sys::TM_Result::TM_WouldBlock | pg_sys::TM_Result::TM_BeingModified => RowLock::Busy,
+            _ => RowLock::Changed,
+        }
     }
 }
 

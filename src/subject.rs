@@ -211,28 +211,48 @@ const TAKE_DEFERRED: Stmt = Stmt {
     types: &[pg_sys::INT8OID],
 };
 
-const PROMOTE: Stmt = Stmt {
-    // For each subject: its earliest live event becomes the head, entering the
-    // claim index above the publish floor (src/lowwater.rs). Returns how many were
-    // promoted, the subjects whose next head row another transaction has locked
-    // (skipped, never waited for), and the subjects with no live event at all.
-    sql: "WITH h AS ( \
-            SELECT s.subject, (SELECT min(p.id) FROM outbox.event_queue p \
-                                WHERE p.subject = s.subject AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
-              FROM unnest($1::text[]) AS s(subject)), \
-          c AS ( \
-            SELECT q.id FROM outbox.event_queue q \
-             WHERE q.id = ANY (ARRAY(SELECT h.head FROM h WHERE h.head IS NOT NULL)) AND NOT q.is_head \
-               FOR UPDATE OF q SKIP LOCKED), \
-          u AS ( \
-            UPDATE outbox.event_queue q SET is_head = true, visible_at = GREATEST(q.visible_at, $2) \
-             WHERE q.id = ANY (ARRAY(SELECT c.id FROM c)) RETURNING q.id) \
-          SELECT (SELECT count(*) FROM u), \
-                 ARRAY(SELECT h.subject FROM h JOIN outbox.event_queue q ON q.id = h.head \
-                        WHERE NOT q.is_head AND q.id <> ALL (ARRAY(SELECT u.id FROM u))), \
-                 ARRAY(SELECT h.subject FROM h WHERE h.head IS NULL)",
-    types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID],
-};
+/// For each subject: its earliest live event becomes the head, entering the claim
+/// index above the publish floor (src/lowwater.rs). Returns how many were
+/// promoted, the subjects whose next head row another transaction holds or changed
+/// (skipped, never waited for), and the subjects with no live event at all.
+/// `lock_row` locks as claim does ([`crate::pg::try_lock_row`]); `skip_locked` is
+/// 0.4.0's statement, for a library newer than the installed SQL.
+macro_rules! promote_sql {
+    ($how:ident) => {
+        concat!(
+            "WITH h AS ( \
+               SELECT s.subject, (SELECT min(p.id) FROM outbox.event_queue p \
+                                   WHERE p.subject = s.subject AND (p.state <> 'dead' OR p.blocks_subject)) AS head \
+                 FROM unnest($1::text[]) AS s(subject)), \
+             c AS (",
+            promote_sql!(@lock $how),
+            "), \
+             u AS ( \
+               UPDATE outbox.event_queue q SET is_head = true, visible_at = GREATEST(q.visible_at, $2) \
+                WHERE q.id = ANY (ARRAY(SELECT c.id FROM c)) RETURNING q.id) \
+             SELECT (SELECT count(*) FROM u), \
+                    ARRAY(SELECT h.subject FROM h JOIN outbox.event_queue q ON q.id = h.head \
+                           WHERE NOT q.is_head AND q.id <> ALL (ARRAY(SELECT u.id FROM u))), \
+                    ARRAY(SELECT h.subject FROM h WHERE h.head IS NULL)"
+        )
+    };
+    (@lock lock_row) => {
+        // OFFSET 0 keeps the subquery whole, so the lock is the last test a row passes.
+        "SELECT r.id FROM (SELECT q.id, q.ctid AS row FROM outbox.event_queue q \
+                            WHERE q.id = ANY (ARRAY(SELECT h.head FROM h WHERE h.head IS NOT NULL)) \
+                              AND NOT q.is_head OFFSET 0) r \
+          WHERE outbox._lock_row('outbox.event_queue'::regclass::oid, r.row)"
+    };
+    (@lock skip_locked) => {
+        "SELECT q.id FROM outbox.event_queue q \
+          WHERE q.id = ANY (ARRAY(SELECT h.head FROM h WHERE h.head IS NOT NULL)) AND NOT q.is_head \
+            FOR UPDATE OF q SKIP LOCKED"
+    };
+}
+
+const PROMOTE: Stmt = Stmt { sql: promote_sql!(lock_row), types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID] };
+const PROMOTE_040: Stmt =
+    Stmt { sql: promote_sql!(skip_locked), types: &[pg_sys::TEXTARRAYOID, pg_sys::TIMESTAMPTZOID] };
 
 fn defer(subjects: Vec<String>) {
     if !subjects.is_empty() {
@@ -274,7 +294,8 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
         return 0;
     }
     let floor = lowwater::floor_after_xid();
-    let (n, skipped, empty) = pg::run_latest(&PROMOTE, &[subjects.into(), lowwater::ts_param(floor)], |r| {
+    let stmt = if crate::claim::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
+    let (n, skipped, empty) = pg::run_latest(stmt, &[subjects.into(), lowwater::ts_param(floor)], |r| {
         (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2), r.texts(0, 3))
     });
     defer(skipped);
