@@ -236,9 +236,8 @@ pub enum RowLock {
 /// version means [`RowLock::Changed`], which the caller treats as skipped.
 ///
 /// `tid` must be a row version the calling statement read from `relid` (its
-/// `ctid`); a line pointer that holds no tuple raises 22023, a block past the end
-/// of the table raises PostgreSQL's own read error. The caller needs UPDATE on
-/// `relid` (42501), as FOR UPDATE does.
+/// `ctid`); any other tid that holds no row version raises 22023. The caller
+/// needs UPDATE on `relid` (42501), as FOR UPDATE does.
 pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock {
     // SAFETY: the relation is opened (and its lock kept until transaction end, as
     // FOR UPDATE keeps RowShareLock) and closed here; the slot is created for it
@@ -262,6 +261,13 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
             pg_sys::relation_close(rel, pg_sys::NoLock as i32);
             errors::raise(errors::INVALID_PARAMETER, "the table's access method cannot lock rows");
         };
+        // A tid from a scan is always in range; one written by hand may not be,
+        // and reading past the end would raise a read error instead of 22023.
+        let block = ((tid.ip_blkid.bi_hi as u32) << 16) | tid.ip_blkid.bi_lo as u32;
+        if block >= pg_sys::RelationGetNumberOfBlocksInFork(rel, pg_sys::ForkNumber::MAIN_FORKNUM) {
+            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+            errors::raise(errors::INVALID_PARAMETER, "no row version at this ctid");
+        }
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
         let mut at = tid;
         if !fetch(rel, &mut at, &raw mut pg_sys::SnapshotAnyData, slot) {

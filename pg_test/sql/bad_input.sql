@@ -384,7 +384,15 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('health', 'NULL thresholds', $$SELECT count(*) FROM outbox.health(NULL, NULL, NULL, NULL, NULL)$$, '22004'),
 ('health', 'negative thresholds', $$SELECT count(*) FROM outbox.health('-1 day', -1, '-1 day', '-1 day', -1)$$, '22023'),
 ('health', 'huge thresholds', $$SELECT count(*) FROM outbox.health('178000000 years', 9223372036854775807, '178000000 years', '178000000 years', 9223372036854775807)$$, '22023'),
-('wakeup_status', 'no arguments', $$SELECT count(*) FROM outbox.wakeup_status()$$, 'ok:1');
+('wakeup_status', 'no arguments', $$SELECT count(*) FROM outbox.wakeup_status()$$, 'ok:1'),
+('_lock_row', 'a row of the queue', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, (SELECT ctid FROM outbox.event_queue ORDER BY id LIMIT 1))$$, 'ok:true'),
+('_lock_row', 'NULL row', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, NULL)$$, 'ok:NULL'),
+('_lock_row', 'no such relation', $$SELECT outbox._lock_row(0, '(0,1)')$$, '42P01'),
+('_lock_row', 'a view', $$SELECT outbox._lock_row('outbox.events'::regclass::oid, '(0,1)')$$, '22023'),
+('_lock_row', 'an index', $$SELECT outbox._lock_row('outbox.event_queue_pkey'::regclass::oid, '(0,1)')$$, '22023'),
+('_lock_row', 'offset past the page', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,65535)')$$, '22023'),
+('_lock_row', 'offset 0', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,0)')$$, '22023'),
+('_lock_row', 'block past the end', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(4294967294,1)')$$, '22023');
 
 -- ---------------------------------------------------------------------------
 -- Run every case.
