@@ -102,7 +102,7 @@ COMMENT ON FUNCTION outbox.replay(bigint) IS
 'Move a dead or cancelled event back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
 'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Follows seed 004 (dead-lettered rows are kept for replay) and pg-boss redrive.';
+'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
@@ -150,7 +150,7 @@ $$;
 COMMENT ON FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) IS
 'Bulk replay of dead events: those whose topic matches topic_pattern (exact, ''a.b.*'' or ''*''; NULL = all) and whose dead_at is in [dead_since, dead_until) (NULL bound = open). '
 'Returns how many events were replayed (bigint), or with dry_run = true how many would be, changing nothing. '
-'Errors: 22023 bad pattern; 22004 NULL dry_run. Follows pg-boss redrive and PgQue dlq_replay (anchors.md 3(b).5).';
+'Errors: 22023 bad pattern; 22004 NULL dry_run. A bulk redrive, as in pg-boss and PgQue.';
 
 CREATE FUNCTION outbox.cancel(id bigint) RETURNS boolean
 LANGUAGE plpgsql VOLATILE

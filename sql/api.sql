@@ -1,7 +1,7 @@
 -- The delivery API. The hot paths (publish, claim, ack, fail, extend_lease) are C
 -- functions implemented in Rust (src/publish.rs, src/claim.rs, src/lease.rs); they
 -- run their statements as saved SPI plans, so they are planned once per session,
--- not once per call (the LANGUAGE sql wrapper trap described in issue 2).
+-- not once per call (a LANGUAGE sql wrapper would be planned again on every call).
 --
 -- Every function pins search_path, so objects in the caller's path cannot change
 -- what it runs. The C functions pin it themselves (src/fcall.rs, pin_search_path):
@@ -84,7 +84,7 @@ COMMENT ON FUNCTION outbox._lock_row(oid, tid) IS
 'Internal (claim and head promotion; no role is granted it). Lock row version "row" (a ctid the calling statement read) of table rel FOR UPDATE without waiting. '
 'Result: true when the transaction now holds the row; false when another transaction holds or is changing it, or when a transaction that committed after the statement''s snapshot changed it (the version read is not the newest). '
 'Unlike FOR UPDATE SKIP LOCKED it never follows the row''s update chain, a step that waits for the transaction changing a newer version whatever the wait policy (PostgreSQL heapam.c, heap_lock_updated_tuple), and never raises a serialization failure. '
-'Errors: 42501 without UPDATE on rel; 22023 rel is not a plain table, or no row version at that ctid.';
+'Errors: 25006 in a read-only transaction (as FOR UPDATE); 42P01 rel does not exist (or was dropped while the call waited for its lock); 42501 without UPDATE on rel; 22023 rel is not a plain table, or no row version at that ctid.';
 
 CREATE FUNCTION outbox.ack(id bigint, lease_token uuid) RETURNS boolean
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -92,7 +92,7 @@ AS 'MODULE_PATHNAME', 'outbox_ack';
 
 COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
 'Mark a leased event delivered (moves it to the archive). Returns true when lease_token is the event''s current token, '
-'false otherwise (stale or unknown token, unknown id, NULL arguments): never an error, nothing changes. Follows seed 001 mark_delivered, fenced as in awa.';
+'false otherwise (stale or unknown token, unknown id, NULL arguments): never an error, nothing changes. A fenced ack, as in awa.';
 
 CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -117,7 +117,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Arguments: error (text kept as last_error and appended to the attempt history, which keeps the first failure, {"omitted": n} and the latest 18 once it holds 20 entries; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
 'permanent (true dead-letters at once). NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
-'Backoff follows seed 004 (failures back off, dead-letter after maxAttempts); the dead-letter state follows seed 000.';
+'Backoff and dead letters after max_attempts as in River, Oban and pg-boss.';
 
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -126,7 +126,7 @@ AS 'MODULE_PATHNAME', 'outbox_extend_lease';
 COMMENT ON FUNCTION outbox.extend_lease(bigint, uuid, interval) IS
 'Heartbeat: set the lease expiry to clock_timestamp() + lease. Returns the new expiry (timestamptz), or NULL when the token is stale. '
 'Arguments: lease (interval > 0, <= outbox.max_lease). Errors: 22004 NULL lease; 22023 zero, negative or over-long lease. '
-'Workers should extend at most every lease/3 (anchors.md 3(c).1, PgQueuer #430).';
+'Workers should extend about every lease/3, so one missed heartbeat does not lose the lease.';
 
 CREATE FUNCTION outbox.backoff_delay(
     attempt      integer,
@@ -140,4 +140,4 @@ AS 'MODULE_PATHNAME', 'outbox_backoff_delay';
 COMMENT ON FUNCTION outbox.backoff_delay(integer, interval, interval, boolean) IS
 'The retry delay fail() uses after the given attempt (1-based): min(backoff_max, backoff_base * 2^(attempt-1)); with jitter, uniformly in [d/2, d]. '
 'Never zero, negative or overflowing for any attempt. NULL base/max = outbox.backoff_base / outbox.backoff_max. '
-'Errors: 22004 NULL attempt; 22023 attempt < 1, base or max not > 0 or over 365 days. Follows the capped exponential backoff with jitter of seed 004 and River/Oban.';
+'Errors: 22004 NULL attempt; 22023 attempt < 1, base or max not > 0 or over 365 days. Capped exponential backoff with equal jitter (AWS Architecture Blog, "Exponential Backoff And Jitter", 2015), as in River and Oban.';

@@ -5,7 +5,7 @@
 COMMENT ON FUNCTION outbox.wakeup_status() IS
 'Background worker state from shared memory, one row: worker_pid (integer, 0 when not running), database (oid served), passes (bigint, wake-up passes completed), '
 'topics_waiting and prepared_waiting (integer, wake-ups queued for the next pass), preloaded (boolean: library in shared_preload_libraries). '
-'Without preload: one row of zeros with preloaded = false. No errors. Follows anchors.md 3(b).3 (coalesced NOTIFY from a background worker).';
+'Without preload: one row of zeros with preloaded = false. No errors. The worker sends one coalesced NOTIFY per topic, so publishers never take the NOTIFY queue lock at commit.';
 
 COMMENT ON FUNCTION outbox._wake(text) IS
 'Internal: note a wake-up for topic (NULL = any topic) in the current transaction according to outbox.notify. Used by replay, cancel and alter_topic. Returns void; no errors.';
@@ -59,7 +59,7 @@ COMMENT ON FUNCTION outbox._claim_low_water() IS
 'Internal, for tests and monitoring: one row with publish_floor (timestamptz, the floor events enter the claim index above), '
 'low_water_at and low_water_id (timestamptz, bigint: the key claim() starts its index scan at in this database; -infinity and 0 when unknown), '
 'step_pending (boolean: step A done, step B waiting for older transactions) and resets (bigint: times the maintenance audit found an event below the mark). '
-'-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (issue 5; the PgQ-style alternative is table rotation, anchors.md lesson 4).';
+'-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (PgQ avoids the same dead index entries by rotating tables).';
 
 COMMENT ON FUNCTION outbox._audit_low_water() IS
 'Internal: look for live events below this database''s claim low-water mark (rows written into outbox.event_queue other than through the outbox functions) '

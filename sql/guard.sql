@@ -1,4 +1,4 @@
--- DROP EXTENSION guard (issue 9). PostgreSQL has no hook that vetoes dropping an
+-- DROP EXTENSION guard. PostgreSQL has no hook that vetoes dropping an
 -- extension, so an event trigger owned by the extension inspects DROP EXTENSION
 -- commands before they run. Dropping outbox_ext while events are pending,
 -- leased or dead raises 55006 unless the command says CASCADE or the session set

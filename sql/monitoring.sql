@@ -1,6 +1,5 @@
 -- Observability: per-topic statistics and health checks an operator or an
--- exporter can poll (issue 9; anchors.md 3(b).8 "health signals built into the
--- database").
+-- exporter can poll, built into the database so no sidecar is needed.
 
 CREATE VIEW outbox.stats AS
 WITH q AS (
@@ -69,7 +68,7 @@ BEGIN
        OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
         RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
     END IF;
-    -- 1. Backlog age (seed 000 alerts when pending events older than 60 s exceed 1,000).
+    -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
     check_name := 'backlog_age'; value := n;
@@ -165,6 +164,6 @@ $$;
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
-'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical, after seed 000''s alert), dead_letters (last hour), '
+'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -5,8 +5,8 @@
 --
 -- Dispatch keys: a key row is removed with its event only once it is older than
 -- outbox.retention_dispatch_keys (default 0: with the event). Raising that setting
--- keeps deduplicating after the events are gone (seed 000: purging rows shortens
--- the dedupe window); the 'keys' step later removes such orphaned keys.
+-- keeps deduplicating after the events are gone (purging rows would otherwise
+-- shorten the deduplication window); the 'keys' step later removes such orphaned keys.
 
 CREATE FUNCTION outbox._retention_guc(name text) RETURNS interval
 LANGUAGE sql STABLE
@@ -154,7 +154,7 @@ COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
 'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
 'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 20) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
 'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
-'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Follows seed 000 (retention with audit window) and PgQ-style maintenance procedures.';
+'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Batched, committed deletes as in PgQ''s and pg_partman''s maintenance procedures.';
 
 CREATE PROCEDURE outbox.purge_dead(older_than interval DEFAULT NULL, batch_size integer DEFAULT 1000, INOUT removed bigint DEFAULT NULL)
 LANGUAGE plpgsql
@@ -174,7 +174,7 @@ END
 $$;
 
 COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
-'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit, seed 000), '
+'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit), '
 'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
 
 -- One row of outbox.maintenance_runs; counts maps a column name (the logged_as

@@ -9,8 +9,8 @@
 -- outbox.events is the UNION ALL of both, the one place operators read.
 --
 -- Why the split: a SKIP LOCKED queue that keeps delivered rows in its claim index
--- slows down as history grows and as a held xmin keeps dead tuples (anchors.md,
--- lesson 4). Here the claim index only ever covers undelivered work.
+-- slows down as history grows and as a held xmin keeps dead tuples (the reason
+-- PgQ rotates its event tables). Here the claim index only ever covers undelivered work.
 
 CREATE SEQUENCE outbox.event_id_seq AS bigint;
 

@@ -1,4 +1,4 @@
--- Privileges (issue 9). Three NOLOGIN roles, created if missing (roles are
+-- Privileges. Three NOLOGIN roles, created if missing (roles are
 -- cluster-wide, so DROP EXTENSION leaves them):
 --   outbox_publisher  publish and publish_batch, nothing else;
 --   outbox_worker     claim, ack, fail, extend_lease (it reads events through claim);

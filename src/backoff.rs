@@ -3,7 +3,7 @@
 //! delay(attempt) = min(max, base * 2^(attempt-1)); with jitter the result is drawn
 //! uniformly from [delay/2, delay]. Equal jitter (rather than full jitter) keeps a
 //! floor, so a retry is never immediate, while still spreading a thundering herd of
-//! failures (River and Oban use the same shape; seed 004 "failures back off").
+//! failures (River and Oban use the same shape).
 //!
 //! All arithmetic is in i64 microseconds with saturation: no attempt count can
 //! overflow, go negative or yield zero.

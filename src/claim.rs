@@ -11,12 +11,13 @@
 //!
 //! # Claims never wait
 //! Every statement a claim runs either reads, or locks rows only through
-//! `_lock_row` (events) or `FOR UPDATE SKIP LOCKED` on `outbox.subject_repairs`,
-//! whose rows are inserted and deleted but never updated, so no update chain
-//! exists to follow; then it updates only rows it holds. Subject locks are only
-//! tried ([`crate::subject`]). So nothing in a claim can wait for another
-//! transaction, at any isolation level. (`FOR UPDATE SKIP LOCKED` on events did
-//! wait: [`crate::pg::try_lock_row`] says when.)
+//! `_lock_row` (events, and the repairs of `outbox.subject_repairs`), then
+//! changes only rows it holds. Subject locks are only tried ([`crate::subject`]).
+//! So nothing in a claim waits for another transaction or raises a row-lock
+//! serialization failure, at any isolation level. (`FOR UPDATE SKIP LOCKED` did
+//! wait, and raised 40001 under REPEATABLE READ: [`crate::pg::try_lock_row`] says
+//! when.) Under SERIALIZABLE, SSI may still abort a claim's transaction with
+//! 40001, as it may abort any read-write transaction.
 //! 2. `upd` gives each row a new fencing token and lease, or, for an expired lease
 //!    that used the last attempt, moves it to dead with "lease expired".
 //! 3. The outer SELECT returns the leased rows in id order.
@@ -27,7 +28,7 @@
 //! "now" is passed in as a parameter, taken from the clock when claim() starts,
 //! so it can bound the index scan: a volatile clock_timestamp() in the WHERE
 //! clause could only filter, and 100,000 delayed events would be read on every
-//! claim (issue 3).
+//! claim.
 
 use crate::errors;
 use crate::fcall::{self, param};
@@ -212,7 +213,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             param(Some(pg_sys::Datum::from(from_t)), pg_sys::TIMESTAMPTZOID),
             from_id.into(),
         ];
-        let lock_row = row_lock_installed();
+        let lock_row = crate::pg::row_lock_installed();
         let stmt = match filter {
             None if lock_row => &CLAIM_ALL,
             None => &CLAIM_ALL_040,
@@ -273,27 +274,6 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         crate::subject::promote(&retired, false);
         fcall::finish_set(fcinfo)
     }
-}
-
-thread_local! {
-    static ROW_LOCK_INSTALLED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-const HAS_ROW_LOCK: Stmt = Stmt { sql: "SELECT to_regprocedure('outbox._lock_row(oid, tid)') IS NOT NULL", types: &[] };
-
-/// True once the extension's SQL has `outbox._lock_row` (0.5.0 on). A library
-/// newer than the installed SQL (before `ALTER EXTENSION outbox_ext UPDATE`) uses
-/// the statements of 0.4.0, so workers keep running through an upgrade. Found
-/// once per backend; looked up on each call until then.
-pub fn row_lock_installed() -> bool {
-    if ROW_LOCK_INSTALLED.with(|c| c.get()) {
-        return true;
-    }
-    let found = plans::one::<bool>(&HAS_ROW_LOCK, &[]).unwrap_or(false);
-    if found {
-        ROW_LOCK_INSTALLED.with(|c| c.set(true));
-    }
-    found
 }
 
 /// `outbox._lock_row(rel oid, row tid) -> boolean`: [`crate::pg::try_lock_row`];

@@ -17,6 +17,10 @@ pub const TOO_LARGE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_PROGRAM_LIMIT_EXCE
 pub const NO_DATA_FOUND: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_NO_DATA_FOUND;
 /// SQLSTATE 42501: the current role lacks a privilege the call needs.
 pub const PERMISSION: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIVILEGE;
+/// SQLSTATE 25006: a write in a read-only transaction.
+pub const READ_ONLY: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION;
+/// SQLSTATE 42P01: a relation named by OID does not exist.
+pub const UNDEFINED_TABLE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
 pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
 

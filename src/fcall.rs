@@ -71,7 +71,7 @@ pub struct Pinned(#[allow(dead_code)] i32);
 
 /// Pin the search path to `pg_catalog` for the statements a hot-path function runs,
 /// so that objects in the caller's path (a shadowing `=`, `now()`, a type) cannot
-/// change them (issue 9). Call [`unpin_search_path`] on the way out; on an error
+/// change them. Call [`unpin_search_path`] on the way out; on an error
 /// the (sub)transaction abort removes the pin.
 ///
 /// Why not `SET search_path` on the function, as the plpgsql functions have: that

@@ -40,8 +40,8 @@ static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 static MAX_SUBJECT_LOCKS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
 /// Largest claim, ack or publish batch.
 static MAX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
-/// Reject publishes to unregistered topics (seed 004: fail the business transaction
-/// on a typo instead of dead-lettering later).
+/// Reject publishes to unregistered topics: a typo in a topic name then fails the
+/// business transaction at once instead of dead-lettering later.
 static STRICT_TOPICS: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// W3C traceparent copied into headers when the caller passes none.
 static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
@@ -51,7 +51,7 @@ static NOTIFY_PRELOADED: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(
 static NOTIFY_PLAIN: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(NotifyMode::Transaction);
 /// Delivered and cancelled events are kept this long (s): 7 days.
 static RETENTION_DELIVERED_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86400);
-/// Dead events are kept this long for audit (s): 30 days (seed 000).
+/// Dead events are kept this long for audit (s): 30 days.
 static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
 /// Dispatch keys are kept at least this long (s), even after their event is purged.
 /// 0 = exactly as long as the event.
@@ -66,8 +66,8 @@ static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(20);
 static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
 
 /// Keep delivered events in outbox.event_archive until retention (the default),
-/// or drop them at ack like a plain DELETE-on-ack queue (seed 004 deletes the row
-/// on success). Off trades the audit trail for a cheaper ack.
+/// or drop them at ack like a plain DELETE-on-ack queue (pgmq's delete, a
+/// hand-rolled outbox's DELETE on success). Off trades the audit trail for a cheaper ack.
 static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);

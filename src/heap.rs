@@ -72,7 +72,7 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
         if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char
             || !(*rel).trigdesc.is_null()
             // A rule (DO ALSO / INSTEAD) rewrites an INSERT statement; only the
-            // SQL path runs it (issue 14.7).
+            // SQL path runs it.
             || form.relhasrules
             || form.relrowsecurity
             || form.relforcerowsecurity
@@ -99,26 +99,13 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
 /// Columns [`insert`] leaves NULL (0-based attribute positions).
 const LEFT_NULL: [usize; 9] = [2, 3, 5, 10, 11, 12, 13, 14, 16];
 
-/// OID of relation `name` in schema outbox (syscache lookups), or None when the
-/// extension is not installed in this database.
-pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return None;
-        }
-        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        (relid != pg_sys::InvalidOid).then_some(relid)
-    }
-}
-
 /// Draw the next event id from `outbox.event_id_seq` (nextval, no SQL statement).
 ///
 /// publish draws the id before its INSERT, after the subject lock, on every
 /// path: a rule on the queue (`DO ALSO ... NEW.id`) would otherwise re-evaluate a
 /// `nextval()` in the statement and see another id than the event's.
 pub fn next_event_id() -> i64 {
-    let Some(seqid) = outbox_relid(c"event_id_seq") else {
+    let Some(seqid) = crate::pg::outbox_relid(c"event_id_seq") else {
         crate::errors::raise(crate::errors::INTERNAL, "outbox.event_id_seq does not exist");
     };
     // SAFETY: nextval_oid is a V1 function of one oid argument; it checks the
@@ -144,7 +131,7 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         return None;
     }
     unsafe {
-        let relid = outbox_relid(c"event_queue")?;
+        let relid = crate::pg::outbox_relid(c"event_queue")?;
         // What the executor checks first for any INSERT (SQLSTATE 25006).
         if pg_sys::XactReadOnly {
             pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());

@@ -3,7 +3,8 @@
 //! Every statement matches on (id, lease_token, state = 'leased'). claim() gives
 //! each delivery a new token, so a worker whose lease expired and was reclaimed
 //! cannot ack, fail or extend the new holder's delivery: it gets false / 'stale' /
-//! NULL, never an error (anchors.md 3(c).1; awa's run_lease).
+//! NULL, never an error (fencing tokens as in awa's leases and Kleppmann, "How to
+//! do distributed locking", 2016).
 //!
 //! An ack moves the row from the hot queue to the archive in one statement, so the
 //! claim index never holds delivered rows.
@@ -22,7 +23,7 @@ pub const MAX_ERROR_BYTES: usize = 8192;
 /// `$e` appended, bounded to 20 elements. Once full, the history keeps the first
 /// failure, then `{"omitted": n}` (failures dropped so far), then the latest 18:
 /// `max_attempts` may be up to 1,000,000 (and `outbox.max_attempts` is a user
-/// setting), so an unbounded history could grow one row past any size (issue 14.7).
+/// setting), so an unbounded history could grow one row past any size.
 /// claim() (expired leases) and fail() both append through this one expression.
 #[macro_export]
 macro_rules! history_append {

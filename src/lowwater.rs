@@ -1,4 +1,4 @@
-//! The claim low-water mark: where claim() starts its index scan (issue 5).
+//! The claim low-water mark: where claim() starts its index scan.
 //!
 //! claim() walks `event_queue_ready_idx` in (visible_at, id) order from the lowest
 //! key. Every claimed and acked event leaves dead index entries behind until VACUUM
@@ -6,7 +6,8 @@
 //! behind, or when an open snapshot (a REPEATABLE READ report, an idle session in a
 //! transaction) holds the xmin horizon so that VACUUM may remove nothing and btree
 //! may not even mark the entries killed, every claim re-reads all of them and their
-//! heap tuples (anchors.md lesson 4; bench 6a and 6b).
+//! heap tuples (PgQ sidesteps the same cost by rotating its event tables; bench 6a
+//! and 6b measure it).
 //!
 //! So claim() starts at a low-water mark W, a key (visible_at, id) below which no
 //! live event of the claim index is, now or later. Entries below W are never read
@@ -38,7 +39,7 @@
 //! so that snapshot must show committed state only. A transaction that has already
 //! written (cancelled or acked an event, claimed before) sees its own uncommitted
 //! versions, which a rollback (or ROLLBACK TO SAVEPOINT) undoes: the committed
-//! version could then sort below a mark computed past it (issue 14.2). So a claim
+//! version could then sort below a mark computed past it. So a claim
 //! takes steps only while its transaction has no xid, i.e. has written nothing;
 //! claims in such transactions use the mark as it stands.
 //!
@@ -46,8 +47,7 @@
 //! means the clock was set back. Every write that reads F checks this, and every
 //! step before it can stall, and then starts all marks over and lowers F to the
 //! clock; otherwise writes would store visible_at as far ahead as the clock went
-//! back, and a stalled step B (a forgotten prepared transaction) would keep it so
-//! (issue 14.6).
+//! back, and a stalled step B (a forgotten prepared transaction) would keep it so.
 //!
 //! Writes that bypass the outbox functions (a data-only restore into a live table,
 //! a manual INSERT) could land below W. The maintenance run looks for such rows and
@@ -165,7 +165,7 @@ fn above(f: i64) -> i64 {
 /// back: every write would then store a visible_at that far in the future, so the
 /// writer starts the marks over first ([`clock_went_back`]). Checked here, on every
 /// write, and not only by claims' steps, because a stalled step B (a forgotten
-/// prepared transaction) stops the steps (issue 14.6).
+/// prepared transaction) stops the steps.
 pub fn floor_now() -> i64 {
     if !gucs::preloaded() {
         return NONE;
@@ -260,7 +260,7 @@ unsafe fn queue_identity_unlocked() -> Option<(u32, u32)> {
 }
 
 unsafe fn identity(lockmode: pg_sys::LOCKMODE) -> Option<(u32, u32)> {
-    let relid = crate::heap::outbox_relid(c"event_queue")?;
+    let relid = crate::pg::outbox_relid(c"event_queue")?;
     unsafe {
         // The lock processes pending invalidations, so the file node read below is
         // current (a TRUNCATE committed elsewhere shows here).
@@ -361,7 +361,7 @@ pub fn claim_start() -> (i64, i64) {
     // Steps read the first live key in this transaction's snapshot. Once the
     // transaction has written (a cancel, an ack, an earlier claim), that snapshot
     // shows its own uncommitted changes, which a rollback would undo: a mark
-    // computed from them could pass a committed event (issue 14.2). So only a
+    // computed from them could pass a committed event. So only a
     // transaction that has no xid yet takes steps.
     let steps = !crate::pg::uses_xact_snapshot() && !crate::pg::xid_assigned();
     // A clock set back makes now < last_step: a step is due then.

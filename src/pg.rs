@@ -5,7 +5,7 @@
 //! - [`run_latest`]: run a saved statement under a snapshot taken *now*, not under
 //!   the transaction snapshot. Headship decisions (src/subject.rs) must see every
 //!   commit that preceded the subject lock they hold; a REPEATABLE READ or
-//!   SERIALIZABLE transaction's own snapshot may predate that lock (issue 14.1).
+//!   SERIALIZABLE transaction's own snapshot may predate that lock.
 //! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
 //!   called directly instead of through an SQL statement.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
@@ -236,8 +236,9 @@ pub enum RowLock {
 /// version means [`RowLock::Changed`], which the caller treats as skipped.
 ///
 /// `tid` must be a row version the calling statement read from `relid` (its
-/// `ctid`); any other tid that holds no row version raises 22023. The caller
-/// needs UPDATE on `relid` (42501), as FOR UPDATE does.
+/// `ctid`); any other tid that holds no row version raises 22023. As FOR UPDATE,
+/// it needs UPDATE on `relid` (42501) and a read-write transaction (25006); a
+/// table that does not exist (or was dropped meanwhile) raises 42P01.
 pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock {
     // SAFETY: the relation is opened (and its lock kept until transaction end, as
     // FOR UPDATE keeps RowShareLock) and closed here; the slot is created for it
@@ -246,12 +247,22 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
     // the offset and refuses unused pointers) before `tuple_lock`, which assumes a
     // valid one.
     unsafe {
+        // As FOR UPDATE: a row lock is a write (it assigns an xid), refused in a
+        // read-only transaction and on a standby.
+        if pg_sys::XactReadOnly {
+            errors::raise(errors::READ_ONLY, "cannot lock rows in a read-only transaction");
+        }
+        // Lock first, then look: a table dropped meanwhile is gone, not an internal error.
+        let rel = pg_sys::try_relation_open(relid, pg_sys::RowShareLock as i32);
+        if rel.is_null() {
+            errors::raise(errors::UNDEFINED_TABLE, format!("relation with OID {} does not exist", relid.to_u32()));
+        }
         if pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_UPDATE as pg_sys::AclMode)
             != pg_sys::AclResult::ACLCHECK_OK
         {
+            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
             errors::raise(errors::PERMISSION, "permission denied to lock rows of this table");
         }
-        let rel = pg_sys::relation_open(relid, pg_sys::RowShareLock as i32);
         if (*(*rel).rd_rel).relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char || (*rel).rd_tableam.is_null() {
             pg_sys::relation_close(rel, pg_sys::NoLock as i32);
             errors::raise(errors::INVALID_PARAMETER, "rows can only be locked in a plain table");
@@ -295,6 +306,49 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
             pg_sys::TM_Result::TM_WouldBlock | pg_sys::TM_Result::TM_BeingModified => RowLock::Busy,
             _ => RowLock::Changed,
         }
+    }
+}
+
+/// OID of relation `name` in schema outbox (syscache lookups), or None when the
+/// extension is not installed in this database.
+pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
+    // SAFETY: syscache lookups by name; the CStr literals outlive the calls.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return None;
+        }
+        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
+        (relid != pg_sys::InvalidOid).then_some(relid)
+    }
+}
+
+/// True when the installed SQL has `outbox._lock_row(oid, tid)` (0.5.0 on). A
+/// library newer than the installed SQL (before `ALTER EXTENSION outbox_ext
+/// UPDATE`) uses the statements of 0.4.0, so workers keep running through an
+/// upgrade. Looked up in the syscache on every call (two hash probes), not cached:
+/// the answer changes with ALTER EXTENSION, its rollback, or DROP and CREATE
+/// EXTENSION in the same session, and the catalog, unlike the data, is read as
+/// of now at every isolation level.
+pub fn row_lock_installed() -> bool {
+    // SAFETY: syscache probes with keys built here: a C string for the name, an
+    // oidvector palloc'd in the current memory context, and the namespace oid.
+    unsafe {
+        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
+        if nsp == pg_sys::InvalidOid {
+            return false;
+        }
+        let args = [pg_sys::OIDOID, pg_sys::TIDOID];
+        let vector = pg_sys::buildoidvector(args.as_ptr(), args.len() as i32);
+        let found = pg_sys::SearchSysCacheExists(
+            pg_sys::SysCacheIdentifier::PROCNAMEARGSNSP as i32,
+            pg_sys::Datum::from(c"_lock_row".as_ptr()),
+            pg_sys::Datum::from(vector),
+            pg_sys::Datum::from(nsp),
+            pg_sys::Datum::from(0usize),
+        );
+        pg_sys::pfree(vector.cast());
+        found
     }
 }
 

@@ -1,7 +1,7 @@
 //! `outbox.publish` and `outbox.publish_batch`: insert events in the caller's
 //! transaction.
 //!
-//! Ordering (issue 3): events of one subject must be claimable in the commit order
+//! Ordering: events of one subject must be claimable in the commit order
 //! of their publishers, but sequence ids are handed out before commit, so a
 //! smaller id can commit later. publish() therefore takes a transaction-scoped
 //! advisory lock on the subject *before* it draws the id. A second publisher of the

@@ -200,14 +200,29 @@ const DEFER: Stmt = Stmt {
     types: &[pg_sys::TEXTARRAYOID],
 };
 
+/// Take up to $1 repairs. `lock_row` locks them as claim locks events
+/// ([`crate::pg::try_lock_row`]): FOR UPDATE SKIP LOCKED would raise 40001 under
+/// REPEATABLE READ for a row another claim deleted after the snapshot. The table
+/// has no unique key, so inserts never wait either. `skip_locked` is 0.4.0's.
+macro_rules! take_deferred_sql {
+    ($pick:literal) => {
+        concat!(
+            "WITH d AS (DELETE FROM outbox.subject_repairs r WHERE r.ctid = ANY (ARRAY(",
+            $pick,
+            ")) RETURNING r.subject) SELECT array_agg(DISTINCT d.subject) FROM d"
+        )
+    };
+}
+
 const TAKE_DEFERRED: Stmt = Stmt {
-    // SKIP LOCKED: a claim never waits for a repair another transaction holds
-    // (issue 14.3); the table has no unique key, so inserts never wait either.
-    sql: "WITH d AS (DELETE FROM outbox.subject_repairs r \
-                      WHERE r.ctid = ANY (ARRAY(SELECT x.ctid FROM outbox.subject_repairs x \
-                                                 LIMIT $1 FOR UPDATE SKIP LOCKED)) \
-                     RETURNING r.subject) \
-          SELECT array_agg(DISTINCT d.subject) FROM d",
+    sql: take_deferred_sql!(
+        "SELECT x.row FROM (SELECT x.ctid AS row FROM outbox.subject_repairs x OFFSET 0) x \
+          WHERE outbox._lock_row('outbox.subject_repairs'::regclass::oid, x.row) LIMIT $1"
+    ),
+    types: &[pg_sys::INT8OID],
+};
+const TAKE_DEFERRED_040: Stmt = Stmt {
+    sql: take_deferred_sql!("SELECT x.ctid FROM outbox.subject_repairs x LIMIT $1 FOR UPDATE SKIP LOCKED"),
     types: &[pg_sys::INT8OID],
 };
 
@@ -294,7 +309,7 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
         return 0;
     }
     let floor = lowwater::floor_after_xid();
-    let stmt = if crate::claim::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
+    let stmt = if pg::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
     let (n, skipped, empty) = pg::run_latest(stmt, &[subjects.into(), lowwater::ts_param(floor)], |r| {
         (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2), r.texts(0, 3))
     });
@@ -310,7 +325,8 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
 /// hold, never waits, and costs one statement on an empty table when nothing is
 /// deferred. A subject whose lock a publisher holds goes back into the table.
 pub fn retry_deferred() {
-    let subjects = pg::run_latest(&TAKE_DEFERRED, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
+    let stmt = if pg::row_lock_installed() { &TAKE_DEFERRED } else { &TAKE_DEFERRED_040 };
+    let subjects = pg::run_latest(stmt, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
     if subjects.is_empty() {
         return;
     }

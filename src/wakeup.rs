@@ -6,8 +6,8 @@
 //! publish() only remembers the topic in backend memory; a transaction callback
 //! copies the topics into shared memory after the commit is visible and sets the
 //! background worker's latch; the worker sends one coalesced NOTIFY per topic from
-//! its own transaction (anchors.md 3(b).3). Rolled-back transactions and savepoints
-//! drop their topics, so they never notify.
+//! its own transaction, so no publisher ever takes that lock. Rolled-back
+//! transactions and savepoints drop their topics, so they never notify.
 //!
 //! `'transaction'` mode queues the NOTIFY in the publishing transaction (PostgreSQL
 //! sends it at commit, drops it on rollback, and deduplicates identical

@@ -527,6 +527,86 @@ def test_claim_locks_only_the_rows_it_claims(cluster, scratch):
     a.execute("ROLLBACK")
 
 
+def test_repeatable_read_claims_racing_over_repairs_never_fail(scratch):
+    """REPEATABLE READ claims take deferred promotions from outbox.subject_repairs
+    while other claims delete them: taking one another claim removed after this
+    claim's snapshot must skip it. FOR UPDATE SKIP LOCKED raised 40001 there. The
+    repairs are inserted directly (subjects with no events), so every claim has
+    some to race over."""
+    db = scratch("plain")
+    feeder = db.conn()
+    errors, calls, stop = [], [0], threading.Event()
+
+    def worker():
+        c = connect(db.dsn, options="-c default_transaction_isolation=repeatable\\ read "
+                                    "-c lock_timeout=1s -c statement_timeout=10s")
+        try:
+            while not stop.is_set():
+                try:
+                    c.execute("SELECT count(*) FROM outbox.claim('rr', 10)")
+                    calls[0] += 1
+                except psycopg.Error as e:
+                    errors.append(f"{e.sqlstate}: {e.diag.message_primary}")
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + 4
+    try:
+        while time.monotonic() < end and len(errors) < 10:
+            feeder.execute("INSERT INTO outbox.subject_repairs (subject) SELECT 'r' || g FROM generate_series(1, 300) g")
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(15)
+    assert calls[0] > 50, f"only {calls[0]} claims ran"
+    assert not errors, f"{len(errors)} of {calls[0] + len(errors)} claims failed, first: {errors[0]}"
+
+
+def test_lock_row_refuses_read_only_transactions(scratch):
+    db = scratch("plain")
+    c = db.conn()
+    publish(c, "t.ro")
+    c.execute("BEGIN READ ONLY")
+    with pytest.raises(psycopg.Error) as e:
+        c.execute("SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, ctid) FROM outbox.event_queue")
+    assert e.value.sqlstate == "25006"
+    c.execute("ROLLBACK")
+
+
+def test_lock_row_on_a_table_dropped_meanwhile(scratch):
+    """The lock waits for the dropping transaction, then finds no table: 42P01,
+    not an internal error."""
+    db = scratch("plain")
+    a, b = db.conn(), db.conn(lock_timeout="10s")
+    a.execute("CREATE TABLE doomed (x int)")
+    a.execute("INSERT INTO doomed VALUES (1)")
+    oid, tid = a.execute("SELECT 'doomed'::regclass::oid, ctid FROM doomed").fetchone()
+    a.execute("BEGIN")
+    a.execute("DROP TABLE doomed")
+    got = {}
+
+    def lock():
+        try:
+            got["r"] = b.execute("SELECT outbox._lock_row(%s::oid, %s::tid)", (oid, tid)).fetchone()
+        except psycopg.Error as e:
+            got["r"] = e.sqlstate
+
+    t = threading.Thread(target=lock)
+    t.start()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not a.execute(
+            "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = %s AND wait_event_type = 'Lock')",
+            (b.info.backend_pid,)).fetchone()[0]:
+        time.sleep(0.02)
+    a.execute("COMMIT")
+    t.join(10)
+    assert got.get("r") == "42P01", got
+
+
 # ---------------------------------------------------------------------------
 # 4. Subject advisory locks are bounded.
 # ---------------------------------------------------------------------------

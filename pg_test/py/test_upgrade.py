@@ -251,3 +251,33 @@ def test_upgrade_keeps_events_and_matches_fresh_install(scratch_db, old):
 def psycopg_literal(s):
     assert all(ch.isalnum() or ch in "._-" for ch in s), s
     return "'" + s + "'"
+
+
+def test_claims_follow_the_installed_sql_within_one_session(scratch_db):
+    """A 0.5.0 library claims with 0.4.0's statements until outbox._lock_row
+    exists, and switches back when an ALTER EXTENSION UPDATE rolls back or the
+    extension is recreated at 0.4.0, all in one session (the library must not
+    remember a function the catalog no longer has)."""
+    c = connect(scratch_db("outbox_upg_switch"))
+    install_fixture(c, "0.4.0")
+    c.execute("CREATE EXTENSION outbox_ext VERSION '0.4.0'")
+    c.execute("SET outbox.notify = off")
+
+    def claim_one(topic):
+        eid = c.execute("SELECT outbox.publish(%s, '{}', subject => 's')", (topic,)).fetchone()[0]
+        rows = c.execute("SELECT id, lease_token FROM outbox.claim('w', 10, NULL, ARRAY[%s])", (topic,)).fetchall()
+        assert [r[0] for r in rows] == [eid]
+        assert c.execute("SELECT outbox.ack(%s::bigint, %s::uuid)", rows[0]).fetchone()[0]
+
+    claim_one("sw.a")                     # 0.4.0 SQL
+    c.execute("BEGIN")
+    c.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.5.0'")
+    claim_one("sw.b")                     # 0.5.0 SQL, inside the update's transaction
+    c.execute("ROLLBACK")
+    claim_one("sw.c")                     # 0.4.0 again
+    c.execute("DROP EXTENSION outbox_ext")
+    c.execute("CREATE EXTENSION outbox_ext VERSION '0.4.0'")
+    claim_one("sw.d")
+    c.execute("ALTER EXTENSION outbox_ext UPDATE")
+    claim_one("sw.e")
+    c.close()

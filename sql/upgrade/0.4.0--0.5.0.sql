@@ -1,0 +1,5 @@
+-- Claims never wait: claim and head promotion lock rows with outbox._lock_row,
+-- which never follows a row's update chain (FOR UPDATE SKIP LOCKED does, and then
+-- waits for the transaction changing a newer version). Comments cite public
+-- sources instead of internal documents; health()'s body comment changed too.
+-- No DDL: everything else follows from the install scripts.
