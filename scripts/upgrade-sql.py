@@ -130,12 +130,18 @@ def arg_types(args):
     return ", ".join(types)
 
 
+def qualified(name):
+    """outbox."_f" and "_f" (pgrx leaves the schema to the control file) -> outbox._f."""
+    parts = [p.strip().strip('"').lower() for p in name.strip().split(".")]
+    return ".".join(parts if len(parts) > 1 else ["outbox"] + parts)
+
+
 def key(stmt):
     """(kind, name) of what a statement defines, or None for statements of no interest."""
     s = normal(stmt)
     m = ROUTINE.match(s)
     if m:
-        return ("routine", f"{m.group(2).strip().lower()}({arg_types(m.group(3))})")
+        return ("routine", f"{qualified(m.group(2))}({arg_types(m.group(3))})")
     m = COMMENT.match(s)
     if m:
         return ("comment", m.group(1).lower())

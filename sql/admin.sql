@@ -2,31 +2,8 @@
 -- hot path, so they are plain PL/pgSQL; each pins search_path and qualifies every
 -- object it names.
 
--- Shared check for topic names and claim/replay patterns. Returns the pattern kind:
--- 'all' for '*', 'prefix' for 'a.b.*', 'exact' otherwise; raises 22023 when bad.
-CREATE FUNCTION outbox._pattern_kind(pattern text) RETURNS text
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    IF pattern IS NULL THEN
-        RAISE EXCEPTION 'outbox: topic pattern must not be NULL' USING ERRCODE = '22004';
-    END IF;
-    IF pattern OPERATOR(pg_catalog.=) '*' THEN
-        RETURN 'all';
-    END IF;
-    IF pg_catalog.length(pattern) OPERATOR(pg_catalog.>) 255
-       OR pattern OPERATOR(pg_catalog.!~) '^[a-z0-9_-]+(\.[a-z0-9_-]+)*(\.\*)?$' COLLATE "C" THEN
-        RAISE EXCEPTION 'outbox: invalid topic pattern %', pg_catalog.quote_literal(pattern)
-            USING ERRCODE = '22023',
-                  HINT = 'Use an exact topic (a.b.c), a prefix (a.b.*) or *.';
-    END IF;
-    IF pg_catalog.right(pattern, 2) OPERATOR(pg_catalog.=) '.*' THEN
-        RETURN 'prefix';
-    END IF;
-    RETURN 'exact';
-END
-$$;
+-- Topic names and patterns are checked by outbox._pattern_kind and
+-- outbox._check_topic (src/validate.rs), the one definition of the grammar.
 
 -- True when topic matches one pattern (exact, 'a.b.*' or '*').
 CREATE FUNCTION outbox._topic_matches(topic text, pattern text) RETURNS boolean
@@ -208,21 +185,6 @@ CREATE FUNCTION outbox._topics_changed() RETURNS trigger
 LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_topics_changed';
 CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.topics
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
-
-CREATE FUNCTION outbox._check_topic(topic text) RETURNS void
-LANGUAGE plpgsql IMMUTABLE PARALLEL SAFE
-SET search_path = pg_catalog, pg_temp
-AS $$
-BEGIN
-    IF topic IS NULL THEN
-        RAISE EXCEPTION 'outbox: topic must not be NULL' USING ERRCODE = '22004';
-    END IF;
-    IF outbox._pattern_kind(topic) OPERATOR(pg_catalog.<>) 'exact' THEN
-        RAISE EXCEPTION 'outbox: invalid topic %', pg_catalog.quote_literal(topic)
-            USING ERRCODE = '22023';
-    END IF;
-END
-$$;
 
 -- A topic's dead-letter policy applies to the dead letters already there: 'skip'
 -- releases their subjects at once, 'block' starts holding them. Leased events of

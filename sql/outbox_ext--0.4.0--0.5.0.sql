@@ -15,6 +15,20 @@ CREATE OR REPLACE FUNCTION outbox._lock_row(rel oid, "row" tid) RETURNS boolean
 LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 100
 AS 'MODULE_PATHNAME', 'outbox_lock_row';
 
+CREATE OR REPLACE FUNCTION "_check_topic"(
+	"topic" TEXT /* Option < & str > */
+) RETURNS void
+IMMUTABLE PARALLEL SAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'check_topic_wrapper';
+
+CREATE OR REPLACE FUNCTION "_pattern_kind"(
+	"pattern" TEXT /* Option < & str > */
+) RETURNS TEXT /* & '_ str */
+IMMUTABLE PARALLEL SAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'pattern_kind_wrapper';
+
 CREATE OR REPLACE FUNCTION outbox.health(
     backlog_age        interval DEFAULT '60 seconds',
     backlog_critical   bigint   DEFAULT 1000,

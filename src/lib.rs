@@ -43,8 +43,16 @@ pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"])
 pgrx::extension_sql_file!(
     "../sql/admin.sql",
     name = "admin",
-    requires =
-        ["schema", wakeup::wake, subject::promote_heads, subject::lock_subject, gucs::setting, lowwater::visible_floor]
+    requires = [
+        "schema",
+        wakeup::wake,
+        subject::promote_heads,
+        subject::lock_subject,
+        gucs::setting,
+        lowwater::visible_floor,
+        validate::pattern_kind,
+        validate::check_topic
+    ]
 );
 pgrx::extension_sql_file!(
     "../sql/retention.sql",

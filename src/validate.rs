@@ -61,6 +61,31 @@ pub fn pattern(s: &str) -> TopicPattern {
     )
 }
 
+/// `outbox._pattern_kind(pattern text) -> text`: 'all' for `*`, 'prefix' for
+/// `a.b.*`, 'exact' otherwise; 22004 for NULL, 22023 when malformed. The SQL
+/// functions (replay_dead, the topic registry) check topics and patterns through
+/// this and [`check_topic`], so the grammar has one definition: [`is_topic`].
+#[pg_extern(name = "_pattern_kind", immutable, parallel_safe)]
+fn pattern_kind(pattern: Option<&str>) -> &'static str {
+    let Some(p) = pattern else {
+        errors::raise(errors::NULL_VALUE, "topic pattern must not be NULL");
+    };
+    match self::pattern(p) {
+        TopicPattern::All => "all",
+        TopicPattern::Prefix(_) => "prefix",
+        TopicPattern::Exact(_) => "exact",
+    }
+}
+
+/// `outbox._check_topic(topic text)`: [`topic`] for the SQL functions; 22004 for NULL.
+#[pg_extern(name = "_check_topic", immutable, parallel_safe)]
+fn check_topic(topic: Option<&str>) {
+    let Some(t) = topic else {
+        errors::raise(errors::NULL_VALUE, "topic must not be NULL");
+    };
+    self::topic(t);
+}
+
 /// Validate a worker name: 1..255 bytes, no control characters.
 pub fn worker(s: &str) {
     if s.is_empty() || s.len() > MAX_NAME_LEN || s.chars().any(|c| c.is_control()) {
