@@ -281,3 +281,19 @@ def test_claims_follow_the_installed_sql_within_one_session(scratch_db):
     c.execute("ALTER EXTENSION outbox_ext UPDATE")
     claim_one("sw.e")
     c.close()
+
+
+def test_latest_upgrade_script_is_assembled_from_the_sources(plain_dsn):
+    """sql/outbox_ext--OLD--NEW.sql for the newest frozen release is what
+    scripts/upgrade-sql.py makes from the two install scripts (the installed one
+    is this build's) and sql/upgrade/OLD--NEW.sql: no hand edit, no stale copy."""
+    import subprocess
+    import sys
+    with connect(plain_dsn) as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
+        new = c.execute("SELECT default_version FROM pg_available_extensions WHERE name = 'outbox_ext'").fetchone()[0]
+        install = extension_dir(c) / f"outbox_ext--{new}.sql"
+    old = max(OLD_VERSIONS, key=lambda v: tuple(int(x) for x in v.split(".")))
+    r = subprocess.run([sys.executable, str(REPO / "scripts" / "upgrade-sql.py"), old, new, "--check",
+                        "--new-install", str(install)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
