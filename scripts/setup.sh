@@ -49,8 +49,9 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 # python3-venv: `python3 -m venv` on Debian's python needs it.
 # jq, curl: the shell reference worker and its webhook handler.
 # faketime: libfaketime, to set a test server's clock back (pg_test/py/test_liveness.py).
+# make: pg_test/Makefile runs the regress and isolation suites through PGXS.
 APT_PACKAGES=(
-    postgresql-15 postgresql-server-dev-15 postgresql-client-15
+    postgresql-15 postgresql-server-dev-15 postgresql-client-15 make
     libclang-dev clang libssl-dev pkg-config sudo
     postgresql-15-pgq3 pgqd postgresql-15-cron
     postgresql-15-pgtap libtap-parser-sourcehandler-pgtap-perl

@@ -177,24 +177,6 @@ start_cluster() {
     "$PGCLUSTER" start "$@" -c max_prepared_transactions=64 | sed -n 1p
 }
 
-# psql as the cluster superuser, failing on the first error.
-psql_on() {
-    local name="$1"
-    shift
-    "$PG_BINDIR/psql" -h "$(outbox_pg_sockdir "$name")" -p "$(outbox_pg_port "$name")" \
-        -U "$OUTBOX_PG_USER" -X -q -v ON_ERROR_STOP=1 "$@"
-}
-
-# fresh_db CLUSTER DB [with-extension]: drop and re-create DB from template0.
-fresh_db() {
-    psql_on "$1" -d postgres -c "SET client_min_messages = warning" \
-        -c "DROP DATABASE IF EXISTS \"$2\" WITH (FORCE)" \
-        -c "CREATE DATABASE \"$2\" TEMPLATE template0" || return 1
-    if [ "${3:-}" = "with-extension" ]; then
-        psql_on "$1" -d "$2" -c "CREATE EXTENSION outbox_ext" || return 1
-    fi
-}
-
 PLAIN_UP=0
 ensure_plain_cluster() {
     [ "$PLAIN_UP" -eq 1 ] && return 0
@@ -234,115 +216,44 @@ show_diffs() {
 }
 
 # ---------------------------------------------------------------------------
-# a. pg_regress: pg_test/sql/NAME.sql vs pg_test/expected/NAME.out
+# a, b. regress and isolation: pg_test/Makefile (PGXS installcheck)
 # ---------------------------------------------------------------------------
-# Each test file gets a fresh, empty database and creates the extension itself,
-# so tests never depend on one another's leftovers. With pg_test/schedule, the
-# schedule runs in one pg_regress call on one database instead (for parallel
-# groups); then the tests share that database.
-run_regress() {
-    local tests out rc t
-    mapfile -t tests < <(list_tests "$TEST_DIR/sql" sql "${FILTER[regress]:-}")
-    if [ "${#tests[@]}" -eq 0 ] && { [ ! -f "$TEST_DIR/schedule" ] || [ -n "${FILTER[regress]:-}" ]; }; then
-        [ -n "${FILTER[regress]:-}" ] && fail "regress: no test named '${FILTER[regress]}'"
+# run_pgxs SUITE VAR OTHER DIR EXT TOOL: `make -C pg_test installcheck` with only this
+# suite's files (VAR=REGRESS or ISOLATION; the other one empty), against the
+# plain cluster. One pg_regress run per suite, in one fresh database; each test
+# line it prints ("test NAME ... ok|FAILED") counts as one case.
+run_pgxs() {
+    local suite="$1" var="$2" other="$3" dir="$4" ext="$5" tool="$6" names out rc ok bad
+    mapfile -t names < <(list_tests "$TEST_DIR/$dir" "$ext" "${FILTER[$suite]:-}")
+    if [ "${#names[@]}" -eq 0 ]; then
+        [ -n "${FILTER[$suite]:-}" ] && fail "$suite: no test named '${FILTER[$suite]}'"
         return 0
     fi
-    section "regress (pg_regress, pg_test/sql)"
-    ensure_extension regress || return 0
-    ensure_plain_cluster || { fail "regress: cluster $PLAIN did not start"; return 0; }
-    out="$RESULTS/regress"
+    section "$suite ($tool, pg_test/$dir)"
+    ensure_extension "$suite" || return 0
+    ensure_plain_cluster || { fail "$suite: cluster $PLAIN did not start"; return 0; }
+    out="$RESULTS/$suite"
+    rm -rf "$out"
     mkdir -p "$out"
-    local -a common=(
-        --use-existing --inputdir="$TEST_DIR" --outputdir="$out"
-        --bindir="$PG_BINDIR" --host="$(outbox_pg_sockdir "$PLAIN")"
-        --port="$PLAIN_PORT" --user="$OUTBOX_PG_USER" --dbname=outbox_regress
-    )
-
-    if [ -f "$TEST_DIR/schedule" ] && [ -z "${FILTER[regress]:-}" ]; then
-        fresh_db "$PLAIN" outbox_regress || { fail "regress: could not create database"; return 0; }
-        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/regress/pg_regress" "${common[@]}" \
-            --schedule="$TEST_DIR/schedule" >"$out/pg_regress.log" 2>&1
-        rc=$?
-        grep -E '\.\.\. ' "$out/pg_regress.log" | sed 's/^/  /'
-        local ok bad
-        ok="$(grep -cE '\.\.\. +ok' "$out/pg_regress.log")"
-        bad="$(grep -cE '\.\.\. +(FAILED|failed)' "$out/pg_regress.log")"
-        pass "" "$ok"
-        if [ "$bad" -gt 0 ]; then
-            FAILED=$((FAILED + bad))
-            FAILURES+=("regress: $bad test(s) in pg_test/schedule (diffs: $out/regression.diffs)")
-        elif [ "$rc" -ne 0 ]; then
-            fail "regress: pg_regress exited $rc (log: $out/pg_regress.log)"
-            tail -n 20 "$out/pg_regress.log"
-        fi
-        [ "$rc" -eq 0 ] || show_diffs "$out"
-        return 0
-    fi
-
-    for t in "${tests[@]}"; do
-        if ! fresh_db "$PLAIN" outbox_regress >"$out/$t.db.log" 2>&1; then
-            cat "$out/$t.db.log"
-            fail "regress: $t (could not create database)"
-            continue
-        fi
-        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/regress/pg_regress" "${common[@]}" \
-            "$t" >"$out/$t.log" 2>&1
-        rc=$?
-        grep -E '\.\.\. ' "$out/$t.log" | sed 's/^/  /'
-        if [ "$rc" -eq 0 ]; then
-            pass
-        else
-            [ "$rc" -eq 124 ] && echo "  $t: timed out after ${SUITE_TIMEOUT}s"
-            no_expected_hint "$t" "$out"
-            fail "regress: $t"
-            show_diffs "$out"
-        fi
+    PGHOST="$(outbox_pg_sockdir "$PLAIN")" PGPORT="$PLAIN_PORT" PGUSER="$OUTBOX_PG_USER" \
+        timeout -k 10 "$SUITE_TIMEOUT" make -s -C "$TEST_DIR" installcheck PG_CONFIG="$PG_CONFIG" \
+        "$var=${names[*]}" "$other=" EXTRA_REGRESS_OPTS="--outputdir=$out" </dev/null >"$out/make.log" 2>&1
+    rc=$?
+    grep -E '^(test| ) *[a-z_0-9]+ +\.\.\. ' "$out/make.log" | sed 's/^/  /'
+    ok="$(grep -cE '\.\.\. +ok' "$out/make.log")"
+    bad="$(grep -cE '\.\.\. +(FAILED|failed)' "$out/make.log")"
+    pass "" "$ok"
+    for t in "${names[@]}"; do
+        no_expected_hint "$t" "$out"
     done
-}
-
-# ---------------------------------------------------------------------------
-# b. isolation: pg_test/specs/NAME.spec vs pg_test/expected/NAME.out
-# ---------------------------------------------------------------------------
-# Each spec runs on a fresh database in which outbox_ext is ALREADY created, so a
-# spec's setup only creates its own data (and its teardown removes it again for
-# the next permutation). A spec that must start without the extension (to test
-# CREATE EXTENSION itself) says so with a line "# outbox-test: no-extension".
-run_isolation() {
-    local specs out rc t mode
-    mapfile -t specs < <(list_tests "$TEST_DIR/specs" spec "${FILTER[isolation]:-}")
-    if [ "${#specs[@]}" -eq 0 ]; then
-        [ -n "${FILTER[isolation]:-}" ] && fail "isolation: no spec named '${FILTER[isolation]}'"
-        return 0
+    if [ "$bad" -gt 0 ]; then
+        fail "$suite: $bad file(s) failed (diffs: $out/regression.diffs)" "$bad"
+        show_diffs "$out"
+    elif [ "$rc" -ne 0 ] || [ "$ok" -ne "${#names[@]}" ]; then
+        [ "$rc" -eq 124 ] && echo "  $suite: timed out after ${SUITE_TIMEOUT}s"
+        fail "$suite: make installcheck exited $rc after $ok of ${#names[@]} files (log: $out/make.log)"
+        tail -n 20 "$out/make.log"
     fi
-    section "isolation (pg_isolation_regress, pg_test/specs)"
-    ensure_extension isolation || return 0
-    ensure_plain_cluster || { fail "isolation: cluster $PLAIN did not start"; return 0; }
-    out="$RESULTS/isolation"
-    mkdir -p "$out"
-    for t in "${specs[@]}"; do
-        mode=with-extension
-        grep -q '^# *outbox-test: *no-extension' "$TEST_DIR/specs/$t.spec" && mode=""
-        if ! fresh_db "$PLAIN" outbox_isolation $mode >"$out/$t.db.log" 2>&1; then
-            cat "$out/$t.db.log"
-            fail "isolation: $t (could not create database${mode:+ with the extension})"
-            continue
-        fi
-        timeout -k 10 "$SUITE_TIMEOUT" "$PG_PGXS_TESTDIR/isolation/pg_isolation_regress" \
-            --use-existing --inputdir="$TEST_DIR" --outputdir="$out" \
-            --bindir="$PG_BINDIR" --host="$(outbox_pg_sockdir "$PLAIN")" \
-            --port="$PLAIN_PORT" --user="$OUTBOX_PG_USER" --dbname=outbox_isolation \
-            "$t" >"$out/$t.log" 2>&1
-        rc=$?
-        grep -E '\.\.\. ' "$out/$t.log" | sed 's/^/  /'
-        if [ "$rc" -eq 0 ]; then
-            pass
-        else
-            [ "$rc" -eq 124 ] && echo "  $t: timed out after ${SUITE_TIMEOUT}s"
-            no_expected_hint "$t" "$out"
-            fail "isolation: $t"
-            show_diffs "$out"
-        fi
-    done
 }
 
 # ---------------------------------------------------------------------------
@@ -509,8 +420,8 @@ run_suites() {
     done
 }
 
-want regress && run_regress
-want isolation && run_isolation
+want regress && run_pgxs regress REGRESS ISOLATION sql sql pg_regress
+want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_regress
 want py && run_py
 want suites && run_suites
 # Last: it replaces the installed extension with its test build.

@@ -1,20 +1,6 @@
 -- Operator API: replay, replay_dead, cancel (each allowed and refused state),
 -- dead-letter policies, the topic registry and the outbox.events view.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
-
-CREATE FUNCTION pg_temp.try(stmt text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE r text;
-BEGIN
-    EXECUTE stmt INTO r;
-    RETURN 'ok: ' || coalesce(r, 'NULL');
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/prologue.inc
 
 -- One event in each state, ids 1..6 in this order:
 -- 1 pending, 2 leased, 3 delivered, 4 dead, 5 cancelled, 6 pending (retry scheduled).
@@ -113,7 +99,7 @@ SELECT label, pg_temp.rd(p, since, until) AS result
     (12, 'exact bound since = dead_at', NULL, now() - interval '2 days', now() - interval '1.5 days')
   ) AS v(n, label, p, since, until)
  ORDER BY n;
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'bad pattern', $$SELECT outbox.replay_dead('Mail')$$),
     (2, 'bad prefix', $$SELECT outbox.replay_dead('mail*')$$),
@@ -186,7 +172,7 @@ SELECT outbox.create_topic('reg.bare');
 SELECT topic, max_attempts, backoff_base, backoff_max, default_lease, dead_letter_policy,
        retention_delivered, retention_dead, created_at = updated_at AS untouched
   FROM outbox.topics ORDER BY topic;
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'duplicate', $$SELECT outbox.create_topic('reg.full')$$),
     (2, 'NULL topic', $$SELECT outbox.create_topic(NULL)$$),
@@ -237,18 +223,18 @@ SELECT payload, max_attempts FROM outbox.events WHERE topic = 'reg.full' ORDER B
 SELECT outbox.drop_topic('reg.bare') AS drop_empty;
 SELECT outbox.create_topic('reg.bare');
 SELECT outbox.publish('reg.bare', '"p"') IS NOT NULL AS pending;
-SELECT pg_temp.try($$SELECT outbox.drop_topic('reg.bare')$$) AS drop_with_pending;
+SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.bare')$$) AS drop_with_pending;
 CREATE TEMP TABLE rb AS SELECT * FROM outbox.claim('w', 10, topics => ARRAY['reg.bare']);
-SELECT pg_temp.try($$SELECT outbox.drop_topic('reg.bare')$$) AS drop_with_leased;
+SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.bare')$$) AS drop_with_leased;
 SELECT outbox.fail(id, lease_token, 'x', permanent => true) FROM rb;
-SELECT pg_temp.try($$SELECT outbox.drop_topic('reg.bare', false)$$) AS drop_with_dead;
+SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.bare', false)$$) AS drop_with_dead;
 SELECT outbox.replay(id) FROM rb;
 SELECT outbox.ack(id, lease_token) FROM outbox.claim('w', 10, topics => ARRAY['reg.bare']);
 -- only delivered events left: allowed
 SELECT outbox.drop_topic('reg.bare') AS drop_delivered_only;
 SELECT outbox.drop_topic('reg.bare') AS drop_again;
 -- force: drops the policy row, the events stay and fall back to the GUC defaults
-SELECT pg_temp.try($$SELECT outbox.drop_topic('reg.full')$$) AS drop_full;
+SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.full')$$) AS drop_full;
 SELECT outbox.drop_topic('reg.full', force => true) AS forced;
 SELECT topic FROM outbox.topics ORDER BY 1;
 SELECT payload, state, max_attempts FROM outbox.events WHERE topic = 'reg.full' ORDER BY id;

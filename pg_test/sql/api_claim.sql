@@ -1,19 +1,6 @@
 -- claim: batch sizes, leases, topic filters, attempt counting, lease expiry,
 -- dead-lettering of expired leases, claim order and per-subject order.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
-
-CREATE FUNCTION pg_temp.try(stmt text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE stmt;
-    RETURN 'ok';
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/prologue.inc
 
 -- Empty queue: no rows, no error.
 SELECT count(*) AS claimed FROM outbox.claim('w');

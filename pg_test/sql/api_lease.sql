@@ -1,20 +1,6 @@
 -- ack (single and batch), fail, extend_lease and backoff_delay: every transition
 -- of a leased event and every fencing refusal.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
-
-CREATE FUNCTION pg_temp.try(stmt text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE r text;
-BEGIN
-    EXECUTE stmt INTO r;
-    RETURN 'ok: ' || coalesce(r, 'NULL');
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/prologue.inc
 
 -- Fresh set of claimed events: publishes n events of topic t and claims them.
 CREATE FUNCTION pg_temp.fresh(n int, t text DEFAULT 'lease') RETURNS void LANGUAGE plpgsql AS $$
@@ -71,7 +57,7 @@ SELECT outbox.ack(ARRAY[]::bigint[], ARRAY[]::uuid[]) AS empty;
 SELECT id, state FROM outbox.events ORDER BY id;
 -- errors: nothing is applied
 SELECT pg_temp.fresh(2);
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'NULL ids', $$SELECT outbox.ack(NULL::bigint[], ARRAY[gen_random_uuid()])$$),
     (2, 'NULL tokens', $$SELECT outbox.ack(ARRAY[1::bigint], NULL::uuid[])$$),
@@ -84,7 +70,7 @@ SELECT label, pg_temp.try(stmt) AS result
   ) AS v(n, label, stmt)
  ORDER BY n;
 SET outbox.max_batch_size = 1;
-SELECT pg_temp.try($$SELECT outbox.ack((SELECT array_agg(id ORDER BY id) FROM cl), (SELECT array_agg(lease_token ORDER BY id) FROM cl))$$) AS over_max_batch;
+SELECT pg_temp.try_result($$SELECT outbox.ack((SELECT array_agg(id ORDER BY id) FROM cl), (SELECT array_agg(lease_token ORDER BY id) FROM cl))$$) AS over_max_batch;
 RESET outbox.max_batch_size;
 SELECT id, state FROM outbox.events ORDER BY id;
 
@@ -159,7 +145,7 @@ SELECT id, left(last_error, 16) AS starts, octet_length(last_error) AS bytes, le
 
 -- argument errors
 SELECT pg_temp.fresh(1);
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'negative retry_in', $$SELECT outbox.fail(1, (SELECT lease_token FROM cl), 'e', retry_in => '-1 second')$$),
     (2, 'retry_in 366 days', $$SELECT outbox.fail(1, (SELECT lease_token FROM cl), 'e', retry_in => '366 days')$$),
@@ -189,7 +175,7 @@ SELECT outbox.extend_lease(2, gen_random_uuid(), '1 hour') IS NULL AS random_tok
 SELECT outbox.extend_lease(999, gen_random_uuid(), '1 hour') IS NULL AS unknown_id;
 SELECT outbox.extend_lease(NULL, gen_random_uuid(), '1 hour') IS NULL AS null_id;
 SELECT outbox.extend_lease(2, NULL, '1 hour') IS NULL AS null_token;
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'NULL lease', $$SELECT outbox.extend_lease(2, (SELECT lease_token FROM cl WHERE id = 2), NULL)$$),
     (2, 'zero lease', $$SELECT outbox.extend_lease(2, (SELECT lease_token FROM cl WHERE id = 2), '0')$$),
@@ -221,7 +207,7 @@ SELECT bool_and(d BETWEEN interval '4 seconds' AND interval '8 seconds') AS jitt
   FROM (SELECT outbox.backoff_delay(4, '1 second', '1 hour') AS d FROM generate_series(1, 200)) s;
 SELECT bool_and(outbox.backoff_delay(a, '1 microsecond', '1 microsecond') = interval '1 microsecond') AS never_zero
   FROM generate_series(1, 100) a;
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'NULL attempt', $$SELECT outbox.backoff_delay(NULL)$$),
     (2, 'attempt 0', $$SELECT outbox.backoff_delay(0)$$),

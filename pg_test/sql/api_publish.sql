@@ -1,20 +1,6 @@
 -- publish / publish_batch: validation, limits, headers, deliver_at, traceparent,
 -- dispatch-key dedupe, strict topics, and the extension's dump registration.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
-
--- Runs one statement; returns 'ok' or '<SQLSTATE>: <message>'.
-CREATE FUNCTION pg_temp.try(stmt text) RETURNS text LANGUAGE plpgsql AS $$
-BEGIN
-    EXECUTE stmt;
-    RETURN 'ok';
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/prologue.inc
 
 -- ---------------------------------------------------------------------------
 -- pg_dump registration: every table and the id sequence are config tables.

@@ -1,15 +1,10 @@
--- The bad-input matrix (issue 8): every public function called with hostile
+-- The bad-input matrix: every public function called with hostile
 -- input. Each case is a call and the expected outcome: a SQLSTATE, 'ok' (any
 -- result) or 'ok:<result>'. A failing call must leave the outbox tables as they
 -- were. Every case runs in its own subtransaction that is rolled back afterwards,
 -- so cases do not depend on each other. pg_test/ERRORS.md is the same matrix as
 -- a table.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
+\i sql/prologue.inc
 
 -- Fixture: a registered topic and one event per state. Tokens are kept in fx.
 SELECT outbox.create_topic('fx.topic', max_attempts => 3);

@@ -1,21 +1,7 @@
 -- Retention: purge (delivered + cancelled), purge_dead, per-topic windows,
 -- dispatch-key lifetime, run_maintenance and the maintenance log.
 -- Ages are faked by moving timestamps back on the underlying tables.
-SET client_min_messages = warning;
-DROP EXTENSION IF EXISTS outbox_ext CASCADE;
-RESET client_min_messages;
-CREATE EXTENSION outbox_ext;
-\set VERBOSITY terse
-SET outbox.notify = off;
-
-CREATE FUNCTION pg_temp.try(stmt text) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE r text;
-BEGIN
-    EXECUTE stmt INTO r;
-    RETURN 'ok: ' || coalesce(r, 'NULL');
-EXCEPTION WHEN OTHERS THEN
-    RETURN SQLSTATE || ': ' || SQLERRM;
-END $$;
+\i sql/prologue.inc
 
 -- One event per state (payload names it), each with a dispatch key named after it:
 -- pending, delayed, leased, expired (leased, lease long gone), retry (pending,
@@ -145,7 +131,7 @@ CALL outbox.purge_dead('0', 2);
 SELECT count(*) AS left_over FROM outbox.events;
 CALL outbox.purge('0', 3);
 -- argument errors
-SELECT label, pg_temp.try(stmt) AS result
+SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'negative older_than', $$SELECT outbox._purge_step('delivered', '-1 second', 10)$$),
     (2, 'batch_size 0', $$SELECT outbox._purge_step('delivered', NULL, 0)$$),
