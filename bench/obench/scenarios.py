@@ -723,7 +723,7 @@ def s6_purge(ctx):
 
 
 # ---------------------------------------------------------------------------
-# Claim plans (issue 3): auto_explain of claim's internal statement
+# Claim plans: auto_explain of claim's internal statement
 # ---------------------------------------------------------------------------
 _LOG_ENTRY = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", re.M)
 

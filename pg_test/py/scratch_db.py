@@ -1,4 +1,4 @@
-"""Throwaway databases for the issue 9 tests (roles, drop guard, dump/restore).
+"""Throwaway databases for the tests (roles, drop guard, dump/restore).
 
 Those tests drop, recreate, dump and restore the extension, so they work in
 databases of their own on the plain cluster instead of the shared 'postgres'

@@ -1,4 +1,4 @@
-"""Core delivery guarantees that only show across real sessions (issue 2):
+"""Core delivery guarantees that only show across real sessions:
 concurrent claims, fencing tokens after a reclaim, transactional publish, delayed
 delivery and clock-based leases. Runs on the cluster without preload."""
 

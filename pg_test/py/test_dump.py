@@ -1,4 +1,4 @@
-"""The extension's lifecycle (issue 9): pg_dump / restore round trip, and the
+"""The extension's lifecycle: pg_dump / restore round trip, and the
 DROP EXTENSION guard. Each test works in databases of its own on the plain cluster.
 """
 

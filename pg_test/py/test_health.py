@@ -1,4 +1,4 @@
-"""Monitoring (issue 9): outbox.health() checks and outbox.stats counts."""
+"""Monitoring: outbox.health() checks and outbox.stats counts."""
 
 import time
 

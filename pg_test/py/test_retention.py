@@ -1,4 +1,4 @@
-"""Retention (issue 5) across sessions: purge never removes undelivered events,
+"""Retention across sessions: purge never removes undelivered events,
 commits batch by batch, counts each row once under concurrency, never waits on
 in-flight work, and runs on its own (background worker with preload, pg_cron
 without). Explicit purges run on the cluster without preload, where no

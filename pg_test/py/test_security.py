@@ -1,4 +1,4 @@
-"""Privileges and search_path safety (issue 9).
+"""Privileges and search_path safety.
 
 - The three NOLOGIN roles, and CREATE EXTENSION when they already exist.
 - Every allowed call works and every denied call fails with 42501, each tried

@@ -1,4 +1,4 @@
-"""Upgrades (issue 9): ALTER EXTENSION outbox_ext UPDATE from every released version.
+"""Upgrades: ALTER EXTENSION outbox_ext UPDATE from every released version.
 
 For each released version V (pg_test/upgrade/outbox_ext--V.sql is V's install
 script exactly as it was packaged), in a fresh database:

@@ -1,4 +1,4 @@
-"""Wake-ups (issue 4): what a `LISTEN outbox` connection receives, per
+"""Wake-ups: what a `LISTEN outbox` connection receives, per
 outbox.notify mode, across commit, rollback, savepoints, two-phase commit, worker
 restarts and delayed events. 'background' needs the preloaded cluster, whose
 worker serves database 'postgres'.

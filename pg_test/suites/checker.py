@@ -381,8 +381,8 @@ def pub_tx(ctx, rnd, c, db, tag):
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
         if mode == "2pc" and db != "postgres":
-            # Only outbox.database gets background wake-ups (until the launcher of
-            # issue 16); elsewhere 'background' falls back to 'transaction', whose
+            # Only outbox.database gets background wake-ups (one worker serves one
+            # database); elsewhere 'background' falls back to 'transaction', whose
             # NOTIFY makes PREPARE fail (README, Wake-ups). A 2PC application there
             # turns notifications off, as the README says.
             c.execute("SET LOCAL outbox.notify = 'off'")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Crash and fault tests (issue 8): pg_test/suites/crash_test.py on a throwaway
+# Crash and fault tests: pg_test/suites/crash_test.py on a throwaway
 # preloaded cluster of its own (port 5480), because the tests crash and restart the
 # server. The exit code is the verdict; the last line is `N passed, N failed`.
 #   CRASH_CASES=1,3 pg_test/suites/crash.sh     # a subset (cases 1..4)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Crash and fault tests for outbox_ext (issue 8), against a real cluster.
+"""Crash and fault tests for outbox_ext, against a real cluster.
 
   1. worker crash     SIGKILL of a client worker holding leases (and one holding an
                       open claim transaction): redelivery after the lease, attempts

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Soak test for outbox_ext (issue 8) with an independent invariant checker.
+"""Soak test for outbox_ext with an independent invariant checker.
 
 N publisher processes (random topics, subjects, dispatch keys, delays, rollbacks)
 and M worker processes (random transient failures, permanent failures, slow

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Soak test (issue 8): 60 s of publishers, failing/crashing workers, maintenance and
+# Soak test: 60 s of publishers, failing/crashing workers, maintenance and
 # purges, then the invariant checker (pg_test/suites/soak.py). It starts and stops
 # its own preloaded cluster (outbox-soak, port 5481). The hour-long run:
 #   .venv/bin/python pg_test/suites/soak.py --duration 3600
