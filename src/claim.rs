@@ -31,8 +31,8 @@
 //! claim.
 
 use crate::errors;
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
+use crate::pg::fcall::{self, param};
+use crate::pg::plans::{self, Stmt};
 use crate::{gucs, lowwater, validate};
 use pgrx::prelude::*;
 

@@ -11,8 +11,8 @@
 
 use crate::backoff;
 use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
+use crate::pg::fcall::{self, param};
+use crate::pg::plans::{self, Stmt};
 use crate::{gucs, validate};
 use pgrx::prelude::*;
 

@@ -57,7 +57,7 @@
 //! and claims scan from the start of the index, as before.
 
 use crate::gucs;
-use crate::plans::{self, Stmt};
+use crate::pg::plans::{self, Stmt};
 use pgrx::atomics::PgAtomic;
 use pgrx::lwlock::PgLwLock;
 use pgrx::prelude::*;
@@ -290,7 +290,7 @@ struct Probe {
 
 /// A timestamptz statement parameter from TimestampTz microseconds.
 pub fn ts_param(v: i64) -> pgrx::datum::DatumWithOid<'static> {
-    crate::fcall::param(Some(pg_sys::Datum::from(v)), pg_sys::TIMESTAMPTZOID)
+    crate::pg::fcall::param(Some(pg_sys::Datum::from(v)), pg_sys::TIMESTAMPTZOID)
 }
 
 fn probe(from: (i64, i64)) -> Probe {

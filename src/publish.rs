@@ -15,8 +15,8 @@
 //! aborts, the second inserts. No unique-violation ever reaches the caller.
 
 use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
+use crate::pg::fcall::{self, param};
+use crate::pg::plans::{self, Stmt};
 use crate::{gucs, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
@@ -192,7 +192,7 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
             Ok(id) => id,
             Err(existing) => return (existing, false),
         },
-        None => crate::heap::next_event_id(),
+        None => crate::pg::heap::next_event_id(),
     };
     let key = param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID);
     let tail = [
@@ -206,7 +206,7 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
     let new_id = match e.subject {
         None => {
             let direct = unsafe {
-                crate::heap::insert(&crate::heap::NewEvent {
+                crate::pg::heap::insert(&crate::pg::heap::NewEvent {
                     id,
                     topic: e.topic.into_datum().unwrap(),
                     dispatch_key: e.key.and_then(|k| k.into_datum()),

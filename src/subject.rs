@@ -54,7 +54,7 @@
 //! lock table, whatever the number of subjects it touches.
 
 use crate::errors;
-use crate::plans::{self, Stmt};
+use crate::pg::plans::{self, Stmt};
 use crate::{gucs, lowwater, pg};
 use pgrx::prelude::*;
 use std::cell::RefCell;

@@ -9,7 +9,7 @@
 //! commits, the changing session at its next command.
 
 use crate::errors;
-use crate::plans::{self, Stmt};
+use crate::pg::plans::{self, Stmt};
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;

@@ -14,8 +14,12 @@
 //!   mark and the subject rules branch on.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
 
+pub mod fcall;
+pub mod heap;
+pub mod plans;
+
 use crate::errors;
-use crate::plans::Stmt;
+use plans::Stmt;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 use std::cell::RefCell;

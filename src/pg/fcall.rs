@@ -27,18 +27,18 @@ macro_rules! v1_function {
         #[doc(hidden)]
         #[::pgrx::pg_guard]
         pub unsafe extern "C-unwind" fn $name(fcinfo: ::pgrx::pg_sys::FunctionCallInfo) -> ::pgrx::pg_sys::Datum {
-            let call: unsafe fn(::pgrx::pg_sys::FunctionCallInfo, $crate::fcall::V1Body) -> ::pgrx::pg_sys::Datum =
+            let call: unsafe fn(::pgrx::pg_sys::FunctionCallInfo, $crate::pg::fcall::V1Body) -> ::pgrx::pg_sys::Datum =
                 $call;
-            let body: $crate::fcall::V1Body = $body;
+            let body: $crate::pg::fcall::V1Body = $body;
             unsafe { call(fcinfo, body) }
         }
     };
     // A function that runs no SQL needs no pinned path (one call per row locked).
     (unpinned $name:ident, $finfo:ident, $body:path) => {
-        $crate::v1_function!(@emit $name, $finfo, $crate::fcall::call_unpinned, $body);
+        $crate::v1_function!(@emit $name, $finfo, $crate::pg::fcall::call_unpinned, $body);
     };
     ($name:ident, $finfo:ident, $body:path) => {
-        $crate::v1_function!(@emit $name, $finfo, $crate::fcall::call_pinned, $body);
+        $crate::v1_function!(@emit $name, $finfo, $crate::pg::fcall::call_pinned, $body);
     };
 }
 
