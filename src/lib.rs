@@ -77,7 +77,7 @@ v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topi
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     pg::quiet_rust_backtraces();
-    let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    let preloaded = pg::preload_in_progress();
     gucs::init(preloaded);
     wakeup::init(preloaded);
     xact::init();

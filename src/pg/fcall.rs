@@ -5,14 +5,21 @@
 //! lets jsonb payloads pass to SPI as the caller's datum, with no JSON round trip
 //! through Rust, and lets claim() hand SPI's result tuples to the executor as a
 //! materialized set without converting a single column.
+//!
+//! The one `unsafe` step of a function body is [`Call::new`]: its contract (the
+//! frame is the live call's, and each read names the declared type) is what
+//! makes every later read through [`Call`], [`Value`] and [`Array`] sound.
 
+use super::plans::{descriptor_types, Row};
+use super::search_path;
 use crate::errors;
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
+use std::cell::Cell;
 
 /// Define a version-1 C function `$name` (the symbol named in `sql/api.sql`) that
 /// runs `$body(fcinfo) -> pg_sys::Datum` under pgrx's panic/error guard, with the
-/// search path pinned to `pg_catalog` (see [`pin_search_path`]).
+/// search path pinned to `pg_catalog` (see [`search_path::pin`]).
 #[macro_export]
 macro_rules! v1_function {
     (@emit $name:ident, $finfo:ident, $call:path, $body:path) => {
@@ -30,6 +37,8 @@ macro_rules! v1_function {
             let call: unsafe fn(::pgrx::pg_sys::FunctionCallInfo, $crate::pg::fcall::V1Body) -> ::pgrx::pg_sys::Datum =
                 $call;
             let body: $crate::pg::fcall::V1Body = $body;
+            // SAFETY: PostgreSQL calls this symbol through fmgr with the frame of
+            // the function sql/api.sql declares for it, which is what `$body` reads.
             unsafe { call(fcinfo, body) }
         }
     };
@@ -45,15 +54,17 @@ macro_rules! v1_function {
 /// A V1 function body.
 pub type V1Body = unsafe fn(pg_sys::FunctionCallInfo) -> pg_sys::Datum;
 
-/// Run `body` with the search path pinned ([`pin_search_path`]).
+/// Run `body` with the search path pinned ([`search_path::pin`]).
 ///
 /// # Safety
 /// `fcinfo` is the call frame PostgreSQL passed to the function.
 pub unsafe fn call_pinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
+    // SAFETY: pin and unpin pair up within this call; an error thrown by `body`
+    // skips the unpin, and the (sub)transaction abort then pops the pin.
     unsafe {
-        let pinned = pin_search_path();
+        let pinned = search_path::pin();
         let result = body(fcinfo);
-        unpin_search_path(pinned);
+        search_path::unpin(pinned);
         result
     }
 }
@@ -63,146 +74,261 @@ pub unsafe fn call_pinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_
 /// # Safety
 /// `fcinfo` is the call frame PostgreSQL passed to the function.
 pub unsafe fn call_unpinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
+    // SAFETY: the caller's contract is `body`'s.
     unsafe { body(fcinfo) }
 }
 
-/// What [`unpin_search_path`] needs to undo a pin.
-pub struct Pinned(#[allow(dead_code)] i32);
+/// The call frame of a running v1 function, read through safe methods.
+pub struct Call {
+    fcinfo: pg_sys::FunctionCallInfo,
+}
 
-/// Pin the search path to `pg_catalog` for the statements a hot-path function runs,
-/// so that objects in the caller's path (a shadowing `=`, `now()`, a type) cannot
-/// change them. Call [`unpin_search_path`] on the way out; on an error
-/// the (sub)transaction abort removes the pin.
-///
-/// Why not `SET search_path` on the function, as the plpgsql functions have: that
-/// clause opens a GUC nest level, sets and restores the GUC and recomputes the
-/// namespace path twice per call. Measured in a 50,000-call loop it cost publish()
-/// 3-6 µs of its ~17 µs. An override search path (PostgreSQL 13-16) costs a list
-/// copy. Our saved plans record the path they were planned under, so under the
-/// same override they are never re-planned. While the override is active, a
-/// nested function's own `SET search_path` does not take effect (the override
-/// wins); everything these functions run is schema-qualified, so that only
-/// narrows lookups further. PostgreSQL 17 removed override search
-/// paths (and caches search path lookups), so there the GUC is set as
-/// `SET search_path` would.
-///
-/// # Safety
-/// Must be paired with [`unpin_search_path`] in the same function call.
-#[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
-pub unsafe fn pin_search_path() -> Pinned {
-    unsafe {
-        // schemas = NIL, pg_catalog implicitly first, pg_temp not searched at all.
-        let mut path = pg_sys::OverrideSearchPath { addCatalog: true, addTemp: false, ..Default::default() };
-        pg_sys::PushOverrideSearchPath(&mut path);
+impl Call {
+    /// Wrap the frame of the running call.
+    ///
+    /// # Safety
+    /// `fcinfo` is the frame PostgreSQL passed to the running function, the
+    /// `Call` does not outlive that call, and every typed read made through it
+    /// ([`Call::arg`], [`Call::value`]) names the type the argument has in the
+    /// function's SQL declaration (`sql/api.sql`).
+    pub unsafe fn new(fcinfo: pg_sys::FunctionCallInfo) -> Call {
+        Call { fcinfo }
     }
-    Pinned(0)
-}
 
-/// Undo [`pin_search_path`].
-///
-/// # Safety
-/// `p` must come from the matching [`pin_search_path`] call of this function call.
-#[cfg(any(feature = "pg13", feature = "pg14", feature = "pg15", feature = "pg16"))]
-pub unsafe fn unpin_search_path(_p: Pinned) {
-    unsafe { pg_sys::PopOverrideSearchPath() }
-}
-
-/// See the PostgreSQL 13-16 version above.
-///
-/// # Safety
-/// Must be paired with [`unpin_search_path`] in the same function call.
-#[cfg(any(feature = "pg17", feature = "pg18"))]
-pub unsafe fn pin_search_path() -> Pinned {
-    unsafe {
-        let level = pg_sys::NewGUCNestLevel();
-        pg_sys::set_config_option(
-            c"search_path".as_ptr(),
-            c"pg_catalog, pg_temp".as_ptr(),
-            pg_sys::GucContext::PGC_USERSET,
-            pg_sys::GucSource::PGC_S_SESSION,
-            pg_sys::GucAction::GUC_ACTION_SAVE,
-            true,
-            0,
-            false,
-        );
-        Pinned(level)
+    /// Argument `n`, or None when SQL NULL.
+    pub fn arg<T: FromDatum>(&self, n: usize) -> Option<T> {
+        // SAFETY: `new`'s contract: a live frame and `T` the declared type;
+        // pg_getarg panics (no read) when `n` is past nargs.
+        unsafe { pgrx::fcinfo::pg_getarg::<T>(self.fcinfo, n) }
     }
-}
 
-/// Undo [`pin_search_path`].
-///
-/// # Safety
-/// `p` must come from the matching [`pin_search_path`] call of this function call.
-#[cfg(any(feature = "pg17", feature = "pg18"))]
-pub unsafe fn unpin_search_path(p: Pinned) {
-    unsafe { pg_sys::AtEOXact_GUC(true, p.0) }
-}
-
-/// Argument `n`, or None when SQL NULL.
-///
-/// # Safety
-/// `fcinfo` must be the live call's info and `n` below its nargs.
-pub unsafe fn arg<T: FromDatum>(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<T> {
-    unsafe { pgrx::fcinfo::pg_getarg::<T>(fcinfo, n) }
-}
-
-/// Raw datum of argument `n`, or None when SQL NULL.
-///
-/// # Safety
-/// As [`arg`].
-pub unsafe fn raw(fcinfo: pg_sys::FunctionCallInfo, n: usize) -> Option<pg_sys::Datum> {
-    unsafe {
-        if pgrx::fcinfo::pg_arg_is_null(fcinfo, n) {
-            None
-        } else {
-            Some(pgrx::fcinfo::pg_getarg_datum_raw(fcinfo, n))
+    /// Argument `n`, raising 22004 `"<name> must not be NULL"` when NULL.
+    pub fn required<T: FromDatum>(&self, n: usize, name: &str) -> T {
+        match self.arg::<T>(n) {
+            Some(v) => v,
+            None => errors::raise(errors::NULL_VALUE, format!("{name} must not be NULL")),
         }
     }
-}
 
-/// Argument `n`, raising 22004 `"<name> must not be NULL"` when NULL.
-///
-/// # Safety
-/// As [`arg`].
-pub unsafe fn required<T: FromDatum>(fcinfo: pg_sys::FunctionCallInfo, n: usize, name: &str) -> T {
-    match unsafe { arg::<T>(fcinfo, n) } {
-        Some(v) => v,
-        None => errors::raise(errors::NULL_VALUE, format!("{name} must not be NULL")),
+    /// Argument `n` as it was passed (a datum of type `oid`, the declared type),
+    /// or None when SQL NULL.
+    pub fn value(&self, n: usize, oid: pg_sys::Oid) -> Option<Value> {
+        // SAFETY: `new`'s contract: a live frame; pg_get_nullable_datum panics (no
+        // read) when `n` is past nargs.
+        let d = unsafe { pgrx::fcinfo::pg_get_nullable_datum(self.fcinfo, n) };
+        (!d.isnull).then_some(Value { datum: d.value, oid })
+    }
+
+    /// The relation a trigger function was fired for, or None when this call is
+    /// not a trigger call.
+    pub fn trigger_relid(&self) -> Option<pg_sys::Oid> {
+        // SAFETY: `context` of a live frame is NULL or a node; a TriggerData node
+        // (checked by tag, as CALLED_AS_TRIGGER does) has an open tg_relation.
+        unsafe {
+            let ctx = (*self.fcinfo).context;
+            if ctx.is_null() || !pgrx::is_a(ctx, pg_sys::NodeTag::T_TriggerData) {
+                return None;
+            }
+            let td = ctx as *mut pg_sys::TriggerData;
+            Some((*(*td).tg_relation).rd_id)
+        }
+    }
+
+    /// Return SQL NULL.
+    pub fn return_null(&self) -> pg_sys::Datum {
+        // SAFETY: sets isnull of the live frame.
+        unsafe { pgrx::fcinfo::pg_return_null(self.fcinfo) }
+    }
+
+    /// The datum a materialized SRF returns (its rows are in the [`SetResult`]).
+    pub fn finish_set(&self) -> pg_sys::Datum {
+        self.return_null()
     }
 }
 
-/// A bound SPI parameter from a raw datum (or NULL) of the given type.
-pub fn param(d: Option<pg_sys::Datum>, oid: pg_sys::Oid) -> DatumWithOid<'static> {
-    match d {
-        Some(d) => unsafe { DatumWithOid::new(d, oid) },
+/// A datum of a known type, valid for the rest of the call that produced it: a
+/// [`Call`] argument, an [`Array`] element, or a value built here.
+#[derive(Clone, Copy)]
+pub struct Value {
+    datum: pg_sys::Datum,
+    oid: pg_sys::Oid,
+}
+
+impl Value {
+    /// A new jsonb datum in the current memory context.
+    pub fn jsonb(j: pgrx::JsonB) -> Value {
+        Value { datum: j.into_datum().expect("jsonb datum"), oid: pg_sys::JSONBOID }
+    }
+
+    /// The datum (for a by-value type, the value itself).
+    pub fn datum(&self) -> pg_sys::Datum {
+        self.datum
+    }
+
+    /// The type's OID.
+    pub fn oid(&self) -> pg_sys::Oid {
+        self.oid
+    }
+
+    /// A bound SPI parameter of this value.
+    pub fn param(self) -> DatumWithOid<'static> {
+        // SAFETY: `datum` is a value of type `oid` (how every Value is made).
+        unsafe { DatumWithOid::new(self.datum, self.oid) }
+    }
+
+    /// A text value as a String (None for a type other than text).
+    pub fn text(self) -> Option<String> {
+        if self.oid != pg_sys::TEXTOID {
+            return None;
+        }
+        // SAFETY: a non-NULL text datum.
+        unsafe { String::from_datum(self.datum, false) }
+    }
+
+    /// Size of a varlena value as stored untoasted, header excluded; reads the
+    /// header only, so a large toasted value is not fetched.
+    ///
+    /// Panics for a type other than jsonb or text.
+    pub fn raw_size(&self) -> i64 {
+        assert!(self.oid == pg_sys::JSONBOID || self.oid == pg_sys::TEXTOID, "raw_size of a non-varlena value");
+        // SAFETY: a non-NULL varlena datum (checked type); toast_raw_datum_size
+        // (detoast.c) reads its header or TOAST pointer only.
+        (unsafe { pg_sys::toast_raw_datum_size(self.datum) }) as i64 - pg_sys::VARHDRSZ as i64
+    }
+}
+
+/// A bound SPI parameter of type `oid` from `v` (NULL when None).
+pub fn param(v: Option<Value>, oid: pg_sys::Oid) -> DatumWithOid<'static> {
+    match v {
+        Some(v) => {
+            debug_assert!(v.oid == oid, "parameter of another type");
+            v.param()
+        }
         None => DatumWithOid::null_oid(oid),
     }
 }
 
-/// Return SQL NULL from a v1 function.
-///
-/// # Safety
-/// `fcinfo` must be the live call's info.
-pub unsafe fn return_null(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }
+/// A one-dimensional array value: the one reader of array arguments.
+pub struct Array {
+    arr: *mut pg_sys::ArrayType,
+    elem: pg_sys::Oid,
+}
+
+/// The element type of the array types the API takes.
+fn element_type(array: pg_sys::Oid) -> pg_sys::Oid {
+    match array {
+        pg_sys::TEXTARRAYOID => pg_sys::TEXTOID,
+        pg_sys::JSONBARRAYOID => pg_sys::JSONBOID,
+        pg_sys::INT8ARRAYOID => pg_sys::INT8OID,
+        pg_sys::UUIDARRAYOID => pg_sys::UUIDOID,
+        // SAFETY: a syscache lookup by OID.
+        other => unsafe { pg_sys::get_element_type(other) },
+    }
+}
+
+impl Array {
+    /// Read array value `v`, raising 22023 `"<what> must be a one-dimensional
+    /// array"` for more dimensions. An empty array has zero dimensions.
+    pub fn read(v: Value, what: &str) -> Array {
+        let elem = element_type(v.oid);
+        assert!(elem != pg_sys::InvalidOid, "Array::read of a non-array value");
+        // SAFETY: an array datum (checked type); pg_detoast_datum (fmgr.c) returns
+        // it or a detoasted copy in the current memory context, either live for
+        // the rest of the call.
+        let arr = unsafe { pg_sys::pg_detoast_datum(v.datum.cast_mut_ptr()) as *mut pg_sys::ArrayType };
+        // SAFETY: a detoasted array header.
+        let ndim = unsafe { (*arr).ndim };
+        if ndim > 1 {
+            errors::raise(errors::INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
+        }
+        Array { arr, elem }
+    }
+
+    fn ndim(&self) -> i32 {
+        // SAFETY: `arr` is a detoasted array (see `read`).
+        unsafe { (*self.arr).ndim }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        if self.ndim() == 0 {
+            return 0;
+        }
+        // SAFETY: ARR_DIMS (array.h): the dimensions follow the fixed header; a
+        // one-dimensional array has one.
+        unsafe {
+            let dims = (self.arr as *mut u8).add(std::mem::size_of::<pg_sys::ArrayType>()) as *const i32;
+            *dims as usize
+        }
+    }
+
+    /// True when the array has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// True when some element is NULL.
+    pub fn has_nulls(&self) -> bool {
+        if self.ndim() == 0 {
+            return false;
+        }
+        // SAFETY: ARR_HASNULL (array.h) is dataoffset != 0; array_contains_nulls
+        // (arrayfuncs.c) reads the null bitmap of a detoasted array.
+        unsafe { (*self.arr).dataoffset != 0 && pg_sys::array_contains_nulls(self.arr) }
+    }
+
+    /// The elements (NULLs as None), without converting them.
+    pub fn elems(&self) -> Vec<Option<Value>> {
+        if self.ndim() == 0 {
+            return Vec::new();
+        }
+        // SAFETY: deconstruct_array (arrayfuncs.c) of a detoasted array with its
+        // element type's storage parameters; the palloc'd outputs hold `n` entries
+        // and point into the array, which lives for the rest of the call.
+        unsafe {
+            let mut typlen: i16 = 0;
+            let mut typbyval = false;
+            let mut typalign: std::ffi::c_char = 0;
+            pg_sys::get_typlenbyvalalign(self.elem, &mut typlen, &mut typbyval, &mut typalign);
+            let mut values: *mut pg_sys::Datum = std::ptr::null_mut();
+            let mut nulls: *mut bool = std::ptr::null_mut();
+            let mut n: i32 = 0;
+            pg_sys::deconstruct_array(
+                self.arr,
+                self.elem,
+                typlen as i32,
+                typbyval,
+                typalign,
+                &mut values,
+                &mut nulls,
+                &mut n,
+            );
+            (0..n as usize)
+                .map(|i| if *nulls.add(i) { None } else { Some(Value { datum: *values.add(i), oid: self.elem }) })
+                .collect()
+        }
+    }
 }
 
 /// A materialized result set under construction (ReturnSetInfo, SFRM_Materialize).
 pub struct SetResult {
     store: *mut pg_sys::Tuplestorestate,
     desc: pg_sys::TupleDesc,
+    /// Whether the row layout given to `put_row` was checked against `desc`.
+    checked: Cell<bool>,
 }
 
 impl SetResult {
     /// Prepare the tuplestore the executor will read, in per-query memory.
     ///
     /// Raises 0A000 when called where a set cannot be accepted.
-    ///
-    /// # Safety
-    /// `fcinfo` must be the live call's info.
-    pub unsafe fn begin(fcinfo: pg_sys::FunctionCallInfo) -> SetResult {
+    pub fn begin(call: &Call) -> SetResult {
+        // SAFETY: follows InitMaterializedSRF (funcapi.c): resultinfo is checked to
+        // be a ReturnSetInfo that allows materialize mode and has an expected
+        // descriptor; the descriptor copy and the tuplestore are made in the
+        // query's per-query context, so they outlive this call.
         unsafe {
-            let rsinfo = (*fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
+            let rsinfo = (*call.fcinfo).resultinfo as *mut pg_sys::ReturnSetInfo;
             if rsinfo.is_null()
                 || !pgrx::is_a(rsinfo as *mut pg_sys::Node, pg_sys::NodeTag::T_ReturnSetInfo)
                 || ((*rsinfo).allowedModes & pg_sys::SetFunctionReturnMode::SFRM_Materialize as i32) == 0
@@ -222,63 +348,36 @@ impl SetResult {
             (*rsinfo).returnMode = pg_sys::SetFunctionReturnMode::SFRM_Materialize;
             (*rsinfo).setResult = store;
             (*rsinfo).setDesc = desc;
-            SetResult { store, desc }
+            SetResult { store, desc, checked: Cell::new(false) }
         }
     }
 
-    /// Copy a tuple (for example an SPI result row) into the result. Its layout
-    /// must match the function's declared result columns.
-    ///
-    /// # Safety
-    /// `tuple` must be a valid heap tuple with the declared layout.
-    pub unsafe fn put_tuple(&self, tuple: pg_sys::HeapTuple) {
-        unsafe { pg_sys::tuplestore_puttuple(self.store, tuple) }
-    }
-
-    /// Append a row from deformed values; only the first `natts` of the result
-    /// descriptor are read, so trailing extra columns are ignored.
-    pub fn put_values(&self, values: &mut [pg_sys::Datum], nulls: &mut [bool]) {
+    /// Append a row deformed from an SPI result; only the first `natts` of the
+    /// result descriptor are read, so trailing extra columns are ignored. The
+    /// first row's column types are checked against the declared result columns
+    /// (SQLSTATE XX000 when they differ).
+    pub fn put_row(&self, row: &mut Row) {
+        if !self.checked.get() {
+            // SAFETY: `desc` is the live descriptor copy made in `begin`.
+            let want: Vec<pg_sys::Oid> = unsafe { descriptor_types(self.desc) };
+            let have = row.types();
+            if have.len() < want.len() || have[..want.len()] != want[..] {
+                errors::raise(errors::INTERNAL, "result row does not match the declared result columns");
+            }
+            self.checked.set(true);
+        }
+        let (values, nulls) = row.parts();
+        // SAFETY: the row's leading column types are the result's (checked
+        // above); tuplestore_putvalues copies the values into the store.
         unsafe { pg_sys::tuplestore_putvalues(self.store, self.desc, values.as_mut_ptr(), nulls.as_mut_ptr()) }
     }
 
-    /// Append a one-column row.
-    pub fn put_single(&self, value: pg_sys::Datum) {
-        let mut values = [value];
+    /// Append a one-column bigint row.
+    pub fn put_i64(&self, value: i64) {
+        let mut values = [pg_sys::Datum::from(value)];
         let mut nulls = [false];
+        // SAFETY: the functions that call this return SETOF bigint (sql/api.sql): a
+        // by-value datum matches the descriptor's one column.
         unsafe { pg_sys::tuplestore_putvalues(self.store, self.desc, values.as_mut_ptr(), nulls.as_mut_ptr()) }
-    }
-}
-
-/// The datum a materialized SRF returns.
-///
-/// # Safety
-/// `fcinfo` must be the live call's info.
-pub unsafe fn finish_set(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe { pgrx::fcinfo::pg_return_null(fcinfo) }
-}
-
-/// Elements of a one-dimensional array datum (NULLs as None), without converting them.
-///
-/// # Safety
-/// `d` must be an array datum whose element type is `elem`.
-pub unsafe fn array_elems(d: pg_sys::Datum, elem: pg_sys::Oid, what: &str) -> Vec<Option<pg_sys::Datum>> {
-    unsafe {
-        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
-        let ndim = (*arr).ndim;
-        if ndim > 1 {
-            errors::raise(errors::INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
-        }
-        if ndim == 0 {
-            return Vec::new();
-        }
-        let mut typlen: i16 = 0;
-        let mut typbyval = false;
-        let mut typalign: std::ffi::c_char = 0;
-        pg_sys::get_typlenbyvalalign(elem, &mut typlen, &mut typbyval, &mut typalign);
-        let mut values: *mut pg_sys::Datum = std::ptr::null_mut();
-        let mut nulls: *mut bool = std::ptr::null_mut();
-        let mut n: i32 = 0;
-        pg_sys::deconstruct_array(arr, elem, typlen as i32, typbyval, typalign, &mut values, &mut nulls, &mut n);
-        (0..n as usize).map(|i| if *nulls.add(i) { None } else { Some(*values.add(i)) }).collect()
     }
 }
