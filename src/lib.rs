@@ -2,7 +2,6 @@
 //!
 //! Modules, one concern each:
 //! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
-//! - [`heap`] — publish's direct row insert (no SPI statement)
 //! - [`claim`] — `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
@@ -10,8 +9,11 @@
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
 //! - [`wakeup`] and [`worker`] — LISTEN/NOTIFY without serialising publishers, retention runs
-//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`], [`xact`] — plumbing
-//! - [`pg`] — PostgreSQL internals the liveness rules depend on (snapshots, locks)
+//! - [`gucs`], [`validate`], [`errors`], [`xact`] — plumbing
+//! - [`pg`] — the only module that talks to PostgreSQL internals: the v1 call
+//!   interface ([`pg::fcall`]), saved SPI plans ([`pg::plans`]), publish's direct
+//!   heap insert ([`pg::heap`]), search-path pinning, catalog lookups, snapshots,
+//!   locks and small accessors (clock, xids, database, latches)
 //!
 //! The schema and the SQL-level API live in `sql/`.
 
