@@ -38,9 +38,11 @@ use pgrx::prelude::*;
 /// computes it: the second key of a subject lock.
 pub fn hashtext(s: &str) -> i32 {
     let d = s.into_datum().expect("text datum");
-    // SAFETY: hashtext is a strict, immutable V1 function of one text argument;
-    // the datum lives until the call returns. pgrx's direct calls pass no
-    // collation, which hashtext refuses, so the call frame is built here.
+    // SAFETY: follows DirectFunctionCall1Coll (fmgr.c) with the default
+    // collation: hashtext is a strict, immutable V1 function of one text
+    // argument; the frame has room for that one argument and the datum lives
+    // until the call returns. pgrx's direct calls pass no collation, which
+    // hashtext refuses, so the call frame is built here.
     unsafe {
         let size =
             std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
