@@ -31,9 +31,9 @@
 //! claim.
 
 use crate::errors;
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
-use crate::{gucs, lowwater, validate};
+use crate::pg::fcall::{Array, Call, SetResult, Value};
+use crate::pg::plans::{self, Stmt};
+use crate::{gucs, lowwater, pg, subject, validate};
 use pgrx::prelude::*;
 
 /// Candidates: ready heads in claim order whose subject has no earlier live event.
@@ -179,101 +179,89 @@ pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>,
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let worker: String = fcall::required(fcinfo, 0, "worker");
-        validate::worker(&worker);
-        let batch: i32 = fcall::required(fcinfo, 1, "batch_size");
-        validate::batch_size(batch as i64);
-        let lease: Option<Interval> = fcall::arg(fcinfo, 2);
-        let lease_d = lease.map(|iv| {
-            validate::lease_us("lease", &iv);
-            iv.into_datum().unwrap()
-        });
-        let topics = fcall::raw(fcinfo, 3).map(|d| {
-            fcall::array_elems(d, pg_sys::TEXTOID, "topics")
-                .into_iter()
-                .map(|e| e.and_then(|d| String::from_datum(d, false)))
-                .collect::<Vec<Option<String>>>()
-        });
-        let filter = topic_filter(topics);
-        let default_lease = Interval::from_micros(gucs::default_lease_us());
-        let now = pg_sys::GetCurrentTimestamp();
-
-        // The mark first: its steps read committed state only while this
-        // transaction has written nothing (src/lowwater.rs), and the retry below writes.
-        let (from_t, from_id) = lowwater::claim_start();
-        crate::subject::retry_deferred();
-        let out = fcall::SetResult::begin(fcinfo);
-        let mut args = vec![
-            worker.as_str().into(),
-            batch.into(),
-            param(lease_d, pg_sys::INTERVALOID),
-            default_lease.into(),
-            param(Some(pg_sys::Datum::from(now)), pg_sys::TIMESTAMPTZOID),
-            param(Some(pg_sys::Datum::from(from_t)), pg_sys::TIMESTAMPTZOID),
-            from_id.into(),
-        ];
-        let lock_row = crate::pg::row_lock_installed();
-        let stmt = match filter {
-            None if lock_row => &CLAIM_ALL,
-            None => &CLAIM_ALL_040,
-            Some((exact, prefixes)) => {
-                args.push(exact.into());
-                args.push(prefixes.into());
-                if lock_row {
-                    &CLAIM_TOPICS
-                } else {
-                    &CLAIM_TOPICS_040
-                }
-            }
-        };
-        let mut raise: Vec<i64> = Vec::new();
-        let (retired, floor): (Vec<String>, i64) = plans::run(stmt, &args, |table| {
-            let mut retired = Vec::new();
-            if table.is_empty() {
-                return (retired, lowwater::NONE);
-            }
-            // The update has assigned this transaction's id: a lease expiry at or
-            // below the publish floor would sort below the low-water mark once it
-            // passes, so it is raised (src/lowwater.rs). Only a claim statement
-            // that ran longer than its lease, or a clock set back, can hit this.
-            let floor = lowwater::floor_now();
-            let tt = pg_sys::SPI_tuptable;
-            let natts = (*(*tt).tupdesc).natts as usize;
-            let mut values = vec![pg_sys::Datum::from(0); natts];
-            let mut nulls = vec![false; natts];
-            for i in 0..table.len() {
-                pg_sys::heap_deform_tuple(*(*tt).vals.add(i), (*tt).tupdesc, values.as_mut_ptr(), nulls.as_mut_ptr());
-                let leased = bool::from_datum(values[10], nulls[10]).unwrap_or(false);
-                if leased {
-                    if (values[8].value() as i64) < floor {
-                        values[8] = pg_sys::Datum::from(floor);
-                        raise.push(values[0].value() as i64);
-                    }
-                    out.put_values(&mut values, &mut nulls);
-                } else {
-                    // The lease expired on the last attempt and the event went dead.
-                    // Under the 'skip' policy its subject needs a new head.
-                    let blocks = bool::from_datum(values[11], nulls[11]).unwrap_or(true);
-                    if !blocks {
-                        if let Some(s) = String::from_datum(values[2], nulls[2]) {
-                            retired.push(s);
-                        }
-                    }
-                }
-            }
-            (retired, floor)
-        });
-        if !raise.is_empty() {
-            plans::run(
-                &RAISE_LEASE,
-                &[raise.into(), param(Some(pg_sys::Datum::from(floor)), pg_sys::TIMESTAMPTZOID)],
-                |_| (),
-            );
-        }
-        crate::subject::promote(&retired, false);
-        fcall::finish_set(fcinfo)
+    // SAFETY: the frame of outbox.claim(text, integer, interval, text[]), whose
+    // argument types the reads below name (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let worker: String = call.required(0, "worker");
+    validate::worker(&worker);
+    let batch: i32 = call.required(1, "batch_size");
+    validate::batch_size(batch as i64);
+    let lease: Option<Interval> = call.arg(2);
+    if let Some(iv) = &lease {
+        validate::lease_us("lease", iv);
     }
+    let topics = call.value(3, pg_sys::TEXTARRAYOID).map(|v| {
+        Array::read(v, "topics").elems().into_iter().map(|e| e.and_then(Value::text)).collect::<Vec<Option<String>>>()
+    });
+    let filter = topic_filter(topics);
+    let default_lease = Interval::from_micros(gucs::default_lease_us());
+    let now = pg::now();
+
+    // The mark first: its steps read committed state only while this
+    // transaction has written nothing (src/lowwater.rs), and the retry below writes.
+    let (from_t, from_id) = lowwater::claim_start();
+    subject::retry_deferred();
+    let out = SetResult::begin(&call);
+    let mut args = vec![
+        worker.as_str().into(),
+        batch.into(),
+        lease.into(),
+        default_lease.into(),
+        plans::ts_param(now),
+        plans::ts_param(from_t),
+        from_id.into(),
+    ];
+    let lock_row = pg::catalog::row_lock_installed();
+    let stmt = match filter {
+        None if lock_row => &CLAIM_ALL,
+        None => &CLAIM_ALL_040,
+        Some((exact, prefixes)) => {
+            args.push(exact.into());
+            args.push(prefixes.into());
+            if lock_row {
+                &CLAIM_TOPICS
+            } else {
+                &CLAIM_TOPICS_040
+            }
+        }
+    };
+    let mut raise: Vec<i64> = Vec::new();
+    let (retired, floor): (Vec<String>, i64) = plans::run_rows(stmt, &args, |rows| {
+        let mut retired = Vec::new();
+        if rows.is_empty() {
+            return (retired, lowwater::NONE);
+        }
+        // The update has assigned this transaction's id: a lease expiry at or
+        // below the publish floor would sort below the low-water mark once it
+        // passes, so it is raised (src/lowwater.rs). Only a claim statement
+        // that ran longer than its lease, or a clock set back, can hit this.
+        let floor = lowwater::floor_now();
+        rows.for_each(|row| {
+            let leased = row.bool(10).unwrap_or(false);
+            if leased {
+                if row.raw_i64(8) < floor {
+                    row.set_i64(8, floor);
+                    raise.push(row.raw_i64(0));
+                }
+                out.put_row(row);
+            } else {
+                // The lease expired on the last attempt and the event went dead.
+                // Under the 'skip' policy its subject needs a new head.
+                let blocks = row.bool(11).unwrap_or(true);
+                if !blocks {
+                    if let Some(s) = row.text(2) {
+                        retired.push(s);
+                    }
+                }
+            }
+        });
+        (retired, floor)
+    });
+    if !raise.is_empty() {
+        plans::run(&RAISE_LEASE, &[raise.into(), plans::ts_param(floor)], |_| ());
+    }
+    subject::promote(&retired, false);
+    call.finish_set()
 }
 
 /// `outbox._lock_row(rel oid, row tid) -> boolean`: [`crate::pg::try_lock_row`];
@@ -284,11 +272,11 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention (declared STRICT).
 pub unsafe fn lock_row(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let rel = pg_sys::Oid::from(fcall::raw(fcinfo, 0).map(|d| d.value() as u32).unwrap_or(0));
-        let tid = fcall::raw(fcinfo, 1)
-            .and_then(|d| pg_sys::ItemPointerData::from_datum(d, false))
-            .unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "row must not be NULL"));
-        pg_sys::Datum::from(crate::pg::try_lock_row(rel, tid) == crate::pg::RowLock::Locked)
-    }
+    // SAFETY: the frame of outbox._lock_row(oid, tid) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let rel = pg_sys::Oid::from(call.value(0, pg_sys::OIDOID).map(|d| d.datum().value() as u32).unwrap_or(0));
+    let tid = call
+        .arg::<pg_sys::ItemPointerData>(1)
+        .unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "row must not be NULL"));
+    pg_sys::Datum::from(pg::try_lock_row(rel, tid) == pg::RowLock::Locked)
 }

@@ -4,6 +4,7 @@
 use pgrx::prelude::*;
 use pgrx::{GucContext, GucFlags, GucRegistry, GucSetting};
 use std::ffi::CString;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// How committed publishes wake listening workers (`outbox.notify`).
 #[derive(PostgresGucEnum, Clone, Copy, PartialEq, Eq, Debug)]
@@ -72,11 +73,12 @@ static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
 
-static mut PRELOADED: bool = false;
+/// Set once in `_PG_init`, before any other code of the library runs.
+static PRELOADED: AtomicBool = AtomicBool::new(false);
 
 /// Register every GUC. Called once from `_PG_init`.
 pub fn init(preloaded: bool) {
-    unsafe { PRELOADED = preloaded };
+    PRELOADED.store(preloaded, Ordering::Relaxed);
     GucRegistry::define_int_guc(
         c"outbox.default_lease",
         c"Lease length for claim() when neither the call nor the topic sets one.",
@@ -314,7 +316,7 @@ pub fn traceparent() -> Option<String> {
 }
 /// Configured notify mode (before the preload fallback).
 pub fn notify_mode() -> NotifyMode {
-    if unsafe { PRELOADED } {
+    if preloaded() {
         NOTIFY_PRELOADED.get()
     } else {
         NOTIFY_PLAIN.get()
@@ -322,7 +324,7 @@ pub fn notify_mode() -> NotifyMode {
 }
 /// Whether the library was loaded through shared_preload_libraries.
 pub fn preloaded() -> bool {
-    unsafe { PRELOADED }
+    PRELOADED.load(Ordering::Relaxed)
 }
 /// Whether ack archives delivered events.
 pub fn keep_delivered() -> bool {
@@ -357,14 +359,7 @@ fn setting(name: &str) -> Option<String> {
         crate::errors::raise(crate::errors::INVALID_PARAMETER, format!("{name:?} is not an outbox setting"));
     }
     let c = CString::new(name).ok()?;
-    unsafe {
-        // The SHOW form carries units ('12h', '7d'), so it casts to interval correctly;
-        // GetConfigOption would return bare numbers in the setting's base unit.
-        let v = pg_sys::GetConfigOptionByName(c.as_ptr(), std::ptr::null_mut(), true);
-        if v.is_null() {
-            None
-        } else {
-            Some(std::ffi::CStr::from_ptr(v).to_string_lossy().into_owned())
-        }
-    }
+    // The SHOW form carries units ('12h', '7d'), so it casts to interval correctly;
+    // GetConfigOption would return bare numbers in the setting's base unit.
+    crate::pg::show_setting(&c)
 }

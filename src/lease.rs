@@ -11,9 +11,9 @@
 
 use crate::backoff;
 use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
-use crate::{gucs, validate};
+use crate::pg::fcall::{Array, Call};
+use crate::pg::plans::{self, Stmt};
+use crate::{gucs, lowwater, subject, validate, wakeup};
 use pgrx::prelude::*;
 
 /// Longest error text kept per failure; longer texts are cut at a character boundary.
@@ -148,37 +148,15 @@ const EXTEND: Stmt = Stmt {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
-            return false.into_datum().unwrap();
-        };
-        let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
-        let (n, retired) =
-            plans::run(stmt, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], subjects_of);
-        crate::subject::promote(&retired, false);
-        (n > 0).into_datum().unwrap()
-    }
-}
-
-/// Number of elements of a one-dimensional array datum, and whether any is NULL.
-///
-/// # Safety
-/// `d` must be an array datum.
-unsafe fn array_shape(d: pg_sys::Datum, what: &str) -> (usize, bool) {
-    unsafe {
-        let arr = pg_sys::pg_detoast_datum(d.cast_mut_ptr()) as *mut pg_sys::ArrayType;
-        let ndim = (*arr).ndim;
-        if ndim > 1 {
-            errors::raise(INVALID_PARAMETER, format!("{what} must be a one-dimensional array"));
-        }
-        if ndim == 0 {
-            return (0, false);
-        }
-        let dims = (arr as *mut u8).add(std::mem::size_of::<pg_sys::ArrayType>()) as *const i32;
-        let n = *dims as usize;
-        let has_nulls = (*arr).dataoffset != 0 && pg_sys::array_contains_nulls(arr);
-        (n, has_nulls)
-    }
+    // SAFETY: the frame of outbox.ack(bigint, uuid) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
+        return false.into_datum().unwrap();
+    };
+    let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
+    let (n, retired) = plans::run(stmt, &[id.param(), tok.param()], subjects_of);
+    subject::promote(&retired, false);
+    (n > 0).into_datum().unwrap()
 }
 
 /// `outbox.ack(ids bigint[], lease_tokens uuid[]) -> integer`.
@@ -186,30 +164,30 @@ unsafe fn array_shape(d: pg_sys::Datum, what: &str) -> (usize, bool) {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let ids = fcall::raw(fcinfo, 0).unwrap_or_else(|| errors::raise(NULL_VALUE, "ids must not be NULL"));
-        let toks = fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(NULL_VALUE, "lease_tokens must not be NULL"));
-        let (n_ids, null_ids) = array_shape(ids, "ids");
-        let (n_toks, null_toks) = array_shape(toks, "lease_tokens");
-        if n_ids != n_toks {
-            errors::raise(INVALID_PARAMETER, format!("ids has {n_ids} elements but lease_tokens has {n_toks}"));
-        }
-        if null_ids || null_toks {
-            errors::raise(NULL_VALUE, "ids and lease_tokens must not contain NULL");
-        }
-        if n_ids == 0 {
-            return 0i32.into_datum().unwrap();
-        }
-        validate::batch_size(n_ids as i64);
-        let stmt = if gucs::keep_delivered() { &ACK_BATCH } else { &ACK_BATCH_DROP };
-        let (n, retired) = plans::run(
-            stmt,
-            &[param(Some(ids), pg_sys::INT8ARRAYOID), param(Some(toks), pg_sys::UUIDARRAYOID)],
-            subjects_of,
-        );
-        crate::subject::promote(&retired, false);
-        (n as i32).into_datum().unwrap()
+    // SAFETY: the frame of outbox.ack(bigint[], uuid[]) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let ids = call.value(0, pg_sys::INT8ARRAYOID).unwrap_or_else(|| errors::raise(NULL_VALUE, "ids must not be NULL"));
+    let toks = call
+        .value(1, pg_sys::UUIDARRAYOID)
+        .unwrap_or_else(|| errors::raise(NULL_VALUE, "lease_tokens must not be NULL"));
+    let id_array = Array::read(ids, "ids");
+    let (n_ids, null_ids) = (id_array.len(), id_array.has_nulls());
+    let tok_array = Array::read(toks, "lease_tokens");
+    let (n_toks, null_toks) = (tok_array.len(), tok_array.has_nulls());
+    if n_ids != n_toks {
+        errors::raise(INVALID_PARAMETER, format!("ids has {n_ids} elements but lease_tokens has {n_toks}"));
     }
+    if null_ids || null_toks {
+        errors::raise(NULL_VALUE, "ids and lease_tokens must not contain NULL");
+    }
+    if n_ids == 0 {
+        return 0i32.into_datum().unwrap();
+    }
+    validate::batch_size(n_ids as i64);
+    let stmt = if gucs::keep_delivered() { &ACK_BATCH } else { &ACK_BATCH_DROP };
+    let (n, retired) = plans::run(stmt, &[ids.param(), toks.param()], subjects_of);
+    subject::promote(&retired, false);
+    (n as i32).into_datum().unwrap()
 }
 
 /// Rows acknowledged and the subjects whose head they were.
@@ -235,68 +213,66 @@ fn truncate_error(mut s: String) -> String {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let error: String = fcall::arg::<String>(fcinfo, 2).unwrap_or_else(|| "(no error text)".to_string());
-        let error = truncate_error(error);
-        let retry_in: Option<i64> = fcall::arg::<Interval>(fcinfo, 3).map(|iv| validate::delay_us("retry_in", &iv));
-        let permanent: bool = fcall::required(fcinfo, 4, "permanent");
-        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
-            return "stale".into_datum().unwrap();
-        };
-        plans::run(&FAIL_TOPIC_LOCK, &[param(Some(id), pg_sys::INT8OID)], |_| ());
-        let row = plans::run(&FAIL_LOCK, &[param(Some(id), pg_sys::INT8OID), param(Some(tok), pg_sys::UUIDOID)], |t| {
-            if t.is_empty() {
-                return None;
-            }
-            let t = t.first();
-            let attempts: i32 = errors::spi(t.get(1)).unwrap_or(0);
-            let max_attempts: i32 = errors::spi(t.get(2)).unwrap_or(1);
-            let base: Option<Interval> = errors::spi(t.get(3));
-            let cap: Option<Interval> = errors::spi(t.get(4));
-            let blocks: bool = errors::spi(t.get(5)).unwrap_or(true);
-            let subject: Option<String> = errors::spi(t.get(6));
-            Some((attempts, max_attempts, base, cap, blocks, subject))
-        });
-        let Some((attempts, max_attempts, base, cap, blocks, subject)) = row else {
-            return "stale".into_datum().unwrap();
-        };
-        let dead = permanent || attempts >= max_attempts;
-        let delay_us = if dead {
-            0
-        } else {
-            retry_in.unwrap_or_else(|| {
-                let base = base
-                    .and_then(|b| validate::interval_us(&b))
-                    .map(|b| b as i64)
-                    .unwrap_or_else(gucs::backoff_base_us);
-                let cap =
-                    cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
-                backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
-            })
-        };
-        let state = if dead { "dead" } else { "pending" };
-        plans::count(
-            &FAIL_APPLY,
-            &[
-                param(Some(id), pg_sys::INT8OID),
-                state.into(),
-                Interval::from_micros(delay_us).into(),
-                error.as_str().into(),
-                blocks.into(),
-                // FAIL_LOCK's row lock assigned the transaction id.
-                crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
-            ],
-        );
-        if !dead {
-            crate::wakeup::note_due();
-        } else if !blocks {
-            // Dead under 'skip' (or no subject): the next event of the subject leads.
-            if let Some(s) = subject {
-                crate::subject::promote(&[s], false);
-            }
+    // SAFETY: the frame of outbox.fail(bigint, uuid, text, interval, boolean) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let error: String = call.arg::<String>(2).unwrap_or_else(|| "(no error text)".to_string());
+    let error = truncate_error(error);
+    let retry_in: Option<i64> = call.arg::<Interval>(3).map(|iv| validate::delay_us("retry_in", &iv));
+    let permanent: bool = call.required(4, "permanent");
+    let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
+        return "stale".into_datum().unwrap();
+    };
+    plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
+    let row = plans::run(&FAIL_LOCK, &[id.param(), tok.param()], |t| {
+        if t.is_empty() {
+            return None;
         }
-        state.into_datum().unwrap()
+        let t = t.first();
+        let attempts: i32 = errors::spi(t.get(1)).unwrap_or(0);
+        let max_attempts: i32 = errors::spi(t.get(2)).unwrap_or(1);
+        let base: Option<Interval> = errors::spi(t.get(3));
+        let cap: Option<Interval> = errors::spi(t.get(4));
+        let blocks: bool = errors::spi(t.get(5)).unwrap_or(true);
+        let subject: Option<String> = errors::spi(t.get(6));
+        Some((attempts, max_attempts, base, cap, blocks, subject))
+    });
+    let Some((attempts, max_attempts, base, cap, blocks, subject)) = row else {
+        return "stale".into_datum().unwrap();
+    };
+    let dead = permanent || attempts >= max_attempts;
+    let delay_us = if dead {
+        0
+    } else {
+        retry_in.unwrap_or_else(|| {
+            let base =
+                base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
+            let cap =
+                cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
+            backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
+        })
+    };
+    let state = if dead { "dead" } else { "pending" };
+    plans::count(
+        &FAIL_APPLY,
+        &[
+            id.param(),
+            state.into(),
+            Interval::from_micros(delay_us).into(),
+            error.as_str().into(),
+            blocks.into(),
+            // FAIL_LOCK's row lock assigned the transaction id.
+            plans::ts_param(lowwater::floor_after_xid()),
+        ],
+    );
+    if !dead {
+        wakeup::note_due();
+    } else if !blocks {
+        // Dead under 'skip' (or no subject): the next event of the subject leads.
+        if let Some(s) = subject {
+            subject::promote(&[s], false);
+        }
     }
+    state.into_datum().unwrap()
 }
 
 /// `outbox.extend_lease(id, lease_token, lease) -> timestamptz`.
@@ -304,25 +280,18 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let lease: Interval = fcall::required(fcinfo, 2, "lease");
-        validate::lease_us("lease", &lease);
-        let (Some(id), Some(tok)) = (fcall::raw(fcinfo, 0), fcall::raw(fcinfo, 1)) else {
-            return fcall::return_null(fcinfo);
-        };
-        let until: Option<TimestampWithTimeZone> = plans::one(
-            &EXTEND,
-            &[
-                param(Some(id), pg_sys::INT8OID),
-                param(Some(tok), pg_sys::UUIDOID),
-                lease.into(),
-                crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
-            ],
-        );
-        match until {
-            Some(ts) => ts.into_datum().unwrap(),
-            None => fcall::return_null(fcinfo),
-        }
+    // SAFETY: the frame of outbox.extend_lease(bigint, uuid, interval) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let lease: Interval = call.required(2, "lease");
+    validate::lease_us("lease", &lease);
+    let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
+        return call.return_null();
+    };
+    let until: Option<TimestampWithTimeZone> =
+        plans::one(&EXTEND, &[id.param(), tok.param(), lease.into(), plans::ts_param(lowwater::floor_after_xid())]);
+    match until {
+        Some(ts) => ts.into_datum().unwrap(),
+        None => call.return_null(),
     }
 }
 
@@ -331,23 +300,25 @@ pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn backoff_delay(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let attempt: i32 = fcall::required(fcinfo, 0, "attempt");
-        if attempt < 1 {
-            errors::raise(INVALID_PARAMETER, format!("attempt must be at least 1, got {attempt}"));
-        }
-        let base = fcall::arg::<Interval>(fcinfo, 1)
-            .map(|iv| validate::positive_delay_us("backoff_base", &iv))
-            .unwrap_or_else(gucs::backoff_base_us);
-        let cap = fcall::arg::<Interval>(fcinfo, 2)
-            .map(|iv| validate::positive_delay_us("backoff_max", &iv))
-            .unwrap_or_else(gucs::backoff_max_us);
-        let jitter: bool = fcall::arg(fcinfo, 3).unwrap_or(true);
-        let us = if jitter {
-            backoff::jittered_delay_us(attempt, base, cap, backoff::unit_random())
-        } else {
-            backoff::raw_delay_us(attempt, base, cap)
-        };
-        Interval::from_micros(us).into_datum().unwrap()
+    // SAFETY: the frame of outbox.backoff_delay(integer, interval, interval, boolean) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let attempt: i32 = call.required(0, "attempt");
+    if attempt < 1 {
+        errors::raise(INVALID_PARAMETER, format!("attempt must be at least 1, got {attempt}"));
     }
+    let base = call
+        .arg::<Interval>(1)
+        .map(|iv| validate::positive_delay_us("backoff_base", &iv))
+        .unwrap_or_else(gucs::backoff_base_us);
+    let cap = call
+        .arg::<Interval>(2)
+        .map(|iv| validate::positive_delay_us("backoff_max", &iv))
+        .unwrap_or_else(gucs::backoff_max_us);
+    let jitter: bool = call.arg(3).unwrap_or(true);
+    let us = if jitter {
+        backoff::jittered_delay_us(attempt, base, cap, backoff::unit_random())
+    } else {
+        backoff::raw_delay_us(attempt, base, cap)
+    };
+    Interval::from_micros(us).into_datum().unwrap()
 }

@@ -2,7 +2,6 @@
 //!
 //! Modules, one concern each:
 //! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
-//! - [`heap`] — publish's direct row insert (no SPI statement)
 //! - [`claim`] — `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
@@ -10,8 +9,11 @@
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
 //! - [`wakeup`] and [`worker`] — LISTEN/NOTIFY without serialising publishers, retention runs
-//! - [`gucs`], [`validate`], [`errors`], [`plans`], [`fcall`], [`xact`] — plumbing
-//! - [`pg`] — PostgreSQL internals the liveness rules depend on (snapshots, locks)
+//! - [`gucs`], [`validate`], [`errors`], [`xact`] — plumbing
+//! - [`pg`] — the only module that talks to PostgreSQL internals: the v1 call
+//!   interface ([`pg::fcall`]), saved SPI plans ([`pg::plans`]), publish's direct
+//!   heap insert ([`pg::heap`]), search-path pinning, catalog lookups, snapshots,
+//!   locks and small accessors (clock, xids, database, latches)
 //!
 //! The schema and the SQL-level API live in `sql/`.
 
@@ -20,14 +22,11 @@ use pgrx::prelude::*;
 pub mod backoff;
 pub mod claim;
 pub mod errors;
-pub mod fcall;
 pub mod gucs;
-pub mod heap;
 pub mod lease;
 pub mod lowwater;
 pub mod maintenance;
 pub mod pg;
-pub mod plans;
 pub mod publish;
 pub mod subject;
 pub mod topics;
@@ -88,7 +87,7 @@ v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topi
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     pg::quiet_rust_backtraces();
-    let preloaded = unsafe { pg_sys::process_shared_preload_libraries_in_progress };
+    let preloaded = pg::preload_in_progress();
     gucs::init(preloaded);
     wakeup::init(preloaded);
     xact::init();

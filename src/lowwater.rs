@@ -56,8 +56,10 @@
 //! `shared_preload_libraries` there is no shared memory: F and W stay at -infinity
 //! and claims scan from the start of the index, as before.
 
-use crate::gucs;
-use crate::plans::{self, Stmt};
+use crate::pg;
+use crate::pg::catalog::{self, TableLock};
+use crate::pg::plans::{self, ts_param, Stmt};
+use crate::{errors, gucs};
 use pgrx::atomics::PgAtomic;
 use pgrx::lwlock::PgLwLock;
 use pgrx::prelude::*;
@@ -89,9 +91,13 @@ impl Default for Floor {
     }
 }
 
+// SAFETY: plain data (one atomic, no pointers): its bytes mean the same in
+// every process that maps the segment.
 unsafe impl PGRXSharedMemory for Floor {}
 
 /// The shared publish floor (exists only when preloaded).
+// SAFETY: pgrx's contract for a shared-memory static: one unique name, and
+// registered with pg_shmem_init! in `_PG_init` ([`init`]) before any use.
 pub static FLOOR: PgAtomic<Floor> = unsafe { PgAtomic::new(c"outbox_publish_floor") };
 
 /// Low-water state of one database's `outbox.event_queue`.
@@ -137,9 +143,13 @@ impl Default for Marks {
     }
 }
 
+// SAFETY: plain Copy data, no pointers: its bytes mean the same in every
+// process that maps the segment.
 unsafe impl PGRXSharedMemory for Marks {}
 
 /// The shared low-water marks (exist only when preloaded).
+// SAFETY: pgrx's contract for a shared-memory static: one unique name, and
+// registered with pg_shmem_init! in `_PG_init` ([`init`]) before any use.
 pub static MARKS: PgLwLock<Marks> = unsafe { PgLwLock::new(c"outbox_low_water") };
 
 /// Register the shared memory. Called from `_PG_init`.
@@ -173,7 +183,7 @@ pub fn floor_now() -> i64 {
     fence(Ordering::SeqCst);
     let f = FLOOR.get().t.load(Ordering::SeqCst);
     if f != NONE {
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let now = pg::now();
         if clock_went_back(f, now) {
             return above(FLOOR.get().t.load(Ordering::SeqCst));
         }
@@ -204,12 +214,10 @@ fn clock_went_back(f: i64, now: i64) -> bool {
 /// read-only transaction it assigns nothing and returns NONE: the write that
 /// follows fails with 25006 anyway.
 pub fn floor_after_xid() -> i64 {
-    if !gucs::preloaded() || unsafe { pg_sys::XactReadOnly } {
+    if !gucs::preloaded() || pg::read_only() {
         return NONE;
     }
-    unsafe {
-        pg_sys::GetCurrentTransactionId();
-    }
+    pg::assign_xid();
     floor_now()
 }
 
@@ -217,8 +225,7 @@ pub fn floor_after_xid() -> i64 {
 /// paths (replay). Assigns the caller's transaction id. -infinity without preload.
 #[pg_extern(name = "_visible_floor", volatile, parallel_unsafe)]
 fn visible_floor() -> TimestampWithTimeZone {
-    let f = floor_after_xid();
-    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(f), false).unwrap() }
+    pg::timestamptz(floor_after_xid())
 }
 
 /// `outbox._claim_low_water() -> TABLE(publish_floor timestamptz, low_water_at
@@ -235,10 +242,10 @@ fn claim_low_water() -> TableIterator<
         name!(resets, i64),
     ),
 > {
-    let ts = |v: i64| unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(v), false).unwrap() };
-    let (f, slot) = match (gucs::preloaded(), unsafe { queue_identity_unlocked() }) {
+    let ts = pg::timestamptz;
+    let (f, slot) = match (gucs::preloaded(), queue_identity(TableLock::AccessShare)) {
         (true, Some((rel, node))) => {
-            let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
+            let db = pg::database_id();
             let m = MARKS.share();
             (FLOOR.get().t.load(Ordering::SeqCst), m.slots.iter().find(|s| s.key() == (db, rel, node)).copied())
         }
@@ -249,26 +256,11 @@ fn claim_low_water() -> TableIterator<
     TableIterator::once((ts(f), ts(s.w.0), s.w.1, s.pending.is_some(), s.resets as i64))
 }
 
-/// OID and file node of `outbox.event_queue`, locked as claim() will lock it.
-unsafe fn queue_identity() -> Option<(u32, u32)> {
-    unsafe { identity(pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
-}
-
-/// The same for readers (monitoring, the audit).
-unsafe fn queue_identity_unlocked() -> Option<(u32, u32)> {
-    unsafe { identity(pg_sys::AccessShareLock as pg_sys::LOCKMODE) }
-}
-
-unsafe fn identity(lockmode: pg_sys::LOCKMODE) -> Option<(u32, u32)> {
-    let relid = crate::pg::outbox_relid(c"event_queue")?;
-    unsafe {
-        // The lock processes pending invalidations, so the file node read below is
-        // current (a TRUNCATE committed elsewhere shows here).
-        let rel = pg_sys::table_open(relid, lockmode);
-        let node = (*(*rel).rd_rel).relfilenode.to_u32();
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        Some((relid.to_u32(), node))
-    }
+/// OID and file node of `outbox.event_queue`, locked as claim() will lock it
+/// (RowExclusive) or as readers do (monitoring, the audit: AccessShare).
+fn queue_identity(lock: TableLock) -> Option<(u32, u32)> {
+    let relid = catalog::outbox_relid(c"event_queue")?;
+    Some((relid.to_u32(), catalog::relfilenode(relid, lock)))
 }
 
 /// First live key of the claim index at or above `from`, in the statement's
@@ -288,20 +280,15 @@ struct Probe {
     clock: i64,
 }
 
-/// A timestamptz statement parameter from TimestampTz microseconds.
-pub fn ts_param(v: i64) -> pgrx::datum::DatumWithOid<'static> {
-    crate::fcall::param(Some(pg_sys::Datum::from(v)), pg_sys::TIMESTAMPTZOID)
-}
-
 fn probe(from: (i64, i64)) -> Probe {
     plans::run(&PROBE, &[ts_param(from.0), from.1.into()], |t| {
         let row = t.first();
-        let xmin: i64 = crate::errors::spi(row.get::<i64>(1)).unwrap_or(0);
+        let xmin: i64 = errors::spi(row.get::<i64>(1)).unwrap_or(0);
         let raw = |n: usize| -> Option<i64> {
-            crate::errors::spi(row.get::<TimestampWithTimeZone>(n))
+            errors::spi(row.get::<TimestampWithTimeZone>(n))
                 .map(|ts| ts.into_datum().map(|d| d.value() as i64).unwrap_or(NONE))
         };
-        let first = match (raw(2), crate::errors::spi(row.get::<i64>(3))) {
+        let first = match (raw(2), errors::spi(row.get::<i64>(3))) {
             (Some(v), Some(id)) => Some((v, id)),
             _ => None,
         };
@@ -350,20 +337,20 @@ fn reset_all(m: &mut Marks) {
 /// Only those of its probe statements (e.g. a statement timeout), as for claim.
 pub fn claim_start() -> (i64, i64) {
     // A read-only transaction (or a standby) gets 25006 from the claim itself.
-    if !gucs::preloaded() || unsafe { pg_sys::XactReadOnly } {
+    if !gucs::preloaded() || pg::read_only() {
         return START;
     }
-    let Some((rel, node)) = (unsafe { queue_identity() }) else {
+    let Some((rel, node)) = queue_identity(TableLock::RowExclusive) else {
         return START;
     };
-    let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let now = unsafe { pg_sys::GetCurrentTimestamp() };
+    let db = pg::database_id();
+    let now = pg::now();
     // Steps read the first live key in this transaction's snapshot. Once the
     // transaction has written (a cancel, an ack, an earlier claim), that snapshot
     // shows its own uncommitted changes, which a rollback would undo: a mark
     // computed from them could pass a committed event. So only a
     // transaction that has no xid yet takes steps.
-    let steps = !crate::pg::uses_xact_snapshot() && !crate::pg::xid_assigned();
+    let steps = !pg::uses_xact_snapshot() && !pg::xid_assigned();
     // A clock set back makes now < last_step: a step is due then.
     let due = |s: &Slot| steps && (now < s.last_step || now.saturating_sub(s.last_step) >= STEP_INTERVAL_US);
     {
@@ -415,7 +402,7 @@ fn step(
 ) -> (i64, i64) {
     let same = |s: &Slot| s.key() == id;
     // Before anything else, so a stalled step B cannot hide a clock set back.
-    if clock_went_back(FLOOR.get().t.load(Ordering::SeqCst), unsafe { pg_sys::GetCurrentTimestamp() }) {
+    if clock_went_back(FLOOR.get().t.load(Ordering::SeqCst), pg::now()) {
         return START;
     }
     if let Some((vt, vid, n)) = pending {
@@ -455,7 +442,7 @@ fn step(
     }
     floor.t.fetch_max(v.0, Ordering::SeqCst);
     fence(Ordering::SeqCst);
-    let n = unsafe { pg_sys::ReadNextFullTransactionId() }.value;
+    let n = pg::next_xid();
     let mut m = MARKS.exclusive();
     let s = &mut m.slots[i];
     if same(s) && s.generation == generation {
@@ -491,8 +478,8 @@ pub fn audit() -> bool {
     if !gucs::preloaded() {
         return false;
     }
-    let db = unsafe { pg_sys::MyDatabaseId }.to_u32();
-    let Some((rel, node)) = (unsafe { queue_identity_unlocked() }) else {
+    let db = pg::database_id();
+    let Some((rel, node)) = queue_identity(TableLock::AccessShare) else {
         return false;
     };
     let found = {

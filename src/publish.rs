@@ -15,9 +15,10 @@
 //! aborts, the second inserts. No unique-violation ever reaches the caller.
 
 use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
-use crate::fcall::{self, param};
-use crate::plans::{self, Stmt};
-use crate::{gucs, validate, wakeup};
+use crate::pg::fcall::{param, Array, Call, SetResult, Value};
+use crate::pg::heap;
+use crate::pg::plans::{self, Stmt};
+use crate::{gucs, lowwater, subject, topics, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
@@ -95,7 +96,7 @@ const INSERT_MANY: Stmt = Stmt {
 /// Raise P0002 when strict topics are on and `topic` is not registered; return the
 /// max_attempts new events of `topic` get.
 fn topic_max_attempts(topic: &str) -> i32 {
-    match crate::topics::lookup(topic) {
+    match topics::lookup(topic) {
         Some(max) => max.unwrap_or_else(gucs::max_attempts),
         None if gucs::strict_topics() => errors::raise_hint(
             NO_DATA_FOUND,
@@ -123,36 +124,32 @@ const CHECK_HEADERS: Stmt = Stmt {
 };
 
 /// Validate headers (a JSON object of string values) and add the session's
-/// traceparent when the caller gave none. Returns the datum to store.
-///
-/// # Safety
-/// `d` must be a valid jsonb datum or None.
-unsafe fn prepare_headers(d: Option<pg_sys::Datum>) -> Option<pg_sys::Datum> {
+/// traceparent when the caller gave none. Returns the jsonb to store.
+fn prepare_headers(d: Option<Value>) -> Option<Value> {
     let tp = gucs::traceparent();
     let Some(d) = d else {
         return tp.map(|tp| {
             let mut m = serde_json::Map::new();
             m.insert("traceparent".into(), serde_json::Value::String(tp));
-            JsonB(serde_json::Value::Object(m)).into_datum().expect("jsonb datum")
+            Value::jsonb(JsonB(serde_json::Value::Object(m)))
         });
     };
-    unsafe { validate::payload_size("headers", d) };
-    let (verdict, bad_key, headers) =
-        plans::run(&CHECK_HEADERS, &[param(Some(d), pg_sys::JSONBOID), tp.clone().into()], |t| {
-            let t = t.first();
-            let verdict: i32 = errors::spi(t.get(1)).unwrap_or(1);
-            let bad_key: Option<String> = errors::spi(t.get(2));
-            // Copy the (possibly new) jsonb out of SPI memory before SPI_finish.
-            let h: Option<JsonB> = if tp.is_some() { errors::spi(t.get(3)) } else { None };
-            (verdict, bad_key, h)
-        });
+    validate::payload_size("headers", &d);
+    let (verdict, bad_key, headers) = plans::run(&CHECK_HEADERS, &[d.param(), tp.clone().into()], |t| {
+        let t = t.first();
+        let verdict: i32 = errors::spi(t.get(1)).unwrap_or(1);
+        let bad_key: Option<String> = errors::spi(t.get(2));
+        // Copy the (possibly new) jsonb out of SPI memory before SPI_finish.
+        let h: Option<JsonB> = if tp.is_some() { errors::spi(t.get(3)) } else { None };
+        (verdict, bad_key, h)
+    });
     match verdict {
         0 => {}
         1 => errors::raise(INVALID_PARAMETER, "headers must be a JSON object"),
         _ => errors::raise(INVALID_PARAMETER, format!("header {:?} must be a string", bad_key.unwrap_or_default())),
     }
     match headers {
-        Some(h) => h.into_datum(),
+        Some(h) => Some(Value::jsonb(h)),
         None => Some(d),
     }
 }
@@ -179,9 +176,9 @@ struct One<'a> {
     max_attempts: i32,
     subject: Option<&'a str>,
     key: Option<&'a str>,
-    payload: pg_sys::Datum,
-    headers: Option<pg_sys::Datum>,
-    deliver_at: Option<pg_sys::Datum>,
+    payload: Value,
+    headers: Option<Value>,
+    deliver_at: Option<Value>,
 }
 
 /// Insert one validated event (subject lock already taken). Returns its id and
@@ -192,30 +189,31 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
             Ok(id) => id,
             Err(existing) => return (existing, false),
         },
-        None => crate::heap::next_event_id(),
+        None => heap::next_event_id(),
     };
-    let key = param(e.key.map(|s| s.into_datum().unwrap()), pg_sys::TEXTOID);
+    let key = pgrx::datum::DatumWithOid::from(e.key);
     let tail = [
-        param(Some(e.payload), pg_sys::JSONBOID),
+        e.payload.param(),
         param(e.headers, pg_sys::JSONBOID),
         e.max_attempts.into(),
         param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
         id.into(),
     ];
-    let floor = || crate::lowwater::ts_param(crate::lowwater::floor_after_xid());
+    let floor = || plans::ts_param(lowwater::floor_after_xid());
     let new_id = match e.subject {
         None => {
-            let direct = unsafe {
-                crate::heap::insert(&crate::heap::NewEvent {
+            let direct = heap::insert(
+                &heap::NewEvent {
                     id,
-                    topic: e.topic.into_datum().unwrap(),
-                    dispatch_key: e.key.and_then(|k| k.into_datum()),
+                    topic: e.topic,
+                    dispatch_key: e.key,
                     payload: e.payload,
                     headers: e.headers,
                     max_attempts: e.max_attempts,
                     deliver_at: e.deliver_at,
-                })
-            };
+                },
+                lowwater::floor_after_xid,
+            );
             if let Some(id) = direct {
                 return (id, true);
             }
@@ -231,7 +229,7 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
             // is_head is decided under the subject lock, from a snapshot taken
             // after it (src/subject.rs): under REPEATABLE READ the transaction
             // snapshot may predate the ack of the subject's previous head.
-            crate::pg::run_latest(&INSERT_ONE_SUBJECT, &args, |r| r.i64(0, 1))
+            plans::run_latest(&INSERT_ONE_SUBJECT, &args, |r| r.i64(0, 1))
         }
     };
     let id = new_id.unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
@@ -243,45 +241,46 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let topic: String = fcall::required(fcinfo, 0, "topic");
-        validate::topic(&topic);
-        let payload =
-            fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payload must not be NULL"));
-        validate::payload_size("payload", payload);
-        let subject: Option<String> = fcall::arg(fcinfo, 2);
-        if let Some(s) = &subject {
-            validate::key("subject", s);
-        }
-        let key: Option<String> = fcall::arg(fcinfo, 3);
-        if let Some(k) = &key {
-            validate::key("dispatch_key", k);
-        }
-        let headers = prepare_headers(fcall::raw(fcinfo, 4));
-        let deliver_at = fcall::raw(fcinfo, 5);
-        if let Some(d) = deliver_at {
-            if d.value() as i64 == i64::MAX {
-                errors::raise(INVALID_PARAMETER, "deliver_at must not be infinity");
-            }
-        }
-        let max_attempts = topic_max_attempts(&topic);
-        if let Some(s) = &subject {
-            crate::subject::lock(s);
-        }
-        let (id, inserted) = insert_one(&One {
-            topic: &topic,
-            max_attempts,
-            subject: subject.as_deref(),
-            key: key.as_deref(),
-            payload,
-            headers,
-            deliver_at,
-        });
-        if inserted {
-            wakeup::note_publish(&topic, deliver_at);
-        }
-        id.into_datum().unwrap()
+    // SAFETY: the frame of outbox.publish(text, jsonb, text, text, jsonb, timestamptz) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let topic: String = call.required(0, "topic");
+    validate::topic(&topic);
+    let payload = call
+        .value(1, pg_sys::JSONBOID)
+        .unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payload must not be NULL"));
+    validate::payload_size("payload", &payload);
+    let subject: Option<String> = call.arg(2);
+    if let Some(s) = &subject {
+        validate::key("subject", s);
     }
+    let key: Option<String> = call.arg(3);
+    if let Some(k) = &key {
+        validate::key("dispatch_key", k);
+    }
+    let headers = prepare_headers(call.value(4, pg_sys::JSONBOID));
+    let deliver_at = call.value(5, pg_sys::TIMESTAMPTZOID);
+    if let Some(d) = deliver_at {
+        if d.datum().value() as i64 == i64::MAX {
+            errors::raise(INVALID_PARAMETER, "deliver_at must not be infinity");
+        }
+    }
+    let max_attempts = topic_max_attempts(&topic);
+    if let Some(s) = &subject {
+        subject::lock(s);
+    }
+    let (id, inserted) = insert_one(&One {
+        topic: &topic,
+        max_attempts,
+        subject: subject.as_deref(),
+        key: key.as_deref(),
+        payload,
+        headers,
+        deliver_at,
+    });
+    if inserted {
+        wakeup::note_publish(&topic, deliver_at.map(|d| d.datum()));
+    }
+    id.into_datum().unwrap()
 }
 
 /// `outbox.publish_batch(topic, payloads jsonb[], subjects text[], dispatch_keys text[]) -> SETOF bigint`.
@@ -289,103 +288,104 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let topic: String = fcall::required(fcinfo, 0, "topic");
-        validate::topic(&topic);
-        let payloads_d =
-            fcall::raw(fcinfo, 1).unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
-        let payloads = fcall::array_elems(payloads_d, pg_sys::JSONBOID, "payloads");
-        if payloads.is_empty() {
-            errors::raise(INVALID_PARAMETER, "payloads must not be empty");
-        }
-        validate::batch_size(payloads.len() as i64);
-        for (i, p) in payloads.iter().enumerate() {
-            match p {
-                None => errors::raise(errors::NULL_VALUE, format!("payloads[{}] must not be NULL", i + 1)),
-                Some(d) => validate::payload_size(&format!("payloads[{}]", i + 1), *d),
-            }
-        }
-        let text_array = |n: usize, what: &str| -> Option<Vec<Option<String>>> {
-            let d = fcall::raw(fcinfo, n)?;
-            let elems = fcall::array_elems(d, pg_sys::TEXTOID, what);
-            if elems.len() != payloads.len() {
-                errors::raise(
-                    INVALID_PARAMETER,
-                    format!("{what} has {} elements but payloads has {}", elems.len(), payloads.len()),
-                );
-            }
-            Some(elems.into_iter().map(|e| e.and_then(|d| String::from_datum(d, false))).collect())
-        };
-        let subjects = text_array(2, "subjects");
-        let keys = text_array(3, "dispatch_keys");
-        for s in subjects.iter().flatten().flatten() {
-            validate::key("subject", s);
-        }
-        for k in keys.iter().flatten().flatten() {
-            validate::key("dispatch_key", k);
-        }
-        let max_attempts = topic_max_attempts(&topic);
-
-        let out = fcall::SetResult::begin(fcinfo);
-        if let Some(subjects) = &subjects {
-            let mut list: Vec<String> = subjects.iter().flatten().cloned().collect();
-            list.sort();
-            list.dedup();
-            // One advisory lock per distinct subject lives in the shared lock table
-            // until commit; past this many, a batch could exhaust it for everyone.
-            if list.len() > MAX_BATCH_SUBJECTS {
-                errors::raise_hint(
-                    errors::TOO_LARGE,
-                    format!("publish_batch has {} distinct subjects, more than {MAX_BATCH_SUBJECTS}", list.len()),
-                    "Split the batch; each distinct subject holds a lock until commit.",
-                );
-            }
-            crate::subject::lock_many(&list);
-        }
-        let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
-        let mut inserted = 0usize;
-        if any_key {
-            // Keys need per-event dedupe; take the single-event path for each.
-            for (i, p) in payloads.iter().enumerate() {
-                let (id, ins) = insert_one(&One {
-                    topic: &topic,
-                    max_attempts,
-                    subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
-                    key: keys.as_ref().and_then(|k| k[i].as_deref()),
-                    payload: p.unwrap(),
-                    headers: prepare_headers(None),
-                    deliver_at: None,
-                });
-                inserted += ins as usize;
-                out.put_single(id.into_datum().unwrap());
-            }
-        } else {
-            let n = payloads.len() as i32;
-            let ids: Vec<i64> = plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>()))
-                .unwrap_or_default();
-            let subjects_d = fcall::raw(fcinfo, 2);
-            // Headship from a snapshot taken after the subject locks (src/subject.rs).
-            crate::pg::run_latest(
-                &INSERT_MANY,
-                &[
-                    topic.as_str().into(),
-                    ids.clone().into(),
-                    fcall::param(Some(payloads_d), pg_sys::JSONBARRAYOID),
-                    fcall::param(subjects_d, pg_sys::TEXTARRAYOID),
-                    max_attempts.into(),
-                    fcall::param(prepare_headers(None), pg_sys::JSONBOID),
-                    crate::lowwater::ts_param(crate::lowwater::floor_after_xid()),
-                ],
-                |_| (),
-            );
-            inserted = ids.len();
-            for id in ids {
-                out.put_single(id.into_datum().unwrap());
-            }
-        }
-        if inserted > 0 {
-            wakeup::note_publish(&topic, None);
-        }
-        fcall::finish_set(fcinfo)
+    // SAFETY: the frame of outbox.publish_batch(text, jsonb[], text[], text[]) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let topic: String = call.required(0, "topic");
+    validate::topic(&topic);
+    let payloads_d = call
+        .value(1, pg_sys::JSONBARRAYOID)
+        .unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "payloads must not be NULL"));
+    let payloads = Array::read(payloads_d, "payloads").elems();
+    if payloads.is_empty() {
+        errors::raise(INVALID_PARAMETER, "payloads must not be empty");
     }
+    validate::batch_size(payloads.len() as i64);
+    for (i, p) in payloads.iter().enumerate() {
+        match p {
+            None => errors::raise(errors::NULL_VALUE, format!("payloads[{}] must not be NULL", i + 1)),
+            Some(d) => validate::payload_size(&format!("payloads[{}]", i + 1), d),
+        }
+    }
+    let text_array = |n: usize, what: &str| -> Option<Vec<Option<String>>> {
+        let d = call.value(n, pg_sys::TEXTARRAYOID)?;
+        let elems = Array::read(d, what).elems();
+        if elems.len() != payloads.len() {
+            errors::raise(
+                INVALID_PARAMETER,
+                format!("{what} has {} elements but payloads has {}", elems.len(), payloads.len()),
+            );
+        }
+        Some(elems.into_iter().map(|e| e.and_then(Value::text)).collect())
+    };
+    let subjects = text_array(2, "subjects");
+    let keys = text_array(3, "dispatch_keys");
+    for s in subjects.iter().flatten().flatten() {
+        validate::key("subject", s);
+    }
+    for k in keys.iter().flatten().flatten() {
+        validate::key("dispatch_key", k);
+    }
+    let max_attempts = topic_max_attempts(&topic);
+
+    let out = SetResult::begin(&call);
+    if let Some(subjects) = &subjects {
+        let mut list: Vec<String> = subjects.iter().flatten().cloned().collect();
+        list.sort();
+        list.dedup();
+        // One advisory lock per distinct subject lives in the shared lock table
+        // until commit; past this many, a batch could exhaust it for everyone.
+        if list.len() > MAX_BATCH_SUBJECTS {
+            errors::raise_hint(
+                errors::TOO_LARGE,
+                format!("publish_batch has {} distinct subjects, more than {MAX_BATCH_SUBJECTS}", list.len()),
+                "Split the batch; each distinct subject holds a lock until commit.",
+            );
+        }
+        subject::lock_many(&list);
+    }
+    let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
+    let mut inserted = 0usize;
+    if any_key {
+        // Keys need per-event dedupe; take the single-event path for each.
+        for (i, p) in payloads.iter().enumerate() {
+            let (id, ins) = insert_one(&One {
+                topic: &topic,
+                max_attempts,
+                subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
+                key: keys.as_ref().and_then(|k| k[i].as_deref()),
+                payload: p.unwrap(),
+                headers: prepare_headers(None),
+                deliver_at: None,
+            });
+            inserted += ins as usize;
+            out.put_i64(id);
+        }
+    } else {
+        let n = payloads.len() as i32;
+        let ids: Vec<i64> =
+            plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>())).unwrap_or_default();
+        let subjects_d = call.value(2, pg_sys::TEXTARRAYOID);
+        // Headship from a snapshot taken after the subject locks (src/subject.rs).
+        plans::run_latest(
+            &INSERT_MANY,
+            &[
+                topic.as_str().into(),
+                ids.clone().into(),
+                payloads_d.param(),
+                param(subjects_d, pg_sys::TEXTARRAYOID),
+                max_attempts.into(),
+                param(prepare_headers(None), pg_sys::JSONBOID),
+                plans::ts_param(lowwater::floor_after_xid()),
+            ],
+            |_| (),
+        );
+        inserted = ids.len();
+        for id in ids {
+            out.put_i64(id);
+        }
+    }
+    if inserted > 0 {
+        wakeup::note_publish(&topic, None);
+    }
+    call.finish_set()
 }

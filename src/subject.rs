@@ -13,7 +13,7 @@
 //! Proof sketch. Headship is decided only under the subject's advisory lock
 //! (publish, cancel and replay wait for it; promotions try it), and only by a
 //! statement run under a snapshot taken after the lock was granted
-//! ([`crate::pg::run_latest`]), whatever the isolation level. The lock is released
+//! ([`crate::pg::plans::run_latest`]), whatever the isolation level. The lock is released
 //! after the holder's commit is visible, so that snapshot sees every commit of
 //! every earlier holder of the lock.
 //! - publish inserts e with is_head = "no earlier live event of s" as of that
@@ -54,7 +54,7 @@
 //! lock table, whatever the number of subjects it touches.
 
 use crate::errors;
-use crate::plans::{self, Stmt};
+use crate::pg::plans::{self, Stmt};
 use crate::{gucs, lowwater, pg};
 use pgrx::prelude::*;
 use std::cell::RefCell;
@@ -309,8 +309,8 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
         return 0;
     }
     let floor = lowwater::floor_after_xid();
-    let stmt = if pg::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
-    let (n, skipped, empty) = pg::run_latest(stmt, &[subjects.into(), lowwater::ts_param(floor)], |r| {
+    let stmt = if pg::catalog::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
+    let (n, skipped, empty) = plans::run_latest(stmt, &[subjects.into(), plans::ts_param(floor)], |r| {
         (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2), r.texts(0, 3))
     });
     defer(skipped);
@@ -325,8 +325,8 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
 /// hold, never waits, and costs one statement on an empty table when nothing is
 /// deferred. A subject whose lock a publisher holds goes back into the table.
 pub fn retry_deferred() {
-    let stmt = if pg::row_lock_installed() { &TAKE_DEFERRED } else { &TAKE_DEFERRED_040 };
-    let subjects = pg::run_latest(stmt, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
+    let stmt = if pg::catalog::row_lock_installed() { &TAKE_DEFERRED } else { &TAKE_DEFERRED_040 };
+    let subjects = plans::run_latest(stmt, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
     if subjects.is_empty() {
         return;
     }

@@ -9,7 +9,9 @@
 //! commits, the changing session at its next command.
 
 use crate::errors;
-use crate::plans::{self, Stmt};
+use crate::pg;
+use crate::pg::fcall::Call;
+use crate::pg::plans::{self, Stmt};
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -23,11 +25,11 @@ const LOAD: Stmt = Stmt { sql: "SELECT topic, max_attempts FROM outbox.topics", 
 
 /// Register the invalidation callback. Called from `_PG_init`.
 pub fn init() {
-    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(relcache_callback), pg_sys::Datum::from(0)) };
+    pg::register_relcache_callback(Some(relcache_callback));
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
     // The relid of outbox.topics is not at hand here without a catalog lookup
     // (not allowed in a callback), and any relcache invalidation is rare next to
     // publishes, so every invalidation drops the (tiny) cache.
@@ -59,13 +61,12 @@ pub fn lookup(topic: &str) -> Option<Option<i32>> {
 /// # Safety
 /// Called by PostgreSQL as a statement-level trigger on outbox.topics.
 pub unsafe fn topics_changed(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    unsafe {
-        let ctx = (*fcinfo).context;
-        if ctx.is_null() || !pgrx::is_a(ctx, pg_sys::NodeTag::T_TriggerData) {
-            errors::raise(errors::INVALID_PARAMETER, "_topics_changed() must be called as a trigger");
-        }
-        let td = ctx as *mut pg_sys::TriggerData;
-        pg_sys::CacheInvalidateRelcacheByRelid((*(*td).tg_relation).rd_id);
-        pg_sys::Datum::from(0)
-    }
+    // SAFETY: the frame of the trigger function outbox._topics_changed(), which
+    // takes no arguments (sql/admin.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let Some(relid) = call.trigger_relid() else {
+        errors::raise(errors::INVALID_PARAMETER, "_topics_changed() must be called as a trigger");
+    };
+    pg::invalidate_relcache(relid);
+    pg_sys::Datum::from(0)
 }

@@ -3,6 +3,7 @@
 
 use crate::errors::{self, INVALID_PARAMETER, TOO_LARGE};
 use crate::gucs;
+use crate::pg::fcall::Value;
 use pgrx::prelude::*;
 
 /// Longest topic, worker name or pattern: 255 bytes.
@@ -159,13 +160,10 @@ pub fn positive_delay_us(name: &str, iv: &Interval) -> i64 {
     us
 }
 
-/// Check a jsonb datum's size against outbox.max_payload_bytes (54000).
-///
-/// # Safety
-/// `d` must be a valid jsonb datum.
-pub unsafe fn payload_size(what: &str, d: pg_sys::Datum) {
-    // toast_raw_datum_size reads the header only: no detoasting of large values.
-    let size = unsafe { pg_sys::toast_raw_datum_size(d) } as i64 - pg_sys::VARHDRSZ as i64;
+/// Check a jsonb value's size against outbox.max_payload_bytes (54000).
+pub fn payload_size(what: &str, d: &Value) {
+    // Reads the header only: no detoasting of large values.
+    let size = d.raw_size();
     let max = gucs::max_payload_bytes();
     if size > max {
         errors::raise_hint(

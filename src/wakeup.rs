@@ -15,6 +15,7 @@
 //! also poll (see README, "Wake-ups").
 
 use crate::gucs::{self, NotifyMode};
+use crate::pg::{self, SharedLatch};
 use pgrx::atomics::PgAtomic;
 use pgrx::lwlock::PgLwLock;
 use pgrx::prelude::*;
@@ -36,9 +37,8 @@ pub const SHARED_PREPARED: usize = 32;
 /// Shared state between publishing backends and the background worker.
 #[derive(Copy, Clone)]
 pub struct WakeShared {
-    /// Address of the worker's process latch (shared memory, same address in every
-    /// backend), or 0 when no worker is running.
-    pub latch: usize,
+    /// The worker's process latch, or none when no worker is running.
+    pub latch: SharedLatch,
     /// Database the running worker serves.
     pub database: u32,
     /// PID of the running worker.
@@ -64,7 +64,7 @@ pub struct WakeShared {
 impl Default for WakeShared {
     fn default() -> Self {
         WakeShared {
-            latch: 0,
+            latch: SharedLatch::NONE,
             database: 0,
             pid: 0,
             ntopics: 0,
@@ -80,9 +80,13 @@ impl Default for WakeShared {
     }
 }
 
+// SAFETY: plain Copy data; its one address (the latch) points into shared
+// memory, mapped at the same address in every process.
 unsafe impl PGRXSharedMemory for WakeShared {}
 
 /// The shared wake-up state (exists only when preloaded).
+// SAFETY: pgrx's contract for a shared-memory static: one unique name, and
+// registered with pg_shmem_init! in `_PG_init` ([`init`]) before any use.
 pub static WAKE: PgLwLock<WakeShared> = unsafe { PgLwLock::new(c"outbox_wakeup") };
 
 /// A lock-free view of the pending topic set, read at every publishing commit.
@@ -118,9 +122,13 @@ impl Default for WakeFast {
     }
 }
 
+// SAFETY: atomics only, no pointers: their bytes mean the same in every
+// process that maps the segment.
 unsafe impl PGRXSharedMemory for WakeFast {}
 
 /// The lock-free half of the wake-up state (exists only when preloaded).
+// SAFETY: pgrx's contract for a shared-memory static: one unique name, and
+// registered with pg_shmem_init! in `_PG_init` ([`init`]) before any use.
 pub static FAST: PgAtomic<WakeFast> = unsafe { PgAtomic::new(c"outbox_wakeup_fast") };
 
 fn topic_hash(topic: &[u8]) -> u64 {
@@ -192,7 +200,7 @@ pub fn effective_mode() -> NotifyMode {
         }
         NotifyMode::Background => {
             let db = FAST.get().database.load(Ordering::Relaxed);
-            if db != 0 && db != unsafe { pg_sys::MyDatabaseId }.to_u32() {
+            if db != 0 && db != pg::database_id() {
                 // The worker serves another database; a NOTIFY from it would not
                 // reach listeners here.
                 NotifyMode::Transaction
@@ -206,16 +214,14 @@ pub fn effective_mode() -> NotifyMode {
 
 /// Send NOTIFY outbox, topic (queued in the current transaction).
 pub fn notify_now(topic: &str) {
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(pg_sys::pg_notify, &[CHANNEL.into_datum(), topic.into_datum()]);
-    }
+    pg::notify(CHANNEL, topic);
 }
 
 /// Record that the current transaction published to `topic`. `deliver_at` is the
 /// raw timestamptz argument, if any: a future time only needs the worker to
 /// recompute its next due time.
 pub fn note_publish(topic: &str, deliver_at: Option<pg_sys::Datum>) {
-    let future = deliver_at.is_some_and(|d| (d.value() as i64) > unsafe { pg_sys::GetCurrentTimestamp() });
+    let future = deliver_at.is_some_and(|d| (d.value() as i64) > pg::now());
     match effective_mode() {
         NotifyMode::Off => {}
         NotifyMode::Transaction => {
@@ -224,7 +230,7 @@ pub fn note_publish(topic: &str, deliver_at: Option<pg_sys::Datum>) {
             }
         }
         NotifyMode::Background => {
-            let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
+            let sub = pg::subxact_id();
             PENDING.with(|p| {
                 let mut p = p.borrow_mut();
                 if future {
@@ -246,7 +252,7 @@ pub fn note_any(topic: Option<&str>) {
         (NotifyMode::Transaction, None) => {}
         (NotifyMode::Background, Some(t)) => note_publish(t, None),
         (NotifyMode::Background, None) => {
-            let sub = unsafe { pg_sys::GetCurrentSubTransactionId() };
+            let sub = pg::subxact_id();
             PENDING.with(|p| {
                 let mut p = p.borrow_mut();
                 p.any.get_or_insert(sub);
@@ -271,12 +277,6 @@ fn take_pending() -> Option<Pending> {
         }
         Some(std::mem::replace(&mut *p, Pending { topics: Vec::new(), any: None, due: false }))
     })
-}
-
-unsafe fn set_latch(latch: usize) {
-    if latch != 0 {
-        unsafe { pg_sys::SetLatch(latch as *mut pg_sys::Latch) };
-    }
 }
 
 /// Publish the committed transaction's topics to shared memory and wake the worker.
@@ -312,13 +312,13 @@ fn flush_committed(p: Pending) {
         }
         w.latch
     };
-    unsafe { set_latch(latch) };
+    latch.set();
 }
 
 /// Hand a preparing transaction's wake-up to the worker: it notifies once the
 /// prepared transaction commits (COMMIT PREPARED may run in another session).
 fn flush_prepared(p: Pending) {
-    let xid = unsafe { pg_sys::GetTopFullTransactionIdIfAny() }.value as u32;
+    let xid = pg::top_xid_if_any();
     if p.topics.is_empty() && p.any.is_none() {
         return;
     }
@@ -336,7 +336,7 @@ fn flush_prepared(p: Pending) {
         }
         w.latch
     };
-    unsafe { set_latch(latch) };
+    latch.set();
 }
 
 /// Transaction end (src/xact.rs): hand the committed topics to the worker, or

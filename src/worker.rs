@@ -17,6 +17,7 @@
 //! that the postmaster restarts it after `pg_terminate_backend` (a shutdown does
 //! not restart workers anyway).
 
+use crate::pg::{self, SharedLatch};
 use crate::wakeup::{self, WAKE};
 use crate::{gucs, maintenance};
 use pgrx::bgworkers::*;
@@ -97,7 +98,7 @@ impl Untracked {
             }))
         })
         .catch_others(|e| {
-            unsafe { pg_sys::AbortCurrentTransaction() };
+            pg::abort_current_transaction();
             Err(describe(&e))
         })
         .execute();
@@ -148,14 +149,10 @@ fn resolve_prepared(xids: &[u32]) -> usize {
     let mut committed = 0;
     let mut done = Vec::new();
     for &x in xids {
-        let xid = pg_sys::TransactionId::from(x);
-        unsafe {
-            if pg_sys::TransactionIdIsInProgress(xid) {
-                continue;
-            }
-            if pg_sys::TransactionIdDidCommit(xid) {
-                committed += 1;
-            }
+        match pg::xid_status(x) {
+            pg::XidStatus::InProgress => continue,
+            pg::XidStatus::Committed => committed += 1,
+            pg::XidStatus::Aborted => {}
         }
         done.push(x);
     }
@@ -192,8 +189,8 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         if !installed {
             return Err(String::new());
         }
-        let since_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(since), false) };
-        let now_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(now), false) };
+        let since_ts = pg::timestamptz(since);
+        let now_ts = pg::timestamptz(now);
         let rows = c.select(due_sql, None, &[since_ts.into(), now_ts.into()]).map_err(|e| e.to_string())?;
         for r in rows {
             if let Ok(Some(t)) = r.get::<String>(1) {
@@ -273,7 +270,7 @@ fn start_maintenance() -> Option<MaintenanceRun> {
             .unwrap_or(false)
     });
     installed.then(|| MaintenanceRun {
-        started: unsafe { pg_sys::GetCurrentTimestamp() },
+        started: pg::now(),
         step: 0,
         removed: [0; maintenance::STEPS.len()],
         error: None,
@@ -285,7 +282,7 @@ fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
     let (step, _) = maintenance::STEPS[m.step];
     let r = PgTryBuilder::new(|| Ok(maintenance_step(step)))
         .catch_others(|e| {
-            unsafe { pg_sys::AbortCurrentTransaction() };
+            pg::abort_current_transaction();
             Err(describe(&e))
         })
         .execute();
@@ -317,7 +314,7 @@ fn record_maintenance(m: &MaintenanceRun) {
     let (started, removed, error) = (m.started, m.removed, m.error.clone());
     let _ = PgTryBuilder::new(|| {
         BackgroundWorker::transaction(|| {
-            let started_ts = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(started), false) };
+            let started_ts = pg::timestamptz(started);
             // The columns come from the step list, as in outbox._log_maintenance().
             let logged = |col: &str| -> i64 {
                 maintenance::STEPS.iter().zip(removed.iter()).filter(|((_, c), _)| *c == Some(col)).map(|(_, n)| *n).sum()
@@ -337,7 +334,7 @@ fn record_maintenance(m: &MaintenanceRun) {
         .map_err(|e| e.to_string())
     })
     .catch_others(|e| {
-        unsafe { pg_sys::AbortCurrentTransaction() };
+        pg::abort_current_transaction();
         Err(describe(&e))
     })
     .execute();
@@ -357,8 +354,8 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     BackgroundWorker::connect_worker_to_spi(Some(&db), None);
     {
         let mut w = WAKE.exclusive();
-        w.latch = unsafe { std::ptr::addr_of_mut!((*pg_sys::MyProc).procLatch) } as usize;
-        w.database = unsafe { pg_sys::MyDatabaseId }.to_u32();
+        w.latch = SharedLatch::mine();
+        w.database = pg::database_id();
         wakeup::set_worker_database(w.database);
         w.pid = std::process::id() as i32;
         // Anything committed while no worker ran is found by the first sweep.
@@ -366,7 +363,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     }
     log!("outbox_ext worker started for database {db:?}");
 
-    let mut last_check = unsafe { pg_sys::GetCurrentTimestamp() };
+    let mut last_check = pg::now();
     // Absolute time (µs) of the next known due event; i64::MAX when none.
     let mut next_due_at: i64 = 0;
     let mut last_maintenance = Instant::now();
@@ -391,13 +388,13 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             std::thread::sleep(coalesce - since);
         }
         if BackgroundWorker::sighup_received() {
-            unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) };
+            pg::reload_config();
         }
         let taken = take_shared();
         let committed_prepared = if taken.prepared.is_empty() { 0 } else { resolve_prepared(&taken.prepared) };
         let untracked_resolved = untracked.poll();
         let sweep_all = taken.overflow || committed_prepared > 0 || untracked_resolved;
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let now = pg::now();
         // A pass woken only by commits just sends their NOTIFYs: no queries. The
         // queries (due events, next due time) run when something may have come
         // due: a delayed publish or retry was scheduled, the known next due time
@@ -421,7 +418,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             }
         })
         .catch_others(|e| {
-            unsafe { pg_sys::AbortCurrentTransaction() };
+            pg::abort_current_transaction();
             Err(describe(&e))
         })
         .execute();
@@ -464,7 +461,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             }
         }
 
-        let now = unsafe { pg_sys::GetCurrentTimestamp() };
+        let now = pg::now();
         let until_sweep = (last_check.saturating_add(MAX_SLEEP.as_micros() as i64)).min(next_due_at);
         sleep = Duration::from_micros(until_sweep.saturating_sub(now).max(1000) as u64).min(MAX_SLEEP);
         if WAKE.share().nprepared > 0 || untracked.active {
@@ -479,12 +476,12 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     }
     {
         let mut w = WAKE.exclusive();
-        w.latch = 0;
+        w.latch = SharedLatch::NONE;
         w.pid = 0;
     }
     log!("outbox_ext worker stopping");
     // Exit code 1 so that the postmaster restarts the worker after
     // pg_terminate_backend; during a shutdown it restarts nothing anyway.
     // (wait_latch() already consumed the SIGTERM flag, so it cannot be tested here.)
-    unsafe { pg_sys::proc_exit(1) };
+    pg::proc_exit(1);
 }

@@ -7,15 +7,11 @@ use std::ffi::c_void;
 
 /// Register the callbacks. Called once from `_PG_init`.
 pub fn init() {
-    // SAFETY: registering static callbacks with no argument, once per process.
-    unsafe {
-        pg_sys::RegisterXactCallback(Some(xact_callback), std::ptr::null_mut());
-        pg_sys::RegisterSubXactCallback(Some(subxact_callback), std::ptr::null_mut());
-    }
+    crate::pg::register_xact_callbacks(Some(xact_callback), Some(subxact_callback));
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut c_void) {
+extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut c_void) {
     use pg_sys::XactEvent::*;
     crate::wakeup::on_xact_event(event);
     match event {
@@ -29,7 +25,7 @@ unsafe extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: 
 }
 
 #[pg_guard]
-unsafe extern "C-unwind" fn subxact_callback(
+extern "C-unwind" fn subxact_callback(
     event: pg_sys::SubXactEvent::Type,
     my: pg_sys::SubTransactionId,
     parent: pg_sys::SubTransactionId,

@@ -300,7 +300,7 @@ def test_claim_in_long_transaction_not_reclaimable_before_lease_ends(plain):
 
 
 def test_direct_insert_matches_sql_insert_and_yields_to_triggers(plain):
-    """publish() without a subject inserts its row directly (src/heap.rs), not with
+    """publish() without a subject inserts its row directly (src/pg/heap.rs), not with
     an INSERT statement. The row, its index entries and its visibility must be what
     the INSERT would have produced; and once the table has something an INSERT must
     run (here a trigger), publish() must take the INSERT path so that it runs."""

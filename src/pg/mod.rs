@@ -1,157 +1,48 @@
-//! PostgreSQL internals that the liveness rules depend on, behind one boundary.
+//! The boundary to PostgreSQL internals: the only module that calls `pg_sys`
+//! beyond what pgrx requires of its callers. A port to another major version
+//! touches this directory only.
 //!
 //! Everything here is a thin, documented wrapper over a `pg_sys` call whose
 //! contract the callers rely on:
-//! - [`run_latest`]: run a saved statement under a snapshot taken *now*, not under
-//!   the transaction snapshot. Headship decisions (src/subject.rs) must see every
-//!   commit that preceded the subject lock they hold; a REPEATABLE READ or
-//!   SERIALIZABLE transaction's own snapshot may predate that lock.
+//! - [`fcall`]: the v1 call interface (arguments, set results, the array reader);
+//!   [`search_path`]: the pinned search path of the hot-path functions.
+//! - [`plans`]: saved SPI plans, and [`plans::run_latest`], which runs one under a
+//!   snapshot taken now (headship decisions must see every commit that preceded
+//!   the subject lock they hold).
+//! - [`heap`]: publish's direct heap insert, a port of the executor's insert path.
+//! - [`catalog`]: the extension's relations and functions, a table's file node.
 //! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
 //!   called directly instead of through an SQL statement.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
-//! - [`xid_assigned`], [`uses_xact_snapshot`]: transaction state the low-water
-//!   mark and the subject rules branch on.
+//! - [`xid_assigned`], [`uses_xact_snapshot`], [`read_only`], [`assign_xid`]:
+//!   transaction state the low-water mark and the subject rules branch on.
+//! - [`now`], [`timestamptz`], [`database_id`], [`SharedLatch`], [`notify`]:
+//!   small accessors for the background worker and the wake-ups.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
+//!
+//! Modules inside use [`crate::errors`] and each other only downwards: `fcall`
+//! uses `plans` and `search_path`, `heap` uses `catalog`; none of them uses this
+//! file's items.
+
+pub mod catalog;
+pub mod fcall;
+pub mod heap;
+pub mod plans;
+pub mod search_path;
 
 use crate::errors;
-use crate::plans::Stmt;
-use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
-use std::cell::RefCell;
-use std::collections::HashMap;
-
-thread_local! {
-    /// Saved plans of [`run_latest`], keyed by SQL text (SPI_keepplan: they live
-    /// for the backend, and the plan cache revalidates them after DDL).
-    static RAW_PLANS: RefCell<HashMap<&'static str, usize>> = RefCell::new(HashMap::new());
-}
-
-/// Rows of a [`run_latest`] result, readable while SPI's memory is alive.
-pub struct Rows {
-    tuptable: *mut pg_sys::SPITupleTable,
-    n: usize,
-}
-
-impl Rows {
-    /// Number of rows returned.
-    pub fn len(&self) -> usize {
-        self.n
-    }
-
-    /// True when no row was returned.
-    pub fn is_empty(&self) -> bool {
-        self.n == 0
-    }
-
-    fn datum(&self, row: usize, col: i32) -> Option<pg_sys::Datum> {
-        if row >= self.n {
-            return None;
-        }
-        // SAFETY: row < n rows of the live SPI tuple table, col is 1-based and the
-        // statement's result has that column (checked by the callers' SQL).
-        unsafe {
-            let mut isnull = false;
-            let tuple = *(*self.tuptable).vals.add(row);
-            let d = pg_sys::SPI_getbinval(tuple, (*self.tuptable).tupdesc, col, &mut isnull);
-            (!isnull).then_some(d)
-        }
-    }
-
-    /// Column `col` (1-based) of row `row` as bigint.
-    pub fn i64(&self, row: usize, col: i32) -> Option<i64> {
-        self.datum(row, col).map(|d| d.value() as i64)
-    }
-
-    /// Column `col` (1-based) of row `row` as a text array, NULL elements dropped.
-    pub fn texts(&self, row: usize, col: i32) -> Vec<String> {
-        // SAFETY: the column is a text[] datum of the live tuple table.
-        self.datum(row, col)
-            .and_then(|d| unsafe { Vec::<Option<String>>::from_datum(d, false) })
-            .unwrap_or_default()
-            .into_iter()
-            .flatten()
-            .collect()
-    }
-}
-
-/// Run `stmt` with `args` under a snapshot taken now (`GetLatestSnapshot`),
-/// advancing the command counter so the transaction's own changes are visible,
-/// and hand the result to `f` while SPI's memory is alive.
-///
-/// Under READ COMMITTED this is what every statement gets anyway; under
-/// REPEATABLE READ and SERIALIZABLE it sees commits made after the transaction
-/// snapshot was taken (the way PostgreSQL's own foreign-key checks read rows,
-/// `ri_triggers.c`). A row changed by a transaction that committed after the
-/// transaction snapshot is then read and written at its newest version; an update
-/// of a row changed concurrently still raises a serialization failure as usual.
-pub fn run_latest<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(&Rows) -> R) -> R {
-    Spi::connect_mut(|_client| {
-        let plan = raw_plan(stmt);
-        let mut values: Vec<pg_sys::Datum> = Vec::with_capacity(args.len());
-        let mut nulls: Vec<std::ffi::c_char> = Vec::with_capacity(args.len());
-        for a in args {
-            match a.datum() {
-                Some(d) => {
-                    values.push(d.sans_lifetime());
-                    nulls.push(b' ' as std::ffi::c_char);
-                }
-                None => {
-                    values.push(pg_sys::Datum::from(0usize));
-                    nulls.push(b'n' as std::ffi::c_char);
-                }
-            }
-        }
-        // SAFETY: SPI is connected (connect_mut), the plan was prepared for exactly
-        // these parameter types, and the datums outlive the call.
-        let rc = unsafe {
-            pg_sys::SPI_execute_snapshot(
-                plan,
-                values.as_mut_ptr(),
-                nulls.as_ptr(),
-                pg_sys::GetLatestSnapshot(),
-                std::ptr::null_mut(),
-                false,
-                true,
-                0,
-            )
-        };
-        if rc < 0 {
-            errors::raise(errors::INTERNAL, format!("SPI_execute_snapshot failed: {rc}"));
-        }
-        // SAFETY: SPI_execute_snapshot just set SPI_tuptable / SPI_processed.
-        let rows = unsafe {
-            let tt = pg_sys::SPI_tuptable;
-            Rows { tuptable: tt, n: if tt.is_null() { 0 } else { pg_sys::SPI_processed as usize } }
-        };
-        f(&rows)
-    })
-}
-
-fn raw_plan(stmt: &Stmt) -> pg_sys::SPIPlanPtr {
-    if let Some(p) = RAW_PLANS.with(|m| m.borrow().get(stmt.sql).copied()) {
-        return p as pg_sys::SPIPlanPtr;
-    }
-    let sql = std::ffi::CString::new(stmt.sql).expect("statement text has no NUL");
-    let mut types: Vec<pg_sys::Oid> = stmt.types.to_vec();
-    // SAFETY: SPI is connected by the caller; SPI_prepare copies the text.
-    let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };
-    if plan.is_null() {
-        errors::raise(errors::INTERNAL, format!("SPI_prepare failed: {}", unsafe { pg_sys::SPI_result }));
-    }
-    // SAFETY: a fresh plan from SPI_prepare; kept for the life of the backend.
-    unsafe { pg_sys::SPI_keepplan(plan) };
-    RAW_PLANS.with(|m| m.borrow_mut().insert(stmt.sql, plan as usize));
-    plan
-}
 
 /// `hashtext(s)` under the database's default collation, as SQL's `hashtext(s)`
 /// computes it: the second key of a subject lock.
 pub fn hashtext(s: &str) -> i32 {
     let d = s.into_datum().expect("text datum");
-    // SAFETY: hashtext is a strict, immutable V1 function of one text argument;
-    // the datum lives until the call returns. pgrx's direct calls pass no
-    // collation, which hashtext refuses, so the call frame is built here.
+    // SAFETY: follows DirectFunctionCall1Coll (fmgr.c) with the default
+    // collation: hashtext is a strict, immutable V1 function of one text
+    // argument; the frame has room for that one argument and the datum lives
+    // until the call returns. pgrx's direct calls pass no collation, which
+    // hashtext refuses, so the call frame is built here.
     unsafe {
         let size =
             std::mem::size_of::<pg_sys::FunctionCallInfoBaseData>() + std::mem::size_of::<pg_sys::NullableDatum>();
@@ -240,7 +131,9 @@ pub enum RowLock {
 /// it needs UPDATE on `relid` (42501) and a read-write transaction (25006); a
 /// table that does not exist (or was dropped meanwhile) raises 42P01.
 pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock {
-    // SAFETY: the relation is opened (and its lock kept until transaction end, as
+    // SAFETY: follows ExecLockRows (nodeLockRows.c) for one row: table_tuple_lock
+    // with LockWaitSkip, but without TUPLE_LOCK_FLAG_FIND_LAST_VERSION. The
+    // relation is opened (and its lock kept until transaction end, as
     // FOR UPDATE keeps RowShareLock) and closed here; the slot is created for it
     // and dropped before return; `tid` is copied, so the AM may write to it; the
     // line pointer is checked by `tuple_fetch_row_version` (heap_fetch bounds-checks
@@ -309,49 +202,6 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
     }
 }
 
-/// OID of relation `name` in schema outbox (syscache lookups), or None when the
-/// extension is not installed in this database.
-pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
-    // SAFETY: syscache lookups by name; the CStr literals outlive the calls.
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return None;
-        }
-        let relid = pg_sys::get_relname_relid(name.as_ptr(), nsp);
-        (relid != pg_sys::InvalidOid).then_some(relid)
-    }
-}
-
-/// True when the installed SQL has `outbox._lock_row(oid, tid)` (0.5.0 on). A
-/// library newer than the installed SQL (before `ALTER EXTENSION outbox_ext
-/// UPDATE`) uses the statements of 0.4.0, so workers keep running through an
-/// upgrade. Looked up in the syscache on every call (two hash probes), not cached:
-/// the answer changes with ALTER EXTENSION, its rollback, or DROP and CREATE
-/// EXTENSION in the same session, and the catalog, unlike the data, is read as
-/// of now at every isolation level.
-pub fn row_lock_installed() -> bool {
-    // SAFETY: syscache probes with keys built here: a C string for the name, an
-    // oidvector palloc'd in the current memory context, and the namespace oid.
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return false;
-        }
-        let args = [pg_sys::OIDOID, pg_sys::TIDOID];
-        let vector = pg_sys::buildoidvector(args.as_ptr(), args.len() as i32);
-        let found = pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::PROCNAMEARGSNSP as i32,
-            pg_sys::Datum::from(c"_lock_row".as_ptr()),
-            pg_sys::Datum::from(vector),
-            pg_sys::Datum::from(nsp),
-            pg_sys::Datum::from(0usize),
-        );
-        pg_sys::pfree(vector.cast());
-        found
-    }
-}
-
 /// True when the current transaction has a transaction id, i.e. it may already
 /// have written something that a rollback would undo.
 pub fn xid_assigned() -> bool {
@@ -391,5 +241,179 @@ pub fn quiet_rust_backtraces() {
     if std::env::var_os("RUST_LIB_BACKTRACE").is_none() {
         // The process is single-threaded here (postmaster or a backend loading us).
         std::env::set_var("RUST_LIB_BACKTRACE", "0");
+    }
+}
+
+/// The clock (GetCurrentTimestamp): TimestampTz microseconds since 2000-01-01.
+pub fn now() -> i64 {
+    // SAFETY: reads the system clock; no state involved.
+    unsafe { pg_sys::GetCurrentTimestamp() }
+}
+
+/// A timestamptz from TimestampTz microseconds (panics outside its range, as
+/// pgrx's conversion of a datum does).
+pub fn timestamptz(us: i64) -> TimestampWithTimeZone {
+    // SAFETY: timestamptz is a by-value int64: the datum is the value itself.
+    unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(us), false) }.unwrap()
+}
+
+/// OID of the database this backend is connected to (0 before it connects).
+pub fn database_id() -> u32 {
+    // SAFETY: a backend-local global, set once at connection.
+    unsafe { pg_sys::MyDatabaseId }.to_u32()
+}
+
+/// True in a read-only transaction (and on a standby).
+pub fn read_only() -> bool {
+    // SAFETY: reads a backend-local GUC variable.
+    unsafe { pg_sys::XactReadOnly }
+}
+
+/// Assign the current transaction its id, if it has none yet
+/// (GetCurrentTransactionId); raises in a read-only transaction on a standby.
+pub fn assign_xid() {
+    // SAFETY: a plain call on backend-local transaction state.
+    unsafe {
+        pg_sys::GetCurrentTransactionId();
+    }
+}
+
+/// The next transaction id to be assigned (ReadNextFullTransactionId), 64 bits.
+pub fn next_xid() -> u64 {
+    // SAFETY: reads shared transaction state under its own lock.
+    unsafe { pg_sys::ReadNextFullTransactionId() }.value
+}
+
+/// The top-level transaction's id, or 0 when it has none (32 bits, as
+/// `pg_prepared_xacts.transaction` shows it).
+pub fn top_xid_if_any() -> u32 {
+    // SAFETY: reads backend-local transaction state.
+    unsafe { pg_sys::GetTopFullTransactionIdIfAny() }.value as u32
+}
+
+/// What became of a transaction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum XidStatus {
+    /// Still running (or prepared).
+    InProgress,
+    /// Committed.
+    Committed,
+    /// Aborted, or crashed.
+    Aborted,
+}
+
+/// The status of transaction `xid` (TransactionIdIsInProgress, then
+/// TransactionIdDidCommit, in that order as heapam_visibility.c asks).
+pub fn xid_status(xid: u32) -> XidStatus {
+    let xid = pg_sys::TransactionId::from(xid);
+    // SAFETY: lookups of the proc array and the commit log by xid, valid for any
+    // xid not older than the freeze horizon (the callers' xids are of prepared
+    // transactions they saw running).
+    unsafe {
+        if pg_sys::TransactionIdIsInProgress(xid) {
+            XidStatus::InProgress
+        } else if pg_sys::TransactionIdDidCommit(xid) {
+            XidStatus::Committed
+        } else {
+            XidStatus::Aborted
+        }
+    }
+}
+
+/// Abort the transaction an error left open (a background worker's recovery).
+pub fn abort_current_transaction() {
+    // SAFETY: AbortCurrentTransaction (xact.c) handles every transaction state,
+    // including none.
+    unsafe { pg_sys::AbortCurrentTransaction() }
+}
+
+/// Re-read the configuration files after SIGHUP.
+pub fn reload_config() {
+    // SAFETY: ProcessConfigFile with PGC_SIGHUP, as a postmaster child does on SIGHUP.
+    unsafe { pg_sys::ProcessConfigFile(pg_sys::GucContext::PGC_SIGHUP) }
+}
+
+/// End the process with `code` (proc_exit runs the exit callbacks).
+pub fn proc_exit(code: i32) -> ! {
+    // SAFETY: proc_exit (ipc.c) runs the exit callbacks and ends the process.
+    unsafe { pg_sys::proc_exit(code) }
+}
+
+/// True while `shared_preload_libraries` are being loaded (in the postmaster).
+pub fn preload_in_progress() -> bool {
+    // SAFETY: a process-local global set by the postmaster while it loads them.
+    unsafe { pg_sys::process_shared_preload_libraries_in_progress }
+}
+
+/// The address of a process latch in shared memory, kept in our shared state
+/// (the same address in every backend), or none.
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+#[repr(transparent)]
+pub struct SharedLatch(usize);
+
+impl SharedLatch {
+    /// No latch.
+    pub const NONE: SharedLatch = SharedLatch(0);
+
+    /// This process's latch.
+    pub fn mine() -> SharedLatch {
+        // SAFETY: MyProc is this backend's PGPROC in shared memory, set once it
+        // has started; procLatch lives as long as the process slot.
+        SharedLatch(unsafe { std::ptr::addr_of_mut!((*pg_sys::MyProc).procLatch) } as usize)
+    }
+
+    /// Wake the latch's owner (nothing when none).
+    pub fn set(self) {
+        if self.0 != 0 {
+            // SAFETY: a `SharedLatch` is only made by `mine`: the address of a
+            // PGPROC's latch in shared memory, which stays a latch after its
+            // owner exits (SetLatch on it is then harmless).
+            unsafe { pg_sys::SetLatch(self.0 as *mut pg_sys::Latch) };
+        }
+    }
+}
+
+/// `pg_notify(channel, payload)`: queue a notification in the current transaction.
+pub fn notify(channel: &str, payload: &str) {
+    // SAFETY: a plain V1 function call with two text arguments.
+    unsafe {
+        pgrx::fcinfo::direct_function_call_as_datum(pg_sys::pg_notify, &[channel.into_datum(), payload.into_datum()]);
+    }
+}
+
+/// Register the transaction and subtransaction callbacks (once per process).
+pub fn register_xact_callbacks(xact: pg_sys::XactCallback, subxact: pg_sys::SubXactCallback) {
+    // SAFETY: registering static callbacks with no argument.
+    unsafe {
+        pg_sys::RegisterXactCallback(xact, std::ptr::null_mut());
+        pg_sys::RegisterSubXactCallback(subxact, std::ptr::null_mut());
+    }
+}
+
+/// Register a relcache invalidation callback (once per process).
+pub fn register_relcache_callback(cb: pg_sys::RelcacheCallbackFunction) {
+    // SAFETY: registering a static callback with no argument; PostgreSQL keeps a
+    // fixed number of slots and raises an error when they are full.
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(cb, pg_sys::Datum::from(0)) };
+}
+
+/// Send a relcache invalidation for `relid` to every backend, at commit.
+pub fn invalidate_relcache(relid: pg_sys::Oid) {
+    // SAFETY: queues an invalidation message by OID; any OID is accepted.
+    unsafe { pg_sys::CacheInvalidateRelcacheByRelid(relid) }
+}
+
+/// The current value of setting `name` as SHOW prints it (with units), or None
+/// when there is no such setting.
+pub fn show_setting(name: &std::ffi::CStr) -> Option<String> {
+    // SAFETY: GetConfigOptionByName (guc.c) with missing_ok returns NULL or a
+    // palloc'd C string, copied here.
+    unsafe {
+        let v = pg_sys::GetConfigOptionByName(name.as_ptr(), std::ptr::null_mut(), true);
+        if v.is_null() {
+            None
+        } else {
+            Some(std::ffi::CStr::from_ptr(v).to_string_lossy().into_owned())
+        }
     }
 }

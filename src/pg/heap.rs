@@ -9,6 +9,14 @@
 //! TOAST, unique checks, partial-index predicates and statistics behave exactly as
 //! for an INSERT statement.
 //!
+//! The C it follows: ExecInsert (nodeModifyTable.c) for a plain heap table with
+//! no triggers, constraints, RLS or RETURNING, as set up by ExecInitModifyTable:
+//! its `table_tuple_insert` reaches `heap_insert` through heapam_tuple_insert
+//! (heapam_handler.c); `simple_heap_insert` (heapam.c) is that same `heap_insert`
+//! with the current command id and no options, so it differs only in not going
+//! through a slot. The index step is ExecOpenIndices + ExecInsertIndexTuples
+//! (execIndexing.c), as ExecInsert calls them.
+//!
 //! What an INSERT statement would do and this path does not: fire triggers, apply
 //! column defaults, check constraints, row-level security, generated columns,
 //! rules.
@@ -17,8 +25,11 @@
 //! every call; if anyone added a trigger, a column or RLS, it returns None and the
 //! caller uses the SPI statement instead.
 
+use super::catalog::outbox_relid;
+use super::fcall::Value;
+use crate::errors;
 use pgrx::pg_sys;
-use pgrx::prelude::PgSqlErrorCode;
+use pgrx::prelude::{IntoDatum, PgSqlErrorCode};
 use pgrx::PgTupleDesc;
 
 /// Column types of outbox.event_queue, in attribute order (sql/schema.sql).
@@ -45,20 +56,18 @@ const COLUMNS: [pg_sys::Oid; 19] = [
 ];
 
 /// A validated event without a subject, ready to insert.
-pub struct NewEvent {
+pub struct NewEvent<'a> {
     /// The event's id (reserved by a dispatch key or drawn by [`next_event_id`]).
     pub id: i64,
-    /// text datum.
-    pub topic: pg_sys::Datum,
-    /// text datum.
-    pub dispatch_key: Option<pg_sys::Datum>,
-    /// jsonb datum (the caller's, possibly toasted: heap_insert handles that).
-    pub payload: pg_sys::Datum,
-    /// jsonb datum.
-    pub headers: Option<pg_sys::Datum>,
+    pub topic: &'a str,
+    pub dispatch_key: Option<&'a str>,
+    /// jsonb (the caller's, possibly toasted: heap_insert handles that).
+    pub payload: Value,
+    /// jsonb.
+    pub headers: Option<Value>,
     pub max_attempts: i32,
-    /// timestamptz datum; None or a past time means now.
-    pub deliver_at: Option<pg_sys::Datum>,
+    /// timestamptz; None or a past time means now.
+    pub deliver_at: Option<Value>,
 }
 
 /// True when the relation is a plain table with exactly our columns and nothing
@@ -67,6 +76,8 @@ pub struct NewEvent {
 /// # Safety
 /// `rel` must be open.
 unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
+    // SAFETY: the caller's open relation: its relcache entry (rd_rel, trigdesc,
+    // rd_att and its constraints) is valid while it is open.
     unsafe {
         let form = &*(*rel).rd_rel;
         if form.relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char
@@ -105,16 +116,15 @@ const LEFT_NULL: [usize; 9] = [2, 3, 5, 10, 11, 12, 13, 14, 16];
 /// path: a rule on the queue (`DO ALSO ... NEW.id`) would otherwise re-evaluate a
 /// `nextval()` in the statement and see another id than the event's.
 pub fn next_event_id() -> i64 {
-    let Some(seqid) = crate::pg::outbox_relid(c"event_id_seq") else {
-        crate::errors::raise(crate::errors::INTERNAL, "outbox.event_id_seq does not exist");
+    let Some(seqid) = outbox_relid(c"event_id_seq") else {
+        errors::raise(errors::INTERNAL, "outbox.event_id_seq does not exist");
     };
     // SAFETY: nextval_oid is a V1 function of one oid argument; it checks the
     // privileges of the current user (the owner, in the SECURITY DEFINER API).
     let d = unsafe {
         pgrx::fcinfo::direct_function_call_as_datum(pg_sys::nextval_oid, &[Some(pg_sys::Datum::from(seqid))])
     };
-    d.map(|d| d.value() as i64)
-        .unwrap_or_else(|| crate::errors::raise(crate::errors::INTERNAL, "nextval returned NULL"))
+    d.map(|d| d.value() as i64).unwrap_or_else(|| errors::raise(errors::INTERNAL, "nextval returned NULL"))
 }
 
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
@@ -122,16 +132,28 @@ pub fn next_event_id() -> i64 {
 /// caller must use its SPI statement). Errors are PostgreSQL's own (disk full,
 /// lock timeout, ...), raised as from an INSERT.
 ///
-/// # Safety
-/// Must run inside a transaction, with the datums valid for the call.
-pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
+/// `floor` gives the least visible_at the event may get (the publish floor of
+/// src/lowwater.rs); it is called once the table is known to be ours, after the
+/// read-only check, and may assign the transaction id, as the insert would.
+pub fn insert(e: &NewEvent<'_>, floor: impl FnOnce() -> i64) -> Option<i64> {
     if cfg!(feature = "pg13") {
         // PostgreSQL 13's ExecInsertIndexTuples takes its result relation from the
         // EState; not worth a second code path.
         return None;
     }
+    debug_assert!(e.payload.oid() == pg_sys::JSONBOID);
+    debug_assert!(e.headers.is_none_or(|h| h.oid() == pg_sys::JSONBOID));
+    debug_assert!(e.deliver_at.is_none_or(|d| d.oid() == pg_sys::TIMESTAMPTZOID));
+    let topic = e.topic.into_datum().unwrap();
+    let dispatch_key = e.dispatch_key.and_then(|k| k.into_datum());
+    // SAFETY: follows ExecInsert as the module docs say. The relation is opened
+    // with RowExclusiveLock as for an INSERT target, checked by `plain_shape`, and
+    // closed keeping the lock; every datum is of its column's type (the `Value`s
+    // are typed, the rest are built here); executor state, the ResultRelInfo and
+    // the slot live in the EState's memory and are freed with it, except the
+    // cached predicate states, which live in their own backend-lifetime context.
     unsafe {
-        let relid = crate::pg::outbox_relid(c"event_queue")?;
+        let relid = outbox_relid(c"event_queue")?;
         // What the executor checks first for any INSERT (SQLSTATE 25006).
         if pg_sys::XactReadOnly {
             pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
@@ -149,12 +171,12 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
         let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
 
         let now = pg_sys::GetCurrentTransactionStartTimestamp();
-        let visible_at = match e.deliver_at {
-            Some(d) if (d.value() as i64) > now => d.value() as i64,
+        let visible_at = match e.deliver_at.map(|d| d.datum().value() as i64) {
+            Some(d) if d > now => d,
             _ => now,
         };
         // Assigns the transaction id, which simple_heap_insert would do anyway.
-        let visible_at = pg_sys::Datum::from(visible_at.max(crate::lowwater::floor_after_xid()));
+        let visible_at = pg_sys::Datum::from(visible_at.max(floor()));
         let mut values = [pg_sys::Datum::from(0usize); 19];
         let mut nulls = [true; 19];
         let mut set = |i: usize, d: Option<pg_sys::Datum>| {
@@ -164,10 +186,10 @@ pub unsafe fn insert(e: &NewEvent) -> Option<i64> {
             }
         };
         set(0, Some(pg_sys::Datum::from(id)));
-        set(1, Some(e.topic));
-        set(3, e.dispatch_key);
-        set(4, Some(e.payload));
-        set(5, e.headers);
+        set(1, Some(topic));
+        set(3, dispatch_key);
+        set(4, Some(e.payload.datum()));
+        set(5, e.headers.map(|h| h.datum()));
         set(6, Some(pg_sys::Datum::from(pg_sys::cstring_to_text(c"pending".as_ptr()))));
         set(7, Some(pg_sys::Datum::from(0i32)));
         set(8, Some(pg_sys::Datum::from(e.max_attempts)));
@@ -223,6 +245,9 @@ thread_local! {
 /// # Safety
 /// `rri` must have its indexes open.
 unsafe fn reuse_predicates(rri: *mut pg_sys::ResultRelInfo) {
+    // SAFETY: ExecOpenIndices filled ri_NumIndices entries of both arrays; the
+    // states stored are ExecPrepareQual's kind (see `cache_predicate`), which
+    // ExecInsertIndexTuples would otherwise build itself when the field is NULL.
     unsafe {
         for i in 0..(*rri).ri_NumIndices as usize {
             let info = *(*rri).ri_IndexRelationInfo.add(i);
@@ -254,7 +279,14 @@ unsafe fn reuse_predicates(rri: *mut pg_sys::ResultRelInfo) {
 }
 
 /// Compile `pred` as ExecPrepareQual would, into the cache's memory.
+///
+/// # Safety
+/// `pred` must be an index predicate from the relcache (an implicit-AND list).
 unsafe fn cache_predicate(index: pg_sys::Oid, pred: *mut pg_sys::List) -> *mut pg_sys::ExprState {
+    // SAFETY: follows ExecPrepareQual (execExpr.c): expression_planner, then
+    // ExecInitQual with no parent, here in a child of TopMemoryContext so the
+    // state outlives the query; the predicate is copied first because
+    // ii_Predicate (BuildIndexInfo's copy) lives in the EState's memory.
     unsafe {
         let mut cxt = PREDICATES_CXT.with(|c| c.get());
         if cxt.is_null() {
@@ -280,21 +312,25 @@ unsafe fn cache_predicate(index: pg_sys::Oid, pred: *mut pg_sys::List) -> *mut p
 /// A non-empty list means a deferrable unique index wants a recheck at commit,
 /// which only the executor's after-trigger queue can schedule. Our schema has
 /// none; if one appears, refuse rather than skip the check.
-unsafe fn no_deferred_checks(recheck: *mut pg_sys::List) {
+fn no_deferred_checks(recheck: *mut pg_sys::List) {
     if !recheck.is_null() {
-        crate::errors::raise(
+        errors::raise(
             PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
             "outbox.event_queue has a deferrable unique index, which outbox.publish does not support",
         );
     }
 }
 
+/// # Safety
+/// As ExecInsertIndexTuples: `rri`'s indexes open, `slot` the inserted tuple.
 #[cfg(any(feature = "pg14", feature = "pg15"))]
 unsafe fn insert_index_entries(
     rri: *mut pg_sys::ResultRelInfo,
     slot: *mut pg_sys::TupleTableSlot,
     estate: *mut pg_sys::EState,
 ) {
+    // SAFETY: `rri` has its indexes open and `slot` holds the inserted tuple with
+    // its TID, as ExecInsert passes them; no ON CONFLICT (no arbiter indexes).
     unsafe {
         no_deferred_checks(pg_sys::ExecInsertIndexTuples(
             rri,
@@ -308,12 +344,16 @@ unsafe fn insert_index_entries(
     }
 }
 
+/// # Safety
+/// As ExecInsertIndexTuples: `rri`'s indexes open, `slot` the inserted tuple.
 #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
 unsafe fn insert_index_entries(
     rri: *mut pg_sys::ResultRelInfo,
     slot: *mut pg_sys::TupleTableSlot,
     estate: *mut pg_sys::EState,
 ) {
+    // SAFETY: `rri` has its indexes open and `slot` holds the inserted tuple with
+    // its TID, as ExecInsert passes them; no ON CONFLICT (no arbiter indexes).
     unsafe {
         no_deferred_checks(pg_sys::ExecInsertIndexTuples(
             rri,
