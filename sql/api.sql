@@ -4,7 +4,7 @@
 -- not once per call (a LANGUAGE sql wrapper would be planned again on every call).
 --
 -- Every function pins search_path, so objects in the caller's path cannot change
--- what it runs. The C functions pin it themselves (src/fcall.rs, pin_search_path):
+-- what it runs. The C functions pin it themselves (src/pg/search_path.rs):
 -- a SET search_path clause cost publish() a fifth of its time.
 
 CREATE FUNCTION outbox.publish(
