@@ -27,7 +27,7 @@ CREATE TABLE outbox.topics (
     retention_dead      interval CHECK (retention_dead >= interval '0'),
     created_at          timestamptz NOT NULL DEFAULT now(),
     updated_at          timestamptz NOT NULL DEFAULT now()
-);
+) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
 
 CREATE TABLE outbox.event_queue (
     id              bigint PRIMARY KEY DEFAULT nextval('outbox.event_id_seq'),
@@ -76,9 +76,11 @@ CREATE TABLE outbox.event_queue (
     autovacuum_vacuum_scale_factor = 0,
     autovacuum_vacuum_threshold = 5000,
     autovacuum_vacuum_cost_delay = 0,
-    -- A vacuum that truncates the table's empty tail takes an ACCESS EXCLUSIVE
-    -- lock, which every claim and publish then waits for (seen by the concurrency
-    -- checker); the queue refills its pages soon anyway.
+    -- A vacuum that truncates a table's empty tail takes an ACCESS EXCLUSIVE lock,
+    -- which every claim and publish then waits for (seen by the concurrency
+    -- checker); the queue refills its pages soon anyway. No table the hot path
+    -- reads or writes is truncated: topics, event_queue, event_archive,
+    -- dispatch_keys, subject_repairs. Their space is reused, not returned.
     vacuum_truncate = false
 );
 
@@ -108,7 +110,7 @@ CREATE TABLE outbox.event_archive (
     errors          jsonb,
     published_at    timestamptz NOT NULL,
     finished_at     timestamptz NOT NULL
-);
+) WITH (vacuum_truncate = false);  -- every ack writes here: see event_queue
 -- Every ack inserts here, so the archive carries only BRIN indexes: rows arrive
 -- in finished_at order and nearly in id order, so both stay selective, and a BRIN
 -- insert costs the ack almost nothing where a btree primary key cost a page
@@ -124,19 +126,19 @@ CREATE TABLE outbox.dispatch_keys (
     dispatch_key text PRIMARY KEY,
     event_id     bigint NOT NULL,
     created_at   timestamptz NOT NULL DEFAULT now()
-);
+) WITH (vacuum_truncate = false);  -- publishes with a key write here: see event_queue
 CREATE INDEX dispatch_keys_event_idx ON outbox.dispatch_keys (event_id);
 
 -- Subjects whose next head could not be promoted without waiting (a publisher of
 -- the subject held its lock, the transaction's lock budget was spent, or the new
--- head's row was locked); every claim() retries a bounded number of them with
--- SKIP LOCKED (src/subject.rs). No unique key: an insert must never wait for
+-- head's row was locked); every claim() retries a bounded number of them,
+-- skipping rows other claims hold (src/subject.rs). No unique key: an insert must never wait for
 -- another transaction's uncommitted insert of the same subject, and duplicates
 -- cost one extra promotion attempt. Dumped, because a lost row could leave a
 -- subject without a head until a maintenance repair.
 CREATE TABLE outbox.subject_repairs (
     subject text NOT NULL
-);
+) WITH (vacuum_truncate = false);  -- every claim deletes from it: see event_queue
 
 -- What the background worker's maintenance runs did.
 CREATE SEQUENCE outbox.maintenance_run_seq AS bigint;
