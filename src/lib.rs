@@ -2,13 +2,14 @@
 //!
 //! Modules, one concern each:
 //! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
-//! - [`claim`] — `outbox.claim` (SKIP LOCKED, fencing tokens, subject ordering)
+//! - [`claim`] — `outbox.claim` (skip held rows, fencing tokens, subject ordering)
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
 //! - [`subject`] — subject heads and the subject lock budget
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
 //! - [`wakeup`] and [`worker`] — LISTEN/NOTIFY without serialising publishers, retention runs
+//! - [`sql`] — every SQL statement the Rust code runs, and the predicates they share
 //! - [`gucs`], [`validate`], [`errors`], [`xact`] — plumbing
 //! - [`pg`] — the only module that talks to PostgreSQL internals: the v1 call
 //!   interface ([`pg::fcall`]), saved SPI plans ([`pg::plans`]), publish's direct
@@ -28,6 +29,7 @@ pub mod lowwater;
 pub mod maintenance;
 pub mod pg;
 pub mod publish;
+pub mod sql;
 pub mod subject;
 pub mod topics;
 pub mod validate;

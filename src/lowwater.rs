@@ -58,7 +58,8 @@
 
 use crate::pg;
 use crate::pg::catalog::{self, TableLock};
-use crate::pg::plans::{self, ts_param, Stmt};
+use crate::pg::plans::{self, ts_param};
+use crate::sql::lowwater::{BELOW, HAS_FLOOR_SQL, PROBE};
 use crate::{errors, gucs};
 use pgrx::atomics::PgAtomic;
 use pgrx::lwlock::PgLwLock;
@@ -263,17 +264,6 @@ fn queue_identity(lock: TableLock) -> Option<(u32, u32)> {
     Some((relid.to_u32(), catalog::relfilenode(relid, lock)))
 }
 
-/// First live key of the claim index at or above `from`, in the statement's
-/// snapshot, with that snapshot's xmin and the clock.
-const PROBE: Stmt = Stmt {
-    sql: "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::int8, f.visible_at, f.id, clock_timestamp() \
-            FROM (SELECT 1) AS one LEFT JOIN LATERAL ( \
-                 SELECT q.visible_at, q.id FROM outbox.event_queue q \
-                  WHERE q.state <> 'dead' AND q.is_head AND (q.visible_at, q.id) >= ($1, $2) \
-                  ORDER BY q.visible_at, q.id LIMIT 1) AS f ON true",
-    types: &[pg_sys::TIMESTAMPTZOID, pg_sys::INT8OID],
-};
-
 struct Probe {
     xmin: u64,
     first: Option<(i64, i64)>,
@@ -300,8 +290,6 @@ thread_local! {
     /// (event_queue OID, when checked, SQL has the floor): see [`sql_ready`].
     static SQL_READY: std::cell::Cell<(u32, i64, bool)> = const { std::cell::Cell::new((0, NONE, false)) };
 }
-
-const HAS_FLOOR_SQL: Stmt = Stmt { sql: "SELECT to_regprocedure('outbox._visible_floor()') IS NOT NULL", types: &[] };
 
 /// Whether the installed SQL applies the floor everywhere (0.3.0 and later). Until
 /// `ALTER EXTENSION outbox_ext UPDATE` has run, the new library may serve 0.2.0's
@@ -458,14 +446,6 @@ fn step(
 fn audit_low_water() -> bool {
     audit()
 }
-
-/// Any live event of the claim index below W (written other than through the
-/// outbox functions)?
-const BELOW: Stmt = Stmt {
-    sql: "SELECT EXISTS (SELECT 1 FROM outbox.event_queue q \
-                          WHERE q.state <> 'dead' AND q.is_head AND (q.visible_at, q.id) < ($1, $2))",
-    types: &[pg_sys::TIMESTAMPTZOID, pg_sys::INT8OID],
-};
 
 /// Check that no live event of this database's claim index lies below W, and
 /// forget W (claims scan from the start again until the next steps) if one does.

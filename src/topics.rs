@@ -11,7 +11,8 @@
 use crate::errors;
 use crate::pg;
 use crate::pg::fcall::Call;
-use crate::pg::plans::{self, Stmt};
+use crate::pg::plans;
+use crate::sql::topics::LOAD;
 use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -20,8 +21,6 @@ thread_local! {
     /// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
     static CACHE: RefCell<Option<HashMap<String, Option<i32>>>> = const { RefCell::new(None) };
 }
-
-const LOAD: Stmt = Stmt { sql: "SELECT topic, max_attempts FROM outbox.topics", types: &[] };
 
 /// Register the invalidation callback. Called from `_PG_init`.
 pub fn init() {

@@ -18,6 +18,7 @@
 //! not restart workers anyway).
 
 use crate::pg::{self, SharedLatch};
+use crate::sql::worker as sql;
 use crate::wakeup::{self, WAKE};
 use crate::{gucs, maintenance};
 use pgrx::bgworkers::*;
@@ -169,23 +170,10 @@ fn resolve_prepared(xids: &[u32]) -> usize {
 /// event comes due, if any.
 fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i64> {
     let mut topics: Vec<String> = taken.topics.clone();
-    let due_sql = if sweep_all {
-        "SELECT DISTINCT topic FROM outbox.event_queue \
-          WHERE state <> 'dead' AND is_head AND visible_at <= $2 AND $1 IS NOT NULL"
-    } else {
-        // Only events that became claimable by the clock: delayed publishes
-        // (visible after they were published), retries and expired leases. An
-        // immediate publish was already announced by its own commit, in the mode
-        // its session chose.
-        "SELECT DISTINCT topic FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at > $1 AND visible_at <= $2 \
-           AND (visible_at > published_at OR attempts > 0 OR state = 'leased')"
-    };
+    let due_sql = if sweep_all { sql::DUE_ALL } else { sql::DUE_BY_CLOCK };
     let next = Spi::connect(|c| {
         // The worker may start before CREATE EXTENSION (or after DROP EXTENSION).
-        let installed = c
-            .select("SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext'", None, &[])
-            .map(|t| !t.is_empty())
-            .unwrap_or(false);
+        let installed = c.select(sql::INSTALLED, None, &[]).map(|t| !t.is_empty()).unwrap_or(false);
         if !installed {
             return Err(String::new());
         }
@@ -200,11 +188,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
             }
         }
         let next: Option<TimestampWithTimeZone> = c
-            .select(
-                "SELECT min(visible_at) FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at > $1",
-                None,
-                &[now_ts.into()],
-            )
+            .select(sql::NEXT_DUE, None, &[now_ts.into()])
             .map_err(|e| e.to_string())?
             .first()
             .get_one()

@@ -1,0 +1,119 @@
+//! The claim statement (src/claim.rs) and its parts.
+
+use crate::pg::plans::Stmt;
+use pgrx::prelude::*;
+
+/// Candidates: ready heads in claim order whose subject has no earlier live event.
+macro_rules! ready_sql {
+    ($cols:literal, $filter:literal) => {
+        concat!(
+            "SELECT ",
+            $cols,
+            " FROM outbox.event_queue q",
+            "   WHERE ",
+            crate::in_claim_index!("q"),
+            " AND q.visible_at <= $5 AND (q.visible_at, q.id) >= ($6, $7) ",
+            $filter,
+            "     AND (q.subject IS NULL OR NOT EXISTS (",
+            "          SELECT 1 FROM outbox.event_queue p",
+            "           WHERE p.subject = q.subject AND p.id < q.id",
+            "             AND ",
+            crate::holds_subject!("p"),
+            "))",
+            "   ORDER BY q.visible_at, q.id"
+        )
+    };
+}
+
+/// `cand`: the first $2 candidates this claim could lock. `lock_row` takes each
+/// row with [`crate::pg::try_lock_row`], in claim order: OFFSET 0 keeps the
+/// planner from pushing the lock down into the scan (it would lock every
+/// candidate, before the subject check and the sort), so the lock is the last
+/// test a row passes and the LIMIT stops it. `skip_locked` is the FOR UPDATE SKIP LOCKED of 0.4.0's SQL, used only
+/// until `ALTER EXTENSION outbox_ext UPDATE` creates `outbox._lock_row`.
+macro_rules! cand_sql {
+    (lock_row, $filter:literal) => {
+        concat!(
+            "SELECT r.id FROM (",
+            ready_sql!("q.id, q.ctid AS row", $filter),
+            " OFFSET 0) r WHERE outbox._lock_row('outbox.event_queue'::regclass::oid, r.row) LIMIT $2"
+        )
+    };
+    (skip_locked, $filter:literal) => {
+        concat!(ready_sql!("q.id", $filter), " LIMIT $2 FOR UPDATE OF q SKIP LOCKED")
+    };
+}
+
+macro_rules! claim_sql {
+    ($how:ident, $filter:literal) => {
+        concat!(
+            "WITH cand AS (",
+            cand_sql!($how, $filter),
+            "), upd AS (",
+            "  UPDATE outbox.event_queue q SET",
+            "    state = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN 'dead' ELSE 'leased' END,",
+            "    attempts = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.attempts ELSE q.attempts + 1 END,",
+            "    lease_token = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN NULL ELSE gen_random_uuid() END,",
+            "    visible_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.visible_at",
+            "                      ELSE clock_timestamp() + COALESCE($3,",
+            // The uncorrelated EXISTS is an InitPlan run once per claim, so the
+            // per-row topic lookup only happens when some topic sets a lease.
+            "                        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox.topics t0 WHERE t0.default_lease IS NOT NULL))",
+            "                             THEN (SELECT t.default_lease FROM outbox.topics t WHERE t.topic = q.topic) END, $4) END,",
+            "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
+            "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
+            "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",
+            "    errors = CASE WHEN q.state = 'leased' THEN ",
+            crate::history_append!("q.errors", "jsonb_build_object('attempt', q.attempts, 'at', clock_timestamp(), 'worker', q.leased_by, 'error', 'lease expired')"),
+            "             ELSE q.errors END,",
+            "    dead_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN clock_timestamp() ELSE q.dead_at END,",
+            "    blocks_subject = q.state = 'leased' AND q.attempts >= q.max_attempts AND q.subject IS NOT NULL",
+            "                     AND COALESCE((SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
+            // ANY(ARRAY(..)) pins the update to primary-key lookups; a join let the
+            // planner hash-join against a sequential scan when statistics were stale.
+            "  WHERE q.id = ANY (ARRAY(SELECT c.id FROM cand c))",
+            "  RETURNING q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers, q.attempts,",
+            "            q.lease_token, q.visible_at, q.published_at, q.state, q.blocks_subject",
+            ")",
+            // Columns 1-10 are claim's result; 11-12 let the caller see leases that
+            // expired into dead instead (they are not returned).
+            "SELECT id, topic, subject, dispatch_key, payload, headers, attempts, lease_token, visible_at, published_at,",
+            "       state = 'leased', blocks_subject",
+            "  FROM upd ORDER BY id"
+        )
+    };
+}
+
+pub const ALL_TYPES: &[pg_sys::Oid] = &[
+    pg_sys::TEXTOID,
+    pg_sys::INT4OID,
+    pg_sys::INTERVALOID,
+    pg_sys::INTERVALOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::INT8OID,
+];
+
+pub const TOPIC_TYPES: &[pg_sys::Oid] = &[
+    pg_sys::TEXTOID,
+    pg_sys::INT4OID,
+    pg_sys::INTERVALOID,
+    pg_sys::INTERVALOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::TIMESTAMPTZOID,
+    pg_sys::INT8OID,
+    pg_sys::TEXTARRAYOID,
+    pg_sys::TEXTARRAYOID,
+];
+
+pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, ""), types: ALL_TYPES };
+pub const CLAIM_TOPICS: Stmt =
+    Stmt { sql: claim_sql!(lock_row, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
+pub const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, ""), types: ALL_TYPES };
+pub const CLAIM_TOPICS_040: Stmt =
+    Stmt { sql: claim_sql!(skip_locked, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
+
+pub const RAISE_LEASE: Stmt = Stmt {
+    sql: "UPDATE outbox.event_queue SET visible_at = $2 WHERE id = ANY ($1) AND visible_at < $2",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::TIMESTAMPTZOID],
+};
