@@ -323,48 +323,22 @@ fn no_deferred_checks(recheck: *mut pg_sys::List) {
 
 /// # Safety
 /// As ExecInsertIndexTuples: `rri`'s indexes open, `slot` the inserted tuple.
-#[cfg(any(feature = "pg14", feature = "pg15"))]
+#[cfg(not(feature = "pg13"))]
 unsafe fn insert_index_entries(
     rri: *mut pg_sys::ResultRelInfo,
     slot: *mut pg_sys::TupleTableSlot,
     estate: *mut pg_sys::EState,
 ) {
+    use std::ptr::null_mut as none;
     // SAFETY: `rri` has its indexes open and `slot` holds the inserted tuple with
     // its TID, as ExecInsert passes them; no ON CONFLICT (no arbiter indexes).
+    // PostgreSQL 16 added `onlySummarizing` (false: every index).
     unsafe {
-        no_deferred_checks(pg_sys::ExecInsertIndexTuples(
-            rri,
-            slot,
-            estate,
-            false,
-            false,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-        ));
-    }
-}
-
-/// # Safety
-/// As ExecInsertIndexTuples: `rri`'s indexes open, `slot` the inserted tuple.
-#[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
-unsafe fn insert_index_entries(
-    rri: *mut pg_sys::ResultRelInfo,
-    slot: *mut pg_sys::TupleTableSlot,
-    estate: *mut pg_sys::EState,
-) {
-    // SAFETY: `rri` has its indexes open and `slot` holds the inserted tuple with
-    // its TID, as ExecInsert passes them; no ON CONFLICT (no arbiter indexes).
-    unsafe {
-        no_deferred_checks(pg_sys::ExecInsertIndexTuples(
-            rri,
-            slot,
-            estate,
-            false,
-            false,
-            std::ptr::null_mut(),
-            std::ptr::null_mut(),
-            false,
-        ));
+        #[cfg(any(feature = "pg14", feature = "pg15"))]
+        let recheck = pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, none(), none());
+        #[cfg(any(feature = "pg16", feature = "pg17", feature = "pg18"))]
+        let recheck = pg_sys::ExecInsertIndexTuples(rri, slot, estate, false, false, none(), none(), false);
+        no_deferred_checks(recheck);
     }
 }
 

@@ -84,27 +84,24 @@ macro_rules! claim_sql {
     };
 }
 
-pub const ALL_TYPES: &[pg_sys::Oid] = &[
-    pg_sys::TEXTOID,
-    pg_sys::INT4OID,
-    pg_sys::INTERVALOID,
-    pg_sys::INTERVALOID,
-    pg_sys::TIMESTAMPTZOID,
-    pg_sys::TIMESTAMPTZOID,
-    pg_sys::INT8OID,
-];
+/// Parameter types of the claim statement: $1..$7, then any the filter adds.
+macro_rules! claim_types {
+    ($($extra:expr),*) => {
+        &[
+            pg_sys::TEXTOID,
+            pg_sys::INT4OID,
+            pg_sys::INTERVALOID,
+            pg_sys::INTERVALOID,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::TIMESTAMPTZOID,
+            pg_sys::INT8OID,
+            $($extra),*
+        ]
+    };
+}
 
-pub const TOPIC_TYPES: &[pg_sys::Oid] = &[
-    pg_sys::TEXTOID,
-    pg_sys::INT4OID,
-    pg_sys::INTERVALOID,
-    pg_sys::INTERVALOID,
-    pg_sys::TIMESTAMPTZOID,
-    pg_sys::TIMESTAMPTZOID,
-    pg_sys::INT8OID,
-    pg_sys::TEXTARRAYOID,
-    pg_sys::TEXTARRAYOID,
-];
+pub const ALL_TYPES: &[pg_sys::Oid] = claim_types!();
+pub const TOPIC_TYPES: &[pg_sys::Oid] = claim_types!(pg_sys::TEXTARRAYOID, pg_sys::TEXTARRAYOID);
 
 pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, ""), types: ALL_TYPES };
 pub const CLAIM_TOPICS: Stmt =
