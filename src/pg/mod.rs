@@ -115,6 +115,19 @@ pub enum RowLock {
     Changed,
 }
 
+/// What [`try_lock_row`] last checked: table, role, transaction, known length.
+#[derive(Clone, Copy)]
+struct LockRowChecked {
+    relid: pg_sys::Oid,
+    user: pg_sys::Oid,
+    xid: pg_sys::TransactionId,
+    blocks: pg_sys::BlockNumber,
+}
+
+thread_local! {
+    static LOCK_ROW_CHECKED: std::cell::Cell<Option<LockRowChecked>> = const { std::cell::Cell::new(None) };
+}
+
 /// Lock row version `tid` of table `relid` FOR UPDATE, never waiting.
 ///
 /// `SELECT ... FOR UPDATE SKIP LOCKED` skips a row whose newest version is locked,
@@ -150,15 +163,26 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
         if rel.is_null() {
             errors::raise(errors::UNDEFINED_TABLE, format!("relation with OID {} does not exist", relid.to_u32()));
         }
-        if pg_sys::pg_class_aclcheck(relid, pg_sys::GetUserId(), pg_sys::ACL_UPDATE as pg_sys::AclMode)
-            != pg_sys::AclResult::ACLCHECK_OK
-        {
-            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
-            errors::raise(errors::PERMISSION, "permission denied to lock rows of this table");
-        }
-        if (*(*rel).rd_rel).relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char || (*rel).rd_tableam.is_null() {
-            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
-            errors::raise(errors::INVALID_PARAMETER, "rows can only be locked in a plain table");
+        // A claim calls this once per candidate row: the checks that cannot change
+        // within a transaction (privilege, kind) run once per table and
+        // transaction, and the table's length is asked again only for a block past
+        // the length known (it cannot shrink while this lock is held).
+        let user = pg_sys::GetUserId();
+        let xid = pg_sys::GetTopTransactionIdIfAny();
+        let known = LOCK_ROW_CHECKED
+            .with(|c| c.get())
+            .filter(|k| xid != pg_sys::InvalidTransactionId && k.relid == relid && k.user == user && k.xid == xid);
+        if known.is_none() {
+            if pg_sys::pg_class_aclcheck(relid, user, pg_sys::ACL_UPDATE as pg_sys::AclMode)
+                != pg_sys::AclResult::ACLCHECK_OK
+            {
+                pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+                errors::raise(errors::PERMISSION, "permission denied to lock rows of this table");
+            }
+            if (*(*rel).rd_rel).relkind != pg_sys::RELKIND_RELATION as std::ffi::c_char || (*rel).rd_tableam.is_null() {
+                pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+                errors::raise(errors::INVALID_PARAMETER, "rows can only be locked in a plain table");
+            }
         }
         let am = &*(*rel).rd_tableam;
         let (Some(fetch), Some(lock)) = (am.tuple_fetch_row_version, am.tuple_lock) else {
@@ -168,9 +192,13 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
         // A tid from a scan is always in range; one written by hand may not be,
         // and reading past the end would raise a read error instead of 22023.
         let block = ((tid.ip_blkid.bi_hi as u32) << 16) | tid.ip_blkid.bi_lo as u32;
-        if block >= pg_sys::RelationGetNumberOfBlocksInFork(rel, pg_sys::ForkNumber::MAIN_FORKNUM) {
-            pg_sys::relation_close(rel, pg_sys::NoLock as i32);
-            errors::raise(errors::INVALID_PARAMETER, "no row version at this ctid");
+        let mut blocks = known.map_or(0, |k| k.blocks);
+        if block >= blocks {
+            blocks = pg_sys::RelationGetNumberOfBlocksInFork(rel, pg_sys::ForkNumber::MAIN_FORKNUM);
+            if block >= blocks {
+                pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+                errors::raise(errors::INVALID_PARAMETER, "no row version at this ctid");
+            }
         }
         let slot = pg_sys::table_slot_create(rel, std::ptr::null_mut());
         let mut at = tid;
@@ -194,6 +222,9 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
         );
         pg_sys::ExecDropSingleTupleTableSlot(slot);
         pg_sys::relation_close(rel, pg_sys::NoLock as i32);
+        // The lock assigned the xid if nothing had: from now on the checks hold.
+        let xid = pg_sys::GetTopTransactionIdIfAny();
+        LOCK_ROW_CHECKED.with(|c| c.set(Some(LockRowChecked { relid, user, xid, blocks })));
         match r {
             pg_sys::TM_Result::TM_Ok => RowLock::Locked,
             pg_sys::TM_Result::TM_WouldBlock | pg_sys::TM_Result::TM_BeingModified => RowLock::Busy,
