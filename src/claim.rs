@@ -90,7 +90,9 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     // The mark first: its steps read committed state only while this
     // transaction has written nothing (src/lowwater.rs), and the retry below writes.
     let (from_t, from_id) = lowwater::claim_start();
-    subject::retry_deferred();
+    // One catalog lookup per claim: which locking statements the installed SQL allows.
+    let lock_row = pg::catalog::row_lock_installed();
+    subject::retry_deferred(lock_row);
     let out = SetResult::begin(&call);
     let mut args = vec![
         worker.as_str().into(),
@@ -101,7 +103,6 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         plans::ts_param(from_t),
         from_id.into(),
     ];
-    let lock_row = pg::catalog::row_lock_installed();
     let stmt = match filter {
         None if lock_row => &CLAIM_ALL,
         None => &CLAIM_ALL_040,

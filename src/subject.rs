@@ -218,7 +218,8 @@ pub fn promote(subjects: &[String], wait: bool) -> usize {
         over.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
     busy.extend(taken);
     defer(busy);
-    promote_now(locked, false) + promote_now(free, true)
+    let lock_row = pg::catalog::row_lock_installed();
+    promote_now(locked, false, lock_row) + promote_now(free, true, lock_row)
 }
 
 /// Repairs one claim takes from outbox.subject_repairs.
@@ -228,12 +229,12 @@ pub const REPAIR_BATCH: i64 = 128;
 /// transaction holds or found free just before (see the module docs). Defers the
 /// subjects whose next head row another transaction has locked and, with
 /// `defer_empty`, those that have no live event left. Returns events promoted.
-fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
+fn promote_now(subjects: Vec<String>, defer_empty: bool, lock_row: bool) -> usize {
     if subjects.is_empty() {
         return 0;
     }
     let floor = lowwater::floor_after_xid();
-    let stmt = if pg::catalog::row_lock_installed() { &PROMOTE } else { &PROMOTE_040 };
+    let stmt = if lock_row { &PROMOTE } else { &PROMOTE_040 };
     let (n, skipped, empty) = plans::run_latest(stmt, &[subjects.into(), plans::ts_param(floor)], |r| {
         (r.i64(0, 1).unwrap_or(0) as usize, r.texts(0, 2), r.texts(0, 3))
     });
@@ -248,8 +249,9 @@ fn promote_now(subjects: Vec<String>, defer_empty: bool) -> usize {
 /// for work. Takes at most [`REPAIR_BATCH`] repairs, skips rows other transactions
 /// hold, never waits, and costs one statement on an empty table when nothing is
 /// deferred. A subject whose lock a publisher holds goes back into the table.
-pub fn retry_deferred() {
-    let stmt = if pg::catalog::row_lock_installed() { &TAKE_DEFERRED } else { &TAKE_DEFERRED_040 };
+/// `lock_row`: [`pg::catalog::row_lock_installed`], which the claim has looked up.
+pub fn retry_deferred(lock_row: bool) {
+    let stmt = if lock_row { &TAKE_DEFERRED } else { &TAKE_DEFERRED_040 };
     let subjects = plans::run_latest(stmt, &[REPAIR_BATCH.into()], |r| r.texts(0, 1));
     if subjects.is_empty() {
         return;
@@ -258,7 +260,7 @@ pub fn retry_deferred() {
         subjects.into_iter().partition(|s| pg::advisory_lock_is_free(SUBJECT_LOCK_KEY, pg::hashtext(s)));
     // The retirements behind these rows are committed: an empty subject needs
     // nothing more.
-    promote_now(free, false);
+    promote_now(free, false, lock_row);
     defer(busy);
 }
 

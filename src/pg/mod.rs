@@ -155,7 +155,7 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
     unsafe {
         // As FOR UPDATE: a row lock is a write (it assigns an xid), refused in a
         // read-only transaction and on a standby.
-        if pg_sys::XactReadOnly {
+        if read_only() {
             errors::raise(errors::READ_ONLY, "cannot lock rows in a read-only transaction");
         }
         // Lock first, then look: a table dropped meanwhile is gone, not an internal error.
