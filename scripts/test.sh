@@ -262,8 +262,8 @@ run_pgxs() {
 # OUTBOX_TEST_DSN / OUTBOX_TEST_DSN_PRELOAD point at database "postgres" on each
 # cluster, as superuser over TCP. The extension is NOT pre-created there: tests
 # run `CREATE EXTENSION IF NOT EXISTS outbox_ext` (or make their own database).
-# On the preload cluster, database "postgres" is also where a background worker
-# configured with the default outbox.database looks.
+# On the preload cluster, the launcher serves every database that has the
+# extension, "postgres" included.
 export_cluster_env() {
     export OUTBOX_TEST_DSN
     OUTBOX_TEST_DSN="$(outbox_pg_dsn "$PLAIN" "$PLAIN_PORT" postgres)"

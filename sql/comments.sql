@@ -3,9 +3,13 @@
 -- public API and may change between versions.
 
 COMMENT ON FUNCTION outbox.wakeup_status() IS
-'Background worker state from shared memory, one row: worker_pid (integer, 0 when not running), database (oid served), passes (bigint, wake-up passes completed), '
-'topics_waiting and prepared_waiting (integer, wake-ups queued for the next pass), preloaded (boolean: library in shared_preload_libraries). '
-'Without preload: one row of zeros with preloaded = false. No errors. The worker sends one coalesced NOTIFY per topic, so publishers never take the NOTIFY queue lock at commit.';
+'The background worker of the current database, from shared memory, one row: worker_pid (integer, 0 when none runs), database (oid, 0 when not served), passes (bigint, wake-up passes completed), '
+'topics_waiting and prepared_waiting (integer, wake-ups queued for the next pass), preloaded (boolean: library in shared_preload_libraries), launcher_pid (integer, 0 when the launcher is not running), '
+'state (text: serving; starting; waiting = no free background worker process, max_worker_processes; stopped = exited, the launcher starts another; not served). '
+'Without preload: one row of zeros with preloaded = false and state ''not served''. No errors. The worker sends one coalesced NOTIFY per topic, so publishers never take the NOTIFY queue lock at commit.';
+
+COMMENT ON FUNCTION outbox._announce() IS
+'Internal, called by the install script: at commit, tell the background launcher that this database has the extension, so that its worker starts at once. Returns void; no errors; does nothing without shared_preload_libraries.';
 
 COMMENT ON FUNCTION outbox._wake(text) IS
 'Internal: note a wake-up for topic (NULL = any topic) in the current transaction according to outbox.notify. Used by replay, cancel and alter_topic. Returns void; no errors.';

@@ -142,21 +142,31 @@ BEGIN
     END IF;
     RETURN NEXT;
 
-    -- 7. The background worker.
+    -- 7. The background worker of this database (src/launcher.rs).
     SELECT * INTO w FROM outbox.wakeup_status();
     check_name := 'background_worker'; value := w.worker_pid;
     IF NOT w.preloaded THEN
         status := 'warn';
         message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
-    ELSIF w.worker_pid = 0 THEN
-        status := 'critical';
-        message := 'the outbox background worker is not running';
-    ELSIF w.database <> (SELECT oid FROM pg_database WHERE datname = current_database()) THEN
-        status := 'warn';
-        message := format('the background worker serves another database (outbox.database = %L)', current_setting('outbox.database'));
-    ELSE
+    ELSIF w.state = 'serving' THEN
         status := 'ok';
         message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    ELSIF w.launcher_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox_ext launcher is not running, so no background worker serves this database (the postmaster restarts it within seconds; see the server log)';
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                       WHERE pg_catalog.btrim(l.name) <> '')
+          OR EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                      WHERE pg_catalog.btrim(l.name) = pg_catalog.current_database()) THEN
+        status := 'critical';
+        message := CASE w.state
+            WHEN 'waiting' THEN format('no background worker process is free for this database (max_worker_processes = %s, shared with parallel query); the launcher retries every second', pg_catalog.current_setting('max_worker_processes'))
+            WHEN 'starting' THEN 'the background worker of this database is starting'
+            WHEN 'stopped' THEN 'the background worker of this database stopped; the launcher starts another'
+            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second; see the server log)' END;
+    ELSE
+        status := 'warn';
+        message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
     END IF;
     RETURN NEXT;
 END
@@ -166,4 +176,4 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
-'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (running, preloaded, serving this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

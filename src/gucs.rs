@@ -63,8 +63,9 @@ static MAINTENANCE_INTERVAL_MS: GucSetting<i32> = GucSetting::<i32>::new(60_000)
 static WAKEUP_COALESCE_MS: GucSetting<i32> = GucSetting::<i32>::new(1);
 /// Pause between two retention batches (purge procedures and the worker).
 static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(20);
-/// Database the background worker connects to.
-static DATABASE: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(Some(c"postgres"));
+/// Databases the launcher serves: a comma-separated list of names; empty = every
+/// database that has the extension.
+static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
 /// Keep delivered events in outbox.event_archive until retention (the default),
 /// or drop them at ack like a plain DELETE-on-ack queue (pgmq's delete, a
@@ -260,18 +261,17 @@ pub fn init(preloaded: bool) {
         GucContext::Userset,
         GucFlags::UNIT_MS,
     );
-    // PGC_POSTMASTER settings can only be defined while preloading; loaded on
-    // demand there is no worker to configure anyway.
-    if preloaded {
-        GucRegistry::define_string_guc(
-            c"outbox.database",
-            c"Database the outbox background worker serves.",
-            c"",
-            &DATABASE,
-            GucContext::Postmaster,
-            GucFlags::default(),
-        );
-    }
+    // Defined in every backend, not only with preload: a publisher reads it to
+    // know whether a worker will serve its database.
+    GucRegistry::define_string_guc(
+        c"outbox.databases",
+        c"Databases the outbox background workers serve: a comma-separated list of names; empty means every database that has the extension.",
+        c"Templates and databases that do not allow connections are never served. Changes take effect at reload.",
+        &DATABASES,
+        GucContext::Sighup,
+        GucFlags::default(),
+    );
+    let _ = preloaded;
 }
 
 /// Default lease in microseconds.
@@ -342,9 +342,43 @@ pub fn wakeup_coalesce_ms() -> i32 {
 pub fn purge_delay_ms() -> i32 {
     PURGE_DELAY_MS.get()
 }
-/// Database the worker serves.
-pub fn database() -> String {
-    DATABASE.get().and_then(|c| c.into_string().ok()).unwrap_or_else(|| "postgres".to_string())
+/// The names `outbox.databases` lists, or None when it is empty (every database).
+pub fn database_filter() -> Option<Vec<String>> {
+    let v = DATABASES.get()?;
+    let names: Vec<String> =
+        v.to_string_lossy().split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+    (!names.is_empty()).then_some(names)
+}
+
+/// True when `outbox.databases` lets the launcher serve database `name`.
+pub fn serves(name: &str) -> bool {
+    database_filter().is_none_or(|names| names.iter().any(|n| n == name))
+}
+
+thread_local! {
+    /// (the `outbox.databases` value it was computed for, the answer).
+    static SERVED_HERE: std::cell::RefCell<Option<(CString, bool)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// True when `outbox.databases` lets the launcher serve the current database.
+/// Read at every publish in `background` mode: free while the setting is empty,
+/// and computed once per value of the setting otherwise.
+pub fn serves_current_database() -> bool {
+    let Some(v) = DATABASES.get() else { return true };
+    if v.as_bytes().iter().all(|b| b.is_ascii_whitespace() || *b == b',') {
+        return true;
+    }
+    SERVED_HERE.with(|c| {
+        let mut c = c.borrow_mut();
+        if let Some((seen, answer)) = c.as_ref() {
+            if *seen == v {
+                return *answer;
+            }
+        }
+        let answer = crate::pg::catalog::current_database_name().is_some_and(|n| serves(&n));
+        *c = Some((v, answer));
+        answer
+    })
 }
 
 /// `outbox._setting(name text) -> text`: the current value of an `outbox.*`

@@ -8,7 +8,10 @@
 //! - [`subject`] — subject heads and the subject lock budget
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
-//! - [`wakeup`] and [`worker`] — LISTEN/NOTIFY without serialising publishers, retention runs
+//! - [`wakeup`] — LISTEN/NOTIFY without serialising publishers
+//! - [`launcher`], [`worker`] and [`registry`] — the background workers: one
+//!   launcher per cluster, one worker per database with the extension (wake-ups
+//!   and retention), and the shared table of served databases
 //! - [`sql`] — every SQL statement the Rust code runs, and the predicates they share
 //! - [`gucs`], [`validate`], [`errors`], [`xact`] — plumbing
 //! - [`pg`] — the only module that talks to PostgreSQL internals: the v1 call
@@ -24,11 +27,13 @@ pub mod backoff;
 pub mod claim;
 pub mod errors;
 pub mod gucs;
+pub mod launcher;
 pub mod lease;
 pub mod lowwater;
 pub mod maintenance;
 pub mod pg;
 pub mod publish;
+pub mod registry;
 pub mod sql;
 pub mod subject;
 pub mod topics;
@@ -69,8 +74,10 @@ pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monit
 pgrx::extension_sql_file!(
     "../sql/comments.sql",
     name = "comments",
-    requires = ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water]
+    requires =
+        ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water, wakeup::announce]
 );
+pgrx::extension_sql_file!("../sql/announce.sql", name = "announce", requires = ["comments", wakeup::announce]);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);
@@ -85,18 +92,20 @@ v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff
 v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topics_changed);
 
 /// Library initialisation: GUCs, shared memory, transaction callbacks and, when
-/// preloaded, the background worker.
+/// preloaded, the launcher and the hook that makes workers leave a database that
+/// a statement needs to itself.
 #[pg_guard]
 pub extern "C-unwind" fn _PG_init() {
     pg::quiet_rust_backtraces();
     let preloaded = pg::preload_in_progress();
     gucs::init(preloaded);
-    wakeup::init(preloaded);
     xact::init();
     lowwater::init(preloaded);
     topics::init();
     if preloaded {
-        worker::register();
+        registry::init();
+        pg::utility::install(registry::pause);
+        launcher::register();
     }
 }
 

@@ -43,7 +43,7 @@
 //! takes steps only while its transaction has no xid, i.e. has written nothing;
 //! claims in such transactions use the mark as it stands.
 //!
-//! The clock: F trails the clock, so F more than [`CLOCK_SLACK_US`] ahead of it
+//! The clock: F trails the clock, so F more than `CLOCK_SLACK_US` ahead of it
 //! means the clock was set back. Every write that reads F checks this, and every
 //! step before it can stall, and then starts all marks over and lowers F to the
 //! clock; otherwise writes would store visible_at as far ahead as the clock went
@@ -172,9 +172,9 @@ fn above(f: i64) -> i64 {
 /// The floor as it stands now, plus 1 µs (NONE without preload). Only valid for a
 /// write whose transaction id is already assigned: see [`floor_after_xid`].
 ///
-/// A floor more than [`CLOCK_SLACK_US`] ahead of the clock means the clock was set
+/// A floor more than `CLOCK_SLACK_US` ahead of the clock means the clock was set
 /// back: every write would then store a visible_at that far in the future, so the
-/// writer starts the marks over first ([`clock_went_back`]). Checked here, on every
+/// writer starts the marks over first (`clock_went_back`). Checked here, on every
 /// write, and not only by claims' steps, because a stalled step B (a forgotten
 /// prepared transaction) stops the steps.
 pub fn floor_now() -> i64 {

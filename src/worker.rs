@@ -1,7 +1,9 @@
-//! The background worker: sends coalesced wake-ups and runs retention.
+//! The per-database background worker: sends coalesced wake-ups and runs
+//! retention in one database.
 //!
-//! One worker per cluster, serving the database named by `outbox.database`. Each
-//! pass, in its own transaction:
+//! The launcher (src/launcher.rs) starts one per served database, in a slot of
+//! the shared registry (src/registry.rs) whose number and generation it passes as
+//! the worker's argument. Each pass, in its own transaction:
 //! 1. takes the topics committed since the last pass from shared memory (see
 //!    `wakeup`), plus every topic whose delayed events, retries or expired leases
 //!    came due since the last pass, and sends one NOTIFY per topic;
@@ -12,29 +14,110 @@
 //! Every `outbox.maintenance_interval` it runs retention batch by batch, one
 //! transaction per batch, and records the run in outbox.maintenance_runs.
 //!
-//! Errors in a pass are caught, logged and retried next pass; the worker only
-//! exits on SIGTERM or postmaster death. It exits with status 1 on SIGTERM so
-//! that the postmaster restarts it after `pg_terminate_backend` (a shutdown does
-//! not restart workers anyway).
+//! Errors in a pass are caught, logged and retried next pass. The worker exits
+//! when the extension is not installed (`Exit::Absent`), when asked to leave
+//! (`Exit::Left`: a statement that needs the database to itself, or the launcher
+//! no longer serves it), on SIGTERM (`Exit::Stopped`) or on postmaster death; the
+//! reason is left in its slot, where the launcher reads it to decide whether to
+//! start another (src/launcher.rs). An exit callback records the exit even after
+//! a FATAL error (`Exit::Failed`).
 
 use crate::pg::{self, SharedLatch};
+use crate::registry::{self, Exit, Status, WAKE};
 use crate::sql::worker as sql;
-use crate::wakeup::{self, WAKE};
+use crate::wakeup;
 use crate::{gucs, maintenance};
 use pgrx::bgworkers::*;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
 
-/// Register the static worker. Called from `_PG_init` when preloaded.
-pub fn register() {
-    BackgroundWorkerBuilder::new("outbox_ext worker")
-        .set_type("outbox_ext")
+/// No background worker process was free (`max_worker_processes`).
+#[derive(Debug)]
+pub struct NoProcess;
+
+/// Start the worker of registry slot `slot` (assigned with `generation`); the
+/// calling process (the launcher) is told when it starts and stops.
+pub fn start(slot: usize, generation: u32, name: &str) -> Result<DynamicBackgroundWorker, NoProcess> {
+    BackgroundWorkerBuilder::new(&format!("outbox_ext worker for {name}"))
+        .set_type("outbox_ext worker")
         .set_function("outbox_worker_main")
         .set_library("outbox_ext")
         .enable_spi_access()
         .set_start_time(BgWorkerStartTime::RecoveryFinished)
-        .set_restart_time(Some(Duration::from_secs(1)))
-        .load();
+        .set_restart_time(None)
+        .set_argument(Some(pg_sys::Datum::from(encode(slot, generation))))
+        .set_notify_pid(pg::my_pid())
+        .load_dynamic()
+        .map_err(|_| NoProcess)
+}
+
+fn encode(slot: usize, generation: u32) -> u64 {
+    ((generation as u64) << 32) | slot as u64
+}
+
+fn decode(arg: u64) -> (usize, u32) {
+    ((arg & 0xffff_ffff) as usize, (arg >> 32) as u32)
+}
+
+/// This worker's slot, once attached.
+static mut SLOT: (usize, u32) = (usize::MAX, 0);
+
+/// Record why this worker ends (first reason wins).
+fn set_exit(why: Exit) {
+    // SAFETY: SLOT is written once, before any other use, in this process.
+    let (i, generation) = unsafe { SLOT };
+    if i >= registry::MAX_DATABASES {
+        return;
+    }
+    let mut r = WAKE.exclusive();
+    let s = &mut r.dbs[i];
+    if s.generation == generation && s.exit == Exit::None {
+        s.exit = why;
+    }
+}
+
+/// Exit callback: detach from the slot and wake the launcher.
+unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+    pg::release_lwlocks();
+    // SAFETY: as in set_exit.
+    let (i, generation) = unsafe { SLOT };
+    let latch = {
+        let mut r = WAKE.exclusive();
+        let s = &mut r.dbs[i];
+        if s.generation == generation && s.db != 0 {
+            s.pid = 0;
+            s.latch = SharedLatch::NONE;
+            s.status = Status::Exited;
+            if s.exit == Exit::None {
+                s.exit = Exit::Failed;
+            }
+        }
+        r.launcher_latch
+    };
+    latch.set();
+}
+
+/// Attach to slot `i` if it still has `generation` and is not told to stop;
+/// returns its database.
+fn attach(i: usize, generation: u32) -> Option<u32> {
+    if i >= registry::MAX_DATABASES {
+        return None;
+    }
+    let mut r = WAKE.exclusive();
+    let s = &mut r.dbs[i];
+    if s.generation != generation || s.db == 0 || s.stop || s.pid != 0 {
+        return None;
+    }
+    s.pid = pg::my_pid();
+    s.latch = SharedLatch::mine();
+    // SAFETY: written once, before the exit callback that reads it is registered.
+    unsafe { SLOT = (i, generation) };
+    Some(s.db)
+}
+
+fn slot() -> usize {
+    // SAFETY: written once in attach, before the loop.
+    unsafe { SLOT.0 }
 }
 
 static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
@@ -75,7 +158,7 @@ struct Untracked {
 impl Untracked {
     /// True when a watched prepared transaction was resolved since the last call.
     fn poll(&mut self) -> bool {
-        let gen = WAKE.share().untracked_prepared;
+        let gen = WAKE.share().dbs[slot()].untracked_prepared;
         if gen != self.seen {
             self.seen = gen;
             self.active = true;
@@ -127,21 +210,22 @@ struct Taken {
 }
 
 fn take_shared() -> Taken {
-    let mut w = WAKE.exclusive();
-    let ntopics = w.ntopics;
+    let i = slot();
+    let mut r = WAKE.exclusive();
+    let ntopics = r.dbs[i].ntopics;
+    let topics = (0..ntopics).map(|k| String::from_utf8_lossy(r.dbs[i].topic(k)).into_owned()).collect();
     // Publishers that see their topic pending skip the lock; the generation bump
-    // tells them the set is being taken (see wakeup::WakeFast).
-    wakeup::begin_take(&mut w);
-    let topics =
-        (0..ntopics).map(|i| String::from_utf8_lossy(&w.topics[i][..w.lens[i] as usize]).into_owned()).collect();
+    // tells them the set is being taken (see registry::FastDb).
+    registry::begin_take(&mut r, i);
+    let s = &mut r.dbs[i];
     let t = Taken {
         topics,
-        overflow: w.overflow,
-        recheck_due: w.recheck_due,
-        prepared: w.prepared[..w.nprepared].to_vec(),
+        overflow: s.overflow,
+        recheck_due: s.recheck_due,
+        prepared: s.prepared[..s.nprepared].to_vec(),
     };
-    w.overflow = false;
-    w.recheck_due = false;
+    s.overflow = false;
+    s.recheck_due = false;
     t
 }
 
@@ -158,12 +242,18 @@ fn resolve_prepared(xids: &[u32]) -> usize {
         done.push(x);
     }
     if !done.is_empty() {
-        let mut w = WAKE.exclusive();
-        let keep: Vec<u32> = w.prepared[..w.nprepared].iter().copied().filter(|x| !done.contains(x)).collect();
-        w.nprepared = keep.len();
-        w.prepared[..keep.len()].copy_from_slice(&keep);
+        let mut r = WAKE.exclusive();
+        let s = &mut r.dbs[slot()];
+        let keep: Vec<u32> = s.prepared[..s.nprepared].iter().copied().filter(|x| !done.contains(x)).collect();
+        s.nprepared = keep.len();
+        s.prepared[..keep.len()].copy_from_slice(&keep);
     }
     committed
+}
+
+thread_local! {
+    /// Set by a pass that found the extension not installed.
+    static ABSENT: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// One notify pass inside a transaction. Returns microseconds until the next
@@ -208,7 +298,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         }
         Ok(None) => None,
         Err(e) if e.is_empty() => {
-            debug1!("outbox worker: extension not installed in this database; idle");
+            ABSENT.set(true);
             None
         }
         Err(e) => {
@@ -247,13 +337,7 @@ struct MaintenanceRun {
 }
 
 fn start_maintenance() -> Option<MaintenanceRun> {
-    let installed = BackgroundWorker::transaction(|| {
-        Spi::get_one::<bool>("SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')")
-            .ok()
-            .flatten()
-            .unwrap_or(false)
-    });
-    installed.then(|| MaintenanceRun {
+    installed().then(|| MaintenanceRun {
         started: pg::now(),
         step: 0,
         removed: [0; maintenance::STEPS.len()],
@@ -329,24 +413,53 @@ fn record_maintenance(m: &MaintenanceRun) {
     }
 }
 
-/// Entry point of the background worker.
+/// Whether the extension is installed here (own transaction).
+fn installed() -> bool {
+    BackgroundWorker::transaction(|| Spi::get_one::<bool>(sql::IS_INSTALLED).ok().flatten().unwrap_or(false))
+}
+
+/// True when this worker was told to leave.
+fn told_to_stop() -> bool {
+    WAKE.share().dbs[slot()].stop
+}
+
+/// Entry point of a per-database worker.
 #[pg_guard]
 #[no_mangle]
-pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
+pub extern "C-unwind" fn outbox_worker_main(arg: pg_sys::Datum) {
     BackgroundWorker::attach_signal_handlers(SignalWakeFlags::SIGHUP | SignalWakeFlags::SIGTERM);
-    let db = gucs::database();
-    BackgroundWorker::connect_worker_to_spi(Some(&db), None);
-    {
-        let mut w = WAKE.exclusive();
-        w.latch = SharedLatch::mine();
-        w.database = pg::database_id();
-        wakeup::set_worker_database(w.database);
-        w.pid = std::process::id() as i32;
-        // Anything committed while no worker ran is found by the first sweep.
-        w.overflow = true;
+    let (i, generation) = decode(arg.value() as u64);
+    let Some(db) = attach(i, generation) else {
+        // A worker for an earlier assignment of the slot, or told to stop before
+        // it started: nothing to record.
+        pg::proc_exit(0);
+    };
+    pg::before_exit(on_exit, 0);
+    // Connects by OID: a rename does not change it. A database dropped meanwhile
+    // ends the worker here with FATAL (recorded as Exit::Failed by on_exit).
+    BackgroundWorker::connect_worker_to_spi_by_oid(Some(pg_sys::Oid::from(db)), None);
+    if told_to_stop() {
+        set_exit(Exit::Left);
+        pg::proc_exit(0);
     }
-    log!("outbox_ext worker started for database {db:?}");
+    if !installed() {
+        set_exit(Exit::Absent);
+        pg::proc_exit(0);
+    }
+    {
+        let mut r = WAKE.exclusive();
+        r.dbs[i].status = Status::Serving;
+    }
+    let name = BackgroundWorker::transaction(pg::catalog::current_database_name).unwrap_or_default();
+    log!("outbox_ext worker started for database {name:?}");
+    let why = serve();
+    set_exit(why);
+    log!("outbox_ext worker for database {name:?} stopping ({why:?})");
+    pg::proc_exit(0);
+}
 
+/// The worker's loop; returns why it ended.
+fn serve() -> Exit {
     let mut last_check = pg::now();
     // Absolute time (µs) of the next known due event; i64::MAX when none.
     let mut next_due_at: i64 = 0;
@@ -358,7 +471,10 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
     let mut untracked = Untracked::default();
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
-            break;
+            return Exit::Stopped;
+        }
+        if told_to_stop() {
+            return Exit::Left;
         }
         // Coalesce (outbox.wakeup_coalesce, 1 ms): under a stream of commits, let
         // them gather for a moment instead of running one pass (one transaction,
@@ -416,12 +532,15 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
                 warning!("outbox worker: wake-up pass failed, retrying: {e}");
                 // Put the topics back so they are not lost.
                 if !taken.topics.is_empty() || taken.overflow {
-                    WAKE.exclusive().overflow = true;
+                    WAKE.exclusive().dbs[slot()].overflow = true;
                 }
                 next_due_at = now.saturating_add(1_000_000);
             }
         }
-        WAKE.exclusive().passes += 1;
+        WAKE.exclusive().dbs[slot()].passes += 1;
+        if ABSENT.get() {
+            return Exit::Absent;
+        }
         last_pass = Instant::now();
 
         let interval = gucs::maintenance_interval_ms();
@@ -448,7 +567,7 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
         let now = pg::now();
         let until_sweep = (last_check.saturating_add(MAX_SLEEP.as_micros() as i64)).min(next_due_at);
         sleep = Duration::from_micros(until_sweep.saturating_sub(now).max(1000) as u64).min(MAX_SLEEP);
-        if WAKE.share().nprepared > 0 || untracked.active {
+        if WAKE.share().dbs[slot()].nprepared > 0 || untracked.active {
             sleep = sleep.min(PREPARED_POLL);
         }
         if maintenance.is_some() {
@@ -458,14 +577,4 @@ pub extern "C-unwind" fn outbox_worker_main(_arg: pg_sys::Datum) {
             sleep = sleep.min(left.max(Duration::from_millis(1)));
         }
     }
-    {
-        let mut w = WAKE.exclusive();
-        w.latch = SharedLatch::NONE;
-        w.pid = 0;
-    }
-    log!("outbox_ext worker stopping");
-    // Exit code 1 so that the postmaster restarts the worker after
-    // pg_terminate_backend; during a shutdown it restarts nothing anyway.
-    // (wait_latch() already consumed the SIGTERM flag, so it cannot be tested here.)
-    pg::proc_exit(1);
 }

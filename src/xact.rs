@@ -19,7 +19,12 @@ extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut c_
         | XACT_EVENT_PARALLEL_COMMIT
         | XACT_EVENT_ABORT
         | XACT_EVENT_PARALLEL_ABORT
-        | XACT_EVENT_PREPARE => crate::subject::on_xact_end(),
+        | XACT_EVENT_PREPARE => {
+            crate::subject::on_xact_end();
+            if crate::gucs::preloaded() {
+                crate::registry::on_xact_end();
+            }
+        }
         _ => {}
     }
 }

@@ -3,8 +3,8 @@
 
 Sessions (threads, one psycopg 3 connection per thread and database) drive a random,
 seeded mix of operations against a preloaded cluster with maintenance OFF
-(outbox.maintenance_interval = 0), in two databases: `postgres` (outbox.database,
-served by the background worker) and `other` (not served):
+(outbox.maintenance_interval = 0), in two databases, `postgres` and `other`, each
+served by its own background worker:
 
   publishers  publish / publish_batch, with and without subjects (a small colliding
               pool) and dispatch keys (unique, re-used committed keys, a colliding
@@ -380,12 +380,6 @@ def pub_tx(ctx, rnd, c, db, tag):
     first_subject = None
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
-        if mode == "2pc" and db != "postgres":
-            # Only outbox.database gets background wake-ups (one worker serves one
-            # database); elsewhere 'background' falls back to 'transaction', whose
-            # NOTIFY makes PREPARE fail (README, Wake-ups). A 2PC application there
-            # turns notifications off, as the README says.
-            c.execute("SET LOCAL outbox.notify = 'off'")
         if iso != "READ COMMITTED" and rnd.random() < 0.7 and not quiet():
             # Read first (the snapshot), publish later: the subject's head, leased now,
             # may be acked in between.
@@ -1736,9 +1730,9 @@ def setup(ctx):
             c.execute(f"DROP DATABASE IF EXISTS {db}")
             c.execute(f"CREATE DATABASE {db}")
     s = c.execute("SELECT current_setting('outbox.maintenance_interval'), current_setting('track_commit_timestamp'), "
-                  "current_setting('max_prepared_transactions'), current_setting('outbox.database')").fetchone()
+                  "current_setting('max_prepared_transactions'), current_setting('outbox.databases')").fetchone()
     log(f"server: maintenance_interval={s[0]} track_commit_timestamp={s[1]} "
-        f"max_prepared_transactions={s[2]} outbox.database={s[3]}")
+        f"max_prepared_transactions={s[2]} outbox.databases={s[3]!r}")
     if s[1] != "on" or int(s[2]) < 16:
         raise RuntimeError("the server needs track_commit_timestamp=on and max_prepared_transactions >= 16")
     c.close()

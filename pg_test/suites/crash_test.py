@@ -553,7 +553,7 @@ def check_worker_back(cl, old_pid, since, ping_topic, listener, what):
     if not new:
         return [f"{what}: no new background worker within 15 s (old pid {old_pid})"], None
     bt = cl.one("SELECT backend_type FROM pg_stat_activity WHERE pid = %s", (new,))
-    if not bt or bt[0] != "outbox_ext":
+    if not bt or bt[0] != "outbox_ext worker":
         probs.append(f"{what}: pid {new} from wakeup_status is not an outbox_ext process ({bt})")
     if not wait_until(lambda: maint_runs(cl, since) >= 2, 15, step=0.25):
         probs.append(f"{what}: maintenance did not run twice within 15 s after the restart")
@@ -637,7 +637,7 @@ def case_bgworker_kill9(cl):
     bg_setup(cl, probs)
     victim = worker_pid(cl)
     bt = cl.one("SELECT backend_type FROM pg_stat_activity WHERE pid = %s", (victim,)) if victim > 0 else None
-    if not bt or bt[0] != "outbox_ext":
+    if not bt or bt[0] != "outbox_ext worker":
         # Never signal a pid we are not sure is the worker (0 would be our own group).
         return probs + [f"kill -9: no background worker to kill (pid {victim})"], {}
     pub = SteadyPublisher(cl, "c3.steady9")

@@ -5,7 +5,7 @@
 //! Everything here is a thin, documented wrapper over a `pg_sys` call whose
 //! contract the callers rely on:
 //! - [`fcall`]: the v1 call interface (arguments, set results, the array reader);
-//!   [`search_path`]: the pinned search path of the hot-path functions.
+//!   [`search_path`](mod@search_path): the pinned search path of the hot-path functions.
 //! - [`plans`]: saved SPI plans, and [`plans::run_latest`], which runs one under a
 //!   snapshot taken now (headship decisions must see every commit that preceded
 //!   the subject lock they hold).
@@ -30,6 +30,7 @@ pub mod fcall;
 pub mod heap;
 pub mod plans;
 pub mod search_path;
+pub mod utility;
 
 use crate::errors;
 use pgrx::prelude::*;
@@ -447,4 +448,32 @@ pub fn show_setting(name: &std::ffi::CStr) -> Option<String> {
             Some(std::ffi::CStr::from_ptr(v).to_string_lossy().into_owned())
         }
     }
+}
+
+/// This process's PID.
+pub fn my_pid() -> i32 {
+    // SAFETY: a process-local global set at process start.
+    unsafe { pg_sys::MyProcPid }
+}
+
+/// True while `pid` is a live backend or background worker of this cluster
+/// (its PGPROC is in the proc array).
+pub fn backend_alive(pid: i32) -> bool {
+    // SAFETY: IsBackendPid (procarray.c) takes ProcArrayLock itself.
+    pid != 0 && unsafe { pg_sys::IsBackendPid(pid) }
+}
+
+/// Run `f(arg)` when this process exits, before it detaches from shared memory:
+/// also after a FATAL error, which ends the process without unwinding.
+pub fn before_exit(f: unsafe extern "C-unwind" fn(i32, pg_sys::Datum), arg: u64) {
+    // SAFETY: before_shmem_exit (ipc.c) keeps a fixed table of callbacks and
+    // raises an error when it is full; the callback is a static function.
+    unsafe { pg_sys::before_shmem_exit(Some(f), pg_sys::Datum::from(arg)) }
+}
+
+/// Release every LWLock this process holds: the first step of an exit callback,
+/// which may run after an error left one held (as ProcKill does in proc.c).
+pub fn release_lwlocks() {
+    // SAFETY: LWLockReleaseAll (lwlock.c) releases only this process's locks.
+    unsafe { pg_sys::LWLockReleaseAll() }
 }
