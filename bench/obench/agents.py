@@ -213,9 +213,62 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s):
 
 
 
+def _wake_listener(*, barrier, dsn, prefix, stop_evt, counter):
+    """LISTEN outbox in one database until stop_evt is set. Records (payload,
+    t_arrived, sender pid) of the notifications whose payload starts with prefix
+    (the probes) and counts the others. counter: probes heard (a worker may notify
+    a topic again, e.g. in its periodic sweep of due events: counted once)."""
+    conn = connect(dsn)
+    conn.execute(S.MULTIDB_LISTEN)
+    recs = []
+    seen = set()
+    other = 0
+    barrier.wait()
+    while not stop_evt.is_set():
+        for n in conn.notifies(timeout=0.1):
+            t = now_ns()
+            if n.payload.startswith(prefix):
+                recs.append((n.payload, t, n.pid))
+                if n.payload not in seen:
+                    seen.add(n.payload)
+                    with counter.get_lock():
+                        counter.value += 1
+            else:
+                other += 1
+    conn.close()
+    return {"kind": "listener", "dsn": dsn, "recs": recs, "other": other}
+
+
+def _wake_prober(*, barrier, dsn, tag, n, warmup_s, span_s, offset):
+    """n probe publishes (autocommit, outbox.notify = background), each to its own
+    topic bench.probe.<tag>-<i>, evenly spaced over span_s after warmup_s (offset:
+    fraction of the spacing, to stagger probers). Records (topic, t_commit_returned)
+    and its backend pid (a notification from that pid was sent at the probe's
+    commit, i.e. 'transaction' mode; one from another pid came from a worker)."""
+    conn = connect(dsn, notify="background")
+    pid = conn.info.backend_pid
+    # prepare the statement outside the probed window (a topic the listener ignores)
+    conn.execute(S.MULTIDB_PROBE, {"topic": f"bench.probe-warmup.{tag}", "payload": S.PAYLOAD})
+    recs = []
+    barrier.wait()
+    start = now_ns() + int(warmup_s * 1e9)
+    step = span_s / n
+    for i in range(n):
+        wait = start + int((i + offset) * step * 1e9) - now_ns()
+        if wait > 0:
+            time.sleep(wait / 1e9)
+        topic = f"bench.probe.{tag}-{i}"
+        conn.execute(S.MULTIDB_PROBE, {"topic": topic, "payload": S.PAYLOAD})
+        recs.append((topic, now_ns()))
+    conn.close()
+    return {"kind": "prober", "dsn": dsn, "pid": pid, "recs": recs}
+
+
 AGENTS = {
     "drain_worker": _drain_worker,
     "pgq_consumer": _pgq_consumer,
     "publisher": _publisher,
     "e2e_worker": _e2e_worker,
+    "wake_listener": _wake_listener,
+    "wake_prober": _wake_prober,
 }

@@ -26,7 +26,6 @@ SETTINGS = {
     "shared_buffers": "256MB",
     "max_wal_size": "4GB",
     "checkpoint_timeout": "15min",
-    "outbox.database": "postgres",
     "log_line_prefix": "%m [%p] ",
     "lc_messages": "C",
     "logging_collector": "off",

@@ -36,6 +36,10 @@ FULL = {
     "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
     "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 10,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
+    # 7: s7_clients spread evenly over s7_dbs databases; s7_probes wake-up probes per
+    # database and run; wait up to s7_attach_wait s for the databases' workers to
+    # attach, and s7_probe_grace s after the load for the last notifications
+    "s7_dbs": 4, "s7_clients": 16, "s7_seconds": 5, "s7_probes": 15, "s7_attach_wait": 20, "s7_probe_grace": 2,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -50,6 +54,7 @@ QUICK = dict(FULL, **{
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
     "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
     "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
+    "s7_seconds": 2, "s7_probes": 8,
 })
 
 SCENARIOS = [
@@ -58,6 +63,9 @@ SCENARIOS = [
     ("s3", "3. drain", scenarios.s3_drain),
     ("s5", "5. subjects", scenarios.s5_subjects),
     ("s4", "4. end to end", scenarios.s4_e2e),
+    # before 6a: that one leaves a database with the extension (bench_fresh), and in
+    # 0.6.0 every such database takes a worker slot (max_worker_processes)
+    ("s7", "7. many databases", scenarios.s7_multidb),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held xmin", scenarios.s6_xmin),
     ("s6c", "6c. purge", scenarios.s6_purge),

@@ -145,21 +145,55 @@ class Ctx:
         return AgentGroup(self.mp, specs)
 
     # -- pgbench ---------------------------------------------------------------
-    def pgbench(self, script_path, clients, seconds, notify=None):
+    def _pgbench_cmd(self, script_path, clients, seconds, dbname="postgres", jobs=None):
+        jobs = min(clients, 2) if jobs is None else jobs
+        return [f"{PG_BINDIR}/pgbench", "-n", "-M", "prepared", "-c", str(clients),
+                "-j", str(jobs), "-T", str(seconds), "-f", script_path] + \
+            self.cluster.pgbench_args() + [dbname]
+
+    @staticmethod
+    def _pgbench_env(notify):
         env = dict(os.environ)
         if notify:
             env["PGOPTIONS"] = f"-c outbox.notify={notify}"
         else:
             env.pop("PGOPTIONS", None)
-        cmd = [f"{PG_BINDIR}/pgbench", "-n", "-M", "prepared", "-c", str(clients),
-               "-j", str(min(clients, 2)), "-T", str(seconds), "-f", script_path] + \
-            self.cluster.pgbench_args() + ["postgres"]
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=seconds + 60)
-        m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", r.stdout)
-        failed = re.search(r"number of failed transactions: (\d+)", r.stdout)
-        if r.returncode != 0 or not m or (failed and int(failed.group(1)) > 0):
-            raise HarnessError(f"pgbench failed ({' '.join(cmd)}):\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+        return env
+
+    @staticmethod
+    def _pgbench_tps(cmd, returncode, stdout, stderr):
+        m = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", stdout)
+        failed = re.search(r"number of failed transactions: (\d+)", stdout)
+        if returncode != 0 or not m or (failed and int(failed.group(1)) > 0):
+            raise HarnessError(f"pgbench failed ({' '.join(cmd)}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
         return float(m.group(1))
+
+    def pgbench(self, script_path, clients, seconds, notify=None):
+        cmd = self._pgbench_cmd(script_path, clients, seconds)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=self._pgbench_env(notify), timeout=seconds + 60)
+        return self._pgbench_tps(cmd, r.returncode, r.stdout, r.stderr)
+
+    def pgbench_many(self, script_path, runs, seconds, notify=None, jobs=1):
+        """Several pgbench processes at once, one per (dbname, clients) in runs, all
+        with the same script and duration. Returns {dbname: tps}."""
+        env = self._pgbench_env(notify)
+        procs = []
+        try:
+            for dbname, clients in runs:
+                cmd = self._pgbench_cmd(script_path, clients, seconds, dbname, jobs)
+                procs.append((dbname, cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                            text=True, env=env)))
+            deadline = time.monotonic() + seconds + 60
+            out = {}
+            for dbname, cmd, pr in procs:
+                stdout, stderr = pr.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                out[dbname] = self._pgbench_tps(cmd, pr.returncode, stdout, stderr)
+            return out
+        finally:
+            for _, _, pr in procs:
+                if pr.poll() is None:
+                    pr.kill()
+                    pr.wait(5)
 
 
 class AgentGroup:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import psycopg
+from psycopg.rows import dict_row
 
 from . import agents
 from . import sql as S
@@ -823,3 +824,246 @@ def explain_claims(ctx):
            + _code(S.SETUP_FUTURE) + _code(plan, "text"))
     ctx.target("3-plan-b", "claim time with 100k future events / without", _ratio(ms2, base2), "<=", 1.2)
     ctx.section("Claim plans (auto_explain)", md)
+
+
+# ---------------------------------------------------------------------------
+# 7. Many databases: publish in several databases at once, wake-ups in each
+# ---------------------------------------------------------------------------
+S7_SYSTEMS = [
+    # (name, pgbench script, outbox.notify)
+    ("outbox_background", "outbox", "background"),
+    ("plain", "plain", None),
+]
+S7_PROBE_PREFIX = "bench.probe."
+
+
+def _s7_dbs(ctx):
+    return [f"bench_db{i}" for i in range(1, ctx.p["s7_dbs"] + 1)]
+
+
+def _s7_drop(ctx, dbs):
+    # FORCE: a background worker serving the database is connected to it.
+    for db in dbs:
+        ctx.sql(f"DROP DATABASE IF EXISTS {db} WITH (FORCE)")
+
+
+def _s7_worker(conn):
+    """The pid of the outbox_ext worker serving conn's database per
+    outbox.wakeup_status(), 0 when none does (yet), None when none will: 0.5.0 and
+    earlier serve only the database named by outbox.database, 0.6.0 those listed
+    in outbox.databases (empty: every database with the extension)."""
+    one, many, db, oid = conn.execute(
+        "SELECT current_setting('outbox.database', true), current_setting('outbox.databases', true), "
+        "current_database(), (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+    if one and one != db:
+        return None
+    listed = [n.strip() for n in (many or "").split(",") if n.strip()]
+    if listed and db not in listed:
+        return None
+    cur = conn.cursor(row_factory=dict_row)
+    for r in cur.execute("SELECT * FROM outbox.wakeup_status()").fetchall():
+        # 0.6.0 has a state column ('serving' once the worker is attached)
+        if r.get("worker_pid") and r.get("database", oid) == oid and r.get("state", "serving") == "serving":
+            return r["worker_pid"]
+    return 0
+
+
+def _s7_setup(ctx, dbs):
+    """Fresh databases (leftovers of an earlier attempt are dropped), each with the
+    extension and the plain table; waits for their workers to attach."""
+    _s7_drop(ctx, dbs)
+    conns = {}
+    for db in dbs:
+        ctx.sql(f"CREATE DATABASE {db}")
+        c = agents.connect(ctx.cluster.dsn(db))
+        c.execute(S.OUTBOX_SCHEMA)
+        for stmt in S.PLAIN_SCHEMA.split(";\n"):
+            c.execute(stmt.rstrip(";"))
+        conns[db] = c
+    t0 = time.monotonic()
+    workers = {db: _s7_worker(c) for db, c in conns.items()}
+    while any(w == 0 for w in workers.values()) and time.monotonic() - t0 < ctx.p["s7_attach_wait"]:
+        time.sleep(0.2)
+        workers = {db: (_s7_worker(conns[db]) if w == 0 else w) for db, w in workers.items()}
+    return conns, workers, time.monotonic() - t0
+
+
+def _s7_reset(conns, system):
+    for c in conns.values():
+        if system.startswith("outbox"):
+            c.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+        else:
+            c.execute("TRUNCATE bench_plain")
+
+
+def _s7_run(ctx, dbs, script, notify, rep, probe):
+    """One timed run: a pgbench process per database, all at once. With probe, a
+    listener and a prober per database (agent processes). Returns ({db: tps},
+    {db: probe figures} or None)."""
+    p = ctx.p
+    per_db = p["s7_clients"] // len(dbs)
+    runs = [(db, per_db) for db in dbs]
+    if not probe:
+        return ctx.pgbench_many(script, runs, p["s7_seconds"], notify), None
+    secs = p["s7_seconds"]
+    warmup = min(0.5, secs * 0.2)
+    span = secs - warmup - min(0.3, secs * 0.1)
+    n = p["s7_probes"]
+    got = ctx.mp.Value("q", 0)
+    stop = ctx.mp.Event()
+    specs = [("wake_listener", dict(dsn=ctx.cluster.dsn(db), prefix=S7_PROBE_PREFIX, stop_evt=stop, counter=got))
+             for db in dbs]
+    specs += [("wake_prober", dict(dsn=ctx.cluster.dsn(db), tag=f"db{i + 1}-r{rep}", n=n, warmup_s=warmup,
+                                   span_s=span, offset=i / len(dbs)))
+              for i, db in enumerate(dbs)]
+    g = ctx.agents(specs)
+    try:
+        g.start()
+        tps = ctx.pgbench_many(script, runs, secs, notify)
+        probers = g.collect(len(dbs), 30)  # listeners only report once stopped
+        # Let the last notifications arrive (a worker sleeps at most 1 s between passes).
+        deadline = time.monotonic() + p["s7_probe_grace"]
+        while got.value < n * len(dbs) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stop.set()
+        listeners = g.collect(len(dbs), 30)
+        g.join()
+    finally:
+        stop.set()
+        g.kill()
+    by_dsn = {ctx.cluster.dsn(db): db for db in dbs}
+    heard = {by_dsn[r["dsn"]]: r for r in listeners}
+    out = {}
+    for r in probers:
+        db = by_dsn[r["dsn"]]
+        arrived = {}
+        for topic, t, pid in heard[db]["recs"]:
+            arrived.setdefault(topic, (t, pid))  # the first notification of a probe counts
+        lat, by_worker, lost = [], 0, 0
+        for topic, t_commit in r["recs"]:
+            if topic not in arrived:
+                lost += 1
+                continue
+            t, pid = arrived[topic]
+            lat.append((t - t_commit) / 1e6)
+            by_worker += pid != r["pid"]
+        out[db] = {"lat": lat, "by_worker": by_worker, "lost": lost, "probes": len(r["recs"]),
+                   "other": heard[db]["other"]}
+    return tps, out
+
+
+def s7_multidb(ctx):  # noqa: C901
+    p = ctx.p
+    dbs = _s7_dbs(ctx)
+    clients = p["s7_clients"]
+    per_db = clients // len(dbs)
+    prm = {"dbs": len(dbs), "clients": clients}
+    tmp = tempfile.mkdtemp(prefix="obench-pgbench-")
+    scripts = {}
+    for _, script, _ in S7_SYSTEMS:
+        path = os.path.join(tmp, f"{script}.sql")
+        with open(path, "w") as f:
+            f.write(S.PUB1[script])
+        scripts[script] = path
+    conns = {}
+    lat_all = {db: [] for db in dbs}
+    wake = {db: {"by_worker": 0, "lost": 0, "probes": 0, "other": []} for db in dbs}
+    try:
+        conns, workers, waited = _s7_setup(ctx, dbs)
+        ctx.say(f"  s7 databases {', '.join(dbs)} created; outbox_ext workers (wakeup_status) "
+                + ", ".join(f"{db}={'none (not in outbox.database(s))' if w is None else w or 'none'}"
+                            for db, w in workers.items()) + f" after {waited:.1f}s")
+        for rep in range(p["reps"]):
+            ctx.checkpoint()
+            line = []
+            for name, script, notify in S7_SYSTEMS:
+                _s7_reset(conns, name)
+                tps, probes = _s7_run(ctx, dbs, scripts[script], notify, rep, probe=name.startswith("outbox"))
+                ctx.rec("s7_multidb", name, prm, rep, "events_per_s", sum(tps.values()), "ev/s")
+                for db in dbs:
+                    ctx.rec("s7_multidb", name, dict(prm, db=db), rep, "events_per_s", tps[db], "ev/s")
+                line.append(f"{name}={sum(tps.values()):.0f} (" + "/".join(f"{tps[db]:.0f}" for db in dbs) + ")")
+                if probes is None:
+                    continue
+                for db in dbs:
+                    r = probes[db]
+                    dp = dict(prm, db=db)
+                    ctx.rec("s7_multidb", name, dp, rep, "wake_p50", pct(r["lat"], 50), "ms")
+                    ctx.rec("s7_multidb", name, dp, rep, "wake_p99", pct(r["lat"], 99), "ms")
+                    ctx.rec("s7_multidb", name, dp, rep, "probes", r["probes"], "probes")
+                    ctx.rec("s7_multidb", name, dp, rep, "probes_not_notified", r["lost"], "probes")
+                    ctx.rec("s7_multidb", name, dp, rep, "probes_notified_by_worker", r["by_worker"], "probes")
+                    ctx.rec("s7_multidb", name, dp, rep, "other_notifications", r["other"], "notifications")
+                    lat_all[db].extend(r["lat"])
+                    w = wake[db]
+                    w["by_worker"] += r["by_worker"]
+                    w["lost"] += r["lost"]
+                    w["probes"] += r["probes"]
+                    w["other"].append(r["other"])
+                line.append("wake p50/p99 ms " + ", ".join(
+                    f"{_fmt(pct(probes[db]['lat'], 50), 1)}/{_fmt(pct(probes[db]['lat'], 99), 1)}"
+                    f"{'' if probes[db]['by_worker'] == probes[db]['probes'] else ' (' + str(probes[db]['probes'] - probes[db]['by_worker']) + ' by the publisher)'}"
+                    for db in dbs))
+            ctx.say(f"  s7 rep={rep}: " + "; ".join(line))
+    finally:
+        for c in conns.values():
+            c.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            _s7_drop(ctx, dbs)
+        except Exception as e:  # noqa: BLE001 - the next attempt drops them first
+            ctx.say(f"  s7: dropping {', '.join(dbs)} failed: {e}")
+
+    for db in dbs:
+        dp = dict(prm, db=db)
+        ctx.rec("s7_multidb", "outbox_background", dp, "all", "wake_p50_all_runs", pct(lat_all[db], 50), "ms")
+        ctx.rec("s7_multidb", "outbox_background", dp, "all", "wake_p99_all_runs", pct(lat_all[db], 99), "ms")
+    tot = {name: ctx.med("s7_multidb", name, prm, "events_per_s") for name, *_ in S7_SYSTEMS}
+    r = _ratio(tot["outbox_background"], tot["plain"])
+    md = (f"{clients} clients spread over {len(dbs)} databases ({', '.join(dbs)}, created by the scenario with "
+          f"`CREATE EXTENSION outbox_ext` and the plain table, dropped at the end): one pgbench process per "
+          f"database with {per_db} clients, all {len(dbs)} running at once for {p['s7_seconds']} s, one event per "
+          "transaction with the scripts of scenario 1 (outbox in `background` mode; plain INSERT). Events/s is "
+          f"each pgbench's TPS, summed over the databases; median of {p['reps']} runs (systems interleaved "
+          "within a repetition, tables truncated before every run). Target: outbox_background >= 0.85x plain "
+          "(the total).\n\n")
+    md += "| system | total events/s | " + " | ".join(dbs) + " | runs (total) |\n" + "|---" * (len(dbs) + 3) + "|\n"
+    for name, *_ in S7_SYSTEMS:
+        vals = ctx.values("s7_multidb", name, prm, "events_per_s")
+        cells = []
+        for db in dbs:
+            m = ctx.med("s7_multidb", name, dict(prm, db=db), "events_per_s")
+            pl = ctx.med("s7_multidb", "plain", dict(prm, db=db), "events_per_s")
+            cells.append(f"{_fmt(m)} ({_fmt(_ratio(m, pl), 2)}x)")
+        md += (f"| {name} | {_fmt(tot[name])} ({_fmt(_ratio(tot[name], tot['plain']), 2)}x) | " + " | ".join(cells)
+               + f" | {', '.join(_fmt(v) for v in vals)} |\n")
+    md += f"\noutbox_background / plain INSERT = **{_fmt(r, 2)}x** (target >= 0.85x)\n\n"
+    md += (f"**Wake-ups under that load** (outbox_background runs only): in each database a session "
+           f"`LISTEN outbox` and another publishes {p['s7_probes']} probe events per run, each to its own topic "
+           f"(`{S7_PROBE_PREFIX}<db>-<run>-<i>`; the notification's payload is the topic), evenly spaced over the "
+           "run and staggered between databases. Wake-up = from the probe's COMMIT returning to the listener "
+           "receiving the probe's notification, on one system-wide monotonic clock; percentiles over the probes of "
+           f"all {p['reps']} runs. **by a worker**: probe notifications sent by another backend than the "
+           "publisher (a background worker); the others were sent by the publisher at its commit, i.e. "
+           "`background` degraded to `transaction` because no worker serves the database. Either way the "
+           "publisher's backend acts at commit (hands its topics to the worker, or sends its NOTIFY) before it "
+           "replies, so a notification can reach the listener before the publisher's COMMIT returns: figures "
+           "near or below zero are possible, more so on an overloaded machine. "
+           f"Not notified: no notification within {p['s7_probe_grace']} s after the load ended. Other "
+           "notifications: the median per run of the listener's notifications for the load's topic.\n\n")
+    md += ("| database | worker pid (wakeup_status) | probes | wake-up p50 (ms) | p99 (ms) | max (ms) | by a worker "
+           "| not notified | other notifications |\n|---|---|---|---|---|---|---|---|---|\n")
+    for db in dbs:
+        w = wake[db]
+        pid = workers.get(db)
+        md += (f"| {db} | {'none' if not pid else pid} | {w['probes']} | {_fmt(pct(lat_all[db], 50), 2)} | "
+               f"{_fmt(pct(lat_all[db], 99), 2)} | {_fmt(max(lat_all[db]) if lat_all[db] else None, 2)} | "
+               f"{w['by_worker']} of {w['probes']} | {w['lost']} | {_fmt(median(w['other']))} |\n")
+    md += (f"\npgbench: `pgbench -n -M prepared -c {per_db} -j 1 -T {p['s7_seconds']} -f SCRIPT DB`, one per "
+           "database, started together; outbox runs set `PGOPTIONS='-c outbox.notify=background'`.\n\n")
+    md += "**outbox**\n\n" + _code(S.PUB1["outbox"]) + "**plain**\n\n" + _code(S.PUB1["plain"])
+    md += ("**probe** (autocommit, `outbox.notify = background`), and the listener\n\n"
+           + _code(S.MULTIDB_PROBE + ";\n" + S.MULTIDB_LISTEN + ";"))
+    ctx.section("7. Many databases", md)
+    ctx.target("7", f"publish outbox(background) / plain INSERT, {clients} clients over {len(dbs)} databases",
+               r, ">=", 0.85)

@@ -216,3 +216,12 @@ SETUP_FUTURE_STMTS = [  # the ready events are published first
     "    (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(ready)s::int)))",
 ]
 SETUP_FUTURE = ";\n".join(SETUP_FUTURE_STMTS) + ";"
+
+# ---------------------------------------------------------------------------
+# Scenario 7: many databases. Publish load: the pgbench scripts of scenario 1
+# (PUB1['outbox'] with outbox.notify=background, PUB1['plain']) in every database.
+# Wake-up probes: one publish per autocommit statement, each to its own topic
+# (the notification's payload is the topic), heard by a LISTEN session in the same
+# database.
+MULTIDB_PROBE = "SELECT outbox.publish(%(topic)s, %(payload)s::jsonb)"
+MULTIDB_LISTEN = "LISTEN outbox"
