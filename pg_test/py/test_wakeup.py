@@ -1,7 +1,7 @@
 """Wake-ups: what a `LISTEN outbox` connection receives, per
 outbox.notify mode, across commit, rollback, savepoints, two-phase commit, worker
-restarts and delayed events. 'background' needs the preloaded cluster, whose
-worker serves database 'postgres'.
+restarts and delayed events. 'background' needs the preloaded cluster, where the
+launcher runs a worker in every database that has the extension.
 
 Each notification is timestamped on arrival by a reader thread (conftest.Listener),
 so the latencies printed here are commit -> arrival. Run with `-s` to see them; they
@@ -152,9 +152,11 @@ def test_background_falls_back_without_preload_and_warns_once(plain, listen):
     assert payloads(lst.collect(0.5)) == Counter({"wk.fb3": 2})  # autocommit: two transactions
 
 
-def test_background_other_database_falls_back_to_transaction(preload_dsn, listen):
-    """The worker serves one database; elsewhere 'background' must still wake
-    listeners (the publisher notifies itself)."""
+def test_background_in_another_database_is_served_by_its_own_worker(preload_dsn, listen):
+    """Every database with the extension gets its own background worker (0.5.0
+    served one database, and elsewhere 'background' fell back to 'transaction'):
+    the wake-up comes from that worker, not from the publisher, and PREPARE
+    TRANSACTION after a publish works there."""
     dbname = "outbox_py_other"
     with connect(preload_dsn) as c:
         c.execute(f"DROP DATABASE IF EXISTS {dbname} WITH (FORCE)")
@@ -163,11 +165,25 @@ def test_background_other_database_falls_back_to_transaction(preload_dsn, listen
     try:
         with connect(dsn) as p:
             p.execute("CREATE EXTENSION outbox_ext")
+            deadline = time.monotonic() + 5
+            while p.execute("SELECT state FROM outbox.wakeup_status()").fetchone()[0] != "serving":
+                assert time.monotonic() < deadline, "no worker serves the new database within 5 s"
+                time.sleep(0.05)
+            worker = p.execute("SELECT worker_pid FROM outbox.wakeup_status()").fetchone()[0]
             lst = listen(dsn)
             set_mode(p, "background")
             p.execute("SELECT outbox.publish('wk.elsewhere', '{}')")
             got = lst.collect(QUIET)
             assert payloads(got) == Counter({"wk.elsewhere": 1}), got
+            assert {pid for _, pid, _ in got} == {worker}, (got, worker)
+            p.execute("BEGIN")
+            p.execute("SELECT outbox.publish('wk.elsewhere.2pc', '{}')")
+            p.execute("PREPARE TRANSACTION 'outbox_py_other_2pc'")
+            assert lst.collect(0.3) == []
+            p.execute("COMMIT PREPARED 'outbox_py_other_2pc'")
+            # A resolved prepared transaction makes the worker announce every topic
+            # with ready events (wk.elsewhere is still unclaimed).
+            assert payloads(lst.collect(QUIET))["wk.elsewhere.2pc"] == 1
             lst.close()
     finally:
         with connect(preload_dsn) as c:
