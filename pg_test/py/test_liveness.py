@@ -2,11 +2,15 @@
 
 Each test reproduces one way 0.3.0 strands events (or blocks workers, or leaks
 resources) and asserts the fixed behaviour. Every scenario runs in a scratch
-database of its own (`liveness_<test>`), which no background worker serves, so the
-maintenance repair (`_purge_step('heads')`, the low-water audit) never runs there:
-whatever makes an event claimable must be the API itself. Only the run_maintenance
-test calls maintenance, and the prepared-transaction wake-up test uses database
-`postgres` of the preload cluster on purpose (it needs the background worker).
+database of its own (`liveness_<test>`), where the maintenance repair
+(`_purge_step('heads')`, the low-water audit) never runs: whatever makes an event
+claimable must be the API itself. On the preload cluster a background worker
+serves the scratch database too (since 0.6.0 every database has one), but its
+first maintenance run comes one `outbox.maintenance_interval` (1 min) after it
+starts, later than any of these tests ends; `Scratch.close` fails the test if a
+maintenance run was recorded anyway. Only the run_maintenance test calls
+maintenance, and the prepared-transaction wake-up test uses database `postgres` of
+the preload cluster on purpose (it needs the background worker).
 
 Every connection has a lock_timeout and a statement_timeout, so a statement that
 would wait for ever fails instead, and every wait loop has a deadline.
@@ -46,11 +50,12 @@ def _db_name(node_name):
 class Scratch:
     """A scratch database with the extension, its tracked connections, and cleanup."""
 
-    def __init__(self, admin_dsn, name):
+    def __init__(self, admin_dsn, name, maintenance_allowed=False):
         self.admin_dsn = admin_dsn
         self.name = name
         self.dsn = create_db(admin_dsn, name)
         self._conns = []
+        self.maintenance_allowed = maintenance_allowed
 
     def conn(self, lock_timeout="5s", statement_timeout="30s", notify="off", autocommit=True):
         opts = f"-c lock_timeout={lock_timeout} -c statement_timeout={statement_timeout}"
@@ -67,15 +72,20 @@ class Scratch:
             except Exception:
                 pass
         self._conns.clear()
+        runs = 0
         # A prepared transaction keeps the database from being dropped.
         try:
             with connect(self.dsn) as c:
+                runs = c.execute("SELECT count(*) FROM outbox.maintenance_runs").fetchone()[0]
                 for (gid,) in c.execute(
                     "SELECT gid FROM pg_prepared_xacts WHERE database = current_database()").fetchall():
                     c.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
         except psycopg.Error:
             pass
         drop_db(self.admin_dsn, self.name)
+        assert self.maintenance_allowed or runs == 0, (
+            f"{runs} maintenance run(s) were recorded in {self.name}: the test may pass only because "
+            "maintenance repaired what the API left")
 
 
 @pytest.fixture
@@ -86,7 +96,7 @@ def scratch(request):
 
     def make(cluster):
         admin = request.getfixturevalue(f"{cluster}_dsn")
-        db = Scratch(admin, _db_name(request.node.name))
+        db = Scratch(admin, _db_name(request.node.name), "run_maintenance" in request.node.name)
         made.append(db)
         return db
 
