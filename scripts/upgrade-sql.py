@@ -16,7 +16,9 @@ The output is, in this order:
      (CREATE OR REPLACE), and every view whose definition changed;
   3. every COMMENT ON and pg_extension_config_dump call that is new or changed;
   4. sql/security.sql, which is idempotent: privileges and SECURITY DEFINER come
-     out exactly as a fresh install sets them, new functions included.
+     out exactly as a fresh install sets them, new functions included;
+  5. sql/announce.sql, when NEW has outbox._announce(): the launcher serves the
+     updated database at once.
 Anything else that differs (a new table, index, trigger, a changed ALTER) must be
 named in sql/upgrade/OLD--NEW.sql, or the script stops with a one-line error.
 Routines dropped from NEW must be dropped there too.
@@ -238,6 +240,9 @@ def assemble(old, new, new_install):
             out += [f"-- {titles[kind]}", ""] + [p + "\n" for p in parts[kind]]
     out += ["-- sql/security.sql (idempotent): privileges as a fresh install sets them", "",
             (REPO / "sql" / "security.sql").read_text().strip(), ""]
+    if ("routine", "outbox._announce()") in after:
+        # An updated database is served at once, as a new one is (src/launcher.rs).
+        out += ["-- sql/announce.sql", "", (REPO / "sql" / "announce.sql").read_text().strip(), ""]
     return "\n".join(out)
 
 

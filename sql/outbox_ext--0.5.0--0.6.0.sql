@@ -140,16 +140,19 @@ BEGIN
     ELSIF w.launcher_pid = 0 THEN
         status := 'critical';
         message := 'the outbox_ext launcher is not running, so no background worker serves this database (the postmaster restarts it within seconds; see the server log)';
+    ELSIF (SELECT d.datistemplate FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database()) THEN
+        status := 'warn';
+        message := 'this database is a template (datistemplate): templates are never served, so that CREATE DATABASE from them works; the copies are';
     ELSIF NOT EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
-                       WHERE pg_catalog.btrim(l.name) <> '')
+                       WHERE pg_catalog.btrim(l.name, E' \t\r\n') <> '')
           OR EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
-                      WHERE pg_catalog.btrim(l.name) = pg_catalog.current_database()) THEN
+                      WHERE pg_catalog.btrim(l.name, E' \t\r\n') = pg_catalog.current_database()) THEN
         status := 'critical';
         message := CASE w.state
             WHEN 'waiting' THEN format('no background worker process is free for this database (max_worker_processes = %s, shared with parallel query); the launcher retries every second', pg_catalog.current_setting('max_worker_processes'))
             WHEN 'starting' THEN 'the background worker of this database is starting'
             WHEN 'stopped' THEN 'the background worker of this database stopped; the launcher starts another'
-            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second; see the server log)' END;
+            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second, and serves at most 64 at once; see the server log)' END;
     ELSE
         status := 'warn';
         message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
@@ -250,3 +253,11 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint), outbox.replay_dead(text, timest
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),
     outbox.run_maintenance() TO outbox_admin;
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
+
+-- sql/announce.sql
+
+-- Tell the launcher, when this CREATE EXTENSION commits, that this database now
+-- has the extension, so that its background worker starts at once instead of at
+-- the launcher's next look at a database it has not seen (src/launcher.rs).
+-- Without shared_preload_libraries it does nothing.
+SELECT outbox._announce();

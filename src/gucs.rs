@@ -345,8 +345,13 @@ pub fn purge_delay_ms() -> i32 {
 /// The names `outbox.databases` lists, or None when it is empty (every database).
 pub fn database_filter() -> Option<Vec<String>> {
     let v = DATABASES.get()?;
-    let names: Vec<String> =
-        v.to_string_lossy().split(',').map(|n| n.trim().to_string()).filter(|n| !n.is_empty()).collect();
+    // Trims what outbox.health() trims (btrim of space, tab, CR, LF), so both agree.
+    let names: Vec<String> = v
+        .to_string_lossy()
+        .split(',')
+        .map(|n| n.trim_matches([' ', '\t', '\r', '\n']).to_string())
+        .filter(|n| !n.is_empty())
+        .collect();
     (!names.is_empty()).then_some(names)
 }
 

@@ -104,7 +104,8 @@ struct Launched {
 struct Launcher {
     known: HashMap<u32, Known>,
     launched: Vec<Launched>,
-    warned_capacity: Option<Instant>,
+    /// The `outbox.databases` value last checked for names of no database.
+    checked_filter: Option<Vec<String>>,
 }
 
 static mut STOP: bool = false;
@@ -137,7 +138,7 @@ pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
     if pg::show_setting(c"outbox.database").is_some() {
         warning!("outbox.database is no longer used: every database that has outbox_ext is served; set outbox.databases to serve only some");
     }
-    let mut l = Launcher { known: HashMap::new(), launched: adopt(), warned_capacity: None };
+    let mut l = Launcher { known: HashMap::new(), launched: adopt(), checked_filter: None };
     log!("outbox_ext launcher started ({} running worker(s) adopted)", l.launched.len());
     while !stopping() {
         if BackgroundWorker::sighup_received() {
@@ -191,6 +192,13 @@ impl Launcher {
     fn round(&mut self) {
         let dbs = BackgroundWorker::transaction(pg::catalog::databases);
         let filter = gucs::database_filter();
+        if filter != self.checked_filter {
+            for n in filter.iter().flatten().filter(|n| !dbs.iter().any(|d| &d.name == *n)) {
+                // Names are matched exactly (case included), like datname.
+                warning!("outbox_ext launcher: outbox.databases names {n:?}, which is no database of this cluster");
+            }
+            self.checked_filter = filter.clone();
+        }
         let paused = registry::paused();
         let wanted = |d: &pg::catalog::Database| {
             d.allow_connections
@@ -261,8 +269,8 @@ impl Launcher {
                 continue;
             }
             let Some((slot, generation)) = registry::assign(d.oid) else {
-                if self.warned_capacity.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
-                    self.warned_capacity = Some(Instant::now());
+                if k.last_warning.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                    k.last_warning = Some(Instant::now());
                     warning!(
                         "outbox_ext launcher: database {:?} is not served: {} databases are served already, the most one cluster can have",
                         d.name,

@@ -21,10 +21,11 @@
 //!    cases the next worker for that database starts with `overflow` set and
 //!    `untracked_prepared` bumped ([`assign`]): its first pass notifies every topic
 //!    with ready events, and it watches the prepared transactions it finds, so the
-//!    commit is announced then. If no worker ever serves the database again, no
-//!    worker listens there for it either (the extension or the database is gone,
-//!    or `outbox.databases` excludes it, and then publishers notify themselves;
-//!    see `wakeup::effective_mode`).
+//!    commit is announced then. If no worker ever serves the database again, the
+//!    extension or the database is gone, or `outbox.databases` now excludes it
+//!    (its publishers then notify themselves, see `wakeup::effective_mode`; a
+//!    transaction that was open across that change loses its wake-up, and workers
+//!    find its events by polling).
 //! 4. **Capacity.** [`MAX_DATABASES`] databases can be served at once. Past that,
 //!    the launcher starts no worker for the extra databases and says so (a
 //!    WARNING; `wakeup_status().state` there is `'not served'`, which
@@ -57,6 +58,9 @@ pub const SHARED_PREPARED: usize = 32;
 const ANNOUNCED: usize = 16;
 /// Statements (`DROP DATABASE`, ...) pausing a database's worker at once.
 pub const MAX_PAUSES: usize = 16;
+/// Prepared transactions that ran `CREATE EXTENSION outbox_ext`, watched by the
+/// launcher until they are resolved.
+pub const MAX_PREPARED_ANNOUNCEMENTS: usize = 64;
 
 /// Where a slot is in its life.
 #[derive(Copy, Clone, PartialEq, Eq, Debug)]
@@ -174,6 +178,10 @@ pub struct Registry {
     /// More announcements than fit: the launcher re-examines every database.
     pub announce_all: bool,
     pub pauses: [Pause; MAX_PAUSES],
+    /// (database, top-level xid) of prepared transactions that created the
+    /// extension: announced when the launcher sees them committed.
+    pub prepared_announced: [(u32, u32); MAX_PREPARED_ANNOUNCEMENTS],
+    pub nprepared_announced: usize,
 }
 
 impl Default for Registry {
@@ -186,6 +194,8 @@ impl Default for Registry {
             nannounced: 0,
             announce_all: false,
             pauses: [Pause::default(); MAX_PAUSES],
+            prepared_announced: [(0, 0); MAX_PREPARED_ANNOUNCEMENTS],
+            nprepared_announced: 0,
         }
     }
 }
@@ -475,10 +485,48 @@ pub fn stop(i: usize, generation: u32) {
     latch.set();
 }
 
-/// The announcements since the last call, and whether some did not fit.
+/// Note that a transaction that ran `CREATE EXTENSION outbox_ext` in `db` is
+/// being prepared: `COMMIT PREPARED` runs none of its callbacks, so the launcher
+/// watches `xid` and treats its commit as the announcement. False when the list
+/// is full.
+pub fn announce_prepared(db: u32, xid: u32) -> bool {
+    let latch = {
+        let mut r = WAKE.exclusive();
+        let n = r.nprepared_announced;
+        if n >= MAX_PREPARED_ANNOUNCEMENTS {
+            return false;
+        }
+        r.prepared_announced[n] = (db, xid);
+        r.nprepared_announced += 1;
+        r.launcher_latch
+    };
+    latch.set();
+    true
+}
+
+/// The announcements since the last call (prepared ones once committed; those
+/// rolled back are dropped), and whether some did not fit.
 pub fn take_announced() -> (Vec<u32>, bool) {
+    let watched: Vec<(u32, u32)> = {
+        let r = WAKE.share();
+        r.prepared_announced[..r.nprepared_announced].to_vec()
+    };
+    let status: Vec<pg::XidStatus> = watched.iter().map(|&(_, x)| pg::xid_status(x)).collect();
     let mut r = WAKE.exclusive();
-    let v = r.announced[..r.nannounced].to_vec();
+    let mut v = r.announced[..r.nannounced].to_vec();
+    let mut keep = Vec::new();
+    for (&(db, xid), st) in watched.iter().zip(&status) {
+        match st {
+            pg::XidStatus::InProgress => keep.push((db, xid)),
+            pg::XidStatus::Committed => v.push(db),
+            pg::XidStatus::Aborted => {}
+        }
+    }
+    // Entries added since the copy above stay for the next call.
+    let added: Vec<(u32, u32)> = r.prepared_announced[watched.len()..r.nprepared_announced].to_vec();
+    keep.extend(added);
+    r.prepared_announced[..keep.len()].copy_from_slice(&keep);
+    r.nprepared_announced = keep.len();
     let all = r.announce_all;
     r.nannounced = 0;
     r.announce_all = false;

@@ -209,6 +209,18 @@ pub fn on_xact_event(event: pg_sys::XactEvent::Type) {
             }
         }
         XACT_EVENT_PRE_PREPARE => {
+            if ANNOUNCE.replace(false)
+                && gucs::preloaded()
+                && !registry::announce_prepared(pg::database_id(), pg::top_xid_if_any())
+            {
+                crate::errors::raise(
+                    crate::errors::CONFIGURATION_LIMIT,
+                    format!(
+                        "more than {} prepared transactions have run CREATE EXTENSION outbox_ext; commit or roll back one of them first",
+                        registry::MAX_PREPARED_ANNOUNCEMENTS
+                    ),
+                );
+            }
             if let Some(p) = take_pending() {
                 if gucs::preloaded() {
                     flush_prepared(p);

@@ -140,32 +140,57 @@ fn stopping() -> bool {
 const MAX_SLEEP: Duration = Duration::from_secs(1);
 /// Sleep while prepared transactions are being tracked.
 const PREPARED_POLL: Duration = Duration::from_millis(20);
-/// After a prepared transaction that did not fit in the shared list, how long
-/// `pg_prepared_xacts` must stay empty before the worker stops watching it. A
-/// PREPARE announces itself before it shows in that view; this covers the gap.
-const UNTRACKED_GRACE: Duration = Duration::from_secs(1);
+/// After a prepared transaction that did not fit in the shared list: how long
+/// the worker sweeps on a doubling schedule, and how long `pg_prepared_xacts`
+/// must then stay empty before it stops watching. A PREPARE announces itself
+/// before it shows in that view; this covers the gap.
+const UNTRACKED_GRACE: Duration = Duration::from_secs(2);
 
 /// Prepared transactions the shared list could not hold: the worker watches the
 /// prepared transactions of its database and sweeps when one is resolved.
+///
+/// A transaction announces itself at PRE_PREPARE, before `pg_prepared_xacts`
+/// lists it, and may be committed before the next poll ever lists it. So after
+/// each announcement the worker also sweeps on a schedule that doubles from
+/// [`PREPARED_POLL`] up to [`UNTRACKED_GRACE`]: a commit in that window is
+/// announced within about twice its age; one later than that was listed by some
+/// poll first (a prepared transaction is listed within milliseconds of
+/// PRE_PREPARE), and its resolution is seen.
 #[derive(Default)]
 struct Untracked {
     seen: u64,
     active: bool,
     watched: Vec<u32>,
     empty_since: Option<Instant>,
+    /// The latest announcement, the next scheduled sweep after it, and the
+    /// interval that doubles.
+    burst: Option<(Instant, Instant, Duration)>,
 }
 
 impl Untracked {
-    /// True when a watched prepared transaction was resolved since the last call.
+    /// True when a sweep is due: a watched prepared transaction was resolved
+    /// since the last call, or the schedule after an announcement says so.
     fn poll(&mut self) -> bool {
         let gen = WAKE.share().dbs[slot()].untracked_prepared;
+        let now = Instant::now();
         if gen != self.seen {
             self.seen = gen;
             self.active = true;
             self.empty_since = None;
+            self.burst = Some((now, now + PREPARED_POLL, PREPARED_POLL));
         }
         if !self.active {
             return false;
+        }
+        let mut scheduled = false;
+        if let Some((start, next, step)) = self.burst {
+            if now.duration_since(start) > UNTRACKED_GRACE {
+                self.burst = None;
+                scheduled = true; // the last one, at the end of the window
+            } else if now >= next {
+                self.burst = Some((start, now + step * 2, step * 2));
+                scheduled = true;
+            }
         }
         let listed = PgTryBuilder::new(|| {
             Ok::<Vec<u32>, String>(BackgroundWorker::transaction(|| {
@@ -191,14 +216,14 @@ impl Untracked {
         };
         let resolved = self.watched.iter().any(|x| !now_listed.contains(x));
         self.watched = now_listed;
-        if self.watched.is_empty() {
+        if self.watched.is_empty() && self.burst.is_none() {
             if self.empty_since.get_or_insert_with(Instant::now).elapsed() >= UNTRACKED_GRACE {
                 self.active = false;
             }
         } else {
             self.empty_since = None;
         }
-        resolved
+        resolved || scheduled
     }
 }
 
@@ -529,6 +554,10 @@ fn serve() -> Exit {
             }
             Ok(None) => {}
             Err(e) => {
+                // DROP EXTENSION between the pass's check and its queries.
+                if !installed() {
+                    return Exit::Absent;
+                }
                 warning!("outbox worker: wake-up pass failed, retrying: {e}");
                 // Put the topics back so they are not lost.
                 if !taken.topics.is_empty() || taken.overflow {

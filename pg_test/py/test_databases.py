@@ -525,6 +525,66 @@ def test_drop_extension_stops_the_worker(dbs, extra_dbs, listeners):
     assert s.seen == set(), f"outbox backends connected to {name} after DROP EXTENSION: {s.seen}"
 
 
+def test_create_extension_in_a_prepared_transaction_is_served_at_commit_prepared(dbs, extra_dbs, listeners):
+    """COMMIT PREPARED runs none of the prepared transaction's callbacks: the
+    announcement must still reach the launcher (it watches the prepared xid)."""
+    name = f"{BASE}_prep"
+    dsn = create_db(dbs.admin, name, extension=False)
+    time.sleep(1.5)  # the launcher's look at the new database finds no extension
+    gid = f"{BASE}_prep_gid"
+    with connect(dsn) as c:
+        c.execute("BEGIN")
+        c.execute("CREATE EXTENSION outbox_ext")
+        c.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+    time.sleep(1.2)
+    assert workers_of(dbs.admin, name) == [], "a worker serves the database before COMMIT PREPARED"
+    with connect(dsn) as c:
+        c.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+    pid, waited = wait_served(dbs.admin, name, timeout=2.0, what="after COMMIT PREPARED of CREATE EXTENSION")
+    print(f"[{name}] served {waited:.2f} s after COMMIT PREPARED")
+    lst = listeners(dsn)
+    assert_background_wakeup(dsn, lst, pid, "dbs.prep", timeout=1.0, what=f"in {name}")
+
+
+def test_update_from_0_5_0_is_served_at_once(dbs, extra_dbs, listeners):
+    """ALTER EXTENSION ... UPDATE from 0.5.0 in a running server announces the
+    database, as CREATE EXTENSION does."""
+    name = f"{BASE}_upd"
+    dsn = create_db(dbs.admin, name, extension=False)
+    time.sleep(1.5)
+    with connect(dsn) as c:
+        have = c.execute(
+            "SELECT 1 FROM pg_available_extension_versions WHERE name = 'outbox_ext' AND version = '0.5.0'"
+        ).fetchone()
+        if not have:
+            pytest.skip("0.5.0's install script is not installed")
+        c.execute("CREATE EXTENSION outbox_ext VERSION '0.5.0'")
+        c.execute("ALTER EXTENSION outbox_ext UPDATE")
+    pid, waited = wait_served(dbs.admin, name, timeout=2.0, what="after ALTER EXTENSION UPDATE from 0.5.0")
+    print(f"[{name}] served {waited:.2f} s after the update")
+    lst = listeners(dsn)
+    assert_background_wakeup(dsn, lst, pid, "dbs.upd", timeout=1.0, what=f"in {name}")
+
+
+def test_alter_database_options_in_an_open_transaction_keep_wakeups(dbs, listeners):
+    """Only SET TABLESPACE needs the database to itself: a CONNECTION LIMIT change
+    left in an open transaction (a migration tool) must not stop its wake-ups."""
+    name = dbs.ext["b"]
+    dsn = dbs.dsn(name)
+    pid, _ = wait_served(dbs.admin, name)
+    lst = listeners(dsn)
+    with connect(dbs.admin) as a:
+        a.execute("BEGIN")
+        a.execute(q("ALTER DATABASE {} CONNECTION LIMIT 500", name))
+        try:
+            time.sleep(0.3)
+            assert served_pid(dbs.admin, name)[0] == pid, served_pid(dbs.admin, name)[1]
+            assert_background_wakeup(dsn, lst, pid, "dbs.altdb", timeout=1.0,
+                                     what="while ALTER DATABASE ... CONNECTION LIMIT is uncommitted")
+        finally:
+            a.execute("ROLLBACK")
+
+
 # ---------------------------------------------------------------------------
 # 6. templates, databases without connections, CREATE DATABASE ... TEMPLATE
 # ---------------------------------------------------------------------------

@@ -933,6 +933,49 @@ def test_prepared_transactions_beyond_the_shared_list_are_announced(preload, lis
         p.close()
 
 
+def test_untracked_prepared_transactions_resolved_at_once_are_announced(preload, listen):
+    """With the shared list full (32 prepared publishers held), a transaction that
+    is prepared and committed at once may never be listed by the worker's poll of
+    pg_prepared_xacts: it must be announced all the same."""
+    dsn = preload.dsn
+    held = [f"lv_hold_{i}" for i in range(32)]
+    with connect(dsn) as o:
+        if int(o.execute("SHOW max_prepared_transactions").fetchone()[0]) < 34:
+            pytest.skip("max_prepared_transactions < 34 on the preload cluster")
+    lst = listen(dsn)
+    p = connect(dsn, options="-c lock_timeout=5s -c statement_timeout=30s")
+    try:
+        p.execute("SET outbox.notify = 'background'")
+        for gid in held:
+            p.execute("BEGIN")
+            publish(p, "t.held")
+            p.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+        time.sleep(0.2)
+        lst.drain()
+        missing = []
+        for i in range(20):
+            gid = f"lv_quick_{i}"
+            p.execute("BEGIN")
+            publish(p, f"t.q{i}")
+            p.execute(sql.SQL("PREPARE TRANSACTION {}").format(sql.Literal(gid)))
+            p.execute(sql.SQL("COMMIT PREPARED {}").format(sql.Literal(gid)))
+            deadline = time.monotonic() + 3.0
+            while True:
+                got = lst.first(max(deadline - time.monotonic(), 0.01))
+                if got is None:
+                    missing.append(f"t.q{i}")
+                    break
+                if got[0] == f"t.q{i}":
+                    break
+        assert not missing, f"no notification within 3 s after PREPARE + COMMIT PREPARED for {missing}"
+    finally:
+        for (gid,) in p.execute("SELECT gid FROM pg_prepared_xacts WHERE gid LIKE 'lv_%'").fetchall():
+            p.execute(sql.SQL("ROLLBACK PREPARED {}").format(sql.Literal(gid)))
+        p.execute("SET lock_timeout = '10s'")
+        p.execute("TRUNCATE outbox.event_queue, outbox.event_archive")
+        p.close()
+
+
 def test_publish_honours_rules_on_the_queue(scratch):
     db = scratch("plain")
     c = db.conn()

@@ -59,11 +59,19 @@ unsafe fn concerned(stmt: *mut pg_sys::Node) -> Vec<String> {
                     Vec::new()
                 }
             }
-            // SET TABLESPACE moves the files and needs the database to itself; the
-            // other options (IS_TEMPLATE, ALLOW_CONNECTIONS, CONNECTION LIMIT) do
-            // not, but the worker leaving for them costs one restart.
+            // Only SET TABLESPACE (movedb) needs the database to itself. The other
+            // options (IS_TEMPLATE, ALLOW_CONNECTIONS, CONNECTION LIMIT) do not:
+            // pausing for them would stop wake-ups until a migration's transaction
+            // ends. The launcher's next look stops a worker whose database became a
+            // template or closed to connections.
             pg_sys::NodeTag::T_AlterDatabaseStmt => {
-                name((*stmt.cast::<pg_sys::AlterDatabaseStmt>()).dbname).into_iter().collect()
+                let a = &*stmt.cast::<pg_sys::AlterDatabaseStmt>();
+                let opts = PgList::<pg_sys::DefElem>::from_pg(a.options);
+                if opts.iter_ptr().any(|d| CStr::from_ptr((*d).defname) == c"tablespace") {
+                    name(a.dbname).into_iter().collect()
+                } else {
+                    Vec::new()
+                }
             }
             pg_sys::NodeTag::T_CreatedbStmt => {
                 let c = &*stmt.cast::<pg_sys::CreatedbStmt>();
