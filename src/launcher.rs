@@ -108,20 +108,21 @@ struct Launcher {
     checked_filter: Option<Vec<String>>,
 }
 
-static mut STOP: bool = false;
+static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// True once SIGTERM arrived. pgrx's sigterm_received() clears the flag it
+/// reads, so the first sighting is kept.
 fn stopping() -> bool {
-    // SAFETY: a process-local flag of this single-threaded process. pgrx's
-    // sigterm_received() clears the flag it reads, so the first sighting is kept.
-    unsafe {
-        if !STOP && BackgroundWorker::sigterm_received() {
-            STOP = true;
-        }
-        STOP
+    use std::sync::atomic::Ordering;
+    if STOP.load(Ordering::Relaxed) || BackgroundWorker::sigterm_received() {
+        STOP.store(true, Ordering::Relaxed);
+        return true;
     }
+    false
 }
 
-unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+#[pg_guard]
+extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     pg::release_lwlocks();
     registry::set_launcher(0, SharedLatch::NONE);
 }

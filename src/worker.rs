@@ -59,13 +59,14 @@ fn decode(arg: u64) -> (usize, u32) {
     ((arg & 0xffff_ffff) as usize, (arg >> 32) as u32)
 }
 
-/// This worker's slot, once attached.
-static mut SLOT: (usize, u32) = (usize::MAX, 0);
+thread_local! {
+    /// This worker's slot and its generation, once attached.
+    static SLOT: std::cell::Cell<(usize, u32)> = const { std::cell::Cell::new((usize::MAX, 0)) };
+}
 
 /// Record why this worker ends (first reason wins).
 fn set_exit(why: Exit) {
-    // SAFETY: SLOT is written once, before any other use, in this process.
-    let (i, generation) = unsafe { SLOT };
+    let (i, generation) = SLOT.get();
     if i >= registry::MAX_DATABASES {
         return;
     }
@@ -77,10 +78,10 @@ fn set_exit(why: Exit) {
 }
 
 /// Exit callback: detach from the slot and wake the launcher.
-unsafe extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
+#[pg_guard]
+extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     pg::release_lwlocks();
-    // SAFETY: as in set_exit.
-    let (i, generation) = unsafe { SLOT };
+    let (i, generation) = SLOT.get();
     let latch = {
         let mut r = WAKE.exclusive();
         let s = &mut r.dbs[i];
@@ -110,14 +111,12 @@ fn attach(i: usize, generation: u32) -> Option<u32> {
     }
     s.pid = pg::my_pid();
     s.latch = SharedLatch::mine();
-    // SAFETY: written once, before the exit callback that reads it is registered.
-    unsafe { SLOT = (i, generation) };
+    SLOT.set((i, generation));
     Some(s.db)
 }
 
 fn slot() -> usize {
-    // SAFETY: written once in attach, before the loop.
-    unsafe { SLOT.0 }
+    SLOT.get().0
 }
 
 static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);

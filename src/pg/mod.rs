@@ -465,7 +465,7 @@ pub fn backend_alive(pid: i32) -> bool {
 
 /// Run `f(arg)` when this process exits, before it detaches from shared memory:
 /// also after a FATAL error, which ends the process without unwinding.
-pub fn before_exit(f: unsafe extern "C-unwind" fn(i32, pg_sys::Datum), arg: u64) {
+pub fn before_exit(f: extern "C-unwind" fn(i32, pg_sys::Datum), arg: u64) {
     // SAFETY: before_shmem_exit (ipc.c) keeps a fixed table of callbacks and
     // raises an error when it is full; the callback is a static function.
     unsafe { pg_sys::before_shmem_exit(Some(f), pg_sys::Datum::from(arg)) }
