@@ -108,19 +108,6 @@ struct Launcher {
     checked_filter: Option<Vec<String>>,
 }
 
-static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-
-/// True once SIGTERM arrived. pgrx's sigterm_received() clears the flag it
-/// reads, so the first sighting is kept.
-fn stopping() -> bool {
-    use std::sync::atomic::Ordering;
-    if STOP.load(Ordering::Relaxed) || BackgroundWorker::sigterm_received() {
-        STOP.store(true, Ordering::Relaxed);
-        return true;
-    }
-    false
-}
-
 #[pg_guard]
 extern "C-unwind" fn on_exit(_code: i32, _arg: pg_sys::Datum) {
     pg::release_lwlocks();
@@ -141,7 +128,7 @@ pub extern "C-unwind" fn outbox_launcher_main(_arg: pg_sys::Datum) {
     }
     let mut l = Launcher { known: HashMap::new(), launched: adopt(), checked_filter: None };
     log!("outbox_ext launcher started ({} running worker(s) adopted)", l.launched.len());
-    while !stopping() {
+    while !worker::stopping() {
         if BackgroundWorker::sighup_received() {
             pg::reload_config();
         }

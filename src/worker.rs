@@ -124,8 +124,8 @@ static STOP: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(
 /// True once SIGTERM arrived. pgrx's sigterm_received() clears the flag it reads,
 /// and wait_latch() reads it too, so the first sighting is made sticky here:
 /// otherwise a SIGTERM noticed during maintenance would be lost and the worker
-/// would never stop.
-fn stopping() -> bool {
+/// would never stop. (The launcher uses it too: each process has its own flag.)
+pub fn stopping() -> bool {
     use std::sync::atomic::Ordering;
     if STOP.load(Ordering::Relaxed) || BackgroundWorker::sigterm_received() {
         STOP.store(true, Ordering::Relaxed);
@@ -167,6 +167,13 @@ struct Untracked {
 }
 
 impl Untracked {
+    /// A new worker: it watches the prepared transactions that exist already (its
+    /// first pass sweeps every ready topic anyway), without the sweep schedule of
+    /// an announcement, which would repeat that sweep for nothing.
+    fn starting() -> Untracked {
+        Untracked { seen: WAKE.share().dbs[slot()].untracked_prepared, active: true, ..Untracked::default() }
+    }
+
     /// True when a sweep is due: a watched prepared transaction was resolved
     /// since the last call, or the schedule after an announcement says so.
     fn poll(&mut self) -> bool {
@@ -492,7 +499,7 @@ fn serve() -> Exit {
     let mut next_batch_at = Instant::now();
     let mut sleep = Duration::ZERO;
     let mut last_pass = Instant::now();
-    let mut untracked = Untracked::default();
+    let mut untracked = Untracked::starting();
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
             return Exit::Stopped;
