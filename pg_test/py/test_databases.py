@@ -405,6 +405,53 @@ def test_wakeup_latency_and_no_cross_database_wakeups(dbs, listeners, record_pro
     assert leaked == {}, f"listeners in other databases heard {name}'s commits: {leaked}"
 
 
+def test_a_burst_in_one_database_does_not_starve_another(dbs, listeners):
+    """Each database has its own slot: a flood of distinct topics in A (more than a
+    slot holds, so A's worker falls back to sweeping) leaves B's wake-ups prompt
+    and exact, and A still announces every one of its topics."""
+    a, b = dbs.ext["a"], dbs.ext["c"]
+    pid_b, _ = wait_served(dbs.admin, b)
+    wait_served(dbs.admin, a)
+    lst_a, lst_b = listeners(dbs.dsn(a)), listeners(dbs.dsn(b))
+    stop = threading.Event()
+    flood = []
+
+    def burst():
+        with connect(dbs.dsn(a)) as p:
+            i = 0
+            while not stop.is_set():
+                p.execute("BEGIN")
+                for _ in range(10):
+                    t = f"dbs.flood.t{i}"
+                    p.execute("SELECT outbox.publish(%s, '{}')", (t,))
+                    flood.append(t)
+                    i += 1
+                p.execute("COMMIT")
+
+    th = threading.Thread(target=burst, daemon=True)
+    th.start()
+    try:
+        time.sleep(0.3)
+        lat = [assert_background_wakeup(dbs.dsn(b), lst_b, pid_b, f"dbs.calm.p{i}", timeout=1.0,
+                                        what=f"in {b} while {a} publishes a flood of topics")
+               for i in range(7)]
+    finally:
+        stop.set()
+        th.join(10)
+    med = statistics.median(lat)
+    print(f"[{b}] wake-ups during {len(flood)} topics in {a}: " + ", ".join(f"{x * 1000:.1f}" for x in lat) + " ms")
+    assert len(flood) > 64, f"the flood in {a} published only {len(flood)} topics"
+    assert med < 0.1, f"median wake-up latency in {b} {med * 1000:.1f} ms during the flood in {a}"
+    heard, deadline = set(), time.monotonic() + 5
+    want = set(flood)
+    while want - heard and time.monotonic() < deadline:
+        n = lst_a.first(max(0.01, deadline - time.monotonic()))
+        if n:
+            heard.add(n[0])
+    missing = want - heard
+    assert not missing, f"{len(missing)} of {len(want)} flood topics in {a} never announced, e.g. {sorted(missing)[:5]}"
+
+
 # ---------------------------------------------------------------------------
 # 3. no worker where the extension is not
 # ---------------------------------------------------------------------------
