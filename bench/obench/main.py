@@ -40,6 +40,15 @@ FULL = {
     # database and run; wait up to s7_attach_wait s for the databases' workers to
     # attach, and s7_probe_grace s after the load for the last notifications
     "s7_dbs": 4, "s7_clients": 16, "s7_seconds": 5, "s7_probes": 15, "s7_attach_wait": 20, "s7_probe_grace": 2,
+    # 8: publishers at s8_rate ev/s in total ('background'), s8_workers LISTEN +
+    # claim/ack workers; after s8_warmup s (not counted): s8_clean s, then a session
+    # holds a transaction id for s8_held s, then s8_after s after it commits.
+    # One run by default (s8_reps): each is long. Latencies tabulated in windows of
+    # s8_window s; the workers get s8_drain_wait s to catch up at the end.
+    # s8_pub_conns: publisher connections (None = the rule of scenario 4, rate/250);
+    # 16, because beside 16 workers on 2 cores the 4 of that rule reached ~300 ev/s.
+    "s8_rate": 800, "s8_workers": 16, "s8_batch": 100, "s8_poll": 0.5, "s8_reps": 1, "s8_pub_conns": 16,
+    "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -55,6 +64,7 @@ QUICK = dict(FULL, **{
     "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
     "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
     "s7_seconds": 2, "s7_probes": 8,
+    "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,
 })
 
 SCENARIOS = [
@@ -66,6 +76,7 @@ SCENARIOS = [
     # before 6a: that one leaves a database with the extension (bench_fresh), and in
     # 0.6.0 every such database takes a worker slot (max_worker_processes)
     ("s7", "7. many databases", scenarios.s7_multidb),
+    ("s8", "8. held transaction id", scenarios.s8_held_xid),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held xmin", scenarios.s6_xmin),
     ("s6c", "6c. purge", scenarios.s6_purge),

@@ -225,3 +225,20 @@ SETUP_FUTURE = ";\n".join(SETUP_FUTURE_STMTS) + ";"
 # database.
 MULTIDB_PROBE = "SELECT outbox.publish(%(topic)s, %(payload)s::jsonb)"
 MULTIDB_LISTEN = "LISTEN outbox"
+
+# ---------------------------------------------------------------------------
+# Scenario 8: a session idle in a transaction that holds a transaction id. Its
+# xid holds back the xmin horizon of the whole cluster (VACUUM keeps every dead
+# tuple since), and outbox_ext's claim low-water mark cannot take its second step
+# while it is open (README, Storage). Publishers: E2E_PUBLISH['outbox'];
+# workers: LISTEN outbox + the claim and ack of DRAIN['outbox'].
+HOLD_XID_STMTS = ["BEGIN", "SELECT txid_current()"]
+HOLD_XID = "BEGIN;\nSELECT txid_current();\n-- idle in transaction for the held phase, then\nCOMMIT;"
+HOLDER_STATE = "SELECT state, backend_xid::text, backend_xmin::text FROM pg_stat_activity WHERE pid = %s"
+QUEUE_STATS = (
+    "SELECT n_dead_tup, n_live_tup, autovacuum_count, vacuum_count FROM pg_stat_user_tables"
+    " WHERE relid = 'outbox.event_queue'::regclass"
+)
+LOW_WATER_AGE = (
+    "SELECT extract(epoch FROM clock_timestamp() - low_water_at)::float8 FROM outbox._claim_low_water()"
+)
