@@ -1320,5 +1320,5 @@ def s8_held_xid(ctx):  # noqa: C901
     md += ("**holding session**\n\n" + _code(S.HOLD_XID) + "**publish**\n\n" + _code(S.E2E_PUBLISH["outbox"])
            + "Workers: `LISTEN outbox`, then the claim and ack statements of scenario 3.\n")
     ctx.section("8. Held transaction id", md)
-    ctx.target("8a", "wake-up p99 while a session idles holding a transaction id / clean p99", r_held, "<=", 2.0)
-    ctx.target("8b", "wake-up p99 after the holder committed / clean p99", r_after, "<=", 2.0)
+    ctx.target("8a", "publish-to-claim p99 while a session idles holding a transaction id / clean p99", r_held, "<=", 2.0)
+    ctx.target("8b", "publish-to-claim p99 after the holder committed / clean p99", r_after, "<=", 2.0)
