@@ -294,7 +294,11 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
     let due_sql = if sweep_all { sql::DUE_ALL } else { sql::DUE_BY_CLOCK };
     let next = Spi::connect(|c| {
         // The worker may start before CREATE EXTENSION (or after DROP EXTENSION).
-        let installed = c.select(sql::INSTALLED, None, &[]).map(|t| !t.is_empty()).unwrap_or(false);
+        let installed = c
+            .select(sql::IS_INSTALLED, None, &[])
+            .ok()
+            .and_then(|t| t.first().get_one::<bool>().ok().flatten())
+            .unwrap_or(false);
         if !installed {
             return Err(String::new());
         }

@@ -2,9 +2,6 @@
 
 /// Whether the extension is installed in the worker's database (the worker may
 /// start before CREATE EXTENSION, or run after DROP EXTENSION).
-pub const INSTALLED: &str = "SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext'";
-
-/// The same question, as one boolean.
 pub const IS_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'outbox_ext')";
 
 /// Topics with a claimable event due by $2 ($1 only marks the pass as a sweep).
