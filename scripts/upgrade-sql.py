@@ -17,10 +17,13 @@ The output is, in this order:
   3. every COMMENT ON and pg_extension_config_dump call that is new or changed;
   4. sql/security.sql, which is idempotent: privileges and SECURITY DEFINER come
      out exactly as a fresh install sets them, new functions included;
-  5. sql/announce.sql, when NEW has outbox._announce(): the launcher serves the
+  5. sql/upgrade/OLD--NEW.post.sql verbatim, if it exists: what must follow
+     the new definitions (a trigger on a new function, grants kept across a
+     replaced signature);
+  6. sql/announce.sql, when NEW has outbox._announce(): the launcher serves the
      updated database at once.
 Anything else that differs (a new table, index, trigger, a changed ALTER) must be
-named in sql/upgrade/OLD--NEW.sql, or the script stops with a one-line error.
+named in sql/upgrade/OLD--NEW.sql (or .post.sql), or the script stops with a one-line error.
 Routines dropped from NEW must be dropped there too.
 
 --check compares the result with the committed file instead of writing it.
@@ -206,7 +209,9 @@ def assemble(old, new, new_install):
     before, after = definitions(old_path.read_text()), definitions(new_install.read_text())
     pre_path = REPO / "sql" / "upgrade" / f"{old}--{new}.sql"
     pre = pre_path.read_text() if pre_path.exists() else ""
-    pre_norm = normal(pre).lower()
+    post_path = REPO / "sql" / "upgrade" / f"{old}--{new}.post.sql"
+    post = post_path.read_text() if post_path.exists() else ""
+    pre_norm = normal(pre + "\n" + post).lower()
 
     def named_in_pre(name):
         bare = name.split("(")[0].split(".")[-1].strip('"')
@@ -240,6 +245,8 @@ def assemble(old, new, new_install):
             out += [f"-- {titles[kind]}", ""] + [p + "\n" for p in parts[kind]]
     out += ["-- sql/security.sql (idempotent): privileges as a fresh install sets them", "",
             (REPO / "sql" / "security.sql").read_text().strip(), ""]
+    if post.strip():
+        out += [f"-- sql/upgrade/{old}--{new}.post.sql", post.strip(), ""]
     if ("routine", "outbox._announce()") in after:
         # An updated database is served at once, as a new one is (src/launcher.rs).
         out += ["-- sql/announce.sql", "", (REPO / "sql" / "announce.sql").read_text().strip(), ""]

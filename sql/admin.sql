@@ -17,7 +17,7 @@ AS $$
     END
 $$;
 
-CREATE FUNCTION outbox.replay(id bigint) RETURNS boolean
+CREATE FUNCTION outbox.replay(id bigint, subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -25,6 +25,8 @@ DECLARE
     t text;
     subj text;
 BEGIN
+    -- 0.7.0 stores one subscription, 'default', whose rows are all of event_queue.
+    PERFORM outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
     END IF;
@@ -75,17 +77,18 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.replay(bigint) IS
-'Move a dead or cancelled event back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
+COMMENT ON FUNCTION outbox.replay(bigint, text) IS
+'Move a dead or cancelled event of a subscription (NULL = ''default'') back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
 'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them.';
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
     dead_since    timestamptz DEFAULT NULL,
     dead_until    timestamptz DEFAULT NULL,
-    dry_run       boolean     DEFAULT false
+    dry_run       boolean     DEFAULT false,
+    subscription  text        DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -93,6 +96,7 @@ AS $$
 DECLARE
     n bigint;
 BEGIN
+    PERFORM outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
         PERFORM outbox._pattern_kind(topic_pattern);
     END IF;
@@ -124,12 +128,12 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) IS
-'Bulk replay of dead events: those whose topic matches topic_pattern (exact, ''a.b.*'' or ''*''; NULL = all) and whose dead_at is in [dead_since, dead_until) (NULL bound = open). '
+COMMENT ON FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) IS
+'Bulk replay of the dead events of a subscription (NULL = ''default''): those whose topic matches topic_pattern (exact, ''a.b.*'' or ''*''; NULL = all) and whose dead_at is in [dead_since, dead_until) (NULL bound = open). '
 'Returns how many events were replayed (bigint), or with dry_run = true how many would be, changing nothing. '
-'Errors: 22023 bad pattern; 22004 NULL dry_run. A bulk redrive, as in pg-boss and PgQue.';
+'Errors: 22023 bad pattern or subscription name; 22004 NULL dry_run; 42704 unknown subscription. A bulk redrive, as in pg-boss and PgQue.';
 
-CREATE FUNCTION outbox.cancel(id bigint) RETURNS boolean
+CREATE FUNCTION outbox.cancel(id bigint, subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -137,6 +141,7 @@ DECLARE
     n bigint;
     subj text;
 BEGIN
+    PERFORM outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
     END IF;
@@ -171,11 +176,11 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.cancel(bigint) IS
-'Cancel an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
+COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
+'Cancel, for a subscription (NULL = ''default''), an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
 'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
 'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
 
 -- The topic registry.
 
@@ -187,30 +192,39 @@ CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ou
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 
 -- A topic's dead-letter policy applies to the dead letters already there: 'skip'
--- releases their subjects at once, 'block' starts holding them. Leased events of
--- the topic are updated too (blocks_subject only counts once an event is dead, and
--- every dead transition sets it again): the UPDATE then waits for a claim or a
+-- releases their subjects at once, 'block' starts holding them, unless the
+-- subscription sets its own policy, which overrides every topic's. Leased events
+-- of the topic are updated too (blocks_subject only counts once an event is dead,
+-- and every dead transition sets it again): the UPDATE then waits for a claim or a
 -- fail() that is turning one of them dead and sees it dead, where an UPDATE of
 -- dead rows alone would miss that uncommitted transition and leave it under the
--- old policy. fail() takes the topic row FOR SHARE first, so it reads a policy
--- change that is committing (src/lease.rs).
+-- old policy. fail() takes the subscription row and the topic row FOR SHARE first,
+-- so it reads a policy change that is committing (src/lease.rs); so does this
+-- function, so a topic change and a subscription change serialise.
+-- topic NULL: every topic (a subscription's policy changed); policy NULL: each
+-- topic's registered one.
 CREATE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     released text[];
+    sub_policy text;
 BEGIN
+    SELECT c.dead_letter_policy INTO sub_policy FROM outbox.subscription_catalog c
+     WHERE c.name OPERATOR(pg_catalog.=) 'default' FOR SHARE OF c;
     WITH changed AS (
         UPDATE outbox.event_queue q
-           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
-         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+           SET blocks_subject = (COALESCE(sub_policy, policy,
+                                          (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) q.topic),
+                                          'block') OPERATOR(pg_catalog.=) 'block')
+         WHERE (_apply_dead_letter_policy.topic IS NULL OR q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic)
            AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
-        RETURNING q.subject, q.state
+        RETURNING q.subject, q.state, q.blocks_subject
     )
-    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
+    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead' AND NOT c.blocks_subject)
       INTO released FROM changed c;
-    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+    IF released IS NOT NULL THEN
         PERFORM outbox._promote_heads(released);
         PERFORM outbox._wake(topic);
     END IF;

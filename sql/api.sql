@@ -46,10 +46,11 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 'Follows pgmq send_batch.';
 
 CREATE FUNCTION outbox.claim(
-    worker     text,
-    batch_size integer  DEFAULT 100,
-    lease      interval DEFAULT NULL,
-    topics     text[]   DEFAULT NULL
+    worker       text,
+    batch_size   integer  DEFAULT 100,
+    lease        interval DEFAULT NULL,
+    topics       text[]   DEFAULT NULL,
+    subscription text     DEFAULT NULL
 ) RETURNS TABLE (
     id               bigint,
     topic            text,
@@ -65,15 +66,16 @@ CREATE FUNCTION outbox.claim(
 LANGUAGE c VOLATILE PARALLEL UNSAFE ROWS 100
 AS 'MODULE_PATHNAME', 'outbox_claim';
 
-COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[]) IS
-'Lease up to batch_size ready events: pending events whose visible time has come, and leased events whose lease expired. '
+COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
+'Lease up to batch_size ready events of one subscription: pending events whose visible time has come, and leased events whose lease expired. '
 'Never waits for another transaction: rows other transactions hold or are changing are skipped, as are rows changed since the claim''s snapshot (outbox._lock_row). '
 'Oldest available first. Each row gets a fresh lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease; attempt counts claims (1 on first delivery). '
 'An event whose subject has an earlier pending, leased or blocking-dead event is not claimable. An expired lease that used the last attempt goes dead with error ''lease expired''. '
 'Arguments: worker (non-empty name, at most 255 chars, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
-'lease (interval > 0 and <= outbox.max_lease; NULL = topic default_lease, else outbox.default_lease), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''). '
+'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
+'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
 'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
-'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease or topic pattern; 54000 batch_size over outbox.max_batch_size. '
+'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
 'Follows the SKIP LOCKED claim of pgmq, River and Oban, with fencing tokens as in awa and Kleppmann, "How to do distributed locking" (2016).';
 
 CREATE FUNCTION outbox._lock_row(rel oid, "row" tid) RETURNS boolean
@@ -116,7 +118,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Report a failed delivery. Returns the new state: ''pending'' (retry scheduled), ''dead'' (permanent, or attempts reached max_attempts), or ''stale'' (token not current; nothing changed). '
 'Arguments: error (text kept as last_error and appended to the attempt history, which keeps the first failure, {"omitted": n} and the latest 18 once it holds 20 entries; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
-'permanent (true dead-letters at once). NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
+'permanent (true dead-letters at once). max_attempts, the backoff and the dead-letter policy are the subscription''s (outbox.alter_subscription), else the topic''s, else the GUCs''. NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
 'Backoff and dead letters after max_attempts as in River, Oban and pg-boss.';
 
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz

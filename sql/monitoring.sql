@@ -172,6 +172,28 @@ BEGIN
         message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
     END IF;
     RETURN NEXT;
+
+    -- 8. Each subscription: paused, or not claimed from while its events wait.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.last_claim_at
+               FROM outbox.subscriptions s ORDER BY s.name LOOP
+        check_name := 'subscription'; value := r.lag_events;
+        IF r.paused THEN
+            status := 'warn';
+            message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
+                              date_trunc('second', r.paused_at), r.lag_events);
+        ELSIF n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            status := 'warn';
+            message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSE
+            status := 'ok';
+            message := format('subscription %L: %s events not yet delivered, last claim %s', r.name, r.lag_events,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'never'));
+        END IF;
+        RETURN NEXT;
+    END LOOP;
 END
 $$;
 
@@ -179,4 +201,5 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
-'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
+'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -29,6 +29,38 @@ CREATE TABLE outbox.topics (
     updated_at          timestamptz NOT NULL DEFAULT now()
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
 
+-- Subscriptions (consumer groups): each receives the events of its topics, with
+-- its own leases, retries and dead letters. 0.7.0 stores one, 'default', the group
+-- every claim served before subscriptions existed; its row holds the policy that
+-- overrides the per-topic settings (NULL: the topic's, then the GUC), and whether
+-- it is paused. Named subscriptions arrive with the log storage
+-- (docs/design/subscriptions.md).
+CREATE TABLE outbox.subscription_catalog (
+    name                text PRIMARY KEY,
+    -- Topic patterns in claim's grammar; NULL: every topic.
+    topics              text[],
+    max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
+    backoff_base        interval CHECK (backoff_base > interval '0'),
+    backoff_max         interval CHECK (backoff_max > interval '0'),
+    default_lease       interval CHECK (default_lease > interval '0'),
+    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
+    paused              boolean NOT NULL DEFAULT false,
+    paused_at           timestamptz,
+    created_at          timestamptz NOT NULL DEFAULT now(),
+    updated_at          timestamptz NOT NULL DEFAULT now()
+) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
+INSERT INTO outbox.subscription_catalog (name) VALUES ('default');
+
+-- When each subscription was last claimed from. Kept apart from the catalog so
+-- that a claim's write (at most once a second per session, and only when no other
+-- transaction holds the row) never conflicts with the row lock fail() takes on
+-- the policy it reads. Not dumped: it describes this server's workers.
+CREATE TABLE outbox.subscription_activity (
+    name           text PRIMARY KEY,
+    last_claim_at  timestamptz
+) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates from claims
+INSERT INTO outbox.subscription_activity (name) VALUES ('default');
+
 CREATE TABLE outbox.event_queue (
     id              bigint PRIMARY KEY DEFAULT nextval('outbox.event_id_seq'),
     topic           text NOT NULL,
@@ -153,6 +185,7 @@ CREATE TABLE outbox.maintenance_runs (
 );
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.topics', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.subscription_catalog', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_queue', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_archive', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.dispatch_keys', '');

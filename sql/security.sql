@@ -35,29 +35,35 @@ ALTER FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) SECURITY DEFI
 GRANT EXECUTE ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) TO outbox_publisher, outbox_admin;
 GRANT EXECUTE ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) TO outbox_publisher, outbox_admin;
 
-ALTER FUNCTION outbox.claim(text, integer, interval, text[]) SECURITY DEFINER;
+ALTER FUNCTION outbox.claim(text, integer, interval, text[], text) SECURITY DEFINER;
 ALTER FUNCTION outbox.ack(bigint, uuid) SECURITY DEFINER;
 ALTER FUNCTION outbox.ack(bigint[], uuid[]) SECURITY DEFINER;
 ALTER FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) SECURITY DEFINER;
 ALTER FUNCTION outbox.extend_lease(bigint, uuid, interval) SECURITY DEFINER;
-GRANT EXECUTE ON FUNCTION outbox.claim(text, integer, interval, text[]) TO outbox_worker;
+GRANT EXECUTE ON FUNCTION outbox.claim(text, integer, interval, text[], text) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.ack(bigint, uuid) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.ack(bigint[], uuid[]) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.extend_lease(bigint, uuid, interval) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, boolean) TO outbox_worker, outbox_admin, outbox_publisher;
 
-ALTER FUNCTION outbox.replay(bigint) SECURITY DEFINER;
-ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean) SECURITY DEFINER;
-ALTER FUNCTION outbox.cancel(bigint) SECURITY DEFINER;
+ALTER FUNCTION outbox.replay(bigint, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.cancel(bigint, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.pause_subscription(text) SECURITY DEFINER;
+ALTER FUNCTION outbox.resume_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_topic(text, boolean) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
-GRANT EXECUTE ON FUNCTION outbox.replay(bigint), outbox.replay_dead(text, timestamptz, timestamptz, boolean),
-    outbox.cancel(bigint),
+GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
+    outbox.cancel(bigint, text),
+    outbox.alter_subscription(text, integer, interval, interval, interval, text),
+    outbox.pause_subscription(text), outbox.resume_subscription(text),
+    outbox._subscription(text), outbox._check_subscription(text),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.drop_topic(text, boolean),

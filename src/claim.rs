@@ -29,11 +29,24 @@
 //! so it can bound the index scan: a volatile clock_timestamp() in the WHERE
 //! clause could only filter, and 100,000 delayed events would be read on every
 //! claim.
+//!
+//! # Subscriptions
+//! The `subscription` argument (NULL: `default`) names the consumer group the
+//! claim serves; 0.7.0 stores one, `default`, whose rows are all of
+//! `event_queue`. An unknown name raises 42704 before any event is read; a paused
+//! subscription hands out nothing (and its expired leases stay as they are until
+//! it resumes). The subscription's policy (lease, max_attempts, dead-letter policy)
+//! overrides the topic's, read inside the claim statement (`sub_row!` in
+//! src/sql/claim.rs). A library newer than the installed SQL is called with four
+//! arguments and no catalog exists: it claims as 0.6.0 did.
 
 use crate::errors;
 use crate::pg::fcall::{Array, Call, SetResult, Value};
 use crate::pg::plans;
-use crate::sql::claim::{CLAIM_ALL, CLAIM_ALL_040, CLAIM_TOPICS, CLAIM_TOPICS_040, RAISE_LEASE};
+use crate::sql::claim::{
+    CLAIM_ALL, CLAIM_ALL_040, CLAIM_ALL_060, CLAIM_TOPICS, CLAIM_TOPICS_040, CLAIM_TOPICS_060, NOTE_CLAIM, RAISE_LEASE,
+    SUBSCRIPTION,
+};
 use crate::{gucs, lowwater, pg, subject, validate};
 use pgrx::prelude::*;
 
@@ -64,13 +77,53 @@ pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>,
     }
 }
 
-/// `outbox.claim(worker, batch_size, lease, topics) -> TABLE(...)`.
+thread_local! {
+    /// (subscription, clock in µs) of this session's last note in
+    /// `outbox.subscription_activity`: claims note at most once a second.
+    static NOTED: std::cell::RefCell<Option<(String, i64)>> = const { std::cell::RefCell::new(None) };
+}
+
+/// How often a session records its claims in `outbox.subscription_activity`.
+const NOTE_EVERY_US: i64 = 1_000_000;
+
+/// Whether the claim's subscription is paused; 42704 when it does not exist.
+/// Runs after [`lowwater::claim_start`]: every SPI statement assigns the
+/// transaction an id (pgrx marks it mutable), and the low-water steps need a
+/// transaction that has none yet.
+fn resolve(name: &str) -> bool {
+    let paused: Option<bool> =
+        plans::run(&SUBSCRIPTION, &[name.into()], |t| t.first().get_one::<bool>().ok().flatten());
+    let Some(paused) = paused else {
+        errors::raise_hint(
+            errors::UNDEFINED_OBJECT,
+            format!("subscription '{name}' does not exist"),
+            "List them in outbox.subscriptions.",
+        );
+    };
+    paused
+}
+
+/// Note the claim in `outbox.subscription_activity`, at most once a second per
+/// session and subscription.
+fn note_claim(name: &str, now: i64) {
+    let due = NOTED.with(|n| match &*n.borrow() {
+        Some((s, at)) => s != name || now - at >= NOTE_EVERY_US,
+        None => true,
+    });
+    if due {
+        plans::run(&NOTE_CLAIM, &[name.into(), plans::ts_param(now)], |_| ());
+        NOTED.with(|n| *n.borrow_mut() = Some((name.to_string(), now)));
+    }
+}
+
+/// `outbox.claim(worker, batch_size, lease, topics, subscription) -> TABLE(...)`.
 ///
 /// # Safety
 /// Called by PostgreSQL through the v1 calling convention.
 pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    // SAFETY: the frame of outbox.claim(text, integer, interval, text[]), whose
-    // argument types the reads below name (sql/api.sql).
+    // SAFETY: the frame of outbox.claim(text, integer, interval, text[], text)
+    // (or, before the update to 0.7.0, of claim(text, integer, interval,
+    // text[])), whose argument types the reads below name (sql/api.sql).
     let call = unsafe { Call::new(fcinfo) };
     let worker: String = call.required(0, "worker");
     validate::worker(&worker);
@@ -86,12 +139,33 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let filter = topic_filter(topics);
     let default_lease = Interval::from_micros(gucs::default_lease_us());
     let now = pg::now();
+    // With the 0.7.0 SQL (five arguments) the catalog exists. A malformed name
+    // fails with the other arguments, before anything is read or written.
+    let catalog = call.nargs() >= 5;
+    let subscription = catalog.then(|| {
+        let name = call.arg::<String>(4).unwrap_or_else(|| validate::DEFAULT_SUBSCRIPTION.to_string());
+        validate::subscription(&name);
+        name
+    });
 
     // The mark first: its steps read committed state only while this
     // transaction has written nothing (src/lowwater.rs), and the retry below writes.
     let (from_t, from_id) = lowwater::claim_start();
-    // One catalog lookup per claim: which locking statements the installed SQL allows.
-    let lock_row = pg::catalog::row_lock_installed();
+    let subscription = match subscription {
+        Some(name) => {
+            let paused = resolve(&name);
+            note_claim(&name, now);
+            if paused {
+                SetResult::begin(&call);
+                return call.finish_set();
+            }
+            Some(name)
+        }
+        None => None,
+    };
+    // Which locking statements the installed SQL allows: 0.5.0 on has
+    // _lock_row (one catalog lookup per claim under SQL older than 0.7.0).
+    let lock_row = catalog || pg::catalog::row_lock_installed();
     subject::retry_deferred(lock_row);
     let out = SetResult::begin(&call);
     let mut args = vec![
@@ -102,17 +176,19 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         plans::ts_param(now),
         plans::ts_param(from_t),
         from_id.into(),
+        subscription.as_deref().into(),
     ];
-    let stmt = match filter {
-        None if lock_row => &CLAIM_ALL,
-        None => &CLAIM_ALL_040,
-        Some((exact, prefixes)) => {
+    let stmt = match (filter, catalog, lock_row) {
+        (None, true, _) => &CLAIM_ALL,
+        (None, false, true) => &CLAIM_ALL_060,
+        (None, false, false) => &CLAIM_ALL_040,
+        (Some((exact, prefixes)), catalog, lock_row) => {
             args.push(exact.into());
             args.push(prefixes.into());
-            if lock_row {
-                &CLAIM_TOPICS
-            } else {
-                &CLAIM_TOPICS_040
+            match (catalog, lock_row) {
+                (true, _) => &CLAIM_TOPICS,
+                (false, true) => &CLAIM_TOPICS_060,
+                (false, false) => &CLAIM_TOPICS_040,
             }
         }
     };

@@ -21,6 +21,8 @@ pub const PERMISSION: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INSUFFICIENT_PRIV
 pub const READ_ONLY: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_READ_ONLY_SQL_TRANSACTION;
 /// SQLSTATE 42P01: a relation named by OID does not exist.
 pub const UNDEFINED_TABLE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_TABLE;
+/// SQLSTATE 42704: an object named by the caller (a subscription) does not exist.
+pub const UNDEFINED_OBJECT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT;
 /// SQLSTATE 53400: a fixed shared-memory list is full.
 pub const CONFIGURATION_LIMIT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).

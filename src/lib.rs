@@ -61,9 +61,15 @@ pgrx::extension_sql_file!(
     ]
 );
 pgrx::extension_sql_file!(
+    "../sql/subscriptions.sql",
+    name = "subscriptions",
+    requires = ["admin", validate::check_subscription]
+);
+pgrx::extension_sql_file!(
     "../sql/retention.sql",
     name = "retention",
-    requires = ["admin", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
+    requires =
+        ["subscriptions", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
 );
 pgrx::extension_sql_file!(
     "../sql/monitoring.sql",

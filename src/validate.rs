@@ -87,6 +87,47 @@ fn check_topic(topic: Option<&str>) {
     self::topic(t);
 }
 
+/// Longest subscription name: 63 bytes (an identifier's length).
+pub const MAX_SUBSCRIPTION_LEN: usize = 63;
+
+/// The subscription every claim without a `subscription` argument uses.
+pub const DEFAULT_SUBSCRIPTION: &str = "default";
+
+/// True when `s` is 1..63 bytes of `[a-z0-9_.-]` starting with a letter or digit:
+/// safe in a NATS subject, a URL path and a metric label without quoting.
+pub fn is_subscription(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= MAX_SUBSCRIPTION_LEN
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, b'_' | b'-' | b'.'))
+}
+
+/// Validate a subscription name (22023 when malformed).
+pub fn subscription(s: &str) {
+    if !is_subscription(s) {
+        errors::raise_hint(
+            INVALID_PARAMETER,
+            format!("invalid subscription name {:?}", truncate_for_message(s)),
+            "A subscription name is 1 to 63 characters of lowercase letters, digits, '_', '-' and '.', starting with a letter or digit, e.g. 'search-indexer'.",
+        );
+    }
+}
+
+/// `outbox._check_subscription(name text) -> text`: the name to use, `default`
+/// for NULL; 22023 when malformed. The SQL functions resolve their `subscription`
+/// argument through this, so the grammar has one definition: [`is_subscription`].
+#[pg_extern(name = "_check_subscription", immutable, parallel_safe)]
+fn check_subscription(name: Option<&str>) -> String {
+    match name {
+        None => DEFAULT_SUBSCRIPTION.to_string(),
+        Some(n) => {
+            subscription(n);
+            n.to_string()
+        }
+    }
+}
+
 /// Validate a worker name: 1..255 bytes, no control characters.
 pub fn worker(s: &str) {
     if s.is_empty() || s.len() > MAX_NAME_LEN || s.chars().any(|c| c.is_control()) {
@@ -189,6 +230,20 @@ mod tests {
     use pgrx::prelude::*;
 
     #[pg_test]
+    fn subscription_grammar() {
+        assert!(is_subscription("default"));
+        assert!(is_subscription("relay-nats.orders_1"));
+        assert!(is_subscription("9lives"));
+        assert!(!is_subscription(""));
+        assert!(!is_subscription("-x"));
+        assert!(!is_subscription(".x"));
+        assert!(!is_subscription("Upper"));
+        assert!(!is_subscription("a b"));
+        assert!(!is_subscription(&"a".repeat(64)));
+        assert!(is_subscription(&"a".repeat(63)));
+    }
+
+    #[test]
     fn topic_grammar() {
         for ok in ["a", "billing.invoice.paid", "a-b_c.0", "x.y.z.w"] {
             assert!(is_topic(ok), "{ok} should be valid");

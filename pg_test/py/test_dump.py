@@ -85,6 +85,9 @@ def build_source(dsn):
         c.execute("SELECT outbox.publish_batch('d.bulk', array_agg(jsonb_build_object('g', g) ORDER BY g), "
                   "array_agg('b-' || g % 5 ORDER BY g), array_agg('dk-bulk-' || g ORDER BY g)) FROM generate_series(1, 50) g")
         c.execute("CALL outbox.run_maintenance()")
+        # the default subscription's own policy (the restore's CREATE EXTENSION
+        # makes 'default' again: the dumped row must update it, not collide)
+        c.execute("SELECT outbox.alter_subscription('default', max_attempts => 7, backoff_base => '2 seconds')")
         # leased, last, so the lease is still running at dump time
         pub("leased", "d.lease", {"n": 9})
         ids["leased_token"] = claim1(c, "d.lease", f"{LEASE_S} seconds")[1]
@@ -96,6 +99,7 @@ SNAPSHOT = {
     "event_archive": "SELECT * FROM outbox.event_archive ORDER BY id",
     "events": "SELECT * FROM outbox.events ORDER BY id",
     "topics": "SELECT * FROM outbox.topics ORDER BY topic",
+    "subscriptions": "SELECT * FROM outbox.subscription_catalog ORDER BY name",
     "dispatch_keys": "SELECT * FROM outbox.dispatch_keys ORDER BY dispatch_key",
     "maintenance_runs": "SELECT * FROM outbox.maintenance_runs ORDER BY run_id",
     "sequence": "SELECT last_value, is_called FROM outbox.event_id_seq",

@@ -25,7 +25,7 @@ LOGIN_ROLES = {
     "admin_u": ("outbox_admin",),
     "nobody_u": (),
 }
-CLAIM_SIG = "outbox.claim(text, integer, interval, text[])"
+CLAIM_SIG = "outbox.claim(text, integer, interval, text[], text)"
 
 
 @pytest.fixture(scope="module")
@@ -75,9 +75,9 @@ def assert_grants(conn):
 
     assert can("outbox_publisher", "outbox.publish(text, jsonb, text, text, jsonb, timestamptz)")
     assert can("outbox_worker", CLAIM_SIG)
-    assert can("outbox_admin", "outbox.replay(bigint)")
+    assert can("outbox_admin", "outbox.replay(bigint, text)")
     assert not can("outbox_publisher", CLAIM_SIG)
-    assert not can("outbox_worker", "outbox.replay(bigint)")
+    assert not can("outbox_worker", "outbox.replay(bigint, text)")
 
 
 def test_roles_exist_and_are_nologin(plain_dsn):
@@ -173,7 +173,7 @@ CALLS = {
     "nextval": "SELECT nextval('outbox.event_id_seq')",
     "setval": "SELECT setval('outbox.event_id_seq', 1)",
 }
-VIEWS = ("events", "stats", "maintenance_log")
+VIEWS = ("events", "stats", "maintenance_log", "subscriptions", "deliveries")
 TABLE_WRITES = {
     "event_queue": (
         "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) VALUES ('sec.t', '{}', 1, now())",
@@ -308,7 +308,7 @@ def test_admin_may_replay_cancel_manage_topics_and_read(plain, roles):
         for rel in ("event_queue", "event_archive", "dispatch_keys", "topics", "maintenance_runs", *VIEWS):
             adm.execute(f"SELECT count(*) FROM outbox.{rel}")
         checks = [r[0] for r in adm.execute("SELECT check_name FROM outbox.health()").fetchall()]
-        assert len(set(checks)) == 7
+        assert len(set(checks)) == 8
         adm.execute("SELECT * FROM outbox.wakeup_status()")
     finally:
         adm.close()

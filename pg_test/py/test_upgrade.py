@@ -297,3 +297,40 @@ def test_latest_upgrade_script_is_assembled_from_the_sources(plain_dsn):
     r = subprocess.run([sys.executable, str(REPO / "scripts" / "upgrade-sql.py"), old, new, "--check",
                         "--new-install", str(install)], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_update_to_subscriptions_keeps_the_grants_of_replaced_functions(scratch_db):
+    """0.7.0 replaces claim, replay, replay_dead and cancel (a trailing
+    subscription argument, not an overload); grants a user made on the old
+    signatures carry over to the new ones, grant option included."""
+    c = connect(scratch_db("outbox_upg_grants"))
+    install_fixture(c, "0.6.0")
+    c.execute("CREATE EXTENSION outbox_ext VERSION '0.6.0'")
+    c.execute("DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'upg_custom') THEN "
+              "CREATE ROLE upg_custom NOLOGIN; END IF; END $$")
+    c.execute("GRANT EXECUTE ON FUNCTION outbox.claim(text, integer, interval, text[]) TO upg_custom")
+    c.execute("GRANT EXECUTE ON FUNCTION outbox.replay(bigint) TO upg_custom WITH GRANT OPTION")
+    c.execute("GRANT EXECUTE ON FUNCTION outbox.cancel(bigint) TO PUBLIC")
+    # Under the 0.6.0 SQL the new library claims and fails as 0.6.0 did.
+    c.execute("SET outbox.notify = off")
+    ids = [c.execute("SELECT outbox.publish('upg.g', '{}')").fetchone()[0] for _ in range(2)]
+    (i, tok), = c.execute("SELECT id, lease_token FROM outbox.claim('w', 1)").fetchall()
+    assert c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", (i, tok)).fetchone()[0] == "dead"
+    c.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.7.0'")
+
+    def can(role, fn, grant_option=False):
+        priv = "EXECUTE WITH GRANT OPTION" if grant_option else "EXECUTE"
+        return c.execute("SELECT has_function_privilege(%s, %s, %s)", (role, fn, priv)).fetchone()[0]
+
+    assert can("upg_custom", "outbox.claim(text, integer, interval, text[], text)")
+    assert can("upg_custom", "outbox.replay(bigint, text)", grant_option=True)
+    assert not can("upg_custom", "outbox.cancel(bigint, text)", grant_option=True)
+    assert can("public", "outbox.cancel(bigint, text)")
+    assert not can("public", "outbox.claim(text, integer, interval, text[], text)")
+    assert can("outbox_worker", "outbox.claim(text, integer, interval, text[], text)")
+    # Every event is the default subscription's, in its state.
+    assert c.execute("SELECT name, lag_events, dead_letters FROM outbox.subscriptions").fetchall() == [("default", 1, 1)]
+    assert [r[0] for r in c.execute("SELECT id FROM outbox.claim('w', 5, subscription => 'default')").fetchall()] \
+        == [ids[1]]
+    assert c.execute("SELECT outbox.replay(%s, 'default')", (i,)).fetchone()[0] is True
+    c.close()

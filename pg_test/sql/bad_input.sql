@@ -23,7 +23,8 @@ CREATE FUNCTION pg_temp.fingerprint() RETURNS text LANGUAGE sql AS $$
         (SELECT string_agg(q::text, ',' ORDER BY q.id) FROM outbox.event_queue q),
         (SELECT string_agg(a::text, ',' ORDER BY a.id) FROM outbox.event_archive a),
         (SELECT string_agg(k::text, ',' ORDER BY k.dispatch_key) FROM outbox.dispatch_keys k),
-        (SELECT string_agg(t::text, ',' ORDER BY t.topic) FROM outbox.topics t)))
+        (SELECT string_agg(t::text, ',' ORDER BY t.topic) FROM outbox.topics t),
+        (SELECT string_agg(c::text, ',' ORDER BY c.name) FROM outbox.subscription_catalog c)))
 $$;
 
 CREATE TEMP TABLE cases (n serial PRIMARY KEY, fn text NOT NULL, label text NOT NULL, call text NOT NULL, expect text NOT NULL);
@@ -388,6 +389,48 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('_lock_row', 'offset past the page', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,65535)')$$, '22023'),
 ('_lock_row', 'offset 0', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,0)')$$, '22023'),
 ('_lock_row', 'block past the end', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(4294967294,1)')$$, '22023');
+
+-- ---------------------------------------------------------------------------
+-- Subscriptions: the subscription argument of claim, replay, replay_dead and
+-- cancel, alter_subscription, pause_subscription, resume_subscription
+-- ---------------------------------------------------------------------------
+INSERT INTO cases (fn, label, call, expect) VALUES
+('claim', 'subscription NULL', $$SELECT count(*) FROM outbox.claim('w', 1, NULL, NULL, NULL)$$, 'ok:1'),
+('claim', 'subscription default', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => 'default')$$, 'ok:1'),
+('claim', 'subscription unknown', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => 'nope')$$, '42704'),
+('claim', 'subscription empty', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => '')$$, '22023'),
+('claim', 'subscription uppercase', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => 'Default')$$, '22023'),
+('claim', 'subscription leading dash', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => '-x')$$, '22023'),
+('claim', 'subscription 64 chars', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => repeat('s', 64))$$, '22023'),
+('claim', 'subscription 1 MB', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => repeat('s', 1048576))$$, '22023'),
+('claim', 'subscription with NUL-like escape', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => E'a\x01')$$, '22023'),
+('replay', 'subscription default', $$SELECT outbox.replay(pg_temp.dead_id(), 'default')$$, 'ok:true'),
+('replay', 'subscription unknown', $$SELECT outbox.replay(pg_temp.dead_id(), 'nope')$$, '42704'),
+('replay', 'subscription malformed, NULL id', $$SELECT outbox.replay(NULL, 'No Such')$$, '22023'),
+('replay_dead', 'subscription unknown', $$SELECT outbox.replay_dead(subscription => 'nope')$$, '42704'),
+('replay_dead', 'subscription default', $$SELECT outbox.replay_dead(dry_run => true, subscription => 'default')$$, 'ok:1'),
+('cancel', 'subscription default', $$SELECT outbox.cancel(pg_temp.dead_id(), 'default')$$, 'ok:true'),
+('cancel', 'subscription unknown', $$SELECT outbox.cancel(pg_temp.dead_id(), 'nope')$$, '42704'),
+('cancel', 'subscription malformed', $$SELECT outbox.cancel(pg_temp.dead_id(), 'a/b')$$, '22023'),
+('alter_subscription', 'valid baseline', $$SELECT outbox.alter_subscription('default', max_attempts => 3, dead_letter_policy => 'skip')$$, 'ok'),
+('alter_subscription', 'all NULL settings', $$SELECT outbox.alter_subscription('default')$$, 'ok'),
+('alter_subscription', 'NULL name', $$SELECT outbox.alter_subscription(NULL, max_attempts => 3)$$, '22004'),
+('alter_subscription', 'unknown name', $$SELECT outbox.alter_subscription('nope', max_attempts => 3)$$, '42704'),
+('alter_subscription', 'malformed name', $$SELECT outbox.alter_subscription('Nope')$$, '22023'),
+('alter_subscription', 'max_attempts 0', $$SELECT outbox.alter_subscription('default', max_attempts => 0)$$, '22023'),
+('alter_subscription', 'max_attempts max int', $$SELECT outbox.alter_subscription('default', max_attempts => 2147483647)$$, '22023'),
+('alter_subscription', 'backoff_base zero', $$SELECT outbox.alter_subscription('default', backoff_base => '0')$$, '22023'),
+('alter_subscription', 'backoff_max huge', $$SELECT outbox.alter_subscription('default', backoff_max => '178000000 years')$$, '22023'),
+('alter_subscription', 'default_lease over max', $$SELECT outbox.alter_subscription('default', default_lease => '1 day')$$, '22023'),
+('alter_subscription', 'policy bogus', $$SELECT outbox.alter_subscription('default', dead_letter_policy => 'retry')$$, '22023'),
+('alter_subscription', 'valid setting, bad policy', $$SELECT outbox.alter_subscription('default', max_attempts => 2, dead_letter_policy => 'x')$$, '22023'),
+('pause_subscription', 'valid baseline', $$SELECT outbox.pause_subscription('default')$$, 'ok:true'),
+('pause_subscription', 'NULL name', $$SELECT outbox.pause_subscription(NULL)$$, '22004'),
+('pause_subscription', 'unknown name', $$SELECT outbox.pause_subscription('nope')$$, '42704'),
+('pause_subscription', 'malformed name', $$SELECT outbox.pause_subscription(' default')$$, '22023'),
+('resume_subscription', 'not paused', $$SELECT outbox.resume_subscription('default')$$, 'ok:false'),
+('resume_subscription', 'NULL name', $$SELECT outbox.resume_subscription(NULL)$$, '22004'),
+('resume_subscription', 'unknown name', $$SELECT outbox.resume_subscription('nope')$$, '42704');
 
 -- ---------------------------------------------------------------------------
 -- Run every case.

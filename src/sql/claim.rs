@@ -44,31 +44,54 @@ macro_rules! cand_sql {
     };
 }
 
+/// The subscription's policy row the claim statement reads, as `s`: from the
+/// catalog ($8 names it), or all NULL under the SQL of 0.6.0 and earlier, which
+/// has no catalog. Read in the statement itself, so under its snapshot: a policy
+/// change that commits before the statement is read with the rows it applies to.
+macro_rules! sub_row {
+    (sub) => {
+        "(SELECT c.max_attempts, c.default_lease, c.dead_letter_policy FROM outbox.subscription_catalog c WHERE c.name = $8)"
+    };
+    (nosub) => {
+        "(SELECT NULL::int4 AS max_attempts, NULL::interval AS default_lease, NULL::text AS dead_letter_policy)"
+    };
+}
+
+/// SQL condition: the row's lease expired on its last attempt (it goes dead).
+macro_rules! last_attempt_expired {
+    () => {
+        "q.state = 'leased' AND q.attempts >= COALESCE(s.max_attempts, q.max_attempts)"
+    };
+}
+
 macro_rules! claim_sql {
-    ($how:ident, $filter:literal) => {
+    ($how:ident, $sub:ident, $filter:literal) => {
         concat!(
             "WITH cand AS (",
             cand_sql!($how, $filter),
             "), upd AS (",
             "  UPDATE outbox.event_queue q SET",
-            "    state = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN 'dead' ELSE 'leased' END,",
-            "    attempts = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.attempts ELSE q.attempts + 1 END,",
-            "    lease_token = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN NULL ELSE gen_random_uuid() END,",
-            "    visible_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.visible_at",
-            "                      ELSE clock_timestamp() + COALESCE($3,",
+            "    state = CASE WHEN ", last_attempt_expired!(), " THEN 'dead' ELSE 'leased' END,",
+            "    attempts = CASE WHEN ", last_attempt_expired!(), " THEN q.attempts ELSE q.attempts + 1 END,",
+            "    lease_token = CASE WHEN ", last_attempt_expired!(), " THEN NULL ELSE gen_random_uuid() END,",
+            "    visible_at = CASE WHEN ", last_attempt_expired!(), " THEN q.visible_at",
+            // The lease: the call's, else the subscription's, the topic's, the GUC.
+            "                      ELSE clock_timestamp() + COALESCE($3, s.default_lease,",
             // The uncorrelated EXISTS is an InitPlan run once per claim, so the
             // per-row topic lookup only happens when some topic sets a lease.
             "                        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox.topics t0 WHERE t0.default_lease IS NOT NULL))",
             "                             THEN (SELECT t.default_lease FROM outbox.topics t WHERE t.topic = q.topic) END, $4) END,",
-            "    leased_by = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_by ELSE $1 END,",
-            "    leased_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN q.leased_at ELSE clock_timestamp() END,",
+            "    leased_by = CASE WHEN ", last_attempt_expired!(), " THEN q.leased_by ELSE $1 END,",
+            "    leased_at = CASE WHEN ", last_attempt_expired!(), " THEN q.leased_at ELSE clock_timestamp() END,",
             "    last_error = CASE WHEN q.state = 'leased' THEN 'lease expired' ELSE q.last_error END,",
             "    errors = CASE WHEN q.state = 'leased' THEN ",
             crate::history_append!("q.errors", "jsonb_build_object('attempt', q.attempts, 'at', clock_timestamp(), 'worker', q.leased_by, 'error', 'lease expired')"),
             "             ELSE q.errors END,",
-            "    dead_at = CASE WHEN q.state = 'leased' AND q.attempts >= q.max_attempts THEN clock_timestamp() ELSE q.dead_at END,",
-            "    blocks_subject = q.state = 'leased' AND q.attempts >= q.max_attempts AND q.subject IS NOT NULL",
-            "                     AND COALESCE((SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
+            "    dead_at = CASE WHEN ", last_attempt_expired!(), " THEN clock_timestamp() ELSE q.dead_at END,",
+            "    blocks_subject = ", last_attempt_expired!(), " AND q.subject IS NOT NULL",
+            "                     AND COALESCE(s.dead_letter_policy,",
+            "                                  (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
+            "  FROM ", sub_row!($sub), " s",
             // ANY(ARRAY(..)) pins the update to primary-key lookups; a join let the
             // planner hash-join against a sequential scan when statistics were stale.
             "  WHERE q.id = ANY (ARRAY(SELECT c.id FROM cand c))",
@@ -84,7 +107,8 @@ macro_rules! claim_sql {
     };
 }
 
-/// Parameter types of the claim statement: $1..$7, then any the filter adds.
+/// Parameter types of the claim statement: $1..$8 ($8 the subscription, unused
+/// by the statements for older SQL), then any the filter adds.
 macro_rules! claim_types {
     ($($extra:expr),*) => {
         &[
@@ -95,6 +119,7 @@ macro_rules! claim_types {
             pg_sys::TIMESTAMPTZOID,
             pg_sys::TIMESTAMPTZOID,
             pg_sys::INT8OID,
+            pg_sys::TEXTOID,
             $($extra),*
         ]
     };
@@ -103,12 +128,32 @@ macro_rules! claim_types {
 pub const ALL_TYPES: &[pg_sys::Oid] = claim_types!();
 pub const TOPIC_TYPES: &[pg_sys::Oid] = claim_types!(pg_sys::TEXTARRAYOID, pg_sys::TEXTARRAYOID);
 
-pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, ""), types: ALL_TYPES };
+pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, sub, ""), types: ALL_TYPES };
 pub const CLAIM_TOPICS: Stmt =
-    Stmt { sql: claim_sql!(lock_row, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
-pub const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, ""), types: ALL_TYPES };
+    Stmt { sql: claim_sql!(lock_row, sub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
+/// For the SQL of 0.5.0 and 0.6.0: `_lock_row`, no subscription catalog.
+pub const CLAIM_ALL_060: Stmt = Stmt { sql: claim_sql!(lock_row, nosub, ""), types: ALL_TYPES };
+pub const CLAIM_TOPICS_060: Stmt =
+    Stmt { sql: claim_sql!(lock_row, nosub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
+/// For the SQL of 0.4.0: FOR UPDATE SKIP LOCKED, no subscription catalog.
+pub const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, nosub, ""), types: ALL_TYPES };
 pub const CLAIM_TOPICS_040: Stmt =
-    Stmt { sql: claim_sql!(skip_locked, "AND (q.topic = ANY($8) OR q.topic ^@ ANY($9))"), types: TOPIC_TYPES };
+    Stmt { sql: claim_sql!(skip_locked, nosub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
+
+/// The subscription a claim serves: whether it exists and is paused. Read before
+/// the claim statement; a pause that commits after it is seen by the next claim.
+pub const SUBSCRIPTION: Stmt =
+    Stmt { sql: "SELECT c.paused FROM outbox.subscription_catalog c WHERE c.name = $1", types: &[pg_sys::TEXTOID] };
+
+/// Note when the subscription was last claimed from, only if no other
+/// transaction holds or changed its activity row (`_lock_row`): a claim never
+/// waits for this, and under REPEATABLE READ a row changed since the snapshot is
+/// skipped, not a serialization failure.
+pub const NOTE_CLAIM: Stmt = Stmt {
+    sql: "UPDATE outbox.subscription_activity a SET last_claim_at = $2 \
+           WHERE a.name = $1 AND outbox._lock_row('outbox.subscription_activity'::regclass::oid, a.ctid)",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
 
 pub const RAISE_LEASE: Stmt = Stmt {
     sql: "UPDATE outbox.event_queue SET visible_at = $2 WHERE id = ANY ($1) AND visible_at < $2",

@@ -1,0 +1,263 @@
+"""Subscriptions (0.7.0: the `default` subscription, its policy and pausing)
+across real sessions: pausing takes effect at commit and keeps leases usable,
+the subscription's settings override the topic's, which override the GUCs, a
+claim's note of its time never makes another transaction wait, and a policy
+change serialises with fail(). Runs on the cluster without preload; the wake-up
+on resume on the preloaded one."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import connect
+
+
+def claim(conn, worker="w", n=10, lease=None, subscription=None):
+    return conn.execute(
+        "SELECT id, lease_token, attempt, lease_expires_at - clock_timestamp() "
+        "FROM outbox.claim(%s, %s, %s::interval, NULL, %s)",
+        (worker, n, lease, subscription),
+    ).fetchall()
+
+
+def publish(conn, topic="sub.t", n=1, subject=None):
+    return [conn.execute("SELECT outbox.publish(%s, '{}', %s)", (topic, subject)).fetchone()[0] for _ in range(n)]
+
+
+def sqlstate(conn, sql, params=None):
+    try:
+        conn.execute(sql, params)
+    except psycopg.Error as e:
+        return e.sqlstate
+    return None
+
+
+def test_default_subscription_exists_and_the_view_counts_its_events(plain):
+    c = plain.conn()
+    ids = publish(c, n=3)
+    leased = claim(c, n=1)
+    assert [r[0] for r in leased] == ids[:1]
+    row = c.execute("SELECT name, topics, paused, lag_events, ready, leases_in_flight, dead_letters, "
+                    "oldest_undelivered_id, last_claim_at IS NOT NULL FROM outbox.subscriptions").fetchall()
+    assert row == [("default", None, False, 3, 2, 1, 0, ids[0], True)]
+    # deliveries: one row per event of the subscription, in the event's state.
+    got = c.execute("SELECT event_id, subscription, state FROM outbox.deliveries ORDER BY 1").fetchall()
+    assert got == [(ids[0], "default", "leased"), (ids[1], "default", "pending"), (ids[2], "default", "pending")]
+
+
+def test_pause_hands_out_nothing_from_its_commit_and_keeps_leases_usable(plain):
+    c, admin = plain.conn(), plain.conn()
+    ids = publish(c, n=4)
+    (first_id, tok, _, _), = claim(c, n=1)
+    admin.execute("BEGIN")
+    assert admin.execute("SELECT outbox.pause_subscription('default')").fetchone()[0] is True
+    # Not committed yet: claims still serve (and do not wait for the pauser).
+    t0 = time.monotonic()
+    assert len(claim(c, n=1)) == 1
+    assert time.monotonic() - t0 < 2
+    admin.execute("COMMIT")
+    assert claim(c, n=10) == []
+    assert claim(c, n=10, subscription="default") == []
+    # The lease taken before the pause still acks; a second pause changes nothing.
+    assert c.execute("SELECT outbox.ack(%s, %s)", (first_id, tok)).fetchone()[0] is True
+    assert c.execute("SELECT outbox.pause_subscription('default')").fetchone()[0] is False
+    assert c.execute("SELECT paused, paused_at IS NOT NULL FROM outbox.subscriptions").fetchone() == (True, True)
+    health = c.execute("SELECT status, message FROM outbox.health() WHERE check_name = 'subscription'").fetchall()
+    assert len(health) == 1 and health[0][0] == "warn" and "paused" in health[0][1], health
+    # Events are kept, and come back on resume.
+    assert c.execute("SELECT outbox.resume_subscription('default')").fetchone()[0] is True
+    assert c.execute("SELECT outbox.resume_subscription('default')").fetchone()[0] is False
+    assert sorted(r[0] for r in claim(c, n=10)) == ids[2:]
+
+
+def test_resume_wakes_listeners(preload, listen):
+    c = preload.conn()
+    c.execute("SELECT outbox.pause_subscription('default')")
+    publish(c)
+    lst = listen(preload.dsn)
+    lst.collect(0.5)  # the publish's own wake-up
+    c.execute("SELECT outbox.resume_subscription('default')")
+    assert lst.first(5) is not None, "no notification after resume_subscription"
+
+
+def test_health_warns_about_a_subscription_nobody_claims_from(plain):
+    c = plain.conn()
+    publish(c, n=2)
+    time.sleep(0.05)
+    (status, msg), = c.execute("SELECT status, message FROM outbox.health(backlog_age => '10 ms') "
+                               "WHERE check_name = 'subscription'").fetchall()
+    assert status == "warn" and "no claim since" in msg, msg
+    claim(plain.conn(), n=1)  # a new session notes its claim at once
+    (status, msg), = c.execute("SELECT status, message FROM outbox.health(backlog_age => '10 s') "
+                               "WHERE check_name = 'subscription'").fetchall()
+    assert status == "ok", msg
+
+
+def test_subscription_lease_overrides_topic_lease_which_overrides_the_guc(plain):
+    c = plain.conn()
+    c.execute("SET outbox.default_lease = '10 min'")
+    publish(c, topic="sub.plain")
+    publish(c, topic="sub.leased")
+    c.execute("SELECT outbox.create_topic('sub.leased', default_lease => '5 min')")
+    rows = {r[0]: r[3] for r in claim(c, n=10)}
+    leases = sorted(rows.values())
+    assert 240 < leases[0].total_seconds() <= 300 and 540 < leases[1].total_seconds() <= 600, leases
+    c.execute("SELECT outbox.alter_subscription('default', default_lease => '2 min')")
+    publish(c, topic="sub.plain")
+    publish(c, topic="sub.leased")
+    for r in claim(c, n=10):
+        assert 100 < r[3].total_seconds() <= 120, r
+    # The call's own lease beats them all.
+    publish(c, topic="sub.leased")
+    (r,) = claim(c, n=10, lease="7 s")
+    assert r[3].total_seconds() <= 7
+
+
+def test_subscription_max_attempts_and_backoff_override_the_topic(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_topic('sub.retry', max_attempts => 10, backoff_base => '1 hour', backoff_max => '2 hours')")
+    (eid,) = publish(c, topic="sub.retry")
+    c.execute("SELECT outbox.alter_subscription('default', max_attempts => 2, backoff_base => '1 second', backoff_max => '1 second')")
+    (r,) = claim(c)
+    assert c.execute("SELECT outbox.fail(%s, %s, 'boom')", (r[0], r[1])).fetchone()[0] == "pending"
+    # The subscription's 1 s backoff, not the topic's hour (equal jitter: 0.5 .. 1 s).
+    wait = c.execute("SELECT visible_at - clock_timestamp() FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()[0]
+    assert wait.total_seconds() <= 1.0, wait
+    time.sleep(max(wait.total_seconds(), 0) + 0.05)
+    (r,) = claim(c)
+    assert r[2] == 2
+    # The second attempt is the subscription's last, though the topic allows 10.
+    assert c.execute("SELECT outbox.fail(%s, %s, 'boom')", (r[0], r[1])).fetchone()[0] == "dead"
+
+
+def test_subscription_max_attempts_applies_to_expired_leases(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.alter_subscription('default', max_attempts => 1)")
+    (eid,) = publish(c)
+    (r,) = claim(c, lease="50 ms")
+    time.sleep(0.1)
+    assert claim(c) == []  # the expired last attempt goes dead, it is not handed out again
+    state, err = c.execute("SELECT state, last_error FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+    assert (state, err) == ("dead", "lease expired")
+
+
+def test_subscription_dead_letter_policy_overrides_and_releases_subjects(plain):
+    c = plain.conn()
+    # The topic blocks; the subscription's 'skip' wins, for dead letters already there too.
+    c.execute("SELECT outbox.create_topic('sub.dlq', dead_letter_policy => 'block')")
+    first, second = publish(c, topic="sub.dlq", n=2, subject="acct-1")
+    (r,) = claim(c)
+    assert r[0] == first
+    assert c.execute("SELECT outbox.fail(%s, %s, 'bad', permanent => true)", (r[0], r[1])).fetchone()[0] == "dead"
+    assert claim(c) == []  # blocked behind the dead letter
+    c.execute("SELECT outbox.alter_subscription('default', dead_letter_policy => 'skip')")
+    assert [x[0] for x in claim(c)] == [second]
+    # A topic policy change no longer matters while the subscription sets one.
+    third, fourth = publish(c, topic="sub.dlq", n=2, subject="acct-2")
+    c.execute("SELECT outbox.alter_topic('sub.dlq', dead_letter_policy => 'block')")
+    (r,) = claim(c)
+    assert r[0] == third
+    assert c.execute("SELECT outbox.fail(%s, %s, 'bad', permanent => true)", (r[0], r[1])).fetchone()[0] == "dead"
+    assert [x[0] for x in claim(c)] == [fourth]
+    blocks = c.execute("SELECT bool_or(blocks_subject) FROM outbox.event_queue WHERE state = 'dead'").fetchone()[0]
+    assert blocks is False
+
+
+def test_a_claim_holding_its_activity_note_never_makes_fail_or_other_claims_wait(plain):
+    """The claim's note goes to outbox.subscription_activity, not the catalog row
+    that fail() locks FOR SHARE: a transactional worker that claims and keeps its
+    transaction open must not stall other workers' fail() or claim()."""
+    holder, other = plain.conn(), plain.conn()
+    ids = publish(holder, n=3)
+    (r,) = claim(other, worker="other", n=1)
+    holder.execute("BEGIN")
+    assert len(claim(holder, worker="holder", n=1)) == 1  # notes its time, keeps the row lock open
+    other.execute("SET lock_timeout = '2s'")
+    t0 = time.monotonic()
+    assert other.execute("SELECT outbox.fail(%s, %s, 'x')", (r[0], r[1])).fetchone()[0] == "pending"
+    time.sleep(1.1)  # past the once-a-second note interval of `other`'s session
+    got = claim(other, worker="other", n=1)
+    assert time.monotonic() - t0 < 3
+    assert [x[0] for x in got] == [ids[2]]
+    holder.execute("ROLLBACK")
+
+
+def test_a_claim_under_repeatable_read_skips_a_changed_activity_row(plain):
+    """Under REPEATABLE READ the activity row may have been updated since the
+    snapshot; the note is skipped (`_lock_row`), never a serialization failure."""
+    rr, other = plain.conn(), plain.conn()
+    publish(rr, n=2)
+    rr.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    rr.execute("SELECT 1 FROM outbox.subscription_catalog")  # take the snapshot
+    other.execute("UPDATE outbox.subscription_activity SET last_claim_at = now() WHERE name = 'default'")
+    assert len(claim(rr, n=1)) == 1
+    rr.execute("COMMIT")
+
+
+def test_alter_subscription_waits_for_a_failing_transaction_and_then_applies(plain):
+    """fail() reads the subscription's policy FOR SHARE: a concurrent
+    alter_subscription to 'skip' waits for the failing transaction, and then
+    releases the subject of the event it turned dead."""
+    w, admin = plain.conn(), plain.conn()
+    first, second = publish(w, n=2, subject="s-1")
+    (r,) = claim(w)
+    w.execute("BEGIN")
+    assert w.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", (r[0], r[1])).fetchone()[0] == "dead"
+    done = threading.Event()
+
+    def alter():
+        admin.execute("SELECT outbox.alter_subscription('default', dead_letter_policy => 'skip')")
+        done.set()
+
+    t = threading.Thread(target=alter)
+    t.start()
+    assert not done.wait(0.5), "alter_subscription did not wait for the failing transaction"
+    w.execute("COMMIT")
+    t.join(10)
+    assert done.is_set()
+    assert [x[0] for x in claim(w)] == [second]
+
+
+def test_unknown_and_malformed_subscriptions_are_refused_before_any_change(plain):
+    c = plain.conn()
+    (eid,) = publish(c)
+    (r,) = claim(c)
+    assert c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", (r[0], r[1])).fetchone()[0] == "dead"
+    for sql, state in [
+        ("SELECT * FROM outbox.claim('w', 1, subscription => 'nope')", "42704"),
+        ("SELECT * FROM outbox.claim('w', 1, subscription => 'Nope')", "22023"),
+        ("SELECT outbox.replay(%s, 'nope')" % eid, "42704"),
+        ("SELECT outbox.cancel(%s, 'nope')" % eid, "42704"),
+        ("SELECT outbox.replay_dead(subscription => 'nope')", "42704"),
+        ("SELECT outbox.pause_subscription('nope')", "42704"),
+        ("SELECT outbox.alter_subscription('nope', max_attempts => 1)", "42704"),
+    ]:
+        assert sqlstate(c, sql) == state, sql
+    assert c.execute("SELECT state FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()[0] == "dead"
+    assert c.execute("SELECT outbox.replay(%s, 'default')", (eid,)).fetchone()[0] is True
+
+
+def test_replaced_functions_have_one_signature(plain):
+    """claim, replay, replay_dead and cancel were replaced, not overloaded, so a
+    call with positional arguments is never ambiguous."""
+    c = plain.conn()
+    got = dict(c.execute("SELECT proname, count(*) FROM pg_proc WHERE pronamespace = 'outbox'::regnamespace "
+                         "AND proname IN ('claim', 'replay', 'replay_dead', 'cancel') GROUP BY 1").fetchall())
+    assert got == {"claim": 1, "replay": 1, "replay_dead": 1, "cancel": 1}
+
+
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
+def test_pause_and_claim_at_every_isolation_level(plain, isolation):
+    c, admin = plain.conn(), plain.conn()
+    publish(c, n=2)
+    c.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    assert len(claim(c, n=1)) == 1
+    admin.execute("SELECT outbox.pause_subscription('default')")
+    # A claim reads the catalog as of its snapshot: under READ COMMITTED the pause
+    # is seen at once; under REPEATABLE READ and SERIALIZABLE at the next transaction.
+    got = claim(c, n=1)
+    assert len(got) == (0 if isolation == "READ COMMITTED" else 1)
+    c.execute("COMMIT")
+    assert claim(c, n=1) == []
