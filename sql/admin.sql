@@ -192,39 +192,30 @@ CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ou
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 
 -- A topic's dead-letter policy applies to the dead letters already there: 'skip'
--- releases their subjects at once, 'block' starts holding them, unless the
--- subscription sets its own policy, which overrides every topic's. Leased events
--- of the topic are updated too (blocks_subject only counts once an event is dead,
--- and every dead transition sets it again): the UPDATE then waits for a claim or a
+-- releases their subjects at once, 'block' starts holding them. Leased events of
+-- the topic are updated too (blocks_subject only counts once an event is dead, and
+-- every dead transition sets it again): the UPDATE then waits for a claim or a
 -- fail() that is turning one of them dead and sees it dead, where an UPDATE of
 -- dead rows alone would miss that uncommitted transition and leave it under the
--- old policy. fail() takes the subscription row and the topic row FOR SHARE first,
--- so it reads a policy change that is committing (src/lease.rs); so does this
--- function, so a topic change and a subscription change serialise.
--- topic NULL: every topic (a subscription's policy changed); policy NULL: each
--- topic's registered one.
+-- old policy. fail() takes the topic row FOR SHARE first, so it reads a policy
+-- change that is committing (src/lease.rs).
 CREATE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     released text[];
-    sub_policy text;
 BEGIN
-    SELECT c.dead_letter_policy INTO sub_policy FROM outbox.subscription_catalog c
-     WHERE c.name OPERATOR(pg_catalog.=) 'default' FOR SHARE OF c;
     WITH changed AS (
         UPDATE outbox.event_queue q
-           SET blocks_subject = (COALESCE(sub_policy, policy,
-                                          (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) q.topic),
-                                          'block') OPERATOR(pg_catalog.=) 'block')
-         WHERE (_apply_dead_letter_policy.topic IS NULL OR q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic)
+           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
+         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
            AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
-        RETURNING q.subject, q.state, q.blocks_subject
+        RETURNING q.subject, q.state
     )
-    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead' AND NOT c.blocks_subject)
+    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
       INTO released FROM changed c;
-    IF released IS NOT NULL THEN
+    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
         PERFORM outbox._promote_heads(released);
         PERFORM outbox._wake(topic);
     END IF;

@@ -71,9 +71,8 @@ COMMENT ON FUNCTION outbox._audit_low_water() IS
 'Reads every dead index entry below the mark: about as costly as one claim without the mark. No errors of its own. See src/lowwater.rs.';
 
 COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
-'Internal: make the dead letters of topic (NULL = every topic) follow the effective dead-letter policy: the subscription''s if set, else policy (NULL = each topic''s registered one), else ''block''; '
-'releases their subjects under ''skip''. Used by create_topic, alter_topic, drop_topic and alter_subscription. '
-'Also updates the leased events, so a dead transition committing concurrently is not left under the old policy. Takes the subscription row FOR SHARE. Returns void.';
+'Internal: make the dead letters of topic follow policy (''block'' or ''skip''), releasing their subjects under ''skip''; used by create_topic, alter_topic and drop_topic. '
+'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy. Returns void.';
 
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';

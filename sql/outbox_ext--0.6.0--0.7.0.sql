@@ -31,12 +31,10 @@ DROP FUNCTION outbox.cancel(bigint);
 
 CREATE TABLE outbox.subscription_catalog (
     name                text PRIMARY KEY,
-    topics              text[],
     max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
     backoff_base        interval CHECK (backoff_base > interval '0'),
     backoff_max         interval CHECK (backoff_max > interval '0'),
     default_lease       interval CHECK (default_lease > interval '0'),
-    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
     paused              boolean NOT NULL DEFAULT false,
     paused_at           timestamptz,
     created_at          timestamptz NOT NULL DEFAULT now(),
@@ -228,34 +226,6 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    released text[];
-    sub_policy text;
-BEGIN
-    SELECT c.dead_letter_policy INTO sub_policy FROM outbox.subscription_catalog c
-     WHERE c.name OPERATOR(pg_catalog.=) 'default' FOR SHARE OF c;
-    WITH changed AS (
-        UPDATE outbox.event_queue q
-           SET blocks_subject = (COALESCE(sub_policy, policy,
-                                          (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) q.topic),
-                                          'block') OPERATOR(pg_catalog.=) 'block')
-         WHERE (_apply_dead_letter_policy.topic IS NULL OR q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic)
-           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
-        RETURNING q.subject, q.state, q.blocks_subject
-    )
-    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead' AND NOT c.blocks_subject)
-      INTO released FROM changed c;
-    IF released IS NOT NULL THEN
-        PERFORM outbox._promote_heads(released);
-        PERFORM outbox._wake(topic);
-    END IF;
-END
-$$;
-
 CREATE OR REPLACE FUNCTION outbox._subscription(name text) RETURNS text
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -278,9 +248,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     UPDATE outbox.subscription_catalog c
-       SET topics = NEW.topics, max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
+       SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
-           dead_letter_policy = NEW.dead_letter_policy, paused = NEW.paused, paused_at = NEW.paused_at,
+           paused = NEW.paused, paused_at = NEW.paused_at,
            created_at = NEW.created_at, updated_at = NEW.updated_at
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
@@ -291,41 +261,34 @@ END
 $$;
 
 CREATE OR REPLACE FUNCTION outbox.alter_subscription(
-    name               text,
-    max_attempts       integer  DEFAULT NULL,
-    backoff_base       interval DEFAULT NULL,
-    backoff_max        interval DEFAULT NULL,
-    default_lease      interval DEFAULT NULL,
-    dead_letter_policy text     DEFAULT NULL
+    name          text,
+    max_attempts  integer  DEFAULT NULL,
+    backoff_base  interval DEFAULT NULL,
+    backoff_max   interval DEFAULT NULL,
+    default_lease interval DEFAULT NULL
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     resolved text := outbox._check_subscription(name);
-    cur outbox.subscription_catalog;
 BEGIN
     IF name IS NULL THEN
         RAISE EXCEPTION 'outbox: subscription name must not be NULL' USING ERRCODE = '22004';
     END IF;
-    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
-                                 COALESCE(dead_letter_policy, 'block'), NULL, NULL);
-    -- FOR UPDATE: fail() reads the policy under FOR SHARE (src/lease.rs).
-    SELECT * INTO cur FROM outbox.subscription_catalog c
-     WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
+    -- No event row changes: claim() and fail() read these settings when they act
+    -- (a claim in its own statement, fail() when it locks the event), so a change
+    -- applies from its commit and never waits for, or stalls, a worker.
+    UPDATE outbox.subscription_catalog c SET
+        max_attempts  = COALESCE(alter_subscription.max_attempts, c.max_attempts),
+        backoff_base  = COALESCE(alter_subscription.backoff_base, c.backoff_base),
+        backoff_max   = COALESCE(alter_subscription.backoff_max, c.backoff_max),
+        default_lease = COALESCE(alter_subscription.default_lease, c.default_lease),
+        updated_at    = pg_catalog.now()
+     WHERE c.name OPERATOR(pg_catalog.=) resolved;
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
-    END IF;
-    UPDATE outbox.subscription_catalog c SET
-        max_attempts       = COALESCE(alter_subscription.max_attempts, c.max_attempts),
-        backoff_base       = COALESCE(alter_subscription.backoff_base, c.backoff_base),
-        backoff_max        = COALESCE(alter_subscription.backoff_max, c.backoff_max),
-        default_lease      = COALESCE(alter_subscription.default_lease, c.default_lease),
-        dead_letter_policy = COALESCE(alter_subscription.dead_letter_policy, c.dead_letter_policy),
-        updated_at         = pg_catalog.now()
-     WHERE c.name OPERATOR(pg_catalog.=) resolved;
-    IF dead_letter_policy IS DISTINCT FROM cur.dead_letter_policy AND dead_letter_policy IS NOT NULL THEN
-        PERFORM outbox._apply_dead_letter_policy(NULL, NULL);
     END IF;
 END
 $$;
@@ -523,20 +486,22 @@ $$;
 CREATE OR REPLACE VIEW outbox.subscriptions AS
 WITH q AS (
     SELECT pg_catalog.count(*) FILTER (WHERE e.state <> 'dead') AS undelivered,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS ready,
+           -- What a claim could take now: subject heads whose time has come,
+           -- expired leases included (the claim index's rows).
+           pg_catalog.count(*) FILTER (WHERE e.state <> 'dead' AND e.is_head AND e.visible_at <= pg_catalog.now()) AS ready,
            pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
            pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
            pg_catalog.min(e.id) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_id,
            pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
       FROM outbox.event_queue e
 )
-SELECT c.name, c.topics, c.paused, c.paused_at,
+SELECT c.name, NULL::text[] AS topics, c.paused, c.paused_at,
        q.undelivered AS lag_events,
        pg_catalog.now() - q.oldest_undelivered_at AS lag,
        q.oldest_undelivered_id, q.oldest_undelivered_at,
        q.ready, q.leased AS leases_in_flight, q.dead AS dead_letters,
        a.last_claim_at,
-       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease, c.dead_letter_policy,
+       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
        c.created_at, c.updated_at
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
@@ -544,7 +509,7 @@ SELECT c.name, c.topics, c.paused, c.paused_at,
 
 CREATE OR REPLACE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
-       e.state, e.attempts, e.max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
+       e.state, e.attempts, COALESCE(c.max_attempts, e.max_attempts) AS max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
        e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
   FROM outbox.events e
  CROSS JOIN outbox.subscription_catalog c
@@ -588,12 +553,13 @@ COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
 'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
 'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
 
-COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, text) IS
-'Change a subscription''s policy, which overrides the per-topic settings (which override the GUCs). NULL arguments leave that setting unchanged. '
-'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: claims of the subscription that reach it go dead, applied at once to events already published), '
-'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none), '
-'dead_letter_policy (''block'' or ''skip'', as create_topic: switching to ''skip'' releases subjects blocked by existing dead letters). Returns void. '
-'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription. Waits for fail() calls in progress (they read the policy FOR SHARE).';
+COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) IS
+'Change a subscription''s policy, which overrides the per-topic settings (which override the GUCs). NULL arguments leave that setting unchanged; to reset one to the topic''s, '
+'UPDATE outbox.subscription_catalog SET ... = NULL as the owner. '
+'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: attempts a claim may start; an event that has used them goes dead at its next failure, lease expiry or claim), '
+'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none). '
+'Applies from its commit; changes no event and never waits for workers. The dead-letter policy stays per topic (create_topic). Returns void. '
+'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox.pause_subscription(text) IS
 'Pause a subscription: from the commit on, claim() for it returns no rows; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
@@ -604,14 +570,14 @@ COMMENT ON FUNCTION outbox.resume_subscription(text) IS
 'Returns true when it resumed it, false when it was not paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription.';
 
 COMMENT ON VIEW outbox.subscriptions IS
-'One row per subscription: name, topics (its filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending or leased), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (claimable now), leases_in_flight, dead_letters, '
-'last_claim_at (the last claim of a session that claims from it, noted at most once a second per session; NULL when never), '
-'and its policy (max_attempts, backoff_base, backoff_max, default_lease, dead_letter_policy; NULL = the topic''s setting, else the GUC), created_at, updated_at. '
+'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending or leased), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
+'and its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at. '
 '0.7.0 stores one subscription, ''default'', which every event belongs to. Reads the whole hot queue: poll it every 15 s or slower.';
 
 COMMENT ON VIEW outbox.deliveries IS
-'One row per event and subscription: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts, '
+'One row per event and subscription: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
 '0.7.0 stores one subscription, ''default'': its rows are those of outbox.events.';
 
@@ -621,11 +587,6 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
-
-COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
-'Internal: make the dead letters of topic (NULL = every topic) follow the effective dead-letter policy: the subscription''s if set, else policy (NULL = each topic''s registered one), else ''block''; '
-'releases their subjects under ''skip''. Used by create_topic, alter_topic, drop_topic and alter_subscription. '
-'Also updates the leased events, so a dead transition committing concurrently is not left under the old policy. Takes the subscription row FOR SHARE. Returns void.';
 
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';
@@ -697,7 +658,7 @@ GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, bool
 ALTER FUNCTION outbox.replay(bigint, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.cancel(bigint, text) SECURITY DEFINER;
-ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.pause_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.resume_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
@@ -708,7 +669,7 @@ ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
-    outbox.alter_subscription(text, integer, interval, interval, interval, text),
+    outbox.alter_subscription(text, integer, interval, interval, interval),
     outbox.pause_subscription(text), outbox.resume_subscription(text),
     outbox._subscription(text), outbox._check_subscription(text),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),

@@ -31,19 +31,17 @@ CREATE TABLE outbox.topics (
 
 -- Subscriptions (consumer groups): each receives the events of its topics, with
 -- its own leases, retries and dead letters. 0.7.0 stores one, 'default', the group
--- every claim served before subscriptions existed; its row holds the policy that
--- overrides the per-topic settings (NULL: the topic's, then the GUC), and whether
--- it is paused. Named subscriptions arrive with the log storage
+-- every claim served before subscriptions existed, which receives every topic;
+-- its row holds the policy that overrides the per-topic settings (NULL: the
+-- topic's, then the GUC), and whether it is paused. Named subscriptions, their
+-- topic filters and their own dead-letter policy arrive with the log storage
 -- (docs/design/subscriptions.md).
 CREATE TABLE outbox.subscription_catalog (
     name                text PRIMARY KEY,
-    -- Topic patterns in claim's grammar; NULL: every topic.
-    topics              text[],
     max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
     backoff_base        interval CHECK (backoff_base > interval '0'),
     backoff_max         interval CHECK (backoff_max > interval '0'),
     default_lease       interval CHECK (default_lease > interval '0'),
-    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
     paused              boolean NOT NULL DEFAULT false,
     paused_at           timestamptz,
     created_at          timestamptz NOT NULL DEFAULT now(),

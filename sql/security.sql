@@ -50,7 +50,7 @@ GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, bool
 ALTER FUNCTION outbox.replay(bigint, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.cancel(bigint, text) SECURITY DEFINER;
-ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.pause_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.resume_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
@@ -61,7 +61,7 @@ ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
-    outbox.alter_subscription(text, integer, interval, interval, interval, text),
+    outbox.alter_subscription(text, integer, interval, interval, interval),
     outbox.pause_subscription(text), outbox.resume_subscription(text),
     outbox._subscription(text), outbox._check_subscription(text),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),

@@ -2,8 +2,9 @@
 -- look. 0.7.0 stores one subscription, 'default'; every function takes the name,
 -- so that named subscriptions (docs/design/subscriptions.md) change no signature.
 --
--- Precedence of a setting: the subscription's, else the topic's
--- (outbox.create_topic), else the GUC (outbox.max_attempts, ...).
+-- Precedence of a setting (max_attempts, backoff, default lease): the
+-- subscription's, else the topic's (outbox.create_topic), else the GUC
+-- (outbox.max_attempts, ...). The dead-letter policy is the topic's.
 
 -- The name a subscription argument resolves to (NULL: 'default'), or 42704.
 CREATE FUNCTION outbox._subscription(name text) RETURNS text
@@ -31,9 +32,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     UPDATE outbox.subscription_catalog c
-       SET topics = NEW.topics, max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
+       SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
-           dead_letter_policy = NEW.dead_letter_policy, paused = NEW.paused, paused_at = NEW.paused_at,
+           paused = NEW.paused, paused_at = NEW.paused_at,
            created_at = NEW.created_at, updated_at = NEW.updated_at
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
@@ -46,54 +47,49 @@ CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
     FOR EACH ROW EXECUTE FUNCTION outbox._subscription_restore();
 
 CREATE FUNCTION outbox.alter_subscription(
-    name               text,
-    max_attempts       integer  DEFAULT NULL,
-    backoff_base       interval DEFAULT NULL,
-    backoff_max        interval DEFAULT NULL,
-    default_lease      interval DEFAULT NULL,
-    dead_letter_policy text     DEFAULT NULL
+    name          text,
+    max_attempts  integer  DEFAULT NULL,
+    backoff_base  interval DEFAULT NULL,
+    backoff_max   interval DEFAULT NULL,
+    default_lease interval DEFAULT NULL
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     resolved text := outbox._check_subscription(name);
-    cur outbox.subscription_catalog;
 BEGIN
     IF name IS NULL THEN
         RAISE EXCEPTION 'outbox: subscription name must not be NULL' USING ERRCODE = '22004';
     END IF;
-    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
-                                 COALESCE(dead_letter_policy, 'block'), NULL, NULL);
-    -- FOR UPDATE: fail() reads the policy under FOR SHARE (src/lease.rs).
-    SELECT * INTO cur FROM outbox.subscription_catalog c
-     WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
+    -- No event row changes: claim() and fail() read these settings when they act
+    -- (a claim in its own statement, fail() when it locks the event), so a change
+    -- applies from its commit and never waits for, or stalls, a worker.
+    UPDATE outbox.subscription_catalog c SET
+        max_attempts  = COALESCE(alter_subscription.max_attempts, c.max_attempts),
+        backoff_base  = COALESCE(alter_subscription.backoff_base, c.backoff_base),
+        backoff_max   = COALESCE(alter_subscription.backoff_max, c.backoff_max),
+        default_lease = COALESCE(alter_subscription.default_lease, c.default_lease),
+        updated_at    = pg_catalog.now()
+     WHERE c.name OPERATOR(pg_catalog.=) resolved;
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
-    END IF;
-    UPDATE outbox.subscription_catalog c SET
-        max_attempts       = COALESCE(alter_subscription.max_attempts, c.max_attempts),
-        backoff_base       = COALESCE(alter_subscription.backoff_base, c.backoff_base),
-        backoff_max        = COALESCE(alter_subscription.backoff_max, c.backoff_max),
-        default_lease      = COALESCE(alter_subscription.default_lease, c.default_lease),
-        dead_letter_policy = COALESCE(alter_subscription.dead_letter_policy, c.dead_letter_policy),
-        updated_at         = pg_catalog.now()
-     WHERE c.name OPERATOR(pg_catalog.=) resolved;
-    IF dead_letter_policy IS DISTINCT FROM cur.dead_letter_policy AND dead_letter_policy IS NOT NULL THEN
-        PERFORM outbox._apply_dead_letter_policy(NULL, NULL);
     END IF;
 END
 $$;
 
-COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, text) IS
-'Change a subscription''s policy, which overrides the per-topic settings (which override the GUCs). NULL arguments leave that setting unchanged. '
-'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: claims of the subscription that reach it go dead, applied at once to events already published), '
-'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none), '
-'dead_letter_policy (''block'' or ''skip'', as create_topic: switching to ''skip'' releases subjects blocked by existing dead letters). Returns void. '
-'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription. Waits for fail() calls in progress (they read the policy FOR SHARE).';
+COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) IS
+'Change a subscription''s policy, which overrides the per-topic settings (which override the GUCs). NULL arguments leave that setting unchanged; to reset one to the topic''s, '
+'UPDATE outbox.subscription_catalog SET ... = NULL as the owner. '
+'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: attempts a claim may start; an event that has used them goes dead at its next failure, lease expiry or claim), '
+'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none). '
+'Applies from its commit; changes no event and never waits for workers. The dead-letter policy stays per topic (create_topic). Returns void. '
+'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription.';
 
 -- Pausing: a paused subscription keeps its events and hands out none; events
--- already leased stay leased and can still be acked, failed or extended.
+-- already leased stay leased and can still be acked, failed or extended (fail()
+-- reads the catalog row without locking it, so a pause never waits for workers).
 CREATE FUNCTION outbox._set_paused(name text, pause boolean) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -140,41 +136,43 @@ COMMENT ON FUNCTION outbox.resume_subscription(text) IS
 CREATE VIEW outbox.subscriptions AS
 WITH q AS (
     SELECT pg_catalog.count(*) FILTER (WHERE e.state <> 'dead') AS undelivered,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS ready,
+           -- What a claim could take now: subject heads whose time has come,
+           -- expired leases included (the claim index's rows).
+           pg_catalog.count(*) FILTER (WHERE e.state <> 'dead' AND e.is_head AND e.visible_at <= pg_catalog.now()) AS ready,
            pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
            pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
            pg_catalog.min(e.id) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_id,
            pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
       FROM outbox.event_queue e
 )
-SELECT c.name, c.topics, c.paused, c.paused_at,
+SELECT c.name, NULL::text[] AS topics, c.paused, c.paused_at,
        q.undelivered AS lag_events,
        pg_catalog.now() - q.oldest_undelivered_at AS lag,
        q.oldest_undelivered_id, q.oldest_undelivered_at,
        q.ready, q.leased AS leases_in_flight, q.dead AS dead_letters,
        a.last_claim_at,
-       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease, c.dead_letter_policy,
+       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
        c.created_at, c.updated_at
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
  CROSS JOIN q;
 
 COMMENT ON VIEW outbox.subscriptions IS
-'One row per subscription: name, topics (its filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending or leased), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (claimable now), leases_in_flight, dead_letters, '
-'last_claim_at (the last claim of a session that claims from it, noted at most once a second per session; NULL when never), '
-'and its policy (max_attempts, backoff_base, backoff_max, default_lease, dead_letter_policy; NULL = the topic''s setting, else the GUC), created_at, updated_at. '
+'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending or leased), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
+'and its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at. '
 '0.7.0 stores one subscription, ''default'', which every event belongs to. Reads the whole hot queue: poll it every 15 s or slower.';
 
 CREATE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
-       e.state, e.attempts, e.max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
+       e.state, e.attempts, COALESCE(c.max_attempts, e.max_attempts) AS max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
        e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
   FROM outbox.events e
  CROSS JOIN outbox.subscription_catalog c
  WHERE c.name = 'default';
 
 COMMENT ON VIEW outbox.deliveries IS
-'One row per event and subscription: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts, '
+'One row per event and subscription: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
 '0.7.0 stores one subscription, ''default'': its rows are those of outbox.events.';

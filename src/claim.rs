@@ -35,9 +35,9 @@
 //! claim serves; 0.7.0 stores one, `default`, whose rows are all of
 //! `event_queue`. An unknown name raises 42704 before any event is read; a paused
 //! subscription hands out nothing (and its expired leases stay as they are until
-//! it resumes). The subscription's policy (lease, max_attempts, dead-letter policy)
-//! overrides the topic's, read inside the claim statement (`sub_row!` in
-//! src/sql/claim.rs). A library newer than the installed SQL is called with four
+//! it resumes). The subscription's lease and max_attempts override the topic's,
+//! read inside the claim statement (`sub_row!` in src/sql/claim.rs); an event
+//! that has used the subscription's attempts goes dead instead of being leased. A library newer than the installed SQL is called with four
 //! arguments and no catalog exists: it claims as 0.6.0 did.
 
 use crate::errors;

@@ -14,8 +14,7 @@ use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
 use crate::pg::fcall::{Array, Call};
 use crate::pg::plans;
 use crate::sql::lease::{
-    ACK, ACK_BATCH, ACK_BATCH_DROP, ACK_DROP, EXTEND, FAIL_APPLY, FAIL_LOCK, FAIL_LOCK_060, FAIL_SUBSCRIPTION_LOCK,
-    FAIL_TOPIC_LOCK,
+    ACK, ACK_BATCH, ACK_BATCH_DROP, ACK_DROP, EXTEND, FAIL_APPLY, FAIL_LOCK, FAIL_LOCK_060, FAIL_TOPIC_LOCK,
 };
 use crate::{gucs, lowwater, pg, subject, validate, wakeup};
 use pgrx::prelude::*;
@@ -102,13 +101,10 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return "stale".into_datum().unwrap();
     };
-    // The SQL of 0.7.0 on has the subscription catalog, whose policy comes first
+    plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
+    // The SQL of 0.7.0 on has the subscription catalog, whose settings come first
     // (one syscache probe: the answer changes with ALTER EXTENSION UPDATE).
     let catalog = pg::catalog::outbox_relid(c"subscription_catalog").is_some();
-    if catalog {
-        plans::run(&FAIL_SUBSCRIPTION_LOCK, &[], |_| ());
-    }
-    plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
     let lock = if catalog { &FAIL_LOCK } else { &FAIL_LOCK_060 };
     let row = plans::run(lock, &[id.param(), tok.param()], |t| {
         if t.is_empty() {

@@ -243,7 +243,7 @@ mod tests {
         assert!(is_subscription(&"a".repeat(63)));
     }
 
-    #[test]
+    #[pg_test]
     fn topic_grammar() {
         for ok in ["a", "billing.invoice.paid", "a-b_c.0", "x.y.z.w"] {
             assert!(is_topic(ok), "{ok} should be valid");

@@ -72,9 +72,9 @@ class DB:
             c.execute("SET lock_timeout = '10s'")
             c.execute(f"TRUNCATE {', '.join([TABLES, *extra])}")
             # The default subscription back to its install state.
-            c.execute("UPDATE outbox.subscription_catalog SET topics = NULL, max_attempts = NULL, backoff_base = NULL, "
-                      "backoff_max = NULL, default_lease = NULL, dead_letter_policy = NULL, paused = false, "
-                      "paused_at = NULL WHERE name = 'default'")
+            c.execute("UPDATE outbox.subscription_catalog SET max_attempts = NULL, backoff_base = NULL, "
+                      "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL "
+                      "WHERE name = 'default'")
             c.execute("UPDATE outbox.subscription_activity SET last_claim_at = NULL")
 
     def close(self):

@@ -26,12 +26,10 @@ DROP FUNCTION outbox.cancel(bigint);
 
 CREATE TABLE outbox.subscription_catalog (
     name                text PRIMARY KEY,
-    topics              text[],
     max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
     backoff_base        interval CHECK (backoff_base > interval '0'),
     backoff_max         interval CHECK (backoff_max > interval '0'),
     default_lease       interval CHECK (default_lease > interval '0'),
-    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
     paused              boolean NOT NULL DEFAULT false,
     paused_at           timestamptz,
     created_at          timestamptz NOT NULL DEFAULT now(),

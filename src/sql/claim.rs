@@ -46,21 +46,24 @@ macro_rules! cand_sql {
 
 /// The subscription's policy row the claim statement reads, as `s`: from the
 /// catalog ($8 names it), or all NULL under the SQL of 0.6.0 and earlier, which
-/// has no catalog. Read in the statement itself, so under its snapshot: a policy
-/// change that commits before the statement is read with the rows it applies to.
+/// has no catalog. Read in the statement itself, so under its snapshot.
 macro_rules! sub_row {
     (sub) => {
-        "(SELECT c.max_attempts, c.default_lease, c.dead_letter_policy FROM outbox.subscription_catalog c WHERE c.name = $8)"
+        "(SELECT c.max_attempts, c.default_lease FROM outbox.subscription_catalog c WHERE c.name = $8)"
     };
     (nosub) => {
-        "(SELECT NULL::int4 AS max_attempts, NULL::interval AS default_lease, NULL::text AS dead_letter_policy)"
+        "(SELECT NULL::int4 AS max_attempts, NULL::interval AS default_lease)"
     };
 }
 
-/// SQL condition: the row's lease expired on its last attempt (it goes dead).
+/// SQL condition: the event has used its attempts and goes dead instead of
+/// being leased again: a lease that expired on the last attempt, or a pending
+/// event past a max_attempts the subscription lowered since its last failure.
+/// (Without a lowered limit a pending event always has attempts left: fail()
+/// turns the last failure dead, replay resets the count.)
 macro_rules! last_attempt_expired {
     () => {
-        "q.state = 'leased' AND q.attempts >= COALESCE(s.max_attempts, q.max_attempts)"
+        "q.attempts >= COALESCE(s.max_attempts, q.max_attempts) AND (q.state = 'leased' OR q.attempts > 0)"
     };
 }
 
@@ -89,8 +92,7 @@ macro_rules! claim_sql {
             "             ELSE q.errors END,",
             "    dead_at = CASE WHEN ", last_attempt_expired!(), " THEN clock_timestamp() ELSE q.dead_at END,",
             "    blocks_subject = ", last_attempt_expired!(), " AND q.subject IS NOT NULL",
-            "                     AND COALESCE(s.dead_letter_policy,",
-            "                                  (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
+            "                     AND COALESCE((SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
             "  FROM ", sub_row!($sub), " s",
             // ANY(ARRAY(..)) pins the update to primary-key lookups; a join let the
             // planner hash-join against a sequential scan when statistics were stale.

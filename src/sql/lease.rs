@@ -86,19 +86,14 @@ pub const FAIL_TOPIC_LOCK: Stmt = Stmt {
     types: &[pg_sys::INT8OID],
 };
 
-/// The subscription's policy row (0.7.0: always `default`), FOR SHARE, before the
-/// topic's: as [`FAIL_TOPIC_LOCK`] serialises with `alter_topic`, this serialises
-/// with `alter_subscription` and `pause_subscription` (which lock it FOR UPDATE).
-/// Subscription before topic before event, the order `alter_topic` takes them in
-/// too (sql/admin.sql, `_apply_dead_letter_policy`). Claims never lock it: they
-/// note their time in `outbox.subscription_activity`.
-pub const FAIL_SUBSCRIPTION_LOCK: Stmt =
-    Stmt { sql: "SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = 'default' FOR SHARE OF c", types: &[] };
-
 /// The leased event and the policy its failure follows: the subscription's
-/// setting, else the topic's (else, in fail(), the GUC).
+/// setting, else the topic's (else, in fail(), the GUC); the dead-letter policy
+/// is the topic's. The catalog row is read, not locked: a stale max_attempts or
+/// backoff changes one retry's timing, nothing that other rows depend on, and a
+/// lock would make pause_subscription and alter_subscription wait for failing
+/// transactions (and fail them under REPEATABLE READ).
 macro_rules! fail_lock {
-    ($sub_join:literal, $max:literal, $base:literal, $cap:literal, $policy:literal) => {
+    ($sub_join:literal, $max:literal, $base:literal, $cap:literal) => {
         concat!(
             "SELECT q.attempts, ",
             $max,
@@ -107,9 +102,7 @@ macro_rules! fail_lock {
             ", ",
             $cap,
             ", ",
-            "(q.subject IS NOT NULL AND COALESCE(",
-            $policy,
-            "t.dead_letter_policy, 'block') = 'block'), q.subject ",
+            "(q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block'), q.subject ",
             "FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic ",
             $sub_join,
             "WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' ",
@@ -123,15 +116,14 @@ pub const FAIL_LOCK: Stmt = Stmt {
         "LEFT JOIN outbox.subscription_catalog c ON c.name = 'default' ",
         "COALESCE(c.max_attempts, q.max_attempts)",
         "COALESCE(c.backoff_base, t.backoff_base)",
-        "COALESCE(c.backoff_max, t.backoff_max)",
-        "c.dead_letter_policy, "
+        "COALESCE(c.backoff_max, t.backoff_max)"
     ),
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
 /// [`FAIL_LOCK`] for the SQL of 0.6.0 and earlier, which has no subscriptions.
 pub const FAIL_LOCK_060: Stmt = Stmt {
-    sql: fail_lock!("", "q.max_attempts", "t.backoff_base", "t.backoff_max", ""),
+    sql: fail_lock!("", "q.max_attempts", "t.backoff_base", "t.backoff_max"),
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
