@@ -44,6 +44,11 @@ fn plan_for(client: &SpiClient<'_>, stmt: &Stmt) -> Rc<OwnedPreparedStatement> {
 
 /// Run `stmt` with `args` inside an SPI connection and hand the result table to
 /// `f`. `f` runs while SPI's result memory is alive (copy anything you keep).
+///
+/// Every statement run here, a plain SELECT too, leaves the transaction with an
+/// id: pgrx's `SpiClient::update` assigns one (`GetCurrentTransactionId`) before
+/// it executes. Code that must see a transaction without one
+/// ([`crate::lowwater::claim_start`]) runs before any statement.
 pub fn run<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(pgrx::spi::SpiTupleTable<'_>) -> R) -> R {
     Spi::connect_mut(|client| {
         let plan = plan_for(client, stmt);
