@@ -53,7 +53,7 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
 
 COMMENT ON FUNCTION outbox._topics_changed() IS
-'Internal trigger function on outbox.topics: invalidates every backend''s cached copy of the topic registry (src/topics.rs).';
+'Internal trigger function on outbox.topics and outbox.subscription_catalog: invalidates every backend''s cached copy of the topic registry (src/topics.rs) and of the subscriptions (src/subscriptions.rs).';
 
 COMMENT ON FUNCTION outbox._visible_floor() IS
 'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '

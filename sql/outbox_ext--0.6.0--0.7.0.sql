@@ -278,8 +278,8 @@ BEGIN
     END IF;
     PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
     -- No event row changes: claim() and fail() read these settings when they act
-    -- (a claim in its own statement, fail() when it locks the event), so a change
-    -- applies from its commit and never waits for, or stalls, a worker.
+    -- (from their per-backend cache, src/subscriptions.rs), so a change applies
+    -- to calls that start after its commit and never waits for, or stalls, a worker.
     UPDATE outbox.subscription_catalog c SET
         max_attempts  = COALESCE(alter_subscription.max_attempts, c.max_attempts),
         backoff_base  = COALESCE(alter_subscription.backoff_base, c.backoff_base),
@@ -562,7 +562,7 @@ COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval,
 'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox.pause_subscription(text) IS
-'Pause a subscription: from the commit on, claim() for it returns no rows; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
+'Pause a subscription: a claim() for it that starts after the commit returns no rows, at every isolation level; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
 'Returns true when it paused it, false when it was already paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription. As pgq''s consumer pause and River''s queue pause.';
 
 COMMENT ON FUNCTION outbox.resume_subscription(text) IS
@@ -587,6 +587,9 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+
+COMMENT ON FUNCTION outbox._topics_changed() IS
+'Internal trigger function on outbox.topics and outbox.subscription_catalog: invalidates every backend''s cached copy of the topic registry (src/topics.rs) and of the subscriptions (src/subscriptions.rs).';
 
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';
@@ -687,10 +690,13 @@ GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
 
 -- sql/upgrade/0.6.0--0.7.0.post.sql
--- After the new functions and sql/security.sql: the restore trigger (its
--- function is new in this version), and the grants of the replaced functions.
+-- After the new functions and sql/security.sql: the catalog's triggers (the
+-- restore trigger's function is new in this version), and the grants of the
+-- replaced functions.
 CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
     FOR EACH ROW EXECUTE FUNCTION outbox._subscription_restore();
+CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 
 DO $$
 DECLARE

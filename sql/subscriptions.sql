@@ -46,6 +46,11 @@ $$;
 CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
     FOR EACH ROW EXECUTE FUNCTION outbox._subscription_restore();
 
+-- claim() and fail() cache the catalog per backend (src/subscriptions.rs); any
+-- change to it invalidates every backend's copy at commit, as for outbox.topics.
+CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+
 CREATE FUNCTION outbox.alter_subscription(
     name          text,
     max_attempts  integer  DEFAULT NULL,
@@ -64,8 +69,8 @@ BEGIN
     END IF;
     PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
     -- No event row changes: claim() and fail() read these settings when they act
-    -- (a claim in its own statement, fail() when it locks the event), so a change
-    -- applies from its commit and never waits for, or stalls, a worker.
+    -- (from their per-backend cache, src/subscriptions.rs), so a change applies
+    -- to calls that start after its commit and never waits for, or stalls, a worker.
     UPDATE outbox.subscription_catalog c SET
         max_attempts  = COALESCE(alter_subscription.max_attempts, c.max_attempts),
         backoff_base  = COALESCE(alter_subscription.backoff_base, c.backoff_base),
@@ -89,7 +94,7 @@ COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval,
 
 -- Pausing: a paused subscription keeps its events and hands out none; events
 -- already leased stay leased and can still be acked, failed or extended (fail()
--- reads the catalog row without locking it, so a pause never waits for workers).
+-- reads the catalog without locking it, so a pause never waits for workers).
 CREATE FUNCTION outbox._set_paused(name text, pause boolean) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -121,7 +126,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._set_paused(name, true) $$;
 
 COMMENT ON FUNCTION outbox.pause_subscription(text) IS
-'Pause a subscription: from the commit on, claim() for it returns no rows; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
+'Pause a subscription: a claim() for it that starts after the commit returns no rows, at every isolation level; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
 'Returns true when it paused it, false when it was already paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription. As pgq''s consumer pause and River''s queue pause.';
 
 CREATE FUNCTION outbox.resume_subscription(name text) RETURNS boolean

@@ -35,19 +35,17 @@
 //! claim serves; 0.7.0 stores one, `default`, whose rows are all of
 //! `event_queue`. An unknown name raises 42704 before any event is read; a paused
 //! subscription hands out nothing (and its expired leases stay as they are until
-//! it resumes). The subscription's lease and max_attempts override the topic's,
-//! read inside the claim statement (`sub_row!` in src/sql/claim.rs); an event
-//! that has used the subscription's attempts goes dead instead of being leased. A library newer than the installed SQL is called with four
+//! it resumes). The subscription's lease and max_attempts override the topic's
+//! (from the per-backend cache of src/subscriptions.rs, which says when a change
+//! applies); an event that has used the subscription's attempts goes dead
+//! instead of being leased. A library newer than the installed SQL is called with four
 //! arguments and no catalog exists: it claims as 0.6.0 did.
 
 use crate::errors;
 use crate::pg::fcall::{Array, Call, SetResult, Value};
 use crate::pg::plans;
-use crate::sql::claim::{
-    CLAIM_ALL, CLAIM_ALL_040, CLAIM_ALL_060, CLAIM_TOPICS, CLAIM_TOPICS_040, CLAIM_TOPICS_060, NOTE_CLAIM, RAISE_LEASE,
-    SUBSCRIPTION,
-};
-use crate::{gucs, lowwater, pg, subject, validate};
+use crate::sql::claim::{CLAIM_ALL, CLAIM_ALL_040, CLAIM_TOPICS, CLAIM_TOPICS_040, NOTE_CLAIM, RAISE_LEASE};
+use crate::{gucs, lowwater, pg, subject, subscriptions, validate};
 use pgrx::prelude::*;
 
 /// Split claim's `topics` argument into exact names and prefixes; None means all.
@@ -85,23 +83,6 @@ thread_local! {
 
 /// How often a session records its claims in `outbox.subscription_activity`.
 const NOTE_EVERY_US: i64 = 1_000_000;
-
-/// Whether the claim's subscription is paused; 42704 when it does not exist.
-/// Runs after [`lowwater::claim_start`]: every SPI statement assigns the
-/// transaction an id (pgrx marks it mutable), and the low-water steps need a
-/// transaction that has none yet.
-fn resolve(name: &str) -> bool {
-    let paused: Option<bool> =
-        plans::run(&SUBSCRIPTION, &[name.into()], |t| t.first().get_one::<bool>().ok().flatten());
-    let Some(paused) = paused else {
-        errors::raise_hint(
-            errors::UNDEFINED_OBJECT,
-            format!("subscription '{name}' does not exist"),
-            "List them in outbox.subscriptions.",
-        );
-    };
-    paused
-}
 
 /// Note the claim in `outbox.subscription_activity`, at most once a second per
 /// session and subscription.
@@ -151,17 +132,20 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     // The mark first: its steps read committed state only while this
     // transaction has written nothing (src/lowwater.rs), and the retry below writes.
     let (from_t, from_id) = lowwater::claim_start();
-    let subscription = match subscription {
+    // The subscription's settings come from the per-backend cache
+    // (src/subscriptions.rs), after claim_start: a catalog read would give the
+    // transaction an id, and the low-water steps need one without.
+    let settings = match subscription {
         Some(name) => {
-            let paused = resolve(&name);
+            let settings = subscriptions::require(&name);
             note_claim(&name, now);
-            if paused {
+            if settings.paused {
                 SetResult::begin(&call);
                 return call.finish_set();
             }
-            Some(name)
+            settings
         }
-        None => None,
+        None => subscriptions::Settings::default(),
     };
     // Which locking statements the installed SQL allows: 0.5.0 on has
     // _lock_row (one catalog lookup per claim under SQL older than 0.7.0).
@@ -176,19 +160,19 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         plans::ts_param(now),
         plans::ts_param(from_t),
         from_id.into(),
-        subscription.as_deref().into(),
+        settings.max_attempts.into(),
+        settings.default_lease.into(),
     ];
-    let stmt = match (filter, catalog, lock_row) {
-        (None, true, _) => &CLAIM_ALL,
-        (None, false, true) => &CLAIM_ALL_060,
-        (None, false, false) => &CLAIM_ALL_040,
-        (Some((exact, prefixes)), catalog, lock_row) => {
+    let stmt = match filter {
+        None if lock_row => &CLAIM_ALL,
+        None => &CLAIM_ALL_040,
+        Some((exact, prefixes)) => {
             args.push(exact.into());
             args.push(prefixes.into());
-            match (catalog, lock_row) {
-                (true, _) => &CLAIM_TOPICS,
-                (false, true) => &CLAIM_TOPICS_060,
-                (false, false) => &CLAIM_TOPICS_040,
+            if lock_row {
+                &CLAIM_TOPICS
+            } else {
+                &CLAIM_TOPICS_040
             }
         }
     };

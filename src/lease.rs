@@ -13,10 +13,8 @@ use crate::backoff;
 use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
 use crate::pg::fcall::{Array, Call};
 use crate::pg::plans;
-use crate::sql::lease::{
-    ACK, ACK_BATCH, ACK_BATCH_DROP, ACK_DROP, EXTEND, FAIL_APPLY, FAIL_LOCK, FAIL_LOCK_060, FAIL_TOPIC_LOCK,
-};
-use crate::{gucs, lowwater, pg, subject, validate, wakeup};
+use crate::sql::lease::{ACK, ACK_BATCH, ACK_BATCH_DROP, ACK_DROP, EXTEND, FAIL_APPLY, FAIL_LOCK, FAIL_TOPIC_LOCK};
+use crate::{gucs, lowwater, pg, subject, subscriptions, validate, wakeup};
 use pgrx::prelude::*;
 
 /// Longest error text kept per failure; longer texts are cut at a character boundary.
@@ -102,11 +100,7 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         return "stale".into_datum().unwrap();
     };
     plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
-    // The SQL of 0.7.0 on has the subscription catalog, whose settings come first
-    // (one syscache probe: the answer changes with ALTER EXTENSION UPDATE).
-    let catalog = pg::catalog::outbox_relid(c"subscription_catalog").is_some();
-    let lock = if catalog { &FAIL_LOCK } else { &FAIL_LOCK_060 };
-    let row = plans::run(lock, &[id.param(), tok.param()], |t| {
+    let row = plans::run(&FAIL_LOCK, &[id.param(), tok.param()], |t| {
         if t.is_empty() {
             return None;
         }
@@ -122,15 +116,28 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let Some((attempts, max_attempts, base, cap, blocks, subject)) = row else {
         return "stale".into_datum().unwrap();
     };
+    // The subscription's settings come first (0.7.0: every event is the
+    // `default` subscription's); the SQL of 0.6.0 and earlier has no catalog
+    // (one syscache probe: the answer changes with ALTER EXTENSION UPDATE).
+    let sub = if pg::catalog::outbox_relid(c"subscription_catalog").is_some() {
+        subscriptions::lookup(validate::DEFAULT_SUBSCRIPTION).unwrap_or_default()
+    } else {
+        subscriptions::Settings::default()
+    };
+    let max_attempts = sub.max_attempts.unwrap_or(max_attempts);
     let dead = permanent || attempts >= max_attempts;
     let delay_us = if dead {
         0
     } else {
         retry_in.unwrap_or_else(|| {
-            let base =
-                base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
-            let cap =
-                cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
+            let base = sub
+                .backoff_base_us
+                .or_else(|| base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64))
+                .unwrap_or_else(gucs::backoff_base_us);
+            let cap = sub
+                .backoff_max_us
+                .or_else(|| cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64))
+                .unwrap_or_else(gucs::backoff_max_us);
             backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
         })
     };

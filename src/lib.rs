@@ -6,6 +6,7 @@
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
 //! - [`subject`] — subject heads and the subject lock budget
+//! - [`subscriptions`] — the per-backend cache of the subscription catalog
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
 //! - [`wakeup`] — LISTEN/NOTIFY without serialising publishers
@@ -36,6 +37,7 @@ pub mod publish;
 pub mod registry;
 pub mod sql;
 pub mod subject;
+pub mod subscriptions;
 pub mod topics;
 pub mod validate;
 pub mod wakeup;
@@ -108,6 +110,7 @@ pub extern "C-unwind" fn _PG_init() {
     xact::init();
     lowwater::init(preloaded);
     topics::init();
+    subscriptions::init();
     if preloaded {
         registry::init();
         pg::utility::install(registry::pause);

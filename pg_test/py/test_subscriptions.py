@@ -248,9 +248,28 @@ def test_pause_and_claim_at_every_isolation_level(plain, isolation):
     c.execute(f"BEGIN ISOLATION LEVEL {isolation}")
     assert len(claim(c, n=1)) == 1
     admin.execute("SELECT outbox.pause_subscription('default')")
-    # A claim reads the catalog as of its snapshot: under READ COMMITTED the pause
-    # is seen at once; under REPEATABLE READ and SERIALIZABLE at the next transaction.
-    got = claim(c, n=1)
-    assert len(got) == (0 if isolation == "READ COMMITTED" else 1)
+    # A claim that starts after the pause returned finds it, at every isolation
+    # level (the settings cache reloads under a fresh snapshot).
+    assert claim(c, n=1) == []
     c.execute("COMMIT")
     assert claim(c, n=1) == []
+
+
+def test_a_rolled_back_change_is_forgotten_by_the_session_that_made_it(plain):
+    """The settings cache follows the transaction: a pause or a lease change made
+    and rolled back in a session is not applied by that session's next claims."""
+    c = plain.conn()
+    publish(c, n=2)
+    c.execute("BEGIN")
+    c.execute("SELECT outbox.pause_subscription('default')")
+    c.execute("SELECT outbox.alter_subscription('default', default_lease => '3 s')")
+    assert claim(c, n=1) == []  # its own uncommitted pause applies to itself
+    c.execute("ROLLBACK")
+    (r,) = claim(c, n=1)
+    assert r[3].total_seconds() > 3, r  # the GUC default lease, not the rolled-back 3 s
+    c.execute("BEGIN")
+    c.execute("SAVEPOINT s")
+    c.execute("SELECT outbox.pause_subscription('default')")
+    c.execute("ROLLBACK TO SAVEPOINT s")
+    assert len(claim(c, n=1)) == 1
+    c.execute("COMMIT")

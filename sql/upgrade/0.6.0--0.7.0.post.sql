@@ -1,7 +1,10 @@
--- After the new functions and sql/security.sql: the restore trigger (its
--- function is new in this version), and the grants of the replaced functions.
+-- After the new functions and sql/security.sql: the catalog's triggers (the
+-- restore trigger's function is new in this version), and the grants of the
+-- replaced functions.
 CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
     FOR EACH ROW EXECUTE FUNCTION outbox._subscription_restore();
+CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 
 DO $$
 DECLARE

@@ -429,6 +429,14 @@ pub fn register_relcache_callback(cb: pg_sys::RelcacheCallbackFunction) {
     unsafe { pg_sys::CacheRegisterRelcacheCallback(cb, pg_sys::Datum::from(0)) };
 }
 
+/// Read the invalidation messages other backends' commits have sent, running
+/// the registered callbacks (`AcceptInvalidationMessages`, as every lock
+/// acquisition does).
+pub fn accept_invalidations() {
+    // SAFETY: a plain call; callbacks run in this backend.
+    unsafe { pg_sys::AcceptInvalidationMessages() }
+}
+
 /// Send a relcache invalidation for `relid` to every backend, at commit.
 pub fn invalidate_relcache(relid: pg_sys::Oid) {
     // SAFETY: queues an invalidation message by OID; any OID is accepted.

@@ -268,6 +268,20 @@ impl Row {
         self.values[i] = pg_sys::Datum::from(v);
     }
 
+    /// int4 column `i` (0-based), None when NULL or of another type.
+    pub fn i32(&self, i: usize) -> Option<i32> {
+        (self.types[i] == pg_sys::INT4OID && !self.nulls[i]).then(|| self.values[i].value() as i32)
+    }
+
+    /// interval column `i` (0-based), copied out; None when NULL or of another type.
+    pub fn interval(&self, i: usize) -> Option<pgrx::datum::Interval> {
+        if self.types[i] != pg_sys::INTERVALOID {
+            return None;
+        }
+        // SAFETY: an interval datum of the live tuple table (or NULL).
+        unsafe { pgrx::datum::Interval::from_datum(self.values[i], self.nulls[i]) }
+    }
+
     /// Text column `i` (0-based), None when NULL or of another type.
     pub fn text(&self, i: usize) -> Option<String> {
         if self.types[i] != pg_sys::TEXTOID {

@@ -44,18 +44,6 @@ macro_rules! cand_sql {
     };
 }
 
-/// The subscription's policy row the claim statement reads, as `s`: from the
-/// catalog ($8 names it), or all NULL under the SQL of 0.6.0 and earlier, which
-/// has no catalog. Read in the statement itself, so under its snapshot.
-macro_rules! sub_row {
-    (sub) => {
-        "(SELECT c.max_attempts, c.default_lease FROM outbox.subscription_catalog c WHERE c.name = $8)"
-    };
-    (nosub) => {
-        "(SELECT NULL::int4 AS max_attempts, NULL::interval AS default_lease)"
-    };
-}
-
 /// SQL condition: the event has used its attempts and goes dead instead of
 /// being leased again: a lease that expired on the last attempt, or a pending
 /// event past a max_attempts the subscription lowered since its last failure.
@@ -63,12 +51,12 @@ macro_rules! sub_row {
 /// turns the last failure dead, replay resets the count.)
 macro_rules! last_attempt_expired {
     () => {
-        "q.attempts >= COALESCE(s.max_attempts, q.max_attempts) AND (q.state = 'leased' OR q.attempts > 0)"
+        "q.attempts >= COALESCE($8, q.max_attempts) AND (q.state = 'leased' OR q.attempts > 0)"
     };
 }
 
 macro_rules! claim_sql {
-    ($how:ident, $sub:ident, $filter:literal) => {
+    ($how:ident, $filter:literal) => {
         concat!(
             "WITH cand AS (",
             cand_sql!($how, $filter),
@@ -79,7 +67,7 @@ macro_rules! claim_sql {
             "    lease_token = CASE WHEN ", last_attempt_expired!(), " THEN NULL ELSE gen_random_uuid() END,",
             "    visible_at = CASE WHEN ", last_attempt_expired!(), " THEN q.visible_at",
             // The lease: the call's, else the subscription's, the topic's, the GUC.
-            "                      ELSE clock_timestamp() + COALESCE($3, s.default_lease,",
+            "                      ELSE clock_timestamp() + COALESCE($3, $9,",
             // The uncorrelated EXISTS is an InitPlan run once per claim, so the
             // per-row topic lookup only happens when some topic sets a lease.
             "                        CASE WHEN (SELECT EXISTS (SELECT 1 FROM outbox.topics t0 WHERE t0.default_lease IS NOT NULL))",
@@ -93,7 +81,6 @@ macro_rules! claim_sql {
             "    dead_at = CASE WHEN ", last_attempt_expired!(), " THEN clock_timestamp() ELSE q.dead_at END,",
             "    blocks_subject = ", last_attempt_expired!(), " AND q.subject IS NOT NULL",
             "                     AND COALESCE((SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = q.topic), 'block') = 'block'",
-            "  FROM ", sub_row!($sub), " s",
             // ANY(ARRAY(..)) pins the update to primary-key lookups; a join let the
             // planner hash-join against a sequential scan when statistics were stale.
             "  WHERE q.id = ANY (ARRAY(SELECT c.id FROM cand c))",
@@ -109,8 +96,9 @@ macro_rules! claim_sql {
     };
 }
 
-/// Parameter types of the claim statement: $1..$8 ($8 the subscription, unused
-/// by the statements for older SQL), then any the filter adds.
+/// Parameter types of the claim statement: $1..$9 ($8 and $9 the
+/// subscription's max_attempts and default_lease, NULL when it sets none or the
+/// installed SQL predates subscriptions), then any the filter adds.
 macro_rules! claim_types {
     ($($extra:expr),*) => {
         &[
@@ -121,7 +109,8 @@ macro_rules! claim_types {
             pg_sys::TIMESTAMPTZOID,
             pg_sys::TIMESTAMPTZOID,
             pg_sys::INT8OID,
-            pg_sys::TEXTOID,
+            pg_sys::INT4OID,
+            pg_sys::INTERVALOID,
             $($extra),*
         ]
     };
@@ -130,22 +119,20 @@ macro_rules! claim_types {
 pub const ALL_TYPES: &[pg_sys::Oid] = claim_types!();
 pub const TOPIC_TYPES: &[pg_sys::Oid] = claim_types!(pg_sys::TEXTARRAYOID, pg_sys::TEXTARRAYOID);
 
-pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, sub, ""), types: ALL_TYPES };
+pub const CLAIM_ALL: Stmt = Stmt { sql: claim_sql!(lock_row, ""), types: ALL_TYPES };
 pub const CLAIM_TOPICS: Stmt =
-    Stmt { sql: claim_sql!(lock_row, sub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
-/// For the SQL of 0.5.0 and 0.6.0: `_lock_row`, no subscription catalog.
-pub const CLAIM_ALL_060: Stmt = Stmt { sql: claim_sql!(lock_row, nosub, ""), types: ALL_TYPES };
-pub const CLAIM_TOPICS_060: Stmt =
-    Stmt { sql: claim_sql!(lock_row, nosub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
-/// For the SQL of 0.4.0: FOR UPDATE SKIP LOCKED, no subscription catalog.
-pub const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, nosub, ""), types: ALL_TYPES };
+    Stmt { sql: claim_sql!(lock_row, "AND (q.topic = ANY($10) OR q.topic ^@ ANY($11))"), types: TOPIC_TYPES };
+/// For the SQL of 0.4.0: FOR UPDATE SKIP LOCKED.
+pub const CLAIM_ALL_040: Stmt = Stmt { sql: claim_sql!(skip_locked, ""), types: ALL_TYPES };
 pub const CLAIM_TOPICS_040: Stmt =
-    Stmt { sql: claim_sql!(skip_locked, nosub, "AND (q.topic = ANY($9) OR q.topic ^@ ANY($10))"), types: TOPIC_TYPES };
+    Stmt { sql: claim_sql!(skip_locked, "AND (q.topic = ANY($10) OR q.topic ^@ ANY($11))"), types: TOPIC_TYPES };
 
-/// The subscription a claim serves: whether it exists and is paused. Read before
-/// the claim statement; a pause that commits after it is seen by the next claim.
-pub const SUBSCRIPTION: Stmt =
-    Stmt { sql: "SELECT c.paused FROM outbox.subscription_catalog c WHERE c.name = $1", types: &[pg_sys::TEXTOID] };
+/// Every subscription's settings, for the per-backend cache (src/subscriptions.rs).
+pub const SUBSCRIPTIONS: Stmt = Stmt {
+    sql: "SELECT c.name, c.paused, c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease \
+            FROM outbox.subscription_catalog c",
+    types: &[],
+};
 
 /// Note when the subscription was last claimed from, only if no other
 /// transaction holds or changed its activity row (`_lock_row`): a claim never

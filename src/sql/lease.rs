@@ -86,44 +86,14 @@ pub const FAIL_TOPIC_LOCK: Stmt = Stmt {
     types: &[pg_sys::INT8OID],
 };
 
-/// The leased event and the policy its failure follows: the subscription's
-/// setting, else the topic's (else, in fail(), the GUC); the dead-letter policy
-/// is the topic's. The catalog row is read, not locked: a stale max_attempts or
-/// backoff changes one retry's timing, nothing that other rows depend on, and a
-/// lock would make pause_subscription and alter_subscription wait for failing
-/// transactions (and fail them under REPEATABLE READ).
-macro_rules! fail_lock {
-    ($sub_join:literal, $max:literal, $base:literal, $cap:literal) => {
-        concat!(
-            "SELECT q.attempts, ",
-            $max,
-            ", ",
-            $base,
-            ", ",
-            $cap,
-            ", ",
-            "(q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block'), q.subject ",
-            "FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic ",
-            $sub_join,
-            "WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' ",
-            "FOR UPDATE OF q"
-        )
-    };
-}
-
+/// The leased event and the topic's policy for its failure (fail() applies the
+/// subscription's settings over it, then the GUCs).
 pub const FAIL_LOCK: Stmt = Stmt {
-    sql: fail_lock!(
-        "LEFT JOIN outbox.subscription_catalog c ON c.name = 'default' ",
-        "COALESCE(c.max_attempts, q.max_attempts)",
-        "COALESCE(c.backoff_base, t.backoff_base)",
-        "COALESCE(c.backoff_max, t.backoff_max)"
-    ),
-    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
-};
-
-/// [`FAIL_LOCK`] for the SQL of 0.6.0 and earlier, which has no subscriptions.
-pub const FAIL_LOCK_060: Stmt = Stmt {
-    sql: fail_lock!("", "q.max_attempts", "t.backoff_base", "t.backoff_max"),
+    sql: "SELECT q.attempts, q.max_attempts, t.backoff_base, t.backoff_max, \
+                 (q.subject IS NOT NULL AND COALESCE(t.dead_letter_policy, 'block') = 'block'), q.subject \
+            FROM outbox.event_queue q LEFT JOIN outbox.topics t ON t.topic = q.topic \
+           WHERE q.id = $1 AND q.lease_token = $2 AND q.state = 'leased' \
+             FOR UPDATE OF q",
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 

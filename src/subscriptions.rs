@@ -1,0 +1,103 @@
+//! A per-backend cache of the subscription catalog for claim() and fail().
+//!
+//! Every claim needs its subscription's state (does it exist, is it paused, its
+//! lease and max_attempts) and every fail() its backoff and max_attempts. Reading
+//! `outbox.subscription_catalog` in SQL on each call cost a claim about 7%, so
+//! each backend keeps the catalog in memory, as [`crate::topics`] keeps the topic
+//! registry: any change to the table fires a statement trigger that sends a
+//! relcache invalidation, and every backend's callback drops its copy.
+//!
+//! # A pause applies to every claim that starts after its commit
+//! Invalidations reach other backends when the changing transaction commits, and
+//! a backend reads them at [`crate::pg::accept_invalidations`], which
+//! [`lookup`] calls first. A reload reads the catalog under a snapshot taken then
+//! ([`plans::run_latest`]), so it sees every commit that sent an invalidation
+//! already read, at any isolation level (also under REPEATABLE READ, where the
+//! transaction's own snapshot may be older). So a claim whose call starts after
+//! `pause_subscription` committed finds the subscription paused. In the changing
+//! session itself the invalidation applies at its next command, and an abort
+//! replays it locally, so a rolled-back change is forgotten too.
+//!
+//! Nothing else depends on these values being current: a stale max_attempts or
+//! backoff changes one retry's timing, not which rows other rows depend on.
+
+use crate::errors;
+use crate::pg;
+use crate::pg::plans;
+use crate::sql::claim::SUBSCRIPTIONS;
+use pgrx::prelude::*;
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+/// One subscription's settings; None means "the topic's, else the GUC".
+#[derive(Clone, Debug, Default)]
+pub struct Settings {
+    /// Claims return nothing while true.
+    pub paused: bool,
+    /// Attempts a claim may start.
+    pub max_attempts: Option<i32>,
+    /// fail()'s backoff base, in µs.
+    pub backoff_base_us: Option<i64>,
+    /// fail()'s backoff cap, in µs.
+    pub backoff_max_us: Option<i64>,
+    /// claim()'s lease when the call passes none.
+    pub default_lease: Option<Interval>,
+}
+
+thread_local! {
+    static CACHE: RefCell<Option<HashMap<String, Settings>>> = const { RefCell::new(None) };
+}
+
+/// Register the invalidation callback. Called from `_PG_init`.
+pub fn init() {
+    pg::register_relcache_callback(Some(relcache_callback));
+}
+
+#[pg_guard]
+extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+    // As in crate::topics: any relcache invalidation drops the small cache.
+    CACHE.with(|c| *c.borrow_mut() = None);
+}
+
+fn us(iv: Option<Interval>) -> Option<i64> {
+    iv.and_then(|iv| crate::validate::interval_us(&iv)).map(|v| v as i64)
+}
+
+/// The settings of subscription `name`, or None when it does not exist. Only
+/// with the SQL of 0.7.0 or later (the catalog must exist).
+pub fn lookup(name: &str) -> Option<Settings> {
+    pg::accept_invalidations();
+    let cached = CACHE.with(|c| c.borrow().as_ref().map(|m| m.get(name).cloned()));
+    if let Some(hit) = cached {
+        return hit;
+    }
+    let map: HashMap<String, Settings> = plans::run_latest(&SUBSCRIPTIONS, &[], |rows| {
+        let mut map = HashMap::new();
+        rows.for_each(|row| {
+            let Some(n) = row.text(0) else { return };
+            let s = Settings {
+                paused: row.bool(1).unwrap_or(false),
+                max_attempts: row.i32(2),
+                backoff_base_us: us(row.interval(3)),
+                backoff_max_us: us(row.interval(4)),
+                default_lease: row.interval(5),
+            };
+            map.insert(n, s);
+        });
+        map
+    });
+    let hit = map.get(name).cloned();
+    CACHE.with(|c| *c.borrow_mut() = Some(map));
+    hit
+}
+
+/// [`lookup`], raising 42704 when the subscription does not exist.
+pub fn require(name: &str) -> Settings {
+    lookup(name).unwrap_or_else(|| {
+        errors::raise_hint(
+            errors::UNDEFINED_OBJECT,
+            format!("subscription '{name}' does not exist"),
+            "List them in outbox.subscriptions.",
+        )
+    })
+}
