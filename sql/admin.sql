@@ -190,6 +190,8 @@ CREATE FUNCTION outbox._topics_changed() RETURNS trigger
 LANGUAGE c AS 'MODULE_PATHNAME', 'outbox_topics_changed';
 CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.topics
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+-- ALWAYS, as for outbox.subscription_catalog (sql/subscriptions.sql).
+ALTER TABLE outbox.topics ENABLE ALWAYS TRIGGER topics_changed;
 
 -- A topic's dead-letter policy applies to the dead letters already there: 'skip'
 -- releases their subjects at once, 'block' starts holding them. Leased events of

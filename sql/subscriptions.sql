@@ -48,8 +48,11 @@ CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
 
 -- claim() and fail() cache the catalog per backend (src/subscriptions.rs); any
 -- change to it invalidates every backend's copy at commit, as for outbox.topics.
+-- ALWAYS: a change applied with triggers off for replicas (logical replication,
+-- session_replication_role = replica) must still reach the caches.
 CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+ALTER TABLE outbox.subscription_catalog ENABLE ALWAYS TRIGGER subscriptions_changed;
 
 CREATE FUNCTION outbox.alter_subscription(
     name          text,

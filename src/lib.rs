@@ -109,8 +109,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init(preloaded);
     xact::init();
     lowwater::init(preloaded);
-    topics::init();
-    subscriptions::init();
+    pg::count_relcache_invalidations();
     if preloaded {
         registry::init();
         pg::utility::install(registry::pause);

@@ -4,8 +4,11 @@
 //! lease and max_attempts) and every fail() its backoff and max_attempts. Reading
 //! `outbox.subscription_catalog` in SQL on each call cost a claim about 7%, so
 //! each backend keeps the catalog in memory, as [`crate::topics`] keeps the topic
-//! registry: any change to the table fires a statement trigger that sends a
-//! relcache invalidation, and every backend's callback drops its copy.
+//! registry: any change to the table fires a statement trigger (enabled ALWAYS,
+//! so replication and `session_replication_role = replica` fire it too) that
+//! sends a relcache invalidation, and a copy is valid only for the count of
+//! invalidations it was loaded under ([`pg::load_consistent`], which also catches
+//! a change that commits while the copy is being read).
 //!
 //! # A pause applies to every claim that starts after its commit
 //! Invalidations reach other backends when the changing transaction commits, and
@@ -45,18 +48,9 @@ pub struct Settings {
 }
 
 thread_local! {
-    static CACHE: RefCell<Option<HashMap<String, Settings>>> = const { RefCell::new(None) };
-}
-
-/// Register the invalidation callback. Called from `_PG_init`.
-pub fn init() {
-    pg::register_relcache_callback(Some(relcache_callback));
-}
-
-#[pg_guard]
-extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
-    // As in crate::topics: any relcache invalidation drops the small cache.
-    CACHE.with(|c| *c.borrow_mut() = None);
+    /// The catalog, and the relcache generation it is valid for
+    /// ([`pg::load_consistent`]): any relcache invalidation makes it stale.
+    static CACHE: RefCell<Option<(u64, HashMap<String, Settings>)>> = const { RefCell::new(None) };
 }
 
 fn us(iv: Option<Interval>) -> Option<i64> {
@@ -67,11 +61,20 @@ fn us(iv: Option<Interval>) -> Option<i64> {
 /// with the SQL of 0.7.0 or later (the catalog must exist).
 pub fn lookup(name: &str) -> Option<Settings> {
     pg::accept_invalidations();
-    let cached = CACHE.with(|c| c.borrow().as_ref().map(|m| m.get(name).cloned()));
+    let generation = pg::relcache_generation();
+    let cached =
+        CACHE.with(|c| c.borrow().as_ref().filter(|(g, _)| *g == generation).map(|(_, m)| m.get(name).cloned()));
     if let Some(hit) = cached {
         return hit;
     }
-    let map: HashMap<String, Settings> = plans::run_latest(&SUBSCRIPTIONS, &[], |rows| {
+    let (generation, map) = pg::load_consistent(load);
+    let hit = map.get(name).cloned();
+    CACHE.with(|c| *c.borrow_mut() = Some((generation, map)));
+    hit
+}
+
+fn load() -> HashMap<String, Settings> {
+    plans::run_latest(&SUBSCRIPTIONS, &[], |rows| {
         let mut map = HashMap::new();
         rows.for_each(|row| {
             let Some(n) = row.text(0) else { return };
@@ -85,10 +88,7 @@ pub fn lookup(name: &str) -> Option<Settings> {
             map.insert(n, s);
         });
         map
-    });
-    let hit = map.get(name).cloned();
-    CACHE.with(|c| *c.borrow_mut() = Some(map));
-    hit
+    })
 }
 
 /// [`lookup`], raising 42704 when the subscription does not exist.

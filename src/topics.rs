@@ -3,9 +3,10 @@
 //! publish() needs the topic's max_attempts. Looking it up in SQL on every call
 //! costs an index-scan node to start and stop per publish (about a tenth of its
 //! time), so each backend keeps `outbox.topics` in memory. Any change to the table
-//! fires a statement trigger that sends a relcache invalidation for it; every
-//! backend's relcache callback then drops its copy, and the next publish reloads
-//! it. Invalidations are transactional: other sessions see the change when it
+//! fires a statement trigger that sends a relcache invalidation for it; a copy is
+//! valid only for the count of relcache invalidations it was loaded under
+//! ([`pg::load_consistent`]), so the next publish after one reloads it.
+//! Invalidations are transactional: other sessions see the change when it
 //! commits, the changing session at its next command.
 
 use crate::errors;
@@ -17,41 +18,38 @@ use pgrx::prelude::*;
 use std::cell::RefCell;
 use std::collections::HashMap;
 
+/// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
+type Registry = HashMap<String, Option<i32>>;
+
 thread_local! {
-    /// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
-    static CACHE: RefCell<Option<HashMap<String, Option<i32>>>> = const { RefCell::new(None) };
-}
-
-/// Register the invalidation callback. Called from `_PG_init`.
-pub fn init() {
-    pg::register_relcache_callback(Some(relcache_callback));
-}
-
-#[pg_guard]
-extern "C-unwind" fn relcache_callback(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
-    // The relid of outbox.topics is not at hand here without a catalog lookup
-    // (not allowed in a callback), and any relcache invalidation is rare next to
-    // publishes, so every invalidation drops the (tiny) cache.
-    CACHE.with(|c| *c.borrow_mut() = None);
+    /// topic -> max_attempts (None: the topic exists but leaves it to the GUC),
+    /// and the relcache generation the copy is valid for. The relid of
+    /// outbox.topics is not at hand in an invalidation callback, and any relcache
+    /// invalidation is rare next to publishes, so every one makes it stale.
+    static CACHE: RefCell<Option<(u64, Registry)>> = const { RefCell::new(None) };
 }
 
 /// The registered state of `topic`: None when unregistered, Some(max_attempts)
 /// when registered (whose inner None means "use outbox.max_attempts").
 pub fn lookup(topic: &str) -> Option<Option<i32>> {
-    let cached = CACHE.with(|c| c.borrow().as_ref().map(|m| m.get(topic).copied()));
+    let generation = pg::relcache_generation();
+    let cached =
+        CACHE.with(|c| c.borrow().as_ref().filter(|(g, _)| *g == generation).map(|(_, m)| m.get(topic).copied()));
     if let Some(hit) = cached {
         return hit;
     }
-    let map: HashMap<String, Option<i32>> = plans::run(&LOAD, &[], |t| {
-        t.map(|row| {
-            let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
-            let max: Option<i32> = errors::spi(row.get::<i32>(2));
-            (name, max)
+    let (generation, map) = pg::load_consistent(|| {
+        plans::run(&LOAD, &[], |t| {
+            t.map(|row| {
+                let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
+                let max: Option<i32> = errors::spi(row.get::<i32>(2));
+                (name, max)
+            })
+            .collect::<Registry>()
         })
-        .collect()
     });
     let hit = map.get(topic).copied();
-    CACHE.with(|c| *c.borrow_mut() = Some(map));
+    CACHE.with(|c| *c.borrow_mut() = Some((generation, map)));
     hit
 }
 

@@ -273,3 +273,60 @@ def test_a_rolled_back_change_is_forgotten_by_the_session_that_made_it(plain):
     c.execute("ROLLBACK TO SAVEPOINT s")
     assert len(claim(c, n=1)) == 1
     c.execute("COMMIT")
+
+
+def _cold_cache_claim_blocked_behind(plain, change_sql):
+    """Session A's cache is made stale by an unrelated invalidation; X locks the
+    catalog, makes `change_sql` and commits while A's claim (reloading its
+    cache) waits for X's lock. Returns A's connection after that claim."""
+    a, x = plain.conn(), plain.conn()
+    publish(a, n=3)
+    assert len(claim(a, n=1)) == 1  # warm cache and saved plans
+    x.execute("CREATE TABLE IF NOT EXISTS public.cache_dummy (i int)")
+    x.execute("ALTER TABLE public.cache_dummy ALTER COLUMN i SET STATISTICS 10")  # any relcache invalidation
+    x.execute("BEGIN")
+    x.execute("LOCK outbox.subscription_catalog IN ACCESS EXCLUSIVE MODE")
+    x.execute(change_sql)
+    done = threading.Event()
+    errs = []
+
+    def blocked():
+        try:
+            claim(a, n=1)
+        except psycopg.Error as e:
+            errs.append(e.sqlstate)
+        done.set()
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    time.sleep(0.3)
+    x.execute("COMMIT")
+    t.join(10)
+    assert done.is_set()
+    return a, errs
+
+
+def test_a_pause_committed_while_a_session_reloads_its_cache_is_not_lost(plain):
+    """The reload's snapshot is taken before its lock, where the pause's
+    invalidation is read: the copy is read again, not kept (found by review)."""
+    a, _ = _cold_cache_claim_blocked_behind(plain, "SELECT outbox.pause_subscription('default')")
+    for _ in range(3):
+        assert claim(a, n=1) == [], "a claim after the pause committed got rows"
+        time.sleep(0.1)
+
+
+def test_a_catalog_truncated_and_refilled_while_a_session_reloads_is_read_again(plain):
+    a, _ = _cold_cache_claim_blocked_behind(
+        plain, "TRUNCATE outbox.subscription_catalog; INSERT INTO outbox.subscription_catalog (name) VALUES ('default')")
+    assert len(claim(a, n=1)) == 1  # 'default' exists: no 42704 from a stale empty copy
+
+
+def test_a_change_made_with_replica_triggers_reaches_the_cache(plain):
+    """The cache trigger is enabled ALWAYS: a change applied as a replica
+    (logical replication, session_replication_role = replica) invalidates too."""
+    a, x = plain.conn(), plain.conn()
+    publish(a, n=2)
+    assert len(claim(a, n=1)) == 1
+    x.execute("SET session_replication_role = replica")
+    x.execute("UPDATE outbox.subscription_catalog SET paused = true WHERE name = 'default'")
+    assert claim(a, n=1) == []

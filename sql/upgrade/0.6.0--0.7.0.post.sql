@@ -5,6 +5,9 @@ CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
     FOR EACH ROW EXECUTE FUNCTION outbox._subscription_restore();
 CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+-- Both cache triggers fire under session_replication_role = replica too.
+ALTER TABLE outbox.subscription_catalog ENABLE ALWAYS TRIGGER subscriptions_changed;
+ALTER TABLE outbox.topics ENABLE ALWAYS TRIGGER topics_changed;
 
 DO $$
 DECLARE

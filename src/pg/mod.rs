@@ -422,11 +422,51 @@ pub fn register_xact_callbacks(xact: pg_sys::XactCallback, subxact: pg_sys::SubX
     }
 }
 
-/// Register a relcache invalidation callback (once per process).
-pub fn register_relcache_callback(cb: pg_sys::RelcacheCallbackFunction) {
+thread_local! {
+    /// Relcache invalidations this backend has processed (any relation).
+    static RELCACHE_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[pgrx::pg_guard]
+extern "C-unwind" fn count_relcache_invalidation(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
+    RELCACHE_GENERATION.with(|g| g.set(g.get().wrapping_add(1)));
+}
+
+/// Start counting relcache invalidations (once per process, from `_PG_init`):
+/// the per-backend caches of the topic registry and the subscription catalog
+/// are valid while the count is the one they were loaded under.
+pub fn count_relcache_invalidations() {
     // SAFETY: registering a static callback with no argument; PostgreSQL keeps a
     // fixed number of slots and raises an error when they are full.
-    unsafe { pg_sys::CacheRegisterRelcacheCallback(cb, pg_sys::Datum::from(0)) };
+    unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(count_relcache_invalidation), pg_sys::Datum::from(0)) };
+}
+
+/// How many relcache invalidations this backend has processed.
+pub fn relcache_generation() -> u64 {
+    RELCACHE_GENERATION.with(|g| g.get())
+}
+
+/// A generation no count reaches: what [`load_consistent`] returns for a copy it
+/// could not take without an invalidation arriving meanwhile (use it once).
+pub const STALE: u64 = u64::MAX;
+
+/// Run `load` (which reads catalog-like tables) until no relcache invalidation
+/// was processed while it ran, and return the generation it is valid for.
+///
+/// A load takes its snapshot before its query locks the table, and the lock is
+/// where PostgreSQL reads pending invalidations: a change that committed in
+/// between is read as of the old snapshot while its invalidation is consumed
+/// during the load. Comparing the count before and after catches exactly that
+/// (as PostgreSQL's own `SharedInvalidMessageCounter` does for the catalogs).
+pub fn load_consistent<T>(load: impl Fn() -> T) -> (u64, T) {
+    for _ in 0..8 {
+        let before = relcache_generation();
+        let value = load();
+        if relcache_generation() == before {
+            return (before, value);
+        }
+    }
+    (STALE, load())
 }
 
 /// Read the invalidation messages other backends' commits have sent, running
