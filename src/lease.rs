@@ -125,19 +125,16 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         subscriptions::Settings::default()
     };
     let max_attempts = sub.max_attempts.unwrap_or(max_attempts);
+    let (base, cap) = (sub.backoff_base.or(base), sub.backoff_max.or(cap));
     let dead = permanent || attempts >= max_attempts;
     let delay_us = if dead {
         0
     } else {
         retry_in.unwrap_or_else(|| {
-            let base = sub
-                .backoff_base_us
-                .or_else(|| base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64))
-                .unwrap_or_else(gucs::backoff_base_us);
-            let cap = sub
-                .backoff_max_us
-                .or_else(|| cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64))
-                .unwrap_or_else(gucs::backoff_max_us);
+            let base =
+                base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
+            let cap =
+                cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
             backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
         })
     };

@@ -1,8 +1,8 @@
 //! A per-backend cache of the subscription catalog for claim() and fail().
 //!
 //! Every claim needs its subscription's state (does it exist, is it paused, its
-//! lease and max_attempts) and every fail() its backoff and max_attempts. Reading
-//! `outbox.subscription_catalog` in SQL on each call cost a claim about 7%, so
+//! lease and max_attempts) and every fail() its backoff and max_attempts. Rather
+//! than read `outbox.subscription_catalog` in SQL on each call (a query per claim),
 //! each backend keeps the catalog in memory, as [`crate::topics`] keeps the topic
 //! registry: any change to the table fires a statement trigger (enabled ALWAYS,
 //! so replication and `session_replication_role = replica` fire it too) that
@@ -39,10 +39,10 @@ pub struct Settings {
     pub paused: bool,
     /// Attempts a claim may start.
     pub max_attempts: Option<i32>,
-    /// fail()'s backoff base, in µs.
-    pub backoff_base_us: Option<i64>,
-    /// fail()'s backoff cap, in µs.
-    pub backoff_max_us: Option<i64>,
+    /// fail()'s backoff base.
+    pub backoff_base: Option<Interval>,
+    /// fail()'s backoff cap.
+    pub backoff_max: Option<Interval>,
     /// claim()'s lease when the call passes none.
     pub default_lease: Option<Interval>,
 }
@@ -51,10 +51,6 @@ thread_local! {
     /// The catalog, and the relcache generation it is valid for
     /// ([`pg::load_consistent`]): any relcache invalidation makes it stale.
     static CACHE: RefCell<Option<(u64, HashMap<String, Settings>)>> = const { RefCell::new(None) };
-}
-
-fn us(iv: Option<Interval>) -> Option<i64> {
-    iv.and_then(|iv| crate::validate::interval_us(&iv)).map(|v| v as i64)
 }
 
 /// The settings of subscription `name`, or None when it does not exist. Only
@@ -81,8 +77,8 @@ fn load() -> HashMap<String, Settings> {
             let s = Settings {
                 paused: row.bool(1).unwrap_or(false),
                 max_attempts: row.i32(2),
-                backoff_base_us: us(row.interval(3)),
-                backoff_max_us: us(row.interval(4)),
+                backoff_base: row.interval(3),
+                backoff_max: row.interval(4),
                 default_lease: row.interval(5),
             };
             map.insert(n, s);

@@ -448,7 +448,7 @@ pub fn relcache_generation() -> u64 {
 
 /// A generation no count reaches: what [`load_consistent`] returns for a copy it
 /// could not take without an invalidation arriving meanwhile (use it once).
-pub const STALE: u64 = u64::MAX;
+const STALE: u64 = u64::MAX;
 
 /// Run `load` (which reads catalog-like tables) until no relcache invalidation
 /// was processed while it ran, and return the generation it is valid for.
