@@ -532,8 +532,10 @@ def test_maintenance_runs_in_every_database(dbs):
 def test_create_extension_at_run_time_is_served_within_2s(dbs, extra_dbs, listeners):
     name = f"{BASE}_late"
     dsn = create_db(dbs.admin, name, extension=False)
-    before = [(p, bt) for p, bt, dn in outbox_backends(dbs.admin) if dn == name]
-    assert before == [], f"outbox backends in {name} before CREATE EXTENSION: {before}"
+    # The launcher's next poll (1 s) probes the new database with a worker, which
+    # finds no extension and leaves; only then is the database known unserved.
+    time.sleep(1.5)
+    wait_no_worker(dbs.admin, name, 2.0, what="before CREATE EXTENSION (a probe finds no extension and leaves)")
     lst = listeners(dsn)
     with connect(dsn) as c:
         c.execute("CREATE EXTENSION outbox_ext")
