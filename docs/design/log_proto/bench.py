@@ -27,6 +27,7 @@ from psycopg.types.string import TextLoader
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
+from obench import agents  # noqa: E402  (bench/run's PgQ consumer)
 from obench import sql as S  # noqa: E402  (the payload and PgQ statements of bench/run)
 
 PG_BINDIR = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
@@ -162,19 +163,7 @@ def _drain_agent(dsn, system, sub, wid, batch, total, counter, barrier, out, rec
 
 
 def pgq_agent(dsn, barrier, out):
-    c = connect(dsn)
-    q = S.DRAIN["pgq"]
-    barrier.wait()
-    t0 = time.monotonic_ns()
-    n = 0
-    while True:
-        bid = c.execute(q["next"]).fetchone()[0]
-        if bid is None:
-            break
-        n += len(c.execute(q["events"], {"batch_id": bid}).fetchall())
-        c.execute(q["finish"], {"batch_id": bid})
-    out.put({"n": n, "t0": t0, "t1": time.monotonic_ns()})
-    c.close()
+    out.put(agents._pgq_consumer(barrier=barrier, dsn=dsn, deadline_s=600))
 
 
 def check(logs, n, subjects):
@@ -274,7 +263,10 @@ def main():
 
     def best(prefix, suffix):
         vals = {w: med.get(f"{prefix} {w}w {suffix}") for w in (1, 2, 4)}
-        w = max((w for w in vals if vals[w]), key=lambda w: vals[w])
+        have = [w for w in vals if vals[w]]
+        if not have:
+            return float("nan"), None
+        w = max(have, key=lambda w: vals[w])
         return vals[w], w
 
     print(f"# Subscription storage prototype: drain of {a.n} events, medians of {a.reps}\n")
