@@ -309,15 +309,18 @@ def _cold_cache_claim_blocked_behind(plain, change_sql):
 def test_a_pause_committed_while_a_session_reloads_its_cache_is_not_lost(plain):
     """The reload's snapshot is taken before its lock, where the pause's
     invalidation is read: the copy is read again, not kept (found by review)."""
-    a, _ = _cold_cache_claim_blocked_behind(plain, "SELECT outbox.pause_subscription('default')")
+    a, errs = _cold_cache_claim_blocked_behind(plain, "SELECT outbox.pause_subscription('default')")
+    assert errs == [], f"the claim that waited for the pause raised {errs}"
     for _ in range(3):
         assert claim(a, n=1) == [], "a claim after the pause committed got rows"
         time.sleep(0.1)
 
 
 def test_a_catalog_truncated_and_refilled_while_a_session_reloads_is_read_again(plain):
-    a, _ = _cold_cache_claim_blocked_behind(
+    a, errs = _cold_cache_claim_blocked_behind(
         plain, "TRUNCATE outbox.subscription_catalog; INSERT INTO outbox.subscription_catalog (name) VALUES ('default')")
+    # The waiting claim itself read the catalog across the TRUNCATE: a stale empty copy raised 42704.
+    assert errs == [], f"the claim that waited for the TRUNCATE raised {errs}"
     assert len(claim(a, n=1)) == 1  # 'default' exists: no 42704 from a stale empty copy
 
 
