@@ -25,7 +25,7 @@ COMMENT ON FUNCTION outbox._lock_subject(text) IS
 
 COMMENT ON FUNCTION outbox._maintenance_steps() IS
 'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
-'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair). No errors.';
+'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair), log (the log ring: outbox._log_rotate()). No errors.';
 
 COMMENT ON FUNCTION outbox._maintenance_step(text) IS
 'Internal: one batch of a maintenance step (see outbox._maintenance_steps()) in the caller''s transaction: (removed bigint, done boolean; done = nothing more to do in this run). '
@@ -53,7 +53,12 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
 
 COMMENT ON FUNCTION outbox._topics_changed() IS
-'Internal trigger function on outbox.topics and outbox.subscription_catalog: invalidates every backend''s cached copy of the topic registry (src/topics.rs) and of the subscriptions (src/subscriptions.rs).';
+'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log.rs).';
+
+COMMENT ON FUNCTION outbox._log_rotate() IS
+'Internal: the maintenance step log (src/log.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) sealed longer ago than outbox.retention_delivered, '
+'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
+'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
 
 COMMENT ON FUNCTION outbox._visible_floor() IS
 'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '

@@ -59,6 +59,7 @@ ALTER FUNCTION outbox.drop_topic(text, boolean) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
+ALTER FUNCTION outbox._log_rotate() SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
     outbox.alter_subscription(text, integer, interval, interval, interval),
@@ -69,7 +70,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.drop_topic(text, boolean),
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._purge_pause(),
+    outbox._purge_pause(), outbox._log_rotate(),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()

@@ -71,6 +71,10 @@ static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::n
 /// or drop them at ack like a plain DELETE-on-ack queue (pgmq's delete, a
 /// hand-rolled outbox's DELETE on success). Off trades the audit trail for a cheaper ack.
 static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
+/// Also append every published event to the log ring (sql/log.sql), the storage
+/// subscriptions will read. Nothing reads it in 0.8.0: it is there so its cost
+/// can be measured, and off by default.
+static LOG_WRITE: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
 
@@ -174,6 +178,14 @@ pub fn init(preloaded: bool) {
         c"Off makes ack a plain DELETE; delivered events then vanish from outbox.events at once.",
         &KEEP_DELIVERED,
         GucContext::Userset,
+        GucFlags::default(),
+    );
+    GucRegistry::define_bool_guc(
+        c"outbox.log_write",
+        c"Also append every published event to the log ring (outbox.log_0 .. outbox.log_3).",
+        c"The storage subscriptions will read; nothing reads it yet. The maintenance run rotates and truncates the ring.",
+        &LOG_WRITE,
+        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_bool_guc(
@@ -329,6 +341,10 @@ pub fn preloaded() -> bool {
 /// Whether ack archives delivered events.
 pub fn keep_delivered() -> bool {
     KEEP_DELIVERED.get()
+}
+/// Append published events to the log ring too (`outbox.log_write`).
+pub fn log_write() -> bool {
+    LOG_WRITE.get()
 }
 /// Maintenance interval in ms (0 = off).
 pub fn maintenance_interval_ms() -> i32 {

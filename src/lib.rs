@@ -4,6 +4,7 @@
 //! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
 //! - [`claim`] — `outbox.claim` (skip held rows, fencing tokens, subject ordering)
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
+//! - [`log`] — the append-only event log ring (written beside the queue when `outbox.log_write` is on)
 //! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
 //! - [`subject`] — subject heads and the subject lock budget
 //! - [`subscriptions`] — the per-backend cache of the subscription catalog
@@ -30,6 +31,7 @@ pub mod errors;
 pub mod gucs;
 pub mod launcher;
 pub mod lease;
+pub mod log;
 pub mod lowwater;
 pub mod maintenance;
 pub mod pg;
@@ -62,10 +64,11 @@ pgrx::extension_sql_file!(
         validate::check_topic
     ]
 );
+pgrx::extension_sql_file!("../sql/log.sql", name = "log", requires = ["admin"]);
 pgrx::extension_sql_file!(
     "../sql/subscriptions.sql",
     name = "subscriptions",
-    requires = ["admin", validate::check_subscription]
+    requires = ["log", validate::check_subscription]
 );
 pgrx::extension_sql_file!(
     "../sql/retention.sql",

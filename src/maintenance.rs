@@ -19,20 +19,24 @@ pub fn batch() -> i64 {
 /// (step, column of outbox.maintenance_runs that records its count).
 /// - `audit`: look for rows below the claim low-water mark (written around the API);
 /// - `delivered`, `dead`, `keys`: retention of the archive, dead letters, orphaned keys;
-/// - `heads`: promote subject heads a bypassing write may have left unset.
-pub const STEPS: [(&str, Option<&str>); 5] = [
+/// - `heads`: promote subject heads a bypassing write may have left unset;
+/// - `log`: truncate and rotate the log ring (src/log.rs).
+pub const STEPS: [(&str, Option<&str>); 6] = [
     ("audit", None),
     ("delivered", Some("purged_delivered")),
     ("dead", Some("purged_dead")),
     ("keys", Some("purged_keys")),
     ("heads", None),
+    ("log", None),
 ];
 
 /// Run one batch of `step` in the current transaction; returns rows affected (a
 /// step is complete when this is below [`BATCH`]).
 pub fn run_step(step: &str) -> i64 {
-    if step == "audit" {
-        return crate::lowwater::audit() as i64;
+    match step {
+        "audit" => return crate::lowwater::audit() as i64,
+        "log" => return crate::log::rotate(),
+        _ => {}
     }
     Spi::get_one_with_args::<i64>(
         "SELECT outbox._purge_step($1, NULL, $2::int4)",

@@ -9,6 +9,10 @@
 //! is commit order, and claim() can order a subject by id. Different subjects never
 //! wait on each other (except on a 32-bit hash collision, which only serialises).
 //!
+//! Transaction id first: publish gives its transaction an id (after the subject
+//! locks) before it draws any event id, so that every transaction that drew an
+//! id had its id before the id was drawn (src/log.rs, invariant 2).
+//!
 //! Idempotency: a dispatch key is inserted into `outbox.dispatch_keys` with
 //! ON CONFLICT DO NOTHING. A concurrent publisher of the same key waits for the
 //! first transaction; if it commits, the second gets the first id back, if it
@@ -17,11 +21,12 @@
 use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
 use crate::pg::fcall::{param, Array, Call, SetResult, Value};
 use crate::pg::heap;
+use crate::pg;
 use crate::pg::plans;
 use crate::sql::publish::{
     CHECK_HEADERS, INSERT_MANY, INSERT_ONE, INSERT_ONE_SUBJECT, KEY_CLAIM, KEY_LOOKUP, NEXT_IDS,
 };
-use crate::{gucs, lowwater, subject, topics, validate, wakeup};
+use crate::{gucs, log, lowwater, subject, topics, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
@@ -91,6 +96,8 @@ fn reserve_key(key: &str) -> Result<i64, i64> {
 }
 
 struct One<'a> {
+    /// The transaction's full id ([`pg::xid_for_insert`]).
+    txid: u64,
     topic: &'a str,
     max_attempts: i32,
     subject: Option<&'a str>,
@@ -100,9 +107,59 @@ struct One<'a> {
     deliver_at: Option<Value>,
 }
 
-/// Insert one validated event (subject lock already taken). Returns its id and
-/// whether a row was inserted.
+/// Append events just inserted into the queue to the log ring, when it is on.
+fn append_log<'a>(txid: u64, topic: &'a str, max_attempts: i32, events: impl Iterator<Item = LogEvent<'a>>) {
+    if !log::enabled() {
+        return;
+    }
+    let rows: Vec<heap::LogRow<'a>> = events
+        .map(|e| heap::LogRow {
+            id: e.id,
+            txid,
+            lane: log::lane(e.id, e.subject.map(pg::hashtext)),
+            topic,
+            subject: e.subject,
+            dispatch_key: e.key,
+            payload: e.payload,
+            headers: e.headers,
+            max_attempts,
+            deliver_at: e.deliver_at,
+        })
+        .collect();
+    log::append(&rows);
+}
+
+/// What the log keeps of one event beyond its topic and max_attempts.
+struct LogEvent<'a> {
+    id: i64,
+    subject: Option<&'a str>,
+    key: Option<&'a str>,
+    payload: Value,
+    headers: Option<Value>,
+    deliver_at: Option<Value>,
+}
+
+/// Insert one validated event (subject lock already taken, transaction id
+/// assigned), into the queue and, when on, the log. Returns its id and whether
+/// a row was inserted.
 fn insert_one(e: &One<'_>) -> (i64, bool) {
+    let (id, inserted) = insert_queue(e);
+    if inserted {
+        let event = LogEvent {
+            id,
+            subject: e.subject,
+            key: e.key,
+            payload: e.payload,
+            headers: e.headers,
+            deliver_at: e.deliver_at,
+        };
+        append_log(e.txid, e.topic, e.max_attempts, std::iter::once(event));
+    }
+    (id, inserted)
+}
+
+/// The queue part of [`insert_one`].
+fn insert_queue(e: &One<'_>) -> (i64, bool) {
     let id = match e.key {
         Some(k) => match reserve_key(k) {
             Ok(id) => id,
@@ -187,7 +244,9 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     if let Some(s) = &subject {
         subject::lock(s);
     }
+    let txid = pg::xid_for_insert();
     let (id, inserted) = insert_one(&One {
+        txid,
         topic: &topic,
         max_attempts,
         subject: subject.as_deref(),
@@ -262,12 +321,14 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         }
         subject::lock_many(&list);
     }
+    let txid = pg::xid_for_insert();
     let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
     let mut inserted = 0usize;
     if any_key {
         // Keys need per-event dedupe; take the single-event path for each.
         for (i, p) in payloads.iter().enumerate() {
             let (id, ins) = insert_one(&One {
+                txid,
                 topic: &topic,
                 max_attempts,
                 subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
@@ -284,6 +345,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let ids: Vec<i64> =
             plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>())).unwrap_or_default();
         let subjects_d = call.value(2, pg_sys::TEXTARRAYOID);
+        let headers = prepare_headers(None);
         // Headship from a snapshot taken after the subject locks (src/subject.rs).
         plans::run_latest(
             &INSERT_MANY,
@@ -293,11 +355,20 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 payloads_d.param(),
                 param(subjects_d, pg_sys::TEXTARRAYOID),
                 max_attempts.into(),
-                param(prepare_headers(None), pg_sys::JSONBOID),
+                param(headers, pg_sys::JSONBOID),
                 plans::ts_param(lowwater::floor_after_xid()),
             ],
             |_| (),
         );
+        let events = ids.iter().zip(&payloads).enumerate().map(|(i, (id, p))| LogEvent {
+            id: *id,
+            subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
+            key: None,
+            payload: p.unwrap(),
+            headers,
+            deliver_at: None,
+        });
+        append_log(txid, &topic, max_attempts, events);
         inserted = ids.len();
         for id in ids {
             out.put_i64(id);

@@ -29,7 +29,6 @@ use crate::pg;
 use crate::pg::plans;
 use crate::sql::claim::SUBSCRIPTIONS;
 use pgrx::prelude::*;
-use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// One subscription's settings; None means "the topic's, else the GUC".
@@ -48,25 +47,16 @@ pub struct Settings {
 }
 
 thread_local! {
-    /// The catalog, and the relcache generation it is valid for
-    /// ([`pg::load_consistent`]): any relcache invalidation makes it stale.
-    static CACHE: RefCell<Option<(u64, HashMap<String, Settings>)>> = const { RefCell::new(None) };
+    /// The catalog, valid for the relcache generation it was loaded under
+    /// ([`pg::GenerationCache`]): any relcache invalidation makes it stale.
+    static CACHE: pg::GenerationCache<HashMap<String, Settings>> = const { pg::GenerationCache::new() };
 }
 
 /// The settings of subscription `name`, or None when it does not exist. Only
 /// with the SQL of 0.7.0 or later (the catalog must exist).
 pub fn lookup(name: &str) -> Option<Settings> {
     pg::accept_invalidations();
-    let generation = pg::relcache_generation();
-    let cached =
-        CACHE.with(|c| c.borrow().as_ref().filter(|(g, _)| *g == generation).map(|(_, m)| m.get(name).cloned()));
-    if let Some(hit) = cached {
-        return hit;
-    }
-    let (generation, map) = pg::load_consistent(load);
-    let hit = map.get(name).cloned();
-    CACHE.with(|c| *c.borrow_mut() = Some((generation, map)));
-    hit
+    CACHE.with(|c| c.with(load, |m| m.get(name).cloned()))
 }
 
 fn load() -> HashMap<String, Settings> {

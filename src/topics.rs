@@ -15,42 +15,33 @@ use crate::pg::fcall::Call;
 use crate::pg::plans;
 use crate::sql::topics::LOAD;
 use pgrx::prelude::*;
-use std::cell::RefCell;
 use std::collections::HashMap;
 
 /// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
 type Registry = HashMap<String, Option<i32>>;
 
 thread_local! {
-    /// topic -> max_attempts (None: the topic exists but leaves it to the GUC),
-    /// and the relcache generation the copy is valid for. The relid of
-    /// outbox.topics is not at hand in an invalidation callback, and any relcache
-    /// invalidation is rare next to publishes, so every one makes it stale.
-    static CACHE: RefCell<Option<(u64, Registry)>> = const { RefCell::new(None) };
+    /// The registry, valid for the relcache generation it was loaded under. The
+    /// relid of outbox.topics is not at hand in an invalidation callback, and any
+    /// relcache invalidation is rare next to publishes, so every one makes it stale.
+    static CACHE: pg::GenerationCache<Registry> = const { pg::GenerationCache::new() };
+}
+
+fn load() -> Registry {
+    plans::run(&LOAD, &[], |t| {
+        t.map(|row| {
+            let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
+            let max: Option<i32> = errors::spi(row.get::<i32>(2));
+            (name, max)
+        })
+        .collect::<Registry>()
+    })
 }
 
 /// The registered state of `topic`: None when unregistered, Some(max_attempts)
 /// when registered (whose inner None means "use outbox.max_attempts").
 pub fn lookup(topic: &str) -> Option<Option<i32>> {
-    let generation = pg::relcache_generation();
-    let cached =
-        CACHE.with(|c| c.borrow().as_ref().filter(|(g, _)| *g == generation).map(|(_, m)| m.get(topic).copied()));
-    if let Some(hit) = cached {
-        return hit;
-    }
-    let (generation, map) = pg::load_consistent(|| {
-        plans::run(&LOAD, &[], |t| {
-            t.map(|row| {
-                let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
-                let max: Option<i32> = errors::spi(row.get::<i32>(2));
-                (name, max)
-            })
-            .collect::<Registry>()
-        })
-    });
-    let hit = map.get(topic).copied();
-    CACHE.with(|c| *c.borrow_mut() = Some((generation, map)));
-    hit
+    CACHE.with(|c| c.with(load, |m| m.get(topic).copied()))
 }
 
 /// Trigger body for `outbox._topics_changed()`: invalidate every backend's cache.

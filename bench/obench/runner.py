@@ -99,8 +99,9 @@ class Ctx:
     def one(self, q, params=None):
         return self.admin.execute(q, params).fetchone()[0]
 
-    def reset_outbox(self):
-        self.sql("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+    def reset_outbox(self, log=False):
+        """Empty the queue; with log, also the log ring that outbox.log_write fills (0.8.0)."""
+        self.sql(S.LOG_RESET if log else S.QUEUE_RESET)
 
     def reset_plain(self):
         self.sql("TRUNCATE bench_plain")
@@ -111,7 +112,9 @@ class Ctx:
         self.sql("SELECT pgq.register_consumer('bench_q', 'bench_c')")
 
     def reset(self, system):
-        if system.startswith("outbox"):
+        if system == "outbox_log":
+            self.reset_outbox(log=True)
+        elif system.startswith("outbox"):
             self.reset_outbox()
         elif system.startswith("plain"):
             self.reset_plain()
@@ -152,10 +155,14 @@ class Ctx:
             self.cluster.pgbench_args() + [dbname]
 
     @staticmethod
-    def _pgbench_env(notify):
+    def _pgbench_env(notify, gucs=None):
+        """pgbench's environment: PGOPTIONS carries outbox.notify (when given) and
+        any further session settings in gucs ({name: value}), as agents.connect does."""
+        settings = {"outbox.notify": notify} if notify else {}
+        settings.update(gucs or {})
         env = dict(os.environ)
-        if notify:
-            env["PGOPTIONS"] = f"-c outbox.notify={notify}"
+        if settings:
+            env["PGOPTIONS"] = " ".join(f"-c {k}={v}" for k, v in settings.items())
         else:
             env.pop("PGOPTIONS", None)
         return env
@@ -168,15 +175,16 @@ class Ctx:
             raise HarnessError(f"pgbench failed ({' '.join(cmd)}):\n{stdout[-2000:]}\n{stderr[-2000:]}")
         return float(m.group(1))
 
-    def pgbench(self, script_path, clients, seconds, notify=None):
+    def pgbench(self, script_path, clients, seconds, notify=None, gucs=None):
         cmd = self._pgbench_cmd(script_path, clients, seconds)
-        r = subprocess.run(cmd, capture_output=True, text=True, env=self._pgbench_env(notify), timeout=seconds + 60)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=self._pgbench_env(notify, gucs),
+                           timeout=seconds + 60)
         return self._pgbench_tps(cmd, r.returncode, r.stdout, r.stderr)
 
-    def pgbench_many(self, script_path, runs, seconds, notify=None, jobs=1):
+    def pgbench_many(self, script_path, runs, seconds, notify=None, jobs=1, gucs=None):
         """Several pgbench processes at once, one per (dbname, clients) in runs, all
         with the same script and duration. Returns {dbname: tps}."""
-        env = self._pgbench_env(notify)
+        env = self._pgbench_env(notify, gucs)
         procs = []
         try:
             for dbname, clients in runs:

@@ -50,18 +50,30 @@ def _listener(ctx, stop):
 # 1. Publish, one event per transaction
 # ---------------------------------------------------------------------------
 S1_SYSTEMS = [
-    # (name, pgbench script, outbox.notify, table to reset)
-    ("outbox_off", "outbox", "off", "outbox"),
-    ("outbox_transaction", "outbox", "transaction", "outbox"),
-    ("outbox_background", "outbox", "background", "outbox"),
-    ("plain", "plain", None, "plain"),
-    ("plain_notify", "plain_notify", None, "plain"),
-    ("pgq", "pgq", None, "pgq"),
+    # (name, pgbench script, outbox.notify, further session settings, table to reset)
+    ("outbox_off", "outbox", "off", None, "outbox"),
+    ("outbox_transaction", "outbox", "transaction", None, "outbox"),
+    ("outbox_background", "outbox", "background", None, "outbox"),
+    # 0.8.0: publish also appends the event to the log ring (informational:
+    # publish with the log / without it, i.e. / outbox_background)
+    ("outbox_log", "outbox", "background", {"outbox.log_write": "on"}, "outbox_log"),
+    ("plain", "plain", None, None, "plain"),
+    ("plain_notify", "plain_notify", None, None, "plain"),
+    ("pgq", "pgq", None, None, "pgq"),
 ]
 
 
-def s1_publish(ctx):
+def _pgoptions(notify, gucs):
+    return " ".join([f"-c outbox.notify={notify}"] + [f"-c {k}={v}" for k, v in (gucs or {}).items()])
+
+
+def s1_publish(ctx):  # noqa: C901
     p = ctx.p
+    # outbox.log_write came with 0.8.0: without it (an older build) outbox_log is left out.
+    has_log = bool(ctx.one(S.LOG_WRITE_SETTING))
+    systems = [s for s in S1_SYSTEMS if has_log or s[0] != "outbox_log"]
+    if not has_log:
+        ctx.say("  s1: this build has no outbox.log_write setting (before 0.8.0): outbox_log left out")
     tmp = tempfile.mkdtemp(prefix="obench-pgbench-")
     scripts = {}
     for name, text in S.PUB1.items():
@@ -71,6 +83,7 @@ def s1_publish(ctx):
         scripts[name] = path
     stop = threading.Event()
     heard = []
+    log_mismatch = []  # outbox_log runs whose log rows differ from their queued events
     lt = threading.Thread(target=lambda: heard.append(_listener(ctx, stop)), daemon=True)
     lt.start()
     try:
@@ -78,47 +91,90 @@ def s1_publish(ctx):
             for rep in range(p["reps"]):
                 ctx.checkpoint()
                 # Systems interleaved within a repetition: drift hits all alike.
-                for name, script, notify, table in S1_SYSTEMS:
+                for name, script, notify, gucs, table in systems:
                     ctx.reset(table)
-                    tps = ctx.pgbench(scripts[script], clients, p["s1_seconds"], notify)
+                    tps = ctx.pgbench(scripts[script], clients, p["s1_seconds"], notify, gucs)
                     ctx.rec("s1_publish", name, {"clients": clients}, rep, "events_per_s", tps, "ev/s")
+                    if name == "outbox_log":
+                        # The setting must have taken effect: one log row per event.
+                        logged = ctx.one(S.LOG_ROWS)
+                        queued = ctx.one("SELECT count(*) FROM outbox.event_queue")
+                        ctx.rec("s1_publish", name, {"clients": clients}, rep, "log_rows", logged, "rows")
+                        ctx.rec("s1_publish", name, {"clients": clients}, rep, "queued_events", queued, "events")
+                        if not logged:
+                            raise HarnessError(f"outbox_log: {queued} events published with "
+                                               f"PGOPTIONS='{_pgoptions(notify, gucs)}' and no log row written")
+                        if logged != queued:
+                            log_mismatch.append((clients, rep, logged, queued))
+                            ctx.say(f"  s1 outbox_log clients={clients} rep={rep}: {logged} log rows "
+                                    f"for {queued} queued events")
                 ctx.say(f"  s1 clients={clients} rep={rep}: " + ", ".join(
                     f"{n}={ctx.values('s1_publish', n, {'clients': clients}, 'events_per_s')[-1]:.0f}"
-                    for n, *_ in S1_SYSTEMS))
+                    for n, *_ in systems))
     finally:
         stop.set()
         lt.join(5)
         shutil.rmtree(tmp, ignore_errors=True)
 
+    def med(name, c):
+        return ctx.med("s1_publish", name, {"clients": c}, "events_per_s")
+
     rows = []
-    for name, *_ in S1_SYSTEMS:
+    for name, *_ in systems:
         cells = []
         for c in p["s1_clients"]:
-            m = ctx.med("s1_publish", name, {"clients": c}, "events_per_s")
-            pl = ctx.med("s1_publish", "plain", {"clients": c}, "events_per_s")
+            m = med(name, c)
             vals = ctx.values("s1_publish", name, {"clients": c}, "events_per_s")
-            cells.append(f"{_fmt(m)} ({_fmt(_ratio(m, pl), 2)}x; {_fmt(min(vals))}–{_fmt(max(vals))})")
+            bg = f"; {_fmt(_ratio(m, med('outbox_background', c)), 2)}x background" if name == "outbox_log" else ""
+            cells.append(f"{_fmt(m)} ({_fmt(_ratio(m, med('plain', c)), 2)}x{bg}; {_fmt(min(vals))}–{_fmt(max(vals))})")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     md = ("Events/s (pgbench TPS, one event per transaction), median of "
           f"{p['reps']} runs of {p['s1_seconds']} s; in brackets the ratio to `plain` at the same "
-          "client count and the min–max of the runs. An idle session LISTENs on `outbox` "
+          "client count (for `outbox_log` also to `outbox_background`) and the min–max of the runs. "
+          "An idle session LISTENs on `outbox` "
           f"throughout (it received {heard[0] if heard else 'n/a'} notifications).\n\n")
     md += "| system | " + " | ".join(f"{c} clients" for c in p["s1_clients"]) + " |\n"
     md += "|---" * (len(p["s1_clients"]) + 1) + "|\n" + "\n".join(rows) + "\n\n"
+    if has_log:
+        parts = []
+        for c in p["s1_clients"]:
+            paired = [_ratio(a, b) for a, b in zip(ctx.values("s1_publish", "outbox_log", {"clients": c}, "events_per_s"),
+                                                    ctx.values("s1_publish", "outbox_background", {"clients": c},
+                                                               "events_per_s"))]
+            paired = [r for r in paired if r is not None]
+            parts.append(f"{c} client{'s' if c != 1 else ''} **{_fmt(_ratio(med('outbox_log', c), med('outbox_background', c)), 2)}x**"
+                         + (f" (per repetition {min(paired):.2f}–{max(paired):.2f}x)" if paired else ""))
+        md += ("Publish with the log / without (`outbox_log` / `outbox_background`; informational, not a target): "
+               + ", ".join(parts) + ". `outbox_log` is `outbox_background` with `outbox.log_write = on`: every "
+               "publish also appends the event to the current table of the log ring (`outbox.log_0`..`log_3`, "
+               "named by `outbox.log_state`) beside its `outbox.event_queue` row; nothing reads the log. Its runs "
+               "truncate the log ring with the queue first")
+        if log_mismatch:
+            md += (", and **the log did not hold one row per queued event** in " + ", ".join(
+                f"{c} clients rep {r} ({lg:,} log rows, {q:,} events)" for c, r, lg, q in log_mismatch) + ".\n\n")
+        else:
+            md += ", and after each the log ring held exactly one row per queued event.\n\n"
+    else:
+        md += ("`outbox_log` (`outbox.log_write = on`) was left out: this build has no such setting "
+               "(it came with 0.8.0).\n\n")
     md += (f"pgbench: `pgbench -n -M prepared -c C -j min(C,2) -T {p['s1_seconds']} -f SCRIPT`; "
-           "the outbox modes set `PGOPTIONS='-c outbox.notify=MODE'`. Tables are truncated before every run.\n\n")
+           "the outbox modes set `PGOPTIONS='-c outbox.notify=MODE'`"
+           + (f", `outbox_log` `PGOPTIONS='{_pgoptions('background', {'outbox.log_write': 'on'})}'`" if has_log else "")
+           + ". Tables are truncated before every run.\n\n")
     for name in ("outbox", "plain", "plain_notify", "pgq"):
         md += f"**{name}**\n\n" + _code(S.PUB1[name])
+    if has_log:
+        md += "**outbox_log**: the `outbox` script; before each run\n\n" + _code(S.LOG_RESET + ";")
     ctx.section("1. Publish, one event per transaction", md)
-    ctx.series["s1"] = {name: [ctx.med("s1_publish", name, {"clients": c}, "events_per_s") for c in p["s1_clients"]]
-                        for name, *_ in S1_SYSTEMS}
+    ctx.series["s1"] = {name: [med(name, c) for c in p["s1_clients"]] for name, *_ in systems}
     top = max(p["s1_clients"])
+    if has_log:
+        ctx.say(f"  s1 publish with the log / without at {top} clients (informational): "
+                f"{_fmt(_ratio(med('outbox_log', top), med('outbox_background', top)), 2)}x")
     ctx.target("1", f"publish outbox(background) / plain INSERT at {top} clients",
-               _ratio(ctx.med("s1_publish", "outbox_background", {"clients": top}, "events_per_s"),
-                      ctx.med("s1_publish", "plain", {"clients": top}, "events_per_s")), ">=", 0.85)
+               _ratio(med("outbox_background", top), med("plain", top)), ">=", 0.85)
     ctx.target("1-off", f"publish outbox(off) / plain INSERT at {top} clients",
-               _ratio(ctx.med("s1_publish", "outbox_off", {"clients": top}, "events_per_s"),
-                      ctx.med("s1_publish", "plain", {"clients": top}, "events_per_s")), ">=", 0.90)
+               _ratio(med("outbox_off", top), med("plain", top)), ">=", 0.90)
 
 
 # ---------------------------------------------------------------------------
@@ -1322,3 +1378,115 @@ def s8_held_xid(ctx):  # noqa: C901
     ctx.section("8. Held transaction id", md)
     ctx.target("8a", "publish-to-claim p99 while a session idles holding a transaction id / clean p99", r_held, "<=", 2.0)
     ctx.target("8b", "publish-to-claim p99 after the holder committed / clean p99", r_after, "<=", 2.0)
+
+
+# ---------------------------------------------------------------------------
+# 9. Payload output: what reading a payload costs by its column type
+# ---------------------------------------------------------------------------
+def _s9_read(conn, stmt, n, batch):
+    """Read every payload of a table in keyset batches (one round trip each).
+    Returns microseconds per event."""
+    after = 0
+    t0 = time.monotonic_ns()
+    while True:
+        rows = conn.execute(stmt, {"after": after}).fetchall()
+        after += len(rows)  # ids are 1..n without gaps
+        if len(rows) < batch:
+            break
+    el = time.monotonic_ns() - t0
+    if after != n:
+        raise HarnessError(f"s9: read {after} of {n} payloads ({stmt})")
+    return el / 1e3 / n
+
+
+def _s9_convert(conn, stmt, n):
+    """The server-side conversion alone: one statement, one number back."""
+    t0 = time.monotonic_ns()
+    total = conn.execute(stmt).fetchone()[0]
+    return (time.monotonic_ns() - t0) / 1e3 / n, total
+
+
+def s9_payload(ctx):  # noqa: C901
+    p = ctx.p
+    n, batch = p["s9_n"], p["s9_batch"]
+    prm = {"n": n, "batch": batch}
+    types = S.PAYLOAD_TYPES
+    tables = {t: S.PAYLOAD_TABLE.format(type=t) for t in types}
+    read = {t: S.PAYLOAD_READ.format(table=tables[t], batch=batch) for t in types}
+    convert = {t: S.PAYLOAD_CONVERT.format(table=tables[t]) for t in types}
+    size = {}
+    conn = None
+    try:
+        for t in types:
+            ctx.sql(f"DROP TABLE IF EXISTS {tables[t]}")
+            ctx.sql(S.PAYLOAD_SCHEMA.format(table=tables[t], type=t))
+            ctx.sql(S.PAYLOAD_LOAD.format(table=tables[t], type=t), {"payload": S.PAYLOAD, "first": 1, "last": n})
+            # all-visible and hinted: the reads write nothing
+            ctx.sql(f"VACUUM ANALYZE {tables[t]}")
+            size[t], rows = ctx.sql(S.PAYLOAD_BYTES.format(table=tables[t])).fetchone()
+            if rows != n:
+                raise HarnessError(f"s9: {tables[t]} holds {rows} rows, expected {n}")
+        ctx.checkpoint()
+        # One client as a worker's (agents.connect: autocommit, every statement
+        # prepared, results in text format, payloads kept as strings on the client).
+        conn = agents.connect(ctx.cluster.dsn())
+        sums = {}
+        for t in types:  # untimed: prepares the statements, warms shared buffers
+            _s9_read(conn, read[t], n, batch)
+            sums[t] = _s9_convert(conn, convert[t], n)[1]
+        if len(set(sums.values())) != 1:
+            raise HarnessError(f"s9: the payloads' text forms differ between the types: {sums}")
+        for rep in range(p["reps"]):
+            # Types interleaved within a repetition: drift hits all alike.
+            for t in types:
+                ctx.rec("s9_payload", t, prm, rep, "read_us_per_event", _s9_read(conn, read[t], n, batch), "us")
+            for t in types:
+                ctx.rec("s9_payload", t, prm, rep, "convert_us_per_event", _s9_convert(conn, convert[t], n)[0], "us")
+            ctx.say(f"  s9 rep={rep}: µs/event read " + ", ".join(
+                f"{t}={ctx.values('s9_payload', t, prm, 'read_us_per_event')[-1]:.2f}" for t in types)
+                + "; server-side ::text " + ", ".join(
+                f"{t}={ctx.values('s9_payload', t, prm, 'convert_us_per_event')[-1]:.2f}" for t in types))
+    finally:
+        if conn is not None:
+            conn.close()
+        for t in types:
+            ctx.sql(f"DROP TABLE IF EXISTS {tables[t]}")
+
+    m = {t: {k: ctx.med("s9_payload", t, prm, k) for k in ("read_us_per_event", "convert_us_per_event")}
+         for t in types}
+    for t in types:
+        ctx.rec("s9_payload", t, prm, "all", "bytes_per_payload", size[t], "bytes")
+    rd = {t: m[t]["read_us_per_event"] for t in types}
+    cv = {t: m[t]["convert_us_per_event"] for t in types}
+    md = (f"{n:,} events, each the payload of the drain scenarios, in three scratch tables (`id bigint PRIMARY KEY`, "
+          "`payload` of type jsonb, json and text; created, `VACUUM ANALYZE`d and dropped by the scenario). The json "
+          "and text columns hold jsonb's text form of the payload, what a log storing text would keep of publish's "
+          f"`jsonb` argument, so every type sends the same {size['jsonb']:.0f} bytes per payload. **Read**: one "
+          "client (psycopg, autocommit, the statement prepared, results in text format, payloads kept as strings "
+          f"on the client) reads every payload in keyset batches of {batch}, one round trip each, until a batch "
+          f"comes back short; µs per event = elapsed / {n:,}. **Server-side** `::text` alone: one statement "
+          "converts every payload to text and returns one number; µs per event = its round trip / "
+          f"{n:,}. Each table is read once untimed first (shared buffers warm, statements prepared); types "
+          f"interleaved within a repetition; median of {p['reps']} runs. No target: this is the evidence for the "
+          "payload decision of the log (docs/design/subscriptions.md, Prototype and Slices).\n\n")
+    md += ("| type | bytes per payload | read (µs/event) | / jsonb | runs | server-side `::text` (µs/event) | / jsonb "
+           "| runs |\n|---|---|---|---|---|---|---|---|\n")
+    for t in types:
+        rv = ctx.values("s9_payload", t, prm, "read_us_per_event")
+        cvv = ctx.values("s9_payload", t, prm, "convert_us_per_event")
+        md += (f"| {t} | {size[t]:.0f} | {_fmt(rd[t], 2)} | {_fmt(_ratio(rd[t], rd['jsonb']), 2)}x | "
+               f"{', '.join(_fmt(v, 2) for v in rv)} | {_fmt(cv[t], 2)} | {_fmt(_ratio(cv[t], cv['jsonb']), 2)}x | "
+               f"{', '.join(_fmt(v, 2) for v in cvv)} |\n")
+    md += (f"\nRead over the wire: json / jsonb = **{_fmt(_ratio(rd['json'], rd['jsonb']), 2)}x**, text / jsonb = "
+           f"**{_fmt(_ratio(rd['text'], rd['jsonb']), 2)}x**; jsonb costs "
+           f"{_fmt(rd['jsonb'] - rd['text'] if rd['jsonb'] is not None and rd['text'] is not None else None, 2)} µs "
+           "per event more than text. Server-side conversion alone: json / jsonb = "
+           f"**{_fmt(_ratio(cv['json'], cv['jsonb']), 2)}x**, text / jsonb = **{_fmt(_ratio(cv['text'], cv['jsonb']), 2)}x** "
+           f"({_fmt(cv['jsonb'] - cv['text'] if cv['jsonb'] is not None and cv['text'] is not None else None, 2)} µs "
+           "per event). Informational, not a target.\n\n"
+           "Context (the design's prototype, not this run): `sum(length(payload::text))` over 20,000 payloads "
+           "took about 5.7 µs per payload from jsonb and 1.5 µs from text.\n\n")
+    md += ("**schema and load** (per type)\n\n" + _code(S.PAYLOAD_SCHEMA + ";\n" + S.PAYLOAD_LOAD + ";")
+           + "**read** (until a batch comes back short)\n\n" + _code(S.PAYLOAD_READ.format(table="{table}", batch=batch) + ";")
+           + "**server-side conversion**\n\n" + _code(S.PAYLOAD_CONVERT + ";"))
+    ctx.section("9. Payload output", md)

@@ -66,6 +66,17 @@ PUB1 = {
     "pgq": f"SELECT pgq.insert_event('bench_q', 'bench.publish', {_lit(PAYLOAD)});\n",
 }
 
+# The log ring (0.8.0): with outbox.log_write = on, publish also appends every
+# event to the current one of outbox.log_0 .. log_3 (outbox.log_state names it).
+# Scenario 1's outbox_log system empties them with the queue before each run, and
+# counts the rows it wrote.
+LOG_RING = [f"outbox.log_{i}" for i in range(4)]
+LOG_TABLES = LOG_RING + ["outbox.log_state"]
+QUEUE_RESET = "TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys"
+LOG_RESET = QUEUE_RESET + ", " + ", ".join(LOG_TABLES)
+LOG_ROWS = "SELECT " + " + ".join(f"(SELECT count(*) FROM {t})" for t in LOG_RING)
+LOG_WRITE_SETTING = "SELECT count(*) FROM pg_settings WHERE name = 'outbox.log_write'"
+
 # ---------------------------------------------------------------------------
 # Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
 # statement = one transaction; %s is a jsonb[] literal of 1,000 payloads)
@@ -242,3 +253,21 @@ QUEUE_STATS = (
 LOW_WATER_AGE = (
     "SELECT extract(epoch FROM clock_timestamp() - low_water_at)::float8 FROM outbox._claim_low_water()"
 )
+
+# ---------------------------------------------------------------------------
+# Scenario 9: payload output. The same payload in a jsonb, a json and a text
+# column of three scratch tables; read over the wire in text format in keyset
+# batches, and converted to text on the server alone. The json and text columns
+# hold jsonb's text form of the payload (what a log storing text would keep of
+# publish's jsonb argument), so every type sends the same bytes.
+PAYLOAD_TYPES = ["jsonb", "json", "text"]
+PAYLOAD_TABLE = "bench_payload_{type}"
+PAYLOAD_SCHEMA = "CREATE TABLE {table} (id bigint PRIMARY KEY, payload {type} NOT NULL)"
+PAYLOAD_LOAD = (
+    "INSERT INTO {table} (id, payload)"
+    " SELECT g, %(payload)s::jsonb::text::{type} FROM generate_series(%(first)s::bigint, %(last)s::bigint) g"
+)
+# ids are 1..N without gaps: the batch after one that ended at id k reads id > k
+PAYLOAD_READ = "SELECT payload FROM {table} WHERE id > %(after)s::bigint ORDER BY id LIMIT {batch}"
+PAYLOAD_CONVERT = "SELECT sum(length(payload::text)) FROM {table}"
+PAYLOAD_BYTES = "SELECT avg(octet_length(payload::text))::float8, count(*) FROM {table}"

@@ -1,4 +1,5 @@
-//! Direct insertion of one new event into `outbox.event_queue`.
+//! Direct insertion of new events into `outbox.event_queue` and the log ring
+//! (`outbox.log_0` .. `outbox.log_3`).
 //!
 //! publish() without a subject is one row insert, but as an SPI statement each call
 //! paid for executor start-up: a 19-column projection (defaults included), the
@@ -32,28 +33,59 @@ use pgrx::pg_sys;
 use pgrx::prelude::{IntoDatum, PgSqlErrorCode};
 use pgrx::PgTupleDesc;
 
-/// Column types of outbox.event_queue, in attribute order (sql/schema.sql).
-const COLUMNS: [pg_sys::Oid; 19] = [
+/// A table [`insert_rows`] writes: its name in schema outbox, its column types in
+/// attribute order, and the columns a row may leave NULL (0-based), so that a
+/// NOT NULL added to one of those rules the direct path out.
+struct Shape {
+    name: &'static std::ffi::CStr,
+    columns: &'static [pg_sys::Oid],
+    nullable: &'static [usize],
+}
+
+/// outbox.event_queue (sql/schema.sql).
+const EVENT_QUEUE: Shape = Shape {
+    name: c"event_queue",
+    columns: &[
+        pg_sys::INT8OID,        // id
+        pg_sys::TEXTOID,        // topic
+        pg_sys::TEXTOID,        // subject
+        pg_sys::TEXTOID,        // dispatch_key
+        pg_sys::JSONBOID,       // payload
+        pg_sys::JSONBOID,       // headers
+        pg_sys::TEXTOID,        // state
+        pg_sys::INT4OID,        // attempts
+        pg_sys::INT4OID,        // max_attempts
+        pg_sys::TIMESTAMPTZOID, // visible_at
+        pg_sys::UUIDOID,        // lease_token
+        pg_sys::TEXTOID,        // leased_by
+        pg_sys::TIMESTAMPTZOID, // leased_at
+        pg_sys::TEXTOID,        // last_error
+        pg_sys::JSONBOID,       // errors
+        pg_sys::TIMESTAMPTZOID, // published_at
+        pg_sys::TIMESTAMPTZOID, // dead_at
+        pg_sys::BOOLOID,        // blocks_subject
+        pg_sys::BOOLOID,        // is_head
+    ],
+    // [`insert`] leaves these NULL.
+    nullable: &[2, 3, 5, 10, 11, 12, 13, 14, 16],
+};
+
+/// The ring tables outbox.log_0 .. outbox.log_3 (sql/log.sql).
+const LOG_NAMES: [&std::ffi::CStr; 4] = [c"log_0", c"log_1", c"log_2", c"log_3"];
+const LOG_COLUMNS: [pg_sys::Oid; 11] = [
     pg_sys::INT8OID,        // id
+    pg_sys::XID8OID,        // txid
+    pg_sys::INT2OID,        // lane
     pg_sys::TEXTOID,        // topic
     pg_sys::TEXTOID,        // subject
     pg_sys::TEXTOID,        // dispatch_key
     pg_sys::JSONBOID,       // payload
     pg_sys::JSONBOID,       // headers
-    pg_sys::TEXTOID,        // state
-    pg_sys::INT4OID,        // attempts
     pg_sys::INT4OID,        // max_attempts
-    pg_sys::TIMESTAMPTZOID, // visible_at
-    pg_sys::UUIDOID,        // lease_token
-    pg_sys::TEXTOID,        // leased_by
-    pg_sys::TIMESTAMPTZOID, // leased_at
-    pg_sys::TEXTOID,        // last_error
-    pg_sys::JSONBOID,       // errors
     pg_sys::TIMESTAMPTZOID, // published_at
-    pg_sys::TIMESTAMPTZOID, // dead_at
-    pg_sys::BOOLOID,        // blocks_subject
-    pg_sys::BOOLOID,        // is_head
+    pg_sys::TIMESTAMPTZOID, // deliver_at
 ];
+const LOG_NULLABLE: [usize; 4] = [4, 5, 7, 10];
 
 /// A validated event without a subject, ready to insert.
 pub struct NewEvent<'a> {
@@ -70,12 +102,30 @@ pub struct NewEvent<'a> {
     pub deliver_at: Option<Value>,
 }
 
-/// True when the relation is a plain table with exactly our columns and nothing
-/// an INSERT statement would have to run for it.
+/// One event of the log (sql/log.sql), ready to append.
+pub struct LogRow<'a> {
+    pub id: i64,
+    /// The publishing transaction's full id (already assigned).
+    pub txid: u64,
+    pub lane: i16,
+    pub topic: &'a str,
+    pub subject: Option<&'a str>,
+    pub dispatch_key: Option<&'a str>,
+    /// jsonb.
+    pub payload: Value,
+    /// jsonb.
+    pub headers: Option<Value>,
+    pub max_attempts: i32,
+    /// timestamptz as the caller passed it (None: no delay asked).
+    pub deliver_at: Option<Value>,
+}
+
+/// True when the relation is a plain table with exactly `shape`'s columns and
+/// nothing an INSERT statement would have to run for it.
 ///
 /// # Safety
 /// `rel` must be open.
-unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
+unsafe fn plain_shape(rel: pg_sys::Relation, shape: &Shape) -> bool {
     // SAFETY: the caller's open relation: its relcache entry (rd_rel, trigdesc,
     // rd_att and its constraints) is valid while it is open.
     unsafe {
@@ -99,16 +149,13 @@ unsafe fn plain_shape(rel: pg_sys::Relation) -> bool {
             return false;
         }
         let tupdesc = PgTupleDesc::from_pg_unchecked(desc);
-        tupdesc.len() == COLUMNS.len()
-            && tupdesc.iter().zip(COLUMNS.iter()).enumerate().all(|(i, (att, oid))| {
-                // A NOT NULL on a column this path leaves NULL is a shape we do not know.
-                !att.attisdropped && att.atttypid == *oid && (!att.attnotnull || !LEFT_NULL.contains(&i))
+        tupdesc.len() == shape.columns.len()
+            && tupdesc.iter().zip(shape.columns.iter()).enumerate().all(|(i, (att, oid))| {
+                // A NOT NULL on a column a row may leave NULL is a shape we do not know.
+                !att.attisdropped && att.atttypid == *oid && (!att.attnotnull || !shape.nullable.contains(&i))
             })
     }
 }
-
-/// Columns [`insert`] leaves NULL (0-based attribute positions).
-const LEFT_NULL: [usize; 9] = [2, 3, 5, 10, 11, 12, 13, 14, 16];
 
 /// Draw the next event id from `outbox.event_id_seq` (nextval, no SQL statement).
 ///
@@ -127,6 +174,89 @@ pub fn next_event_id() -> i64 {
     d.map(|d| d.value() as i64).unwrap_or_else(|| errors::raise(errors::INTERNAL, "nextval returned NULL"))
 }
 
+/// A row's values and NULL flags, in attribute order.
+type Tuple<const N: usize> = ([pg_sys::Datum; N], [bool; N]);
+
+/// Fill a tuple from `(column, value)` pairs; columns not named stay NULL.
+fn tuple<const N: usize>(set: impl IntoIterator<Item = (usize, Option<pg_sys::Datum>)>) -> Tuple<N> {
+    let mut values = [pg_sys::Datum::from(0usize); N];
+    let mut nulls = [true; N];
+    for (i, d) in set {
+        if let Some(d) = d {
+            values[i] = d;
+            nulls[i] = false;
+        }
+    }
+    (values, nulls)
+}
+
+/// Insert the rows `rows` makes into table `shape`, as INSERT statements would
+/// (see the module docs), or do nothing and return false when the table's shape
+/// rules this path out (the caller must then use its SPI statement).
+///
+/// `rows` is called once the table is known to be ours, inside the executor
+/// state's memory, with the transaction start time (`now()`); it may assign the
+/// transaction id, as the insert would. Errors are PostgreSQL's own (disk full,
+/// lock timeout, unique violation, ...), raised as from an INSERT.
+fn insert_rows<const N: usize>(shape: &Shape, rows: impl FnOnce(i64) -> Vec<Tuple<N>>) -> bool {
+    if cfg!(feature = "pg13") {
+        // PostgreSQL 13's ExecInsertIndexTuples takes its result relation from the
+        // EState; not worth a second code path.
+        return false;
+    }
+    debug_assert_eq!(shape.columns.len(), N);
+    // SAFETY: follows ExecInsert as the module docs say. The relation is opened
+    // with RowExclusiveLock as for an INSERT target, checked by `plain_shape`, and
+    // closed keeping the lock; every datum is of its column's type (the callers'
+    // `Value`s are typed, the rest are built by them); executor state, the
+    // ResultRelInfo and the slot live in the EState's memory and are freed with
+    // it, except the cached predicate states, which live in their own
+    // backend-lifetime context.
+    unsafe {
+        let Some(relid) = outbox_relid(shape.name) else { return false };
+        // What the executor checks first for any INSERT (SQLSTATE 25006).
+        if pg_sys::XactReadOnly {
+            pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
+        }
+        let lockmode = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
+        let rel = pg_sys::table_open(relid, lockmode);
+        if !plain_shape(rel, shape) {
+            // Keep the lock, as the SPI statement that follows takes it anyway.
+            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+            return false;
+        }
+        let estate = pg_sys::CreateExecutorState();
+        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
+        let rows = rows(pg_sys::GetCurrentTransactionStartTimestamp());
+
+        let desc = (*rel).rd_att;
+        // Index entries go through the executor's routine so that partial-index
+        // predicates and unique checks apply as for any INSERT.
+        let rri = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
+        (*rri).type_ = pg_sys::NodeTag::T_ResultRelInfo;
+        pg_sys::InitResultRelInfo(rri, rel, 1, std::ptr::null_mut(), 0);
+        pg_sys::ExecOpenIndices(rri, false);
+        reuse_predicates(rri);
+        let slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &pg_sys::TTSOpsHeapTuple);
+        for (mut values, mut nulls) in rows {
+            let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
+            pg_sys::simple_heap_insert(rel, tuple);
+            // The slot is filled after the insert: it takes its TID from
+            // tuple->t_self.
+            pg_sys::ExecStoreHeapTuple(tuple, slot, false);
+            insert_index_entries(rri, slot, estate);
+            pg_sys::ExecClearTuple(slot);
+        }
+        pg_sys::ExecCloseIndices(rri);
+
+        pg_sys::MemoryContextSwitchTo(old);
+        pg_sys::ExecResetTupleTable((*estate).es_tupleTable, false);
+        pg_sys::FreeExecutorState(estate);
+        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
+        true
+    }
+}
+
 /// Insert `e` as a ready (or delayed) subject-less event and return its id, or
 /// None when the table's shape rules this path out (then nothing was done and the
 /// caller must use its SPI statement). Errors are PostgreSQL's own (disk full,
@@ -136,92 +266,60 @@ pub fn next_event_id() -> i64 {
 /// src/lowwater.rs); it is called once the table is known to be ours, after the
 /// read-only check, and may assign the transaction id, as the insert would.
 pub fn insert(e: &NewEvent<'_>, floor: impl FnOnce() -> i64) -> Option<i64> {
-    if cfg!(feature = "pg13") {
-        // PostgreSQL 13's ExecInsertIndexTuples takes its result relation from the
-        // EState; not worth a second code path.
-        return None;
-    }
     debug_assert!(e.payload.oid() == pg_sys::JSONBOID);
     debug_assert!(e.headers.is_none_or(|h| h.oid() == pg_sys::JSONBOID));
     debug_assert!(e.deliver_at.is_none_or(|d| d.oid() == pg_sys::TIMESTAMPTZOID));
-    let topic = e.topic.into_datum().unwrap();
-    let dispatch_key = e.dispatch_key.and_then(|k| k.into_datum());
-    // SAFETY: follows ExecInsert as the module docs say. The relation is opened
-    // with RowExclusiveLock as for an INSERT target, checked by `plain_shape`, and
-    // closed keeping the lock; every datum is of its column's type (the `Value`s
-    // are typed, the rest are built here); executor state, the ResultRelInfo and
-    // the slot live in the EState's memory and are freed with it, except the
-    // cached predicate states, which live in their own backend-lifetime context.
-    unsafe {
-        let relid = outbox_relid(c"event_queue")?;
-        // What the executor checks first for any INSERT (SQLSTATE 25006).
-        if pg_sys::XactReadOnly {
-            pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
-        }
-        let lockmode = pg_sys::RowExclusiveLock as pg_sys::LOCKMODE;
-        let rel = pg_sys::table_open(relid, lockmode);
-        if !plain_shape(rel) {
-            // Keep the lock, as the SPI statement that follows takes it anyway.
-            pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-            return None;
-        }
-        let id = e.id;
-
-        let estate = pg_sys::CreateExecutorState();
-        let old = pg_sys::MemoryContextSwitchTo((*estate).es_query_cxt);
-
-        let now = pg_sys::GetCurrentTransactionStartTimestamp();
+    let done = insert_rows::<19>(&EVENT_QUEUE, |now| {
         let visible_at = match e.deliver_at.map(|d| d.datum().value() as i64) {
             Some(d) if d > now => d,
             _ => now,
         };
-        // Assigns the transaction id, which simple_heap_insert would do anyway.
-        let visible_at = pg_sys::Datum::from(visible_at.max(floor()));
-        let mut values = [pg_sys::Datum::from(0usize); 19];
-        let mut nulls = [true; 19];
-        let mut set = |i: usize, d: Option<pg_sys::Datum>| {
-            if let Some(d) = d {
-                values[i] = d;
-                nulls[i] = false;
-            }
-        };
-        set(0, Some(pg_sys::Datum::from(id)));
-        set(1, Some(topic));
-        set(3, dispatch_key);
-        set(4, Some(e.payload.datum()));
-        set(5, e.headers.map(|h| h.datum()));
-        set(6, Some(pg_sys::Datum::from(pg_sys::cstring_to_text(c"pending".as_ptr()))));
-        set(7, Some(pg_sys::Datum::from(0i32)));
-        set(8, Some(pg_sys::Datum::from(e.max_attempts)));
-        set(9, Some(visible_at));
-        set(15, Some(pg_sys::Datum::from(now)));
-        set(17, Some(pg_sys::Datum::from(false)));
-        set(18, Some(pg_sys::Datum::from(true)));
+        let visible_at = visible_at.max(floor());
+        // SAFETY: cstring_to_text copies a C string literal into a palloc'd text.
+        let pending = unsafe { pg_sys::cstring_to_text(c"pending".as_ptr()) };
+        vec![tuple([
+            (0, Some(pg_sys::Datum::from(e.id))),
+            (1, e.topic.into_datum()),
+            (3, e.dispatch_key.and_then(|k| k.into_datum())),
+            (4, Some(e.payload.datum())),
+            (5, e.headers.map(|h| h.datum())),
+            (6, Some(pg_sys::Datum::from(pending))),
+            (7, Some(pg_sys::Datum::from(0i32))),
+            (8, Some(pg_sys::Datum::from(e.max_attempts))),
+            (9, Some(pg_sys::Datum::from(visible_at))),
+            (15, Some(pg_sys::Datum::from(now))),
+            (17, Some(pg_sys::Datum::from(false))),
+            (18, Some(pg_sys::Datum::from(true))),
+        ])]
+    });
+    done.then_some(e.id)
+}
 
-        let desc = (*rel).rd_att;
-        let tuple = pg_sys::heap_form_tuple(desc, values.as_mut_ptr(), nulls.as_mut_ptr());
-        pg_sys::simple_heap_insert(rel, tuple);
-
-        // Index entries, through the executor's routine so that partial-index
-        // predicates and the primary key's uniqueness check are applied as for any
-        // INSERT. The slot is filled after the insert: it takes its TID from
-        // tuple->t_self.
-        let rri = pg_sys::palloc0(std::mem::size_of::<pg_sys::ResultRelInfo>()) as *mut pg_sys::ResultRelInfo;
-        (*rri).type_ = pg_sys::NodeTag::T_ResultRelInfo;
-        pg_sys::InitResultRelInfo(rri, rel, 1, std::ptr::null_mut(), 0);
-        pg_sys::ExecOpenIndices(rri, false);
-        reuse_predicates(rri);
-        let slot = pg_sys::ExecInitExtraTupleSlot(estate, desc, &pg_sys::TTSOpsHeapTuple);
-        pg_sys::ExecStoreHeapTuple(tuple, slot, false);
-        insert_index_entries(rri, slot, estate);
-        pg_sys::ExecCloseIndices(rri);
-
-        pg_sys::MemoryContextSwitchTo(old);
-        pg_sys::ExecResetTupleTable((*estate).es_tupleTable, false);
-        pg_sys::FreeExecutorState(estate);
-        pg_sys::table_close(rel, pg_sys::NoLock as pg_sys::LOCKMODE);
-        Some(id)
-    }
+/// Append `rows` to the ring table `log_<table>` (0..=3), or return false when
+/// the table's shape (or its absence, with SQL older than 0.8.0) rules the direct
+/// path out; then nothing was written.
+pub fn append_log(table: usize, rows: &[LogRow<'_>]) -> bool {
+    let shape = Shape { name: LOG_NAMES[table], columns: &LOG_COLUMNS, nullable: &LOG_NULLABLE };
+    insert_rows::<11>(&shape, |now| {
+        rows.iter()
+            .map(|r| {
+                debug_assert!(r.payload.oid() == pg_sys::JSONBOID);
+                tuple([
+                    (0, Some(pg_sys::Datum::from(r.id))),
+                    (1, Some(pg_sys::Datum::from(r.txid))),
+                    (2, Some(pg_sys::Datum::from(r.lane))),
+                    (3, r.topic.into_datum()),
+                    (4, r.subject.and_then(|s| s.into_datum())),
+                    (5, r.dispatch_key.and_then(|k| k.into_datum())),
+                    (6, Some(r.payload.datum())),
+                    (7, r.headers.map(|h| h.datum())),
+                    (8, Some(pg_sys::Datum::from(r.max_attempts))),
+                    (9, Some(pg_sys::Datum::from(now))),
+                    (10, r.deliver_at.map(|v| v.datum())),
+                ])
+            })
+            .collect()
+    })
 }
 
 struct CachedPredicate {
@@ -316,7 +414,7 @@ fn no_deferred_checks(recheck: *mut pg_sys::List) {
     if !recheck.is_null() {
         errors::raise(
             PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-            "outbox.event_queue has a deferrable unique index, which outbox.publish does not support",
+            "an outbox table has a deferrable unique index, which outbox.publish does not support",
         );
     }
 }

@@ -310,6 +310,21 @@ pub fn assign_xid() {
     }
 }
 
+/// Give the current transaction its id before an insert, and return the
+/// top-level transaction's full id (`pg_current_xact_id()`). A read-only
+/// transaction gets the error an INSERT gets there (25006), not the internal one
+/// that assigning an id raises on a standby.
+pub fn xid_for_insert() -> u64 {
+    // SAFETY: PreventCommandIfReadOnly raises (25006) when XactReadOnly is set;
+    // GetTopFullTransactionId assigns the id if needed, as a first write does.
+    unsafe {
+        if pg_sys::XactReadOnly {
+            pg_sys::PreventCommandIfReadOnly(c"INSERT".as_ptr());
+        }
+        pg_sys::GetTopFullTransactionId().value
+    }
+}
+
 /// The next transaction id to be assigned (ReadNextFullTransactionId), 64 bits.
 pub fn next_xid() -> u64 {
     // SAFETY: reads shared transaction state under its own lock.
@@ -467,6 +482,42 @@ pub fn load_consistent<T>(load: impl Fn() -> T) -> (u64, T) {
         }
     }
     (STALE, load())
+}
+
+/// A per-backend copy of rows read from catalog-like tables (the topic registry,
+/// the subscription catalog, the log ring's state), valid while the relcache
+/// invalidation count is the one it was loaded under ([`load_consistent`]).
+/// Those tables' statement triggers send an invalidation at commit, so any change
+/// makes every backend's copy stale; so does any other relcache invalidation,
+/// which is rare next to the calls that read the copy.
+pub struct GenerationCache<T>(std::cell::RefCell<Option<(u64, T)>>);
+
+impl<T> GenerationCache<T> {
+    /// An empty cache (loaded on first use).
+    pub const fn new() -> Self {
+        GenerationCache(std::cell::RefCell::new(None))
+    }
+
+    /// Apply `f` to the copy, loading it with `load` first when it is missing or
+    /// stale.
+    pub fn with<R>(&self, load: impl Fn() -> T, f: impl FnOnce(&T) -> R) -> R {
+        let generation = relcache_generation();
+        if let Some((g, value)) = self.0.borrow().as_ref() {
+            if *g == generation {
+                return f(value);
+            }
+        }
+        let (generation, value) = load_consistent(load);
+        let r = f(&value);
+        *self.0.borrow_mut() = Some((generation, value));
+        r
+    }
+}
+
+impl<T> Default for GenerationCache<T> {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 /// Read the invalidation messages other backends' commits have sent, running

@@ -6,6 +6,7 @@
 
 pub mod claim;
 pub mod lease;
+pub mod log;
 pub mod lowwater;
 pub mod publish;
 pub mod subject;

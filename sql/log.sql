@@ -1,0 +1,132 @@
+-- The event log: the append-only storage that subscriptions will read
+-- (docs/design/subscriptions.md). 0.8.0 writes it beside event_queue when
+-- outbox.log_write is on, so its cost can be measured; nothing reads it yet,
+-- and no claim depends on it.
+--
+-- A fixed ring of four tables created here, so that each belongs to the
+-- extension (pg_dump, DROP EXTENSION, grants, the upgrade's schema comparison)
+-- without any DDL at run time. outbox.log_state names the one publishers
+-- write. Retention empties a whole table with TRUNCATE, taken only when the
+-- lock is free (never queued: src/log.rs), so a held xmin leaves no dead tuple
+-- in the log and nothing ever waits for its cleanup.
+--
+-- A row is written once, by publish, and never updated or deleted:
+--   txid  the publishing transaction's id, assigned before the event's id is
+--         drawn (src/publish.rs), so that a reader can find late committers
+--         by transaction;
+--   lane  the reader's unit of order: a subject's events share one lane
+--         (hash of the subject), events without a subject go to lanes in runs
+--         of 64 ids, so one lane's window reads adjacent heap pages.
+-- Indexes: (lane, id) for a lane's window, (txid, lane) for the events of one
+-- transaction that committed late. Both grow at their right edge.
+DO $$
+BEGIN
+    FOR n IN 0..3 LOOP
+        EXECUTE pg_catalog.format($ddl$
+            CREATE TABLE outbox.log_%1$s (
+                id           bigint      NOT NULL,
+                txid         xid8        NOT NULL,
+                lane         smallint    NOT NULL,
+                topic        text        NOT NULL,
+                subject      text,
+                dispatch_key text,
+                payload      jsonb       NOT NULL,
+                headers      jsonb,
+                max_attempts integer     NOT NULL,
+                published_at timestamptz NOT NULL,
+                deliver_at   timestamptz
+            ) WITH (vacuum_truncate = false);
+            CREATE INDEX log_%1$s_lane_id ON outbox.log_%1$s (lane, id);
+            CREATE INDEX log_%1$s_txid ON outbox.log_%1$s (txid, lane);
+            SELECT pg_catalog.pg_extension_config_dump('outbox.log_%1$s', '');
+        $ddl$, n);
+    END LOOP;
+END
+$$;
+
+-- The ring's state: one row per ring table in use. The open table (opened,
+-- not sealed) is the one publishers append to; with no row at all (a fresh
+-- install, before the first rotation) that is log_0. A sealed table takes no
+-- new events (but see src/log.rs on a publisher's stale copy) and is truncated
+-- once its retention has passed; its row is then deleted, and the table is
+-- free. No row is made at install, so a dump restores its rows into an empty
+-- table. Written only by outbox._log_rotate, whose changes a statement trigger
+-- turns into a relcache invalidation for every backend's copy, as for
+-- outbox.topics.
+CREATE TABLE outbox.log_state (
+    n          smallint    PRIMARY KEY CHECK (n BETWEEN 0 AND 3),
+    opened_at  timestamptz NOT NULL,
+    sealed_at  timestamptz CHECK (sealed_at >= opened_at)
+) WITH (vacuum_truncate = false);  -- read by publishers: see event_queue
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
+CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
+ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
+
+-- Log retention, one maintenance step (src/log.rs): truncate every sealed
+-- table sealed longer ago than outbox.retention_delivered, then seal the open
+-- table once it has been open for half that (so a table holds at most half the
+-- retention window of events and at most three tables hold events) and open
+-- the next, which must be free. A table is locked with NOWAIT before its
+-- TRUNCATE: when any transaction uses it, the lock is not queued (publishers
+-- never wait behind it) and the table is left for the next run.
+CREATE FUNCTION outbox._log_rotate() RETURNS integer
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    keep      interval := outbox._retention_guc('outbox.retention_delivered');
+    cur       smallint;
+    opened    timestamptz;
+    nxt       smallint;
+    t         smallint;
+    truncated integer := 0;
+BEGIN
+    -- One rotation at a time (the worker and run_maintenance() may overlap);
+    -- readers of the state are not blocked by this lock mode.
+    BEGIN
+        LOCK TABLE outbox.log_state IN SHARE ROW EXCLUSIVE MODE NOWAIT;
+    EXCEPTION WHEN lock_not_available THEN
+        RETURN 0;
+    END;
+    FOR t IN SELECT s.n FROM outbox.log_state s WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
+        BEGIN
+            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || t);
+            EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
+            DELETE FROM outbox.log_state WHERE n = t;
+            truncated := truncated + 1;
+        EXCEPTION WHEN lock_not_available THEN
+            NULL;  -- in use: the next run tries again
+        END;
+    END LOOP;
+
+    SELECT s.n, s.opened_at INTO cur, opened
+      FROM outbox.log_state s WHERE s.sealed_at IS NULL ORDER BY s.opened_at DESC LIMIT 1;
+    IF NOT FOUND THEN
+        -- Fresh install or restored without state: log_0 has been the open table.
+        IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = 0) THEN
+            RETURN truncated;  -- log_0 is sealed and not yet free: wait for it
+        END IF;
+        INSERT INTO outbox.log_state (n, opened_at) VALUES (0, now());
+        RETURN truncated;
+    END IF;
+    IF opened >= now() - keep / 2 THEN
+        RETURN truncated;
+    END IF;
+    nxt := (cur + 1) % 4;
+    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
+        RETURN truncated;  -- the next table is not free yet: keep writing this one
+    END IF;
+    BEGIN
+        -- A free table is empty unless rows were restored into it or written by
+        -- a stale publisher after it was truncated; neither is read in 0.8.0.
+        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || nxt);
+        EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
+        UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
+        INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+    EXCEPTION WHEN lock_not_available THEN
+        NULL;
+    END;
+    RETURN truncated;
+END
+$$;
