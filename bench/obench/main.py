@@ -49,6 +49,8 @@ FULL = {
     # 16, because beside 16 workers on 2 cores the 4 of that rule reached ~300 ev/s.
     "s8_rate": 800, "s8_workers": 16, "s8_batch": 100, "s8_poll": 0.5, "s8_reps": 1, "s8_pub_conns": 16,
     "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
+    # 9: s9_n payloads per column type (jsonb, json, text), read in keyset batches of s9_batch
+    "s9_n": 100_000, "s9_batch": 500,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -65,6 +67,7 @@ QUICK = dict(FULL, **{
     "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
     "s7_seconds": 2, "s7_probes": 8,
     "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,
+    "s9_n": 20_000,
 })
 
 SCENARIOS = [
@@ -77,6 +80,7 @@ SCENARIOS = [
     # 0.6.0 every such database takes a worker slot (max_worker_processes)
     ("s7", "7. many databases", scenarios.s7_multidb),
     ("s8", "8. held transaction id", scenarios.s8_held_xid),
+    ("s9", "9. payload output", scenarios.s9_payload),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held xmin", scenarios.s6_xmin),
     ("s6c", "6c. purge", scenarios.s6_purge),

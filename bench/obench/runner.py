@@ -34,6 +34,15 @@ def pct(xs, p):
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def pgoptions(notify=None, gucs=None):
+    """The PGOPTIONS of a pgbench run: outbox.notify (when given) and any further
+    session settings in gucs ({name: value}), as agents.connect sets them; None
+    when there are none."""
+    settings = {"outbox.notify": notify} if notify else {}
+    settings.update(gucs or {})
+    return " ".join(f"-c {k}={v}" for k, v in settings.items()) or None
+
+
 class Ctx:
     def __init__(self, cluster, prof, out_dir, say):
         self.cluster = cluster
@@ -156,13 +165,10 @@ class Ctx:
 
     @staticmethod
     def _pgbench_env(notify, gucs=None):
-        """pgbench's environment: PGOPTIONS carries outbox.notify (when given) and
-        any further session settings in gucs ({name: value}), as agents.connect does."""
-        settings = {"outbox.notify": notify} if notify else {}
-        settings.update(gucs or {})
         env = dict(os.environ)
-        if settings:
-            env["PGOPTIONS"] = " ".join(f"-c {k}={v}" for k, v in settings.items())
+        opts = pgoptions(notify, gucs)
+        if opts:
+            env["PGOPTIONS"] = opts
         else:
             env.pop("PGOPTIONS", None)
         return env

@@ -12,7 +12,7 @@ from psycopg.rows import dict_row
 
 from . import agents
 from . import sql as S
-from .runner import HarnessError, median, pct
+from .runner import HarnessError, median, pct, pgoptions
 
 ns = 1e9
 
@@ -27,6 +27,12 @@ def _ratio(a, b):
     if a is None or not b:
         return None
     return a / b
+
+
+def _diff(a, b):
+    if a is None or b is None:
+        return None
+    return a - b
 
 
 def _code(sqltext, lang="sql"):
@@ -61,10 +67,6 @@ S1_SYSTEMS = [
     ("plain_notify", "plain_notify", None, None, "plain"),
     ("pgq", "pgq", None, None, "pgq"),
 ]
-
-
-def _pgoptions(notify, gucs):
-    return " ".join([f"-c outbox.notify={notify}"] + [f"-c {k}={v}" for k, v in (gucs or {}).items()])
 
 
 def s1_publish(ctx):  # noqa: C901
@@ -103,7 +105,7 @@ def s1_publish(ctx):  # noqa: C901
                         ctx.rec("s1_publish", name, {"clients": clients}, rep, "queued_events", queued, "events")
                         if not logged:
                             raise HarnessError(f"outbox_log: {queued} events published with "
-                                               f"PGOPTIONS='{_pgoptions(notify, gucs)}' and no log row written")
+                                               f"PGOPTIONS='{pgoptions(notify, gucs)}' and no log row written")
                         if logged != queued:
                             log_mismatch.append((clients, rep, logged, queued))
                             ctx.say(f"  s1 outbox_log clients={clients} rep={rep}: {logged} log rows "
@@ -138,11 +140,13 @@ def s1_publish(ctx):  # noqa: C901
     if has_log:
         parts = []
         for c in p["s1_clients"]:
+            # per repetition: the two ran one after the other
             paired = [_ratio(a, b) for a, b in zip(ctx.values("s1_publish", "outbox_log", {"clients": c}, "events_per_s"),
                                                     ctx.values("s1_publish", "outbox_background", {"clients": c},
                                                                "events_per_s"))]
             paired = [r for r in paired if r is not None]
-            parts.append(f"{c} client{'s' if c != 1 else ''} **{_fmt(_ratio(med('outbox_log', c), med('outbox_background', c)), 2)}x**"
+            r = _ratio(med("outbox_log", c), med("outbox_background", c))
+            parts.append(f"{c} client{'s' if c != 1 else ''} **{_fmt(r, 2)}x**"
                          + (f" (per repetition {min(paired):.2f}–{max(paired):.2f}x)" if paired else ""))
         md += ("Publish with the log / without (`outbox_log` / `outbox_background`; informational, not a target): "
                + ", ".join(parts) + ". `outbox_log` is `outbox_background` with `outbox.log_write = on`: every "
@@ -159,7 +163,7 @@ def s1_publish(ctx):  # noqa: C901
                "(it came with 0.8.0).\n\n")
     md += (f"pgbench: `pgbench -n -M prepared -c C -j min(C,2) -T {p['s1_seconds']} -f SCRIPT`; "
            "the outbox modes set `PGOPTIONS='-c outbox.notify=MODE'`"
-           + (f", `outbox_log` `PGOPTIONS='{_pgoptions('background', {'outbox.log_write': 'on'})}'`" if has_log else "")
+           + "".join(f", `{n}` `PGOPTIONS='{pgoptions(nt, g)}'`" for n, _, nt, g, _ in systems if g)
            + ". Tables are truncated before every run.\n\n")
     for name in ("outbox", "plain", "plain_notify", "pgq"):
         md += f"**{name}**\n\n" + _code(S.PUB1[name])
@@ -1479,14 +1483,17 @@ def s9_payload(ctx):  # noqa: C901
                f"{', '.join(_fmt(v, 2) for v in cvv)} |\n")
     md += (f"\nRead over the wire: json / jsonb = **{_fmt(_ratio(rd['json'], rd['jsonb']), 2)}x**, text / jsonb = "
            f"**{_fmt(_ratio(rd['text'], rd['jsonb']), 2)}x**; jsonb costs "
-           f"{_fmt(rd['jsonb'] - rd['text'] if rd['jsonb'] is not None and rd['text'] is not None else None, 2)} µs "
+           f"{_fmt(_diff(rd['jsonb'], rd['text']), 2)} µs "
            "per event more than text. Server-side conversion alone: json / jsonb = "
            f"**{_fmt(_ratio(cv['json'], cv['jsonb']), 2)}x**, text / jsonb = **{_fmt(_ratio(cv['text'], cv['jsonb']), 2)}x** "
-           f"({_fmt(cv['jsonb'] - cv['text'] if cv['jsonb'] is not None and cv['text'] is not None else None, 2)} µs "
-           "per event). Informational, not a target.\n\n"
+           f"(jsonb {_fmt(_diff(cv['jsonb'], cv['text']), 2)} µs per event more than text"
+           "). Informational, not a target.\n\n"
            "Context (the design's prototype, not this run): `sum(length(payload::text))` over 20,000 payloads "
            "took about 5.7 µs per payload from jsonb and 1.5 µs from text.\n\n")
-    md += ("**schema and load** (per type)\n\n" + _code(S.PAYLOAD_SCHEMA + ";\n" + S.PAYLOAD_LOAD + ";")
-           + "**read** (until a batch comes back short)\n\n" + _code(S.PAYLOAD_READ.format(table="{table}", batch=batch) + ";")
-           + "**server-side conversion**\n\n" + _code(S.PAYLOAD_CONVERT + ";"))
+    per_type = {"table": S.PAYLOAD_TABLE, "type": "{type}", "batch": batch}  # {type}: jsonb, json, text
+    md += ("**schema and load** (per `{type}`: " + ", ".join(types) + ")\n\n"
+           + _code(S.PAYLOAD_SCHEMA.format(**per_type) + ";\n" + S.PAYLOAD_LOAD.format(**per_type) + ";")
+           + "**read** (from `after` = 0, until a batch comes back short)\n\n"
+           + _code(S.PAYLOAD_READ.format(**per_type) + ";")
+           + "**server-side conversion**\n\n" + _code(S.PAYLOAD_CONVERT.format(**per_type) + ";"))
     ctx.section("9. Payload output", md)

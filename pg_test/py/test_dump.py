@@ -44,6 +44,8 @@ def build_source(dsn):
     with connect(dsn) as c:
         # Load the library before create_topic reads outbox.max_lease (BUG-S7).
         c.execute("SELECT outbox.backoff_delay(1)")
+        # Every event in the log ring too (0.8.0), and its state after a maintenance run.
+        c.execute("SET outbox.log_write = on")
         c.execute("SELECT outbox.create_topic('d.orders', max_attempts => 5, backoff_base => '2 s', "
                   "backoff_max => '1 min', retention_delivered => '3 days')")
         c.execute("SELECT outbox.create_topic('d.pay', max_attempts => 2, dead_letter_policy => 'block')")
@@ -103,6 +105,8 @@ SNAPSHOT = {
     "dispatch_keys": "SELECT * FROM outbox.dispatch_keys ORDER BY dispatch_key",
     "maintenance_runs": "SELECT * FROM outbox.maintenance_runs ORDER BY run_id",
     "sequence": "SELECT last_value, is_called FROM outbox.event_id_seq",
+    "log": " UNION ALL ".join(f"SELECT {n} AS t, * FROM outbox.log_{n}" for n in range(4)) + " ORDER BY id",
+    "log_state": "SELECT * FROM outbox.log_state ORDER BY n",
 }
 
 
@@ -139,6 +143,9 @@ def restore(plain_dsn, dumped, fmt, name):
 def test_source_has_every_state(dumped):
     states = Counter(r[6] for r in dumped["snap"]["events"])
     assert set(states) == {"pending", "leased", "dead", "delivered", "cancelled"}
+    # The log ring holds every event once, and maintenance recorded its open table.
+    assert sorted(r[1] for r in dumped["snap"]["log"]) == sorted(r[0] for r in dumped["snap"]["events"])
+    assert [r[0] for r in dumped["snap"]["log_state"]] == [0]
 
 
 @pytest.mark.parametrize("fmt", ["custom", "plain"])

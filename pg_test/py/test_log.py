@@ -1,0 +1,344 @@
+"""The event log ring (0.8.0, src/log.rs): with outbox.log_write on, every
+committed event is appended exactly once, in its publisher's transaction, with
+that transaction's id and its lane; the maintenance step rotates and truncates
+the ring without ever queueing for a lock. Real sessions on the cluster without
+preload (no background worker rotates behind a test's back)."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import connect
+
+RING = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3")
+COLS = "id, txid::text::bigint, lane, topic, subject, dispatch_key, payload::text, max_attempts"
+
+
+@pytest.fixture
+def db(plain):
+    plain.clean(extra=(*RING, "outbox.log_state"))
+    yield plain
+
+
+def logging_conn(db, **kw):
+    c = db.conn(**kw)
+    c.execute("SET outbox.log_write = on")
+    return c
+
+
+def log_rows(db):
+    return db.all(" UNION ALL ".join(f"SELECT {COLS} FROM {t}" for t in RING) + " ORDER BY 1")
+
+
+def queue_ids(db):
+    return [r[0] for r in db.all("SELECT id FROM outbox.events ORDER BY id")]
+
+
+def sqlstate(conn, sql, params=None):
+    try:
+        conn.execute(sql, params)
+    except psycopg.Error as e:
+        return e.sqlstate
+    return None
+
+
+def test_committed_events_are_logged_once_with_their_transaction_id(db):
+    c = logging_conn(db)
+    c.execute("BEGIN")
+    a = c.execute("SELECT outbox.publish('log.a', '{\"n\": 1}')").fetchone()[0]
+    b = c.execute("SELECT outbox.publish('log.a', '{\"n\": 2}', 'acct:1', 'key-1')").fetchone()[0]
+    # The same key again names the first event and writes nothing.
+    assert c.execute("SELECT outbox.publish('log.a', '{\"n\": 3}', NULL, 'key-1')").fetchone()[0] == b
+    batch = [r[0] for r in c.execute(
+        "SELECT * FROM outbox.publish_batch('log.b', ARRAY['{\"m\": 1}', '{\"m\": 2}']::jsonb[], "
+        "ARRAY['acct:2', NULL])").fetchall()]
+    xid = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+    c.execute("COMMIT")
+    rows = log_rows(db)
+    assert [r[0] for r in rows] == [a, b, *batch] == queue_ids(db)
+    assert {r[1] for r in rows} == {xid}
+    assert [(r[3], r[4], r[5], r[6]) for r in rows] == [
+        ("log.a", None, None, '{"n": 1}'),
+        ("log.a", "acct:1", "key-1", '{"n": 2}'),
+        ("log.b", "acct:2", None, '{"m": 1}'),
+        ("log.b", None, None, '{"m": 2}'),
+    ]
+    assert {r[7] for r in rows} == {10}
+
+
+def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_queue(db):
+    c = logging_conn(db)
+    c.execute("BEGIN")
+    c.execute("SELECT outbox.publish('log.r', '{}')")
+    c.execute("ROLLBACK")
+    c.execute("BEGIN")
+    kept = c.execute("SELECT outbox.publish('log.r', '{}', 's1')").fetchone()[0]
+    c.execute("SAVEPOINT sp")
+    c.execute("SELECT outbox.publish('log.r', '{}', 's2')")
+    c.execute("SELECT * FROM outbox.publish_batch('log.r', ARRAY['{}', '{}']::jsonb[])")
+    c.execute("ROLLBACK TO SAVEPOINT sp")
+    c.execute("SAVEPOINT sp2")
+    inner = c.execute("SELECT outbox.publish('log.r', '{}', 's3')").fetchone()[0]
+    c.execute("RELEASE SAVEPOINT sp2")
+    top = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
+    c.execute("COMMIT")
+    rows = log_rows(db)
+    assert [r[0] for r in rows] == [kept, inner] == queue_ids(db)
+    # A subtransaction's event carries the top-level id (what snapshots list).
+    assert {r[1] for r in rows} == {top}
+
+    if db.one("SHOW max_prepared_transactions")[0] == "0":
+        pytest.skip("max_prepared_transactions = 0")
+    c.execute("SET outbox.notify = off")  # a NOTIFY cannot be prepared
+    for gid, finish in (("log-2pc-a", "COMMIT PREPARED"), ("log-2pc-b", "ROLLBACK PREPARED")):
+        before = len(log_rows(db))
+        c.execute("BEGIN")
+        c.execute("SELECT outbox.publish('log.2pc', %s::jsonb)", (f'{{"gid": "{gid}"}}',))
+        c.execute(f"PREPARE TRANSACTION '{gid}'")
+        try:
+            assert len(log_rows(db)) == before  # not visible while prepared
+        finally:
+            c.execute(f"{finish} '{gid}'")
+    rows = log_rows(db)
+    assert [r[6] for r in rows if r[3] == "log.2pc"] == ['{"gid": "log-2pc-a"}']
+    assert [r[0] for r in rows] == queue_ids(db)
+
+
+def test_off_by_default_and_only_a_superuser_turns_it_on(db):
+    c = db.conn()
+    c.execute("SELECT outbox.publish('log.off', '{}')")
+    assert log_rows(db) == []
+    c.execute("DROP ROLE IF EXISTS log_test_user")
+    c.execute("CREATE ROLE log_test_user")
+    c.execute("GRANT outbox_publisher TO log_test_user")
+    try:
+        c.execute("SET ROLE log_test_user")
+        assert sqlstate(c, "SET outbox.log_write = on") == "42501"
+        c.execute("RESET ROLE")
+        # Set by a superuser for the role, it applies to that role's publishes.
+        c.execute("SET outbox.log_write = on")
+        c.execute("SET ROLE log_test_user")
+        got = c.execute("SELECT outbox.publish('log.role', '{}')").fetchone()[0]
+        c.execute("RESET ROLE")
+        assert [r[0] for r in log_rows(db)] == [got]
+    finally:
+        c.execute("RESET ROLE")
+        c.execute("DROP OWNED BY log_test_user")
+        c.execute("DROP ROLE log_test_user")
+
+
+def test_a_subject_keeps_one_lane_and_plain_events_go_in_runs_of_64(db):
+    c = logging_conn(db)
+    for i in range(3):
+        for s in ("order:1", "order:2", "user:äö", None):
+            c.execute("SELECT outbox.publish(%s, '{}', %s)", (f"log.t{i}", s))
+    c.execute("SELECT * FROM outbox.publish_batch('log.many', array_fill('{}'::jsonb, ARRAY[200]))")
+    rows = db.all(" UNION ALL ".join(f"SELECT id, lane, subject, hashtext(subject) & 15 FROM {t}" for t in RING))
+    assert len(rows) == 212
+    for id_, lane, subject, sql_lane in rows:
+        assert 0 <= lane < 16
+        if subject is None:
+            assert lane == (id_ // 64) % 16
+        else:
+            assert lane == sql_lane, subject
+    by_subject = {}
+    for _, lane, subject, _ in rows:
+        if subject is not None:
+            by_subject.setdefault(subject, set()).add(lane)
+    assert all(len(v) == 1 for v in by_subject.values())
+
+
+def test_a_read_only_transaction_gets_25006_and_writes_nothing(db):
+    c = logging_conn(db)
+    c.execute("BEGIN READ ONLY")
+    assert sqlstate(c, "SELECT outbox.publish('log.ro', '{}')") == "25006"
+    c.execute("ROLLBACK")
+    c.execute("BEGIN READ ONLY")
+    assert sqlstate(c, "SELECT * FROM outbox.publish_batch('log.ro', ARRAY['{}']::jsonb[])") == "25006"
+    c.execute("ROLLBACK")
+    assert log_rows(db) == []
+
+
+def test_publish_has_its_transaction_id_before_it_draws_an_event_id(db):
+    """Invariant 2 of src/log.rs. A session holding the queue's table lock makes
+    a publisher wait where it opens the table to insert, after it drew its
+    event id: it must already have its transaction id (the insert alone would
+    assign it only after the wait)."""
+    locker, pub, watch = db.conn(), logging_conn(db), db.conn()
+    pub.execute("SELECT outbox.publish('log.order', '{}')")  # caches warm: no statement runs below
+    pid = pub.execute("SELECT pg_backend_pid()").fetchone()[0]
+    before = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]
+    locker.execute("BEGIN")
+    locker.execute("LOCK TABLE outbox.event_queue IN ACCESS EXCLUSIVE MODE")
+    result = []
+    t = threading.Thread(target=lambda: result.append(
+        pub.execute("SELECT outbox.publish('log.order', '{}')").fetchone()[0]))
+    t.start()
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            row = watch.execute("SELECT wait_event_type, backend_xid::text FROM pg_stat_activity WHERE pid = %s",
+                                (pid,)).fetchone()
+            if row[0] == "Lock" or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        assert row[0] == "Lock", "the publisher never waited for the table lock"
+        drawn = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]
+        assert drawn == before + 1, "the publisher waited before drawing its id"
+        assert row[1] is not None, "waiting with an event id drawn but no transaction id"
+    finally:
+        locker.execute("COMMIT")
+        t.join(10)
+    assert result == [before + 1]
+    assert [r[0] for r in log_rows(db)][-1] == before + 1
+
+
+def state(db):
+    return db.all("SELECT n, sealed_at IS NOT NULL FROM outbox.log_state ORDER BY n")
+
+
+def test_rotation_seals_opens_and_truncates_past_retention(db):
+    c, admin = logging_conn(db), db.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.publish('log.rot', '{}')")
+    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 1
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert state(db) == [(0, False)]                 # first run records log_0 as open
+    admin.execute("SELECT outbox._log_rotate()")
+    assert state(db) == [(0, True), (1, False)]      # sealed, and log_1 opened
+    # The publisher's cached table follows the rotation at its next call.
+    second = c.execute("SELECT outbox.publish('log.rot', '{}')").fetchone()[0]
+    assert db.all("SELECT id FROM outbox.log_1") == [(second,)]
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 1
+    assert state(db) == [(1, True), (2, False)]
+    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    # With the default retention nothing is sealed or truncated early.
+    admin.execute("RESET outbox.retention_delivered")
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert state(db) == [(1, True), (2, False)]
+    assert db.one("SELECT count(*) FROM outbox.log_1")[0] == 1
+
+
+def test_rotation_never_waits_for_a_table_in_use_and_publishers_never_wait_for_it(db):
+    """A reader idles in a transaction holding a lock on the sealed table: the
+    truncation is skipped at once (NOWAIT), no lock request is left queued, so
+    a publisher behind it is not blocked; the next run truncates."""
+    c, admin, reader = logging_conn(db), db.conn(), db.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 open
+    c.execute("SELECT outbox.publish('log.busy', '{}')")
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 sealed, log_1 open
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM outbox.log_0")
+    t0 = time.monotonic()
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert time.monotonic() - t0 < 2
+    assert db.one("SELECT count(*) FROM pg_locks WHERE NOT granted")[0] == 0
+    # Another session still appends (to log_1) and reads log_0 without waiting.
+    other = logging_conn(db)
+    other.execute("SET lock_timeout = '2s'")
+    other.execute("SELECT outbox.publish('log.busy', '{}')")
+    assert other.execute("SELECT count(*) FROM outbox.log_0").fetchone()[0] == 1
+    reader.execute("COMMIT")
+    # log_0 now, and log_1 (sealed by the run above).
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 2
+    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+
+
+def test_two_rotations_at_once_do_not_wait_for_each_other(db):
+    a, b = db.conn(), db.conn()
+    for x in (a, b):
+        x.execute("SET outbox.retention_delivered = 0")
+    a.execute("BEGIN")
+    a.execute("SELECT outbox._log_rotate()")
+    t0 = time.monotonic()
+    assert b.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert time.monotonic() - t0 < 2
+    a.execute("COMMIT")
+    assert state(db) == [(0, False)]
+
+
+def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_one(db):
+    """The ring is full when the next table is still sealed (not past its
+    retention): the open table keeps taking events rather than overwrite one."""
+    c, admin = logging_conn(db), db.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    for _ in range(3):
+        admin.execute("SELECT outbox._log_rotate()")
+    assert state(db) == [(1, True), (2, False)]
+    # log_3 sealed just now, log_2 open for a day, retention 1 h: log_3 is not
+    # free, so log_2 stays open and nothing is truncated.
+    admin.execute("INSERT INTO outbox.log_state VALUES (3, now(), now())")
+    admin.execute("UPDATE outbox.log_state SET opened_at = now() - interval '1 day' WHERE n = 2")
+    admin.execute("UPDATE outbox.log_state SET opened_at = now(), sealed_at = now() WHERE n = 1")
+    admin.execute("SET outbox.retention_delivered = '1h'")
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert state(db) == [(1, True), (2, False), (3, True)]
+    got = c.execute("SELECT outbox.publish('log.full', '{}')").fetchone()[0]
+    assert db.all("SELECT id FROM outbox.log_2") == [(got,)]
+
+
+def test_run_maintenance_runs_the_log_step(db):
+    c = logging_conn(db)
+    c.execute("SELECT outbox.publish('log.m', '{}')")
+    c.execute("SET outbox.retention_delivered = 0")
+    c.execute("CALL outbox.run_maintenance()")
+    assert state(db) == [(0, False)]
+    c.execute("CALL outbox.run_maintenance()")
+    assert state(db) == [(0, True), (1, False)]
+
+
+def test_an_altered_ring_table_is_written_through_sql(db):
+    """A trigger on a ring table rules the direct heap path out: publish then
+    uses its INSERT statement, so the trigger fires and the row is the same."""
+    c = logging_conn(db)
+    c.execute("CREATE TABLE public.log_seen (id bigint)")
+    c.execute("CREATE FUNCTION public.log_seen_f() RETURNS trigger LANGUAGE plpgsql AS "
+              "$$ BEGIN INSERT INTO public.log_seen VALUES (NEW.id); RETURN NEW; END $$")
+    c.execute("CREATE TRIGGER seen AFTER INSERT ON outbox.log_0 FOR EACH ROW EXECUTE FUNCTION public.log_seen_f()")
+    try:
+        a = c.execute("SELECT outbox.publish('log.trg', '{\"a\": 1}', 'x')").fetchone()[0]
+        b = [r[0] for r in c.execute(
+            "SELECT * FROM outbox.publish_batch('log.trg', ARRAY['{}', '{}']::jsonb[])").fetchall()]
+        assert [r[0] for r in c.execute("SELECT id FROM public.log_seen ORDER BY id").fetchall()] == [a, *b]
+        rows = log_rows(db)
+        assert [r[0] for r in rows] == [a, *b]
+        assert (rows[0][2], rows[0][4], rows[0][6]) == (db.one("SELECT hashtext('x') & 15")[0], "x", '{"a": 1}')
+    finally:
+        c.execute("DROP TRIGGER seen ON outbox.log_0")
+        c.execute("DROP FUNCTION public.log_seen_f()")
+        c.execute("DROP TABLE public.log_seen")
+
+
+def test_concurrent_publishers_log_exactly_the_committed_events(db):
+    """Eight sessions publish with and without subjects, a third of their
+    transactions rolled back and some savepoints undone; the log then holds
+    exactly the queue's events, each once, with its own transaction's id."""
+    errors = []
+
+    def run(k):
+        try:
+            c = logging_conn(db)
+            for i in range(40):
+                c.execute("BEGIN")
+                c.execute("SELECT outbox.publish('log.c', '{}', %s)", (f"s{i % 5}" if k % 2 else None,))
+                if i % 4 == 0:
+                    c.execute("SAVEPOINT sp")
+                    c.execute("SELECT * FROM outbox.publish_batch('log.c', ARRAY['{}', '{}']::jsonb[])")
+                    c.execute("ROLLBACK TO SAVEPOINT sp")
+                c.execute("ROLLBACK" if i % 3 == 0 else "COMMIT")
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    rows = log_rows(db)
+    ids = [r[0] for r in rows]
+    assert len(ids) == len(set(ids)) == 8 * 26
+    assert ids == queue_ids(db)
