@@ -90,3 +90,18 @@ COMMENT ON FUNCTION outbox._subscription_restore() IS
 
 COMMENT ON FUNCTION outbox._set_paused(text, boolean) IS
 'Internal: pause_subscription and resume_subscription. Returns true when the state changed. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription.';
+
+COMMENT ON FUNCTION outbox._log_cursor() IS
+'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '
+'xn xid8: the next transaction id, read after m). src/log.rs explains the order. No errors.';
+
+COMMENT ON FUNCTION outbox._log_cursor_parts() IS
+'Internal: outbox._log_cursor() as (snap text, m bigint, xn bigint). No errors.';
+
+COMMENT ON FUNCTION outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer) IS
+'Internal: the ids (SETOF bigint, ascending) of the log events of lane (0..15) whose transaction is visible in hi_snap and was not in the cursor (lo_snap, lo_m, lo_xn), '
+'above after (default 0), at most max_events (NULL: all); read under a snapshot taken now. Consecutive windows of a lane return each committed event once, '
+'in per-subject commit order (src/log.rs has the proof). Errors: 22004 NULL argument, 22023 lane out of range or negative max_events.';
+
+COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer) IS
+'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';

@@ -44,6 +44,16 @@ BEGIN
 END
 $$;
 
+-- Every logged event, whichever ring table holds it.
+CREATE VIEW outbox.log AS
+SELECT 0::smallint AS ring, l.* FROM outbox.log_0 l
+UNION ALL SELECT 1::smallint, l.* FROM outbox.log_1 l
+UNION ALL SELECT 2::smallint, l.* FROM outbox.log_2 l
+UNION ALL SELECT 3::smallint, l.* FROM outbox.log_3 l;
+COMMENT ON VIEW outbox.log IS
+'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
+'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Written only while outbox.log_write is on (0.8.0).';
+
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
 -- install, before the first rotation) that is log_0. A sealed table takes no
@@ -130,3 +140,20 @@ BEGIN
     RETURN truncated;
 END
 $$;
+
+-- Reading the log in commit order (src/log.rs, "Reading in commit order").
+-- A cursor is (snap, m, xn): a snapshot taken now, the largest event id drawn
+-- when it was taken (read after it), and the next transaction id (read after m).
+CREATE FUNCTION outbox._log_cursor(OUT snap pg_snapshot, OUT m bigint, OUT xn xid8)
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT p.snap::pg_snapshot, p.m, p.xn::text::xid8 FROM outbox._log_cursor_parts() AS p $$;
+
+-- The events of one lane between two cursors: committed after lo was taken and
+-- before hi was, ids above `after` (a window read in pieces), in id order.
+CREATE FUNCTION outbox._log_window(lane smallint, lo_snap pg_snapshot, lo_m bigint, lo_xn xid8, hi_snap pg_snapshot,
+                                   after bigint DEFAULT 0, max_events integer DEFAULT NULL)
+RETURNS SETOF bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox._log_window_ids(lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, after, max_events) $$;

@@ -53,6 +53,28 @@ ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
 
 -- Functions and procedures, new or changed
 
+CREATE OR REPLACE FUNCTION "_log_cursor_parts"() RETURNS TABLE (
+	"snap" TEXT,  /* String */
+	"m" bigint,  /* i64 */
+	"xn" bigint  /* i64 */
+)
+STRICT VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_cursor_parts_wrapper';
+
+CREATE OR REPLACE FUNCTION "_log_window_ids"(
+	"lane" smallint, /* Option < i16 > */
+	"lo_snap" TEXT, /* Option < & str > */
+	"lo_m" bigint, /* Option < i64 > */
+	"lo_xn" TEXT, /* Option < & str > */
+	"hi_snap" TEXT, /* Option < & str > */
+	"after" bigint, /* Option < i64 > */
+	"max_events" INT /* Option < i32 > */
+) RETURNS SETOF bigint /* i64 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_window_ids_wrapper';
+
 CREATE OR REPLACE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -114,7 +136,31 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox._log_cursor(OUT snap pg_snapshot, OUT m bigint, OUT xn xid8)
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT p.snap::pg_snapshot, p.m, p.xn::text::xid8 FROM outbox._log_cursor_parts() AS p $$;
+
+CREATE OR REPLACE FUNCTION outbox._log_window(lane smallint, lo_snap pg_snapshot, lo_m bigint, lo_xn xid8, hi_snap pg_snapshot,
+                                   after bigint DEFAULT 0, max_events integer DEFAULT NULL)
+RETURNS SETOF bigint
+LANGUAGE sql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT outbox._log_window_ids(lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, after, max_events) $$;
+
+-- Views, changed
+
+CREATE OR REPLACE VIEW outbox.log AS
+SELECT 0::smallint AS ring, l.* FROM outbox.log_0 l
+UNION ALL SELECT 1::smallint, l.* FROM outbox.log_1 l
+UNION ALL SELECT 2::smallint, l.* FROM outbox.log_2 l
+UNION ALL SELECT 3::smallint, l.* FROM outbox.log_3 l;
+
 -- Comments, new or changed
+
+COMMENT ON VIEW outbox.log IS
+'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
+'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Written only while outbox.log_write is on (0.8.0).';
 
 COMMENT ON FUNCTION outbox._maintenance_steps() IS
 'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
@@ -127,6 +173,21 @@ COMMENT ON FUNCTION outbox._log_rotate() IS
 'Internal: the maintenance step log (src/log.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) sealed longer ago than outbox.retention_delivered, '
 'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
 'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
+
+COMMENT ON FUNCTION outbox._log_cursor() IS
+'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '
+'xn xid8: the next transaction id, read after m). src/log.rs explains the order. No errors.';
+
+COMMENT ON FUNCTION outbox._log_cursor_parts() IS
+'Internal: outbox._log_cursor() as (snap text, m bigint, xn bigint). No errors.';
+
+COMMENT ON FUNCTION outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer) IS
+'Internal: the ids (SETOF bigint, ascending) of the log events of lane (0..15) whose transaction is visible in hi_snap and was not in the cursor (lo_snap, lo_m, lo_xn), '
+'above after (default 0), at most max_events (NULL: all); read under a snapshot taken now. Consecutive windows of a lane return each committed event once, '
+'in per-subject commit order (src/log.rs has the proof). Errors: 22004 NULL argument, 22023 lane out of range or negative max_events.';
+
+COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer) IS
+'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';
 
 -- Configuration tables for pg_dump
 
@@ -207,6 +268,9 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
     outbox._purge_pause(), outbox._log_rotate(),
+    outbox._log_cursor(), outbox._log_cursor_parts(),
+    outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
+    outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()

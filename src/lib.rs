@@ -64,7 +64,11 @@ pgrx::extension_sql_file!(
         validate::check_topic
     ]
 );
-pgrx::extension_sql_file!("../sql/log.sql", name = "log", requires = ["admin"]);
+pgrx::extension_sql_file!(
+    "../sql/log.sql",
+    name = "log",
+    requires = ["admin", log::log_cursor_parts, log::log_window_ids]
+);
 pgrx::extension_sql_file!(
     "../sql/subscriptions.sql",
     name = "subscriptions",

@@ -29,18 +29,52 @@
 //!    left for the next run, so publishers never wait behind a lock request
 //!    queued behind an idle reader.
 //!
+//! # Reading in commit order
+//! A reader's cursor is `(S, m, xn)` ([`cursor`]): a snapshot `S` taken now (at
+//! every isolation level), then `m`, the largest event id drawn so far, then
+//! `xn`, the next transaction id. The window of lane `l` between a cursor
+//! `(S, m, xn)` and a later snapshot `S'` is defined as the lane's events whose
+//! transaction is visible in `S'` and not in `S`; [`window`] finds them through
+//! two index-driven branches instead of scanning the lane:
+//! - (a) ids above `m`;
+//! - (b) ids at most `m` whose txid is in `xip(S)` or in `[xmax(S), xn)`.
+//!
+//! **The branches miss nothing.** Let E (id `i`, transaction T) be visible in
+//! `S'` and not in `S`. If `i > m`, (a) has it. Otherwise `i` was drawn before
+//! `m` was read, so (invariant 2) T had its id before that, hence before `xn`
+//! was read: `txid < xn`. T is not visible in `S`, so either `txid >= xmax(S)`
+//! or T was running when `S` was taken, i.e. in `xip(S)` (it committed later, as
+//! E exists and is visible in `S'`). Either way (b) has it.
+//!
+//! **Consecutive windows deliver each committed event exactly once.** Let a
+//! lane's cursors `S0, S1, ...` be taken one after another, each snapshot newer
+//! than the last (so each sees every transaction the previous one saw). A
+//! committed event not visible in `S0` is visible from some first `Sk+1` on:
+//! it is in window `(Sk, Sk+1]` and, by the definition, in no other (earlier
+//! windows' upper snapshots do not see it, later windows' lower ones do). Per
+//! subject, ids are in commit order (the subject lock, src/publish.rs) and a
+//! subject lives in one lane, so reading a lane's windows in turn, each in id
+//! order, reads a subject in commit order: an event of a later window committed
+//! after every event of the earlier ones. The query runs under a snapshot taken
+//! after `S'` ([`plans::run_latest`]), so it sees every row `S'` accepts.
+//!
+//! A rolled-back or aborted subtransaction leaves no row to find; an event of a
+//! prepared transaction waits in `xip` until COMMIT PREPARED, like any running
+//! one; `txid` is the top-level id, the one snapshots list.
+//!
 //! Which table is written is a backend's cached copy of `outbox.log_state`
 //! ([`crate::pg::GenerationCache`]), stale for at most the commit of a rotation.
 //! A stale copy appends to the table just sealed; that is harmless, since a
 //! sealed table is truncated only once its retention has passed since sealing,
 //! and (from the slice that reads the log) only once every reader has passed it.
 
+use crate::errors;
 use crate::pg;
 use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::param;
 use crate::pg::heap::{self, LogRow};
 use crate::pg::plans;
-use crate::sql::log::{APPEND_ONE, CURRENT, ROTATE};
+use crate::sql::log::{APPEND_ONE, CURRENT, CURSOR, ROTATE, WINDOW};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
@@ -114,4 +148,82 @@ pub fn rotate() -> i64 {
     }
     let _tables: Option<i32> = plans::one(&ROTATE, &[]);
     0
+}
+
+/// A reader's position in the log: see the module docs.
+pub struct Cursor {
+    /// `pg_snapshot` in its text form (`xmin:xmax:xip,...`).
+    pub snapshot: String,
+    /// The largest event id drawn when the snapshot was taken, read after it.
+    pub m: i64,
+    /// The next full transaction id, read after `m`.
+    pub xn: u64,
+}
+
+/// A cursor taken now (module docs: the order of the three reads matters).
+pub fn cursor() -> Cursor {
+    let (snapshot, m) = plans::run_latest(&CURSOR, &[], |rows| {
+        let mut out = (String::new(), 0);
+        rows.for_each(|r| out = (r.text(0).unwrap_or_default(), r.raw_i64(1)));
+        out
+    });
+    Cursor { snapshot, m, xn: pg::next_xid() }
+}
+
+/// The ids of lane `lane`'s window between `lo` and the snapshot `hi`, above
+/// `after`, at most `limit` (None: all), in id order.
+pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) -> Vec<i64> {
+    let xn = lo.xn.to_string();
+    let args: [DatumWithOid<'_>; 7] = [
+        lane.into(),
+        lo.snapshot.as_str().into(),
+        lo.m.into(),
+        xn.as_str().into(),
+        hi.into(),
+        after.into(),
+        limit.into(),
+    ];
+    plans::run_latest(&WINDOW, &args, |rows| (0..rows.len()).filter_map(|i| rows.i64(i, 1)).collect())
+}
+
+/// `outbox._log_cursor_parts() -> (snap text, m bigint, xn bigint)`: [`cursor`],
+/// for `outbox._log_cursor()`, which casts the parts to their types.
+#[pg_extern(name = "_log_cursor_parts", volatile, parallel_unsafe)]
+pub fn log_cursor_parts() -> TableIterator<'static, (name!(snap, String), name!(m, i64), name!(xn, i64))> {
+    let c = cursor();
+    TableIterator::once((c.snapshot, c.m, c.xn as i64))
+}
+
+/// `outbox._log_window_ids(lane, lo_snap, lo_m, lo_xn, hi_snap, after, max_events)`:
+/// [`window`], for `outbox._log_window()`. 22023 for a lane outside 0..15, a
+/// negative limit; 22004 for a NULL cursor part.
+#[pg_extern(name = "_log_window_ids", volatile, parallel_unsafe)]
+pub fn log_window_ids(
+    lane: Option<i16>,
+    lo_snap: Option<&str>,
+    lo_m: Option<i64>,
+    lo_xn: Option<&str>,
+    hi_snap: Option<&str>,
+    after: Option<i64>,
+    max_events: Option<i32>,
+) -> SetOfIterator<'static, i64> {
+    let need = |what: &str| -> ! { errors::raise(errors::NULL_VALUE, format!("{what} must not be NULL")) };
+    let lane = lane.unwrap_or_else(|| need("lane"));
+    if !(0..LANES).contains(&lane) {
+        errors::raise(errors::INVALID_PARAMETER, format!("lane must be between 0 and {}, not {lane}", LANES - 1));
+    }
+    if max_events.is_some_and(|n| n < 0) {
+        errors::raise(errors::INVALID_PARAMETER, "max_events must not be negative");
+    }
+    let xn: u64 = lo_xn
+        .unwrap_or_else(|| need("lo_xn"))
+        .parse()
+        .unwrap_or_else(|_| errors::raise(errors::INVALID_PARAMETER, "lo_xn must be a transaction id"));
+    let lo = Cursor {
+        snapshot: lo_snap.unwrap_or_else(|| need("lo_snap")).to_string(),
+        m: lo_m.unwrap_or_else(|| need("lo_m")),
+        xn,
+    };
+    let hi = hi_snap.unwrap_or_else(|| need("hi_snap"));
+    SetOfIterator::new(window(lane, &lo, hi, after.unwrap_or(0), max_events))
 }
