@@ -68,6 +68,8 @@
 //! sealed table is truncated only once its retention has passed since sealing,
 //! and (from the slice that reads the log) only once every reader has passed it.
 
+pub mod batch;
+
 use crate::errors;
 use crate::pg;
 use crate::pg::catalog::outbox_relid;
