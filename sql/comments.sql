@@ -105,3 +105,20 @@ COMMENT ON FUNCTION outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_s
 
 COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer) IS
 'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';
+
+COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
+'Internal (0.8.0, the log storage under test): give a subscription its 16 lanes in outbox.log_lanes, starting at a cursor taken now (start = ''now'': '
+'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
+'Errors: 22004 NULL argument, 22023 malformed name or other start.';
+
+COMMENT ON FUNCTION outbox._log_claim(text, integer, interval) IS
+'Internal (0.8.0, the log storage under test; src/log/claim.rs): lease up to batch_size (1..outbox.max_batch_size) events of the log for a subscription, '
+'lane by lane, never waiting for another claim: a lane''s batch in flight hands out what it allows (one event per subject at a time, expired leases again), '
+'else the lane''s next window becomes its batch. Returns (id, topic, subject, payload, headers, lease_token, lease_expires_at); events of one lane share a token. '
+'lease is an interval (0 < lease <= outbox.max_lease). Errors: 22004 NULL argument, 22023 bad batch_size or lease, 54000 batch_size above outbox.max_batch_size, '
+'42704 subscription without lanes, 55000 SQL older than 0.8.0.';
+
+COMMENT ON FUNCTION outbox._log_ack(bigint[], uuid[]) IS
+'Internal (0.8.0, the log storage under test): ack each event ids[i] held by tokens[i] (from outbox._log_claim); a batch whose events are all acked is deleted. '
+'Returns how many were acked (integer); a stale or unknown token acks nothing. Waits only for another transaction changing the same batch. '
+'Errors: 22004 NULL array or element, 22023 arrays of different lengths, 54000 more than outbox.max_batch_size elements.';

@@ -51,7 +51,53 @@ CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
 
+-- Readers' positions (src/log/claim.rs): one row per (subscription, lane).
+-- (lo_*) is the lane's cursor: every event of the lane visible in lo_snap is
+-- finished for the subscription. (hi_*) is the window being read, when there
+-- is one: the events visible in hi_snap and not in lo_snap; pos is the last id
+-- of that window already put in a batch. batch is the lane's batch in flight:
+-- at most one per lane, so a lane's events are handed out in order. Updated
+-- by claims only (acks write the batch row alone), under _lock_row: a claim
+-- skips a lane another one holds.
+CREATE TABLE outbox.log_lanes (
+    subscription text        NOT NULL,
+    lane         smallint    NOT NULL CHECK (lane BETWEEN 0 AND 15),
+    lo_snap      pg_snapshot NOT NULL,
+    lo_m         bigint      NOT NULL,
+    lo_xn        xid8        NOT NULL,
+    hi_snap      pg_snapshot,
+    hi_m         bigint,
+    hi_xn        xid8,
+    pos          bigint,
+    batch        bigint,
+    PRIMARY KEY (subscription, lane)
+) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
+
+-- Batches in flight: a slice of one lane's window, leased in rounds. state is
+-- src/log/batch.rs's encoding (ids, per-event state, rounds); next_expiry is
+-- the earliest lease of an event still out. A finished batch is deleted.
+CREATE SEQUENCE outbox.log_batch_seq AS bigint;
+CREATE TABLE outbox.log_batches (
+    id           bigint      PRIMARY KEY,
+    subscription text        NOT NULL,
+    lane         smallint    NOT NULL,
+    state        bytea       NOT NULL,
+    next_expiry  timestamptz,
+    created_at   timestamptz NOT NULL DEFAULT now()
+) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
+
 -- Functions and procedures, new or changed
+
+CREATE OR REPLACE FUNCTION "_log_ack"(
+	"ids" bigint[], /* :: std :: option :: Option < Vec < Option < i64 > > > */
+	"tokens" uuid[] /* :: std :: option :: Option < Vec < Option < pgrx :: Uuid > > > */
+) RETURNS INT /* i32 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_ack_wrapper';
 
 CREATE OR REPLACE FUNCTION "_log_cursor_parts"() RETURNS TABLE (
 	"snap" TEXT,  /* String */
@@ -61,6 +107,14 @@ CREATE OR REPLACE FUNCTION "_log_cursor_parts"() RETURNS TABLE (
 STRICT VOLATILE PARALLEL UNSAFE 
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_cursor_parts_wrapper';
+
+CREATE OR REPLACE FUNCTION "_log_subscribe"(
+	"subscription" TEXT, /* Option < & str > */
+	"start" TEXT DEFAULT 'now' /* Option < & str > */
+) RETURNS bool /* bool */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_subscribe_wrapper';
 
 CREATE OR REPLACE FUNCTION "_log_window_ids"(
 	"lane" smallint, /* Option < i16 > */
@@ -148,6 +202,19 @@ LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._log_window_ids(lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, after, max_events) $$;
 
+CREATE OR REPLACE FUNCTION outbox._log_claim(subscription text, batch_size integer DEFAULT 100, lease interval DEFAULT '30 seconds')
+RETURNS TABLE (
+    id               bigint,
+    topic            text,
+    subject          text,
+    payload          jsonb,
+    headers          jsonb,
+    lease_token      uuid,
+    lease_expires_at timestamptz
+)
+LANGUAGE c VOLATILE
+AS 'MODULE_PATHNAME', 'outbox_log_claim';
+
 -- Views, changed
 
 CREATE OR REPLACE VIEW outbox.log AS
@@ -189,9 +256,32 @@ COMMENT ON FUNCTION outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_s
 COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer) IS
 'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';
 
+COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
+'Internal (0.8.0, the log storage under test): give a subscription its 16 lanes in outbox.log_lanes, starting at a cursor taken now (start = ''now'': '
+'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
+'Errors: 22004 NULL argument, 22023 malformed name or other start.';
+
+COMMENT ON FUNCTION outbox._log_claim(text, integer, interval) IS
+'Internal (0.8.0, the log storage under test; src/log/claim.rs): lease up to batch_size (1..outbox.max_batch_size) events of the log for a subscription, '
+'lane by lane, never waiting for another claim: a lane''s batch in flight hands out what it allows (one event per subject at a time, expired leases again), '
+'else the lane''s next window becomes its batch. Returns (id, topic, subject, payload, headers, lease_token, lease_expires_at); events of one lane share a token. '
+'lease is an interval (0 < lease <= outbox.max_lease). Errors: 22004 NULL argument, 22023 bad batch_size or lease, 54000 batch_size above outbox.max_batch_size, '
+'42704 subscription without lanes, 55000 SQL older than 0.8.0.';
+
+COMMENT ON FUNCTION outbox._log_ack(bigint[], uuid[]) IS
+'Internal (0.8.0, the log storage under test): ack each event ids[i] held by tokens[i] (from outbox._log_claim); a batch whose events are all acked is deleted. '
+'Returns how many were acked (integer); a stale or unknown token acks nothing. Waits only for another transaction changing the same batch. '
+'Errors: 22004 NULL array or element, 22023 arrays of different lengths, 54000 more than outbox.max_batch_size elements.';
+
 -- Configuration tables for pg_dump
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
+
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
@@ -271,6 +361,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
+    outbox._log_subscribe(text, text), outbox._log_claim(text, integer, interval), outbox._log_ack(bigint[], uuid[]),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()

@@ -82,12 +82,14 @@ def transaction(c, rnd, seed, k, prepared, two_pc):
         c.execute("COMMIT")
 
 
-def resolver(dsn, stop, prepared, errors):
+def resolver(dsn, done, prepared, errors):
+    """Commit or roll back each prepared transaction when its time comes; once
+    `done` is set (every publisher has stopped), resolve the rest and return."""
     try:
         with connect(dsn) as c:
-            while not (stop.is_set() and not prepared):
+            while not (done.is_set() and not prepared):
                 now = time.monotonic()
-                for item in [p for p in list(prepared) if p[0] <= now or stop.is_set()]:
+                for item in [p for p in list(prepared) if p[0] <= now or done.is_set()]:
                     _, gid, commit = item
                     c.execute(f"{'COMMIT' if commit else 'ROLLBACK'} PREPARED '{gid}'")
                     prepared.remove(item)
@@ -145,15 +147,17 @@ def test_windows_read_every_committed_event_once_in_subject_order(db):
     readers = [Reader(db.dsn, "READ COMMITTED", 1), Reader(db.dsn, "REPEATABLE READ", 2)]
     pubs = [threading.Thread(target=publisher, args=(db.dsn, 100 + k, stop, prepared, errors, two_pc))
             for k in range(5)]
-    stop_readers = threading.Event()
-    threads = pubs + [threading.Thread(target=resolver, args=(db.dsn, stop, prepared, errors))]
+    stop_readers, pubs_done = threading.Event(), threading.Event()
+    res = threading.Thread(target=resolver, args=(db.dsn, pubs_done, prepared, errors))
     rthreads = [threading.Thread(target=r.run, args=(stop_readers, errors)) for r in readers]
-    for t in threads + rthreads:
+    for t in pubs + [res] + rthreads:
         t.start()
     time.sleep(12)
     stop.set()
-    for t in threads:
+    for t in pubs:
         t.join(30)
+    pubs_done.set()
+    res.join(30)
     stop_readers.set()
     for t in rthreads:
         t.join(30)

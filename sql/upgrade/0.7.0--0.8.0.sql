@@ -45,3 +45,41 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
 CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
+
+-- Readers' positions (src/log/claim.rs): one row per (subscription, lane).
+-- (lo_*) is the lane's cursor: every event of the lane visible in lo_snap is
+-- finished for the subscription. (hi_*) is the window being read, when there
+-- is one: the events visible in hi_snap and not in lo_snap; pos is the last id
+-- of that window already put in a batch. batch is the lane's batch in flight:
+-- at most one per lane, so a lane's events are handed out in order. Updated
+-- by claims only (acks write the batch row alone), under _lock_row: a claim
+-- skips a lane another one holds.
+CREATE TABLE outbox.log_lanes (
+    subscription text        NOT NULL,
+    lane         smallint    NOT NULL CHECK (lane BETWEEN 0 AND 15),
+    lo_snap      pg_snapshot NOT NULL,
+    lo_m         bigint      NOT NULL,
+    lo_xn        xid8        NOT NULL,
+    hi_snap      pg_snapshot,
+    hi_m         bigint,
+    hi_xn        xid8,
+    pos          bigint,
+    batch        bigint,
+    PRIMARY KEY (subscription, lane)
+) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
+
+-- Batches in flight: a slice of one lane's window, leased in rounds. state is
+-- src/log/batch.rs's encoding (ids, per-event state, rounds); next_expiry is
+-- the earliest lease of an event still out. A finished batch is deleted.
+CREATE SEQUENCE outbox.log_batch_seq AS bigint;
+CREATE TABLE outbox.log_batches (
+    id           bigint      PRIMARY KEY,
+    subscription text        NOT NULL,
+    lane         smallint    NOT NULL,
+    state        bytea       NOT NULL,
+    next_expiry  timestamptz,
+    created_at   timestamptz NOT NULL DEFAULT now()
+) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
+SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');

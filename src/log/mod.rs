@@ -69,6 +69,7 @@
 //! and (from the slice that reads the log) only once every reader has passed it.
 
 pub mod batch;
+pub mod claim;
 
 use crate::errors;
 use crate::pg;
@@ -153,6 +154,7 @@ pub fn rotate() -> i64 {
 }
 
 /// A reader's position in the log: see the module docs.
+#[derive(Clone, Debug)]
 pub struct Cursor {
     /// `pg_snapshot` in its text form (`xmin:xmax:xip,...`).
     pub snapshot: String,
@@ -172,9 +174,9 @@ pub fn cursor() -> Cursor {
     Cursor { snapshot, m, xn: pg::next_xid() }
 }
 
-/// The ids of lane `lane`'s window between `lo` and the snapshot `hi`, above
-/// `after`, at most `limit` (None: all), in id order.
-pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) -> Vec<i64> {
+/// The events (id, subject) of lane `lane`'s window between `lo` and the
+/// snapshot `hi`, above `after`, at most `limit` (None: all), in id order.
+pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) -> Vec<(i64, Option<String>)> {
     let xn = lo.xn.to_string();
     let args: [DatumWithOid<'_>; 7] = [
         lane.into(),
@@ -185,7 +187,11 @@ pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) 
         after.into(),
         limit.into(),
     ];
-    plans::run_latest(&WINDOW, &args, |rows| (0..rows.len()).filter_map(|i| rows.i64(i, 1)).collect())
+    plans::run_latest(&WINDOW, &args, |rows| {
+        let mut out = Vec::with_capacity(rows.len());
+        rows.for_each(|r| out.push((r.raw_i64(0), r.text(1))));
+        out
+    })
 }
 
 /// `outbox._log_cursor_parts() -> (snap text, m bigint, xn bigint)`: [`cursor`],
@@ -227,5 +233,5 @@ pub fn log_window_ids(
         xn,
     };
     let hi = hi_snap.unwrap_or_else(|| need("hi_snap"));
-    SetOfIterator::new(window(lane, &lo, hi, after.unwrap_or(0), max_events))
+    SetOfIterator::new(window(lane, &lo, hi, after.unwrap_or(0), max_events).into_iter().map(|(id, _)| id))
 }

@@ -325,6 +325,18 @@ pub fn xid_for_insert() -> u64 {
     }
 }
 
+/// 64 random bits from PostgreSQL's strong random source (`pg_strong_random`);
+/// raises when the source fails.
+pub fn strong_random() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: pg_strong_random writes exactly `len` bytes into the buffer.
+    let ok = unsafe { pg_sys::pg_strong_random(b.as_mut_ptr().cast(), b.len()) };
+    if !ok {
+        errors::raise(errors::INTERNAL, "could not generate random bytes");
+    }
+    u64::from_ne_bytes(b)
+}
+
 /// The next transaction id to be assigned (ReadNextFullTransactionId), 64 bits.
 pub fn next_xid() -> u64 {
     // SAFETY: reads shared transaction state under its own lock.

@@ -291,6 +291,35 @@ impl Row {
         unsafe { String::from_datum(self.values[i], self.nulls[i]) }
     }
 
+    /// smallint column `i` (0-based), None when NULL or of another type.
+    pub fn i16(&self, i: usize) -> Option<i16> {
+        (self.types[i] == pg_sys::INT2OID && !self.nulls[i]).then(|| self.values[i].value() as i16)
+    }
+
+    /// bigint column `i` (0-based), None when NULL or of another type.
+    pub fn i64(&self, i: usize) -> Option<i64> {
+        (self.types[i] == pg_sys::INT8OID && !self.nulls[i]).then(|| self.values[i].value() as i64)
+    }
+
+    /// tid column `i` (0-based, a `ctid`), copied; None when NULL or of another type.
+    pub fn tid(&self, i: usize) -> Option<pg_sys::ItemPointerData> {
+        if self.types[i] != pg_sys::TIDOID || self.nulls[i] {
+            return None;
+        }
+        // SAFETY: a tid is a by-reference fixed-size datum of the live tuple
+        // table; it is copied out.
+        Some(unsafe { *(self.values[i].cast_mut_ptr::<pg_sys::ItemPointerData>()) })
+    }
+
+    /// bytea column `i` (0-based), copied (detoasted); None when NULL or of another type.
+    pub fn bytes(&self, i: usize) -> Option<Vec<u8>> {
+        if self.types[i] != pg_sys::BYTEAOID {
+            return None;
+        }
+        // SAFETY: a bytea datum of the live tuple table (or NULL); pgrx detoasts and copies.
+        unsafe { Vec::<u8>::from_datum(self.values[i], self.nulls[i]) }
+    }
+
     pub(super) fn types(&self) -> &[pg_sys::Oid] {
         &self.types
     }

@@ -62,11 +62,11 @@ pub const CURSOR: Stmt = Stmt {
 /// definition (visible in $5, not in $2). src/log.rs proves the branches find
 /// every event the filter accepts.
 pub const WINDOW: Stmt = Stmt {
-    sql: "SELECT w.id FROM ( \
-            SELECT e.id, e.txid FROM outbox.log e \
+    sql: "SELECT w.id, w.subject FROM ( \
+            SELECT e.id, e.txid, e.subject FROM outbox.log e \
              WHERE e.lane = $1 AND e.id > greatest($3, $6) \
             UNION ALL \
-            SELECT e.id, e.txid FROM outbox.log e \
+            SELECT e.id, e.txid, e.subject FROM outbox.log e \
              WHERE e.lane = $1 AND e.id > $6 AND e.id <= $3 \
                AND (e.txid = ANY (ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) \
                     OR (e.txid >= pg_snapshot_xmax($2::pg_snapshot) AND e.txid < $4::xid8)) \
@@ -83,4 +83,69 @@ pub const WINDOW: Stmt = Stmt {
         pg_sys::INT8OID,
         pg_sys::INT4OID,
     ],
+};
+
+/// A subscription's lanes, starting at one cursor (`_log_subscribe`).
+pub const SUBSCRIBE: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn) \
+          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8 FROM generate_series(0, 15) AS g \
+          ON CONFLICT DO NOTHING RETURNING lane",
+    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
+};
+
+/// A subscription's lanes, with each row's ctid for `_lock_row`.
+pub const LANES: Stmt = Stmt {
+    sql: "SELECT ctid, lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, hi_m, hi_xn::text, pos, batch \
+          FROM outbox.log_lanes WHERE subscription = $1",
+    types: &[pg_sys::TEXTOID],
+};
+
+/// Write a lane's cursor, window and batch (the caller holds its row).
+pub const LANE_PUT: Stmt = Stmt {
+    sql: "UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
+                 hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = $10 \
+           WHERE subscription = $1 AND lane = $2",
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT2OID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::INT8OID,
+    ],
+};
+
+/// A batch's state, with its ctid (claims lock it with `_lock_row`).
+pub const BATCH_GET: Stmt =
+    Stmt { sql: "SELECT ctid, state FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+
+/// A batch's state, locked for an ack (waits for a claim holding it).
+pub const BATCH_LOCK: Stmt =
+    Stmt { sql: "SELECT state FROM outbox.log_batches WHERE id = $1 FOR UPDATE", types: &[pg_sys::INT8OID] };
+
+pub const BATCH_NEW: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, next_expiry) \
+          VALUES ($1, $2, $3, $4, $5)",
+    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TIMESTAMPTZOID],
+};
+
+pub const BATCH_ID: Stmt = Stmt { sql: "SELECT nextval('outbox.log_batch_seq')", types: &[] };
+
+pub const BATCH_PUT: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches SET state = $2, next_expiry = $3 WHERE id = $1",
+    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::TIMESTAMPTZOID],
+};
+
+pub const BATCH_DELETE: Stmt = Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+
+/// The claimed events' rows, with the round's token and lease expiry: the
+/// result columns of `outbox._log_claim`.
+pub const FETCH: Stmt = Stmt {
+    sql: "SELECT l.id, l.topic, l.subject, l.payload, l.headers, $3::uuid, $4::timestamptz \
+          FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) ORDER BY l.id",
+    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::UUIDOID, pg_sys::TIMESTAMPTZOID],
 };

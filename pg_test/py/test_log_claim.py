@@ -1,0 +1,212 @@
+"""Claims over the log (src/log/claim.rs, internal in 0.8.0): two subscriptions
+with three workers each, against publishers committing in random orders
+(savepoints, aborts, long transactions, 2PC resolved later). Workers claim at
+READ COMMITTED, REPEATABLE READ or in autocommit, with batch sizes 1-20; one
+claim in eight is abandoned with a 1 s lease and its tokens tried again later.
+
+Every committed event must be acked exactly once in each subscription; a claim
+never returns two events of one subject, a subject's next event is never handed
+out before its predecessor was acked, and a token whose event was handed out
+again acks nothing."""
+
+import random
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import connect
+from test_log_reader import publisher, resolver
+
+RING = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3")
+CLAIM = "SELECT id, subject, lease_token FROM outbox._log_claim(%s, %s, %s::interval)"
+
+
+@pytest.fixture
+def db(plain):
+    plain.clean(extra=(*RING, "outbox.log_state", "outbox.log_lanes", "outbox.log_batches"))
+    yield plain
+
+
+class Journal:
+    """What the workers saw, with a global clock (a counter under one lock)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.t = 0
+        self.handed = []  # (sub, id, token, subject, claim_end)
+        self.acks = []    # (sub, id, token, ack_start, ok)
+
+    def tick(self):
+        with self.lock:
+            self.t += 1
+            return self.t
+
+
+def worker(dsn, sub, seed, stop, journal, errors):
+    rnd = random.Random(seed)
+    abandoned = []
+    try:
+        with connect(dsn) as c:
+            idle_since = None
+            while True:
+                mode = rnd.choice(["auto", "READ COMMITTED", "REPEATABLE READ"])
+                abandon = rnd.random() < 1 / 8
+                lease = "1 second" if abandon else "30 seconds"
+                if mode != "auto":
+                    c.execute(f"BEGIN ISOLATION LEVEL {mode}")
+                rows = c.execute(CLAIM, (sub, rnd.randint(1, 20), lease)).fetchall()
+                end = journal.tick()
+                with journal.lock:
+                    journal.handed += [(sub, i, tok, s, end) for i, s, tok in rows]
+                subjects = [s for _, s, _ in rows if s is not None]
+                assert len(subjects) == len(set(subjects)), f"one claim returned a subject twice: {rows}"
+                if abandon:
+                    abandoned += [(i, tok, time.monotonic() + 1.5) for i, _, tok in rows]
+                else:
+                    for i, _, tok in rows:
+                        start = journal.tick()
+                        ok = c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                                       (i, tok)).fetchone()[0]
+                        assert ok in (0, 1)
+                        journal.acks.append((sub, i, tok, start, ok))
+                if mode != "auto":
+                    c.execute("COMMIT")
+                # Late acks of abandoned claims (after their lease expired).
+                due = [a for a in abandoned if a[2] <= time.monotonic()]
+                abandoned = [a for a in abandoned if a[2] > time.monotonic()]
+                for i, tok, _ in due:
+                    start = journal.tick()
+                    ok = c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                                   (i, tok)).fetchone()[0]
+                    journal.acks.append((sub, i, tok, start, ok))
+                if not rows:
+                    if stop.is_set():
+                        idle_since = idle_since or time.monotonic()
+                        if time.monotonic() - idle_since > 3 and not abandoned:
+                            return
+                    time.sleep(0.02)
+                else:
+                    idle_since = None
+    except Exception as e:  # noqa: BLE001 - reported by the test
+        errors.append(e)
+
+
+def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(db):
+    two_pc = int(db.one("SHOW max_prepared_transactions")[0]) > 0
+    assert db.one("SELECT outbox._log_subscribe('alpha')")[0] is True
+    assert db.one("SELECT outbox._log_subscribe('beta')")[0] is True
+    stop, pubs_done, prepared, errors, journal = threading.Event(), threading.Event(), [], [], Journal()
+    pubs = [threading.Thread(target=publisher, args=(db.dsn, 200 + k, stop, prepared, errors, two_pc))
+            for k in range(4)]
+    res = threading.Thread(target=resolver, args=(db.dsn, pubs_done, prepared, errors))
+    workers = [threading.Thread(target=worker, args=(db.dsn, sub, 300 + k, stop, journal, errors))
+               for k, sub in enumerate(["alpha", "beta"] * 3)]
+    for t in pubs + [res] + workers:
+        t.start()
+    time.sleep(12)
+    stop.set()
+    for t in pubs:
+        t.join(30)
+    pubs_done.set()
+    res.join(30)
+    for t in workers:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in workers), "workers did not drain"
+
+    committed = dict(db.all("SELECT id, subject FROM outbox.log"))
+    assert len(committed) > 200, "too little traffic to mean anything"
+    for sub in ("alpha", "beta"):
+        handed = [h for h in journal.handed if h[0] == sub]
+        acks = [a for a in journal.acks if a[0] == sub and a[4] == 1]
+        acked_ids = [a[1] for a in acks]
+        assert len(acked_ids) == len(set(acked_ids)), f"{sub}: an event acked twice"
+        missing = set(committed) - set(acked_ids)
+        assert not missing, f"{sub}: {len(missing)} committed events never acked, e.g. {sorted(missing)[:5]}"
+        assert set(acked_ids) <= set(committed)
+        ack_of = {a[1]: a for a in acks}
+        # Subject order: each next event handed out only after its predecessor's ack began.
+        by_subject = {}
+        for i in sorted(committed):
+            if committed[i] is not None:
+                by_subject.setdefault(committed[i], []).append(i)
+        first_hand = {}
+        for h in handed:
+            first_hand.setdefault(h[1], h[4])
+        for s, ids in by_subject.items():
+            for prev, nxt in zip(ids, ids[1:]):
+                assert first_hand[nxt] > ack_of[prev][3], (
+                    f"{sub}: {nxt} of {s} handed out before {prev} was acked")
+        # Fencing: a successful ack's token is the event's latest hand-out at the time.
+        hand_outs = {}
+        for h in handed:
+            hand_outs.setdefault(h[1], []).append((h[4], h[2]))
+        for _, i, tok, start, _ in acks:
+            mine = next(at for at, t in hand_outs[i] if t == tok)
+            again = [t for at, t in hand_outs[i] if t != tok and mine < at < start]
+            assert not again, f"{sub}: event {i} acked with a stale token after it was handed out again"
+    # Finished batches are gone; every lane's cursor moved.
+    assert db.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
+
+
+def test_a_held_subject_waits_for_its_ack_and_other_subjects_do_not(db):
+    c = db.conn()
+    c.execute("SET outbox.log_write = on")
+    c.execute("SELECT outbox._log_subscribe('s')")
+    a1 = c.execute("SELECT outbox.publish('h.t', '{}', 'a')").fetchone()[0]
+    a2 = c.execute("SELECT outbox.publish('h.t', '{}', 'a')").fetchone()[0]
+    first = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
+    assert [r[0] for r in first] == [a1]
+    assert c.execute(CLAIM, ("s", 10, "30 s")).fetchall() == []
+    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                     (a1, first[0][2])).fetchone()[0] == 1
+    second = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
+    assert [r[0] for r in second] == [a2]
+
+
+def test_an_expired_round_is_handed_out_again_and_the_old_token_acks_nothing(db):
+    c = db.conn()
+    c.execute("SET outbox.log_write = on")
+    c.execute("SELECT outbox._log_subscribe('s')")
+    ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.t', ARRAY['{}', '{}']::jsonb[])")]
+    old = c.execute(CLAIM, ("s", 10, "1 second")).fetchall()
+    assert sorted(r[0] for r in old) == ids
+    # One is acked in time; the other's lease runs out.
+    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                     (old[0][0], old[0][2])).fetchone()[0] == 1
+    time.sleep(1.1)
+    again = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
+    assert [r[0] for r in again] == [old[1][0]]          # only the unacked one
+    assert again[0][2] != old[1][2]
+    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                     (old[1][0], old[1][2])).fetchone()[0] == 0
+    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
+                     (again[0][0], again[0][2])).fetchone()[0] == 1
+    assert db.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
+
+
+def test_bad_claim_and_ack_arguments_get_documented_errors(db):
+    c = db.conn()
+    c.execute("SELECT outbox._log_subscribe('s')")
+    cases = [
+        ("SELECT * FROM outbox._log_claim('nope', 1, '1 s')", "42704"),
+        ("SELECT * FROM outbox._log_claim(NULL, 1, '1 s')", "22004"),
+        ("SELECT * FROM outbox._log_claim('s', 0, '1 s')", "22023"),
+        ("SELECT * FROM outbox._log_claim('s', 100000, '1 s')", "54000"),
+        ("SELECT * FROM outbox._log_claim('s', 1, '-1 s')", "22023"),
+        ("SELECT * FROM outbox._log_claim('s', 1, '100 days')", "22023"),
+        ("SELECT outbox._log_ack(ARRAY[1], ARRAY[]::uuid[])", "22023"),
+        ("SELECT outbox._log_ack(NULL, ARRAY[]::uuid[])", "22004"),
+        ("SELECT outbox._log_ack(ARRAY[NULL]::bigint[], ARRAY[gen_random_uuid()])", "22004"),
+        ("SELECT outbox._log_subscribe('Bad Name')", "22023"),
+        ("SELECT outbox._log_subscribe('s', 'tomorrow')", "22023"),
+        ("SELECT outbox._log_subscribe(NULL)", "22004"),
+    ]
+    for sql, state in cases:
+        with pytest.raises(psycopg.Error) as e:
+            c.execute(sql)
+        assert e.value.sqlstate == state, sql
+    # An unknown token acks nothing, and raises nothing.
+    assert c.execute("SELECT outbox._log_ack(ARRAY[1], ARRAY[gen_random_uuid()])").fetchone()[0] == 0
