@@ -56,23 +56,28 @@ pub const CURSOR: Stmt = Stmt {
 };
 
 /// The events of lane $1 between the cursor ($2 snapshot, $3 m, $4 xn) and the
-/// snapshot $5, ids above $6, at most $7 (NULL: all), in id order. The two
-/// branches are the access paths (ids drawn after m; transactions running at
-/// the cursor or begun after it with an id below xn); the outer filter is the
-/// definition (visible in $5, not in $2). src/log.rs proves the branches find
-/// every event the filter accepts.
+/// snapshot $5, ids above $6, at most $7 (NULL: all), in id order. The three
+/// branches are the access paths: ids drawn after m (the `(lane, id)` index);
+/// transactions running at the cursor, and those begun after it with an id
+/// below xn (the `(txid, lane)` index: `id + 0` keeps the planner from reading
+/// the lane's whole history through `(lane, id)` instead). The outer filter is
+/// the definition (visible in $5, not in $2); src/log/mod.rs proves the branches
+/// find every event it accepts. The snapshots are cast once (`s`), not per row.
 pub const WINDOW: Stmt = Stmt {
-    sql: "SELECT w.id, w.subject FROM ( \
+    sql: "WITH s AS MATERIALIZED (SELECT $2::pg_snapshot AS lo, $5::pg_snapshot AS hi) \
+          SELECT w.id, w.subject FROM s, LATERAL ( \
             SELECT e.id, e.txid, e.subject FROM outbox.log e \
              WHERE e.lane = $1 AND e.id > greatest($3, $6) \
             UNION ALL \
             SELECT e.id, e.txid, e.subject FROM outbox.log e \
-             WHERE e.lane = $1 AND e.id > $6 AND e.id <= $3 \
-               AND (e.txid = ANY (ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) \
-                    OR (e.txid >= pg_snapshot_xmax($2::pg_snapshot) AND e.txid < $4::xid8)) \
+             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.lo))) AND e.lane = $1 \
+               AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+            UNION ALL \
+            SELECT e.id, e.txid, e.subject FROM outbox.log e \
+             WHERE e.txid >= pg_snapshot_xmax(s.lo) AND e.txid < $4::xid8 AND e.lane = $1 \
+               AND e.id + 0 > $6 AND e.id + 0 <= $3 \
           ) w \
-          WHERE pg_visible_in_snapshot(w.txid, $5::pg_snapshot) \
-            AND NOT pg_visible_in_snapshot(w.txid, $2::pg_snapshot) \
+          WHERE pg_visible_in_snapshot(w.txid, s.hi) AND NOT pg_visible_in_snapshot(w.txid, s.lo) \
           ORDER BY w.id LIMIT $7",
     types: &[
         pg_sys::INT2OID,
