@@ -122,3 +122,8 @@ COMMENT ON FUNCTION outbox._log_ack(bigint[], uuid[]) IS
 'Internal (0.8.0, the log storage under test): ack each event ids[i] held by tokens[i] (from outbox._log_claim); a batch whose events are all acked is deleted. '
 'Returns how many were acked (integer); a stale or unknown token acks nothing. Waits only for another transaction changing the same batch. '
 'Errors: 22004 NULL array or element, 22023 arrays of different lengths, 54000 more than outbox.max_batch_size elements.';
+
+COMMENT ON FUNCTION outbox._log_extend(bigint, uuid, interval) IS
+'Internal (0.8.0, the log storage under test): extend the lease of the round that token (from outbox._log_claim) names to now + lease, never shortening it, '
+'if the token still holds event id; every event of that round shares the lease. Returns the round''s lease expiry (timestamptz), or NULL for a stale or unknown token. '
+'Errors: 22004 NULL argument, 22023 lease outside (0, outbox.max_lease].';

@@ -108,6 +108,15 @@ STRICT VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_cursor_parts_wrapper';
 
+CREATE OR REPLACE FUNCTION "_log_extend"(
+	"id" bigint, /* Option < i64 > */
+	"token" uuid, /* Option < pgrx :: Uuid > */
+	"lease" interval /* Option < Interval > */
+) RETURNS timestamp with time zone /* Option < pgrx :: datum :: TimestampWithTimeZone > */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_extend_wrapper';
+
 CREATE OR REPLACE FUNCTION "_log_subscribe"(
 	"subscription" TEXT, /* Option < & str > */
 	"start" TEXT DEFAULT 'now' /* Option < & str > */
@@ -273,6 +282,11 @@ COMMENT ON FUNCTION outbox._log_ack(bigint[], uuid[]) IS
 'Returns how many were acked (integer); a stale or unknown token acks nothing. Waits only for another transaction changing the same batch. '
 'Errors: 22004 NULL array or element, 22023 arrays of different lengths, 54000 more than outbox.max_batch_size elements.';
 
+COMMENT ON FUNCTION outbox._log_extend(bigint, uuid, interval) IS
+'Internal (0.8.0, the log storage under test): extend the lease of the round that token (from outbox._log_claim) names to now + lease, never shortening it, '
+'if the token still holds event id; every event of that round shares the lease. Returns the round''s lease expiry (timestamptz), or NULL for a stale or unknown token. '
+'Errors: 22004 NULL argument, 22023 lease outside (0, outbox.max_lease].';
+
 -- Configuration tables for pg_dump
 
 SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
@@ -361,7 +375,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_claim(text, integer, interval), outbox._log_ack(bigint[], uuid[]),
+    outbox._log_subscribe(text, text), outbox._log_claim(text, integer, interval), outbox._log_ack(bigint[], uuid[]), outbox._log_extend(bigint, uuid, interval),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()

@@ -210,3 +210,26 @@ def test_bad_claim_and_ack_arguments_get_documented_errors(db):
         assert e.value.sqlstate == state, sql
     # An unknown token acks nothing, and raises nothing.
     assert c.execute("SELECT outbox._log_ack(ARRAY[1], ARRAY[gen_random_uuid()])").fetchone()[0] == 0
+
+
+def test_extend_keeps_a_round_out_past_its_first_lease_and_refuses_stale_tokens(db):
+    c = db.conn()
+    c.execute("SET outbox.log_write = on")
+    c.execute("SELECT outbox._log_subscribe('s')")
+    ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.e', ARRAY['{}', '{}']::jsonb[])")]
+    rows = c.execute(CLAIM, ("s", 10, "1 second")).fetchall()
+    tok = rows[0][2]
+    until = c.execute("SELECT outbox._log_extend(%s::bigint, %s, '10 seconds') - clock_timestamp()", (ids[0], tok)).fetchone()[0]
+    assert 9 < until.total_seconds() <= 10
+    time.sleep(1.2)
+    # Both events of the round stay out: nothing to claim.
+    assert c.execute(CLAIM, ("s", 10, "30 s")).fetchall() == []
+    # A shorter extension never shortens the round.
+    assert c.execute("SELECT outbox._log_extend(%s::bigint, %s, '1 second') - clock_timestamp()",
+                     (ids[1], tok)).fetchone()[0].total_seconds() > 5
+    assert c.execute("SELECT outbox._log_ack(%s::bigint[], %s::uuid[])", (ids, [tok, tok])).fetchone()[0] == 2
+    # Acked: the token holds nothing any more.
+    assert c.execute("SELECT outbox._log_extend(%s::bigint, %s, '10 s')", (ids[0], tok)).fetchone()[0] is None
+    with pytest.raises(psycopg.Error) as e:
+        c.execute("SELECT outbox._log_extend(%s::bigint, %s, '0 s')", (ids[0], tok))
+    assert e.value.sqlstate == "22023"

@@ -248,6 +248,11 @@ impl Batch {
         Ok(())
     }
 
+    /// When round `round`'s lease expires, if the round exists.
+    pub fn round_expiry(&self, round: u16) -> Option<i64> {
+        self.rounds.get((round as usize).checked_sub(1)?).map(|r| r.expires)
+    }
+
     /// True when every event is done or parked.
     pub fn finished(&self) -> bool {
         self.state.iter().all(|s| matches!(s, State::Done | State::Parked))

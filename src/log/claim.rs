@@ -343,3 +343,27 @@ pub fn log_ack(ids: Option<Vec<Option<i64>>>, tokens: Option<Vec<Option<pgrx::Uu
     }
     acked
 }
+
+/// `outbox._log_extend(id bigint, token uuid, lease interval) -> timestamptz`:
+/// extend the lease of the round `token` names to now + `lease` (never
+/// shortening it), if `token` still holds event `id`; returns the round's lease
+/// expiry, or NULL for a stale or unknown token. 22004 for NULL, 22023 for a
+/// lease outside (0, outbox.max_lease].
+#[pg_extern(name = "_log_extend", volatile, parallel_unsafe)]
+pub fn log_extend(
+    id: Option<i64>,
+    token: Option<pgrx::Uuid>,
+    lease: Option<Interval>,
+) -> Option<pgrx::datum::TimestampWithTimeZone> {
+    let (Some(id), Some(token), Some(lease)) = (id, token, lease) else {
+        errors::raise(errors::NULL_VALUE, "id, token and lease must not be NULL");
+    };
+    let lease_us = validate::lease_us("lease", &lease);
+    let t = Token::from_bytes(*token.as_bytes());
+    pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
+    let mut b = load_batch(t.batch)?;
+    let expires = pg::now().saturating_add(lease_us);
+    b.extend(id, t, expires).ok()?;
+    store_batch(t.batch, &b);
+    b.round_expiry(t.round).map(pg::timestamptz)
+}
