@@ -71,11 +71,13 @@ S1_SYSTEMS = [
 
 def s1_publish(ctx):  # noqa: C901
     p = ctx.p
-    # outbox.log_write came with 0.8.0: without it (an older build) outbox_log is left out.
+    # outbox.log_write and the log ring came with 0.8.0: without them (an older build)
+    # outbox_log is left out.
     has_log = bool(ctx.one(S.LOG_WRITE_SETTING))
     systems = [s for s in S1_SYSTEMS if has_log or s[0] != "outbox_log"]
     if not has_log:
-        ctx.say("  s1: this build has no outbox.log_write setting (before 0.8.0): outbox_log left out")
+        ctx.say("  s1: this build has no outbox.log_write setting or no log ring (before 0.8.0): "
+                "outbox_log left out")
     tmp = tempfile.mkdtemp(prefix="obench-pgbench-")
     scripts = {}
     for name, text in S.PUB1.items():
@@ -159,8 +161,8 @@ def s1_publish(ctx):  # noqa: C901
         else:
             md += ", and after each the log ring held exactly one row per queued event.\n\n"
     else:
-        md += ("`outbox_log` (`outbox.log_write = on`) was left out: this build has no such setting "
-               "(it came with 0.8.0).\n\n")
+        md += ("`outbox_log` (`outbox.log_write = on`) was left out: this build has no such setting or no log "
+               "ring (they came with 0.8.0).\n\n")
     md += (f"pgbench: `pgbench -n -M prepared -c C -j min(C,2) -T {p['s1_seconds']} -f SCRIPT`; "
            "the outbox modes set `PGOPTIONS='-c outbox.notify=MODE'`"
            + "".join(f", `{n}` `PGOPTIONS='{pgoptions(nt, g)}'`" for n, _, nt, g, _ in systems if g)

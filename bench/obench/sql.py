@@ -75,7 +75,11 @@ LOG_TABLES = LOG_RING + ["outbox.log_state"]
 QUEUE_RESET = "TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys"
 LOG_RESET = QUEUE_RESET + ", " + ", ".join(LOG_TABLES)
 LOG_ROWS = "SELECT " + " + ".join(f"(SELECT count(*) FROM {t})" for t in LOG_RING)
-LOG_WRITE_SETTING = "SELECT count(*) FROM pg_settings WHERE name = 'outbox.log_write'"
+# 1 when the library has the setting and the installed SQL the ring (0.8.0 and later)
+LOG_WRITE_SETTING = (
+    "SELECT count(*) FROM pg_settings"
+    " WHERE name = 'outbox.log_write' AND to_regclass('outbox.log_state') IS NOT NULL"
+)
 
 # ---------------------------------------------------------------------------
 # Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
