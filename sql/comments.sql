@@ -55,8 +55,12 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log.rs).';
 
+COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
+'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
+'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
+
 COMMENT ON FUNCTION outbox._log_rotate() IS
-'Internal: the maintenance step log (src/log.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) sealed longer ago than outbox.retention_delivered, '
+'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has finished with and that was sealed longer ago than outbox.retention_delivered, '
 'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
 'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
 

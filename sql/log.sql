@@ -111,13 +111,35 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
 
--- Log retention, one maintenance step (src/log.rs): truncate every sealed
--- table sealed longer ago than outbox.retention_delivered, then seal the open
--- table once it has been open for half that (so a table holds at most half the
--- retention window of events and at most three tables hold events) and open
--- the next, which must be free. A table is locked with NOWAIT before its
--- TRUNCATE: when any transaction uses it, the lock is not queued (publishers
--- never wait behind it) and the table is left for the next run.
+-- Whether every reader has finished with ring table log_<n>: no lane's cursor
+-- leaves one of its lane's events unseen (an idle lane's cursor does not move,
+-- and needs not). An event unseen by a snapshot has a txid at
+-- or above the snapshot's xmin, so each lane costs one range probe of the
+-- table's (txid, lane) index.
+CREATE FUNCTION outbox._log_readers_passed(n smallint) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    behind boolean;
+BEGIN
+    EXECUTE format(
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE EXISTS ('
+        '    SELECT 1 FROM outbox.%I e WHERE e.txid >= pg_snapshot_xmin(l.lo_snap) AND e.lane = l.lane'
+        '       AND NOT pg_visible_in_snapshot(e.txid, l.lo_snap)))', 'log_' || n)
+    INTO behind;
+    RETURN NOT behind;
+END
+$$;
+
+-- Log retention, one maintenance step (src/log/mod.rs): truncate every sealed
+-- table sealed longer ago than outbox.retention_delivered that every reader
+-- has finished with, then seal the open table once it has been open for half
+-- that (so a table holds at most half the retention window of events) and
+-- open the next, which must be free and finished with. A table is locked with
+-- NOWAIT before its TRUNCATE: when any transaction uses it, the lock is not
+-- queued (publishers and readers never wait behind it) and the table is left
+-- for the next run. Nothing a reader has not finished with is truncated.
 CREATE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -138,11 +160,15 @@ BEGIN
         RETURN 0;
     END;
     FOR t IN SELECT s.n FROM outbox.log_state s WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
+        CONTINUE WHEN NOT outbox._log_readers_passed(t);
         BEGIN
             EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || t);
-            EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
-            DELETE FROM outbox.log_state WHERE n = t;
-            truncated := truncated + 1;
+            -- Again under the lock: no event can be added meanwhile.
+            IF outbox._log_readers_passed(t) THEN
+                EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
+                DELETE FROM outbox.log_state WHERE n = t;
+                truncated := truncated + 1;
+            END IF;
         EXCEPTION WHEN lock_not_available THEN
             NULL;  -- in use: the next run tries again
         END;
@@ -162,16 +188,18 @@ BEGIN
         RETURN truncated;
     END IF;
     nxt := (cur + 1) % 4;
-    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
+    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) OR NOT outbox._log_readers_passed(nxt) THEN
         RETURN truncated;  -- the next table is not free yet: keep writing this one
     END IF;
     BEGIN
         -- A free table is empty unless rows were restored into it or written by
-        -- a stale publisher after it was truncated; neither is read in 0.8.0.
+        -- a publisher whose copy of the state was stale; readers have passed them.
         EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || nxt);
-        EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
-        UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
-        INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+        IF outbox._log_readers_passed(nxt) THEN
+            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
+            UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
+            INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+        END IF;
     EXCEPTION WHEN lock_not_available THEN
         NULL;
     END;

@@ -138,6 +138,22 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_window_ids_wrapper';
 
+CREATE OR REPLACE FUNCTION outbox._log_readers_passed(n smallint) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    behind boolean;
+BEGIN
+    EXECUTE format(
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE EXISTS ('
+        '    SELECT 1 FROM outbox.%I e WHERE e.txid >= pg_snapshot_xmin(l.lo_snap) AND e.lane = l.lane'
+        '       AND NOT pg_visible_in_snapshot(e.txid, l.lo_snap)))', 'log_' || n)
+    INTO behind;
+    RETURN NOT behind;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -158,11 +174,15 @@ BEGIN
         RETURN 0;
     END;
     FOR t IN SELECT s.n FROM outbox.log_state s WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
+        CONTINUE WHEN NOT outbox._log_readers_passed(t);
         BEGIN
             EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || t);
-            EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
-            DELETE FROM outbox.log_state WHERE n = t;
-            truncated := truncated + 1;
+            -- Again under the lock: no event can be added meanwhile.
+            IF outbox._log_readers_passed(t) THEN
+                EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
+                DELETE FROM outbox.log_state WHERE n = t;
+                truncated := truncated + 1;
+            END IF;
         EXCEPTION WHEN lock_not_available THEN
             NULL;  -- in use: the next run tries again
         END;
@@ -182,16 +202,18 @@ BEGIN
         RETURN truncated;
     END IF;
     nxt := (cur + 1) % 4;
-    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
+    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) OR NOT outbox._log_readers_passed(nxt) THEN
         RETURN truncated;  -- the next table is not free yet: keep writing this one
     END IF;
     BEGIN
         -- A free table is empty unless rows were restored into it or written by
-        -- a stale publisher after it was truncated; neither is read in 0.8.0.
+        -- a publisher whose copy of the state was stale; readers have passed them.
         EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || nxt);
-        EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
-        UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
-        INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+        IF outbox._log_readers_passed(nxt) THEN
+            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
+            UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
+            INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+        END IF;
     EXCEPTION WHEN lock_not_available THEN
         NULL;
     END;
@@ -245,8 +267,12 @@ COMMENT ON FUNCTION outbox._maintenance_steps() IS
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log.rs).';
 
+COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
+'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
+'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
+
 COMMENT ON FUNCTION outbox._log_rotate() IS
-'Internal: the maintenance step log (src/log.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) sealed longer ago than outbox.retention_delivered, '
+'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has finished with and that was sealed longer ago than outbox.retention_delivered, '
 'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
 'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
 
@@ -371,7 +397,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.drop_topic(text, boolean),
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._purge_pause(), outbox._log_rotate(),
+    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint),
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),

@@ -18,7 +18,7 @@ COLS = "id, txid::text::bigint, lane, topic, subject, dispatch_key, payload::tex
 
 @pytest.fixture
 def db(plain):
-    plain.clean(extra=(*RING, "outbox.log_state"))
+    plain.clean(extra=(*RING, "outbox.log_state", "outbox.log_lanes", "outbox.log_batches"))
     yield plain
 
 
@@ -342,3 +342,29 @@ def test_concurrent_publishers_log_exactly_the_committed_events(db):
     ids = [r[0] for r in rows]
     assert len(ids) == len(set(ids)) == 8 * 26
     assert ids == queue_ids(db)
+
+
+def test_retention_keeps_a_table_until_every_reader_has_passed_it(db):
+    """A reader (log lanes of a subscription) whose cursor has not seen log_0's
+    events keeps log_0 from being truncated, however old; once its lanes have
+    read past them, the next run truncates it."""
+    c, admin = logging_conn(db), db.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox._log_subscribe('slow')")
+    ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('log.keep', ARRAY['{}', '{}']::jsonb[])")]
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 recorded as open
+    admin.execute("SELECT outbox._log_rotate()")     # sealed, log_1 open
+    assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is False
+    for _ in range(3):
+        admin.execute("SELECT outbox._log_rotate()")  # empty tables come and go
+    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 2
+    # The ring is not overwritten either: log_2, log_3 may open, log_0 may not.
+    assert (0, True) in state(db)
+    # The reader takes and acks them; its lanes then move past log_0.
+    rows = c.execute("SELECT id, lease_token FROM outbox._log_claim('slow', 10, '30 s')").fetchall()
+    assert sorted(r[0] for r in rows) == ids
+    c.execute("SELECT outbox._log_ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+    assert c.execute("SELECT * FROM outbox._log_claim('slow', 10, '30 s')").fetchall() == []
+    assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is True
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
+    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
