@@ -67,7 +67,14 @@ pgrx::extension_sql_file!(
 pgrx::extension_sql_file!(
     "../sql/log.sql",
     name = "log",
-    requires = ["admin", log::log_cursor_parts, log::log_window_ids, log::claim::log_subscribe, log::claim::log_ack, log::claim::log_extend]
+    requires = [
+        "admin",
+        log::log_cursor_parts,
+        log::log_window_ids,
+        log::claim::log_subscribe,
+        log::claim::log_ack,
+        log::claim::log_extend
+    ]
 );
 pgrx::extension_sql_file!(
     "../sql/subscriptions.sql",

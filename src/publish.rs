@@ -19,9 +19,9 @@
 //! aborts, the second inserts. No unique-violation ever reaches the caller.
 
 use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
+use crate::pg;
 use crate::pg::fcall::{param, Array, Call, SetResult, Value};
 use crate::pg::heap;
-use crate::pg;
 use crate::pg::plans;
 use crate::sql::publish::{
     CHECK_HEADERS, INSERT_MANY, INSERT_ONE, INSERT_ONE_SUBJECT, KEY_CLAIM, KEY_LOOKUP, NEXT_IDS,

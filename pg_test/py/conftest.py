@@ -86,6 +86,20 @@ class DB:
         self._conns.clear()
 
 
+def sqlstate(conn, sql, params=None):
+    """The SQLSTATE `sql` raised on `conn`, or None when it succeeded."""
+    try:
+        conn.execute(sql, params)
+    except psycopg.Error as e:
+        return e.sqlstate
+    return None
+
+
+# The log ring and its readers (0.8.0, src/log/).
+LOG_TABLES = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state",
+              "outbox.log_lanes", "outbox.log_batches")
+
+
 def _ensure_extension(dsn):
     try:
         with connect(dsn) as c:
@@ -140,6 +154,15 @@ def restart_preload_cluster(reason):
 def plain(plain_dsn):
     db = DB(plain_dsn, "plain")
     db.clean()
+    yield db
+    db.close()
+
+
+@pytest.fixture
+def logdb(plain_dsn):
+    """`plain`, with the log ring and its readers emptied too."""
+    db = DB(plain_dsn, "plain")
+    db.clean(extra=LOG_TABLES)
     yield db
     db.close()
 

@@ -10,42 +10,28 @@ import time
 import psycopg
 import pytest
 
-from conftest import connect
+from conftest import connect, sqlstate
 
 RING = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3")
 COLS = "id, txid::text::bigint, lane, topic, subject, dispatch_key, payload::text, max_attempts"
 
 
-@pytest.fixture
-def db(plain):
-    plain.clean(extra=(*RING, "outbox.log_state", "outbox.log_lanes", "outbox.log_batches"))
-    yield plain
-
-
-def logging_conn(db, **kw):
-    c = db.conn(**kw)
+def logging_conn(logdb, **kw):
+    c = logdb.conn(**kw)
     c.execute("SET outbox.log_write = on")
     return c
 
 
-def log_rows(db):
-    return db.all(" UNION ALL ".join(f"SELECT {COLS} FROM {t}" for t in RING) + " ORDER BY 1")
+def log_rows(logdb):
+    return logdb.all(" UNION ALL ".join(f"SELECT {COLS} FROM {t}" for t in RING) + " ORDER BY 1")
 
 
-def queue_ids(db):
-    return [r[0] for r in db.all("SELECT id FROM outbox.events ORDER BY id")]
+def queue_ids(logdb):
+    return [r[0] for r in logdb.all("SELECT id FROM outbox.events ORDER BY id")]
 
 
-def sqlstate(conn, sql, params=None):
-    try:
-        conn.execute(sql, params)
-    except psycopg.Error as e:
-        return e.sqlstate
-    return None
-
-
-def test_committed_events_are_logged_once_with_their_transaction_id(db):
-    c = logging_conn(db)
+def test_committed_events_are_logged_once_with_their_transaction_id(logdb):
+    c = logging_conn(logdb)
     c.execute("BEGIN")
     a = c.execute("SELECT outbox.publish('log.a', '{\"n\": 1}')").fetchone()[0]
     b = c.execute("SELECT outbox.publish('log.a', '{\"n\": 2}', 'acct:1', 'key-1')").fetchone()[0]
@@ -56,8 +42,8 @@ def test_committed_events_are_logged_once_with_their_transaction_id(db):
         "ARRAY['acct:2', NULL])").fetchall()]
     xid = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
     c.execute("COMMIT")
-    rows = log_rows(db)
-    assert [r[0] for r in rows] == [a, b, *batch] == queue_ids(db)
+    rows = log_rows(logdb)
+    assert [r[0] for r in rows] == [a, b, *batch] == queue_ids(logdb)
     assert {r[1] for r in rows} == {xid}
     assert [(r[3], r[4], r[5], r[6]) for r in rows] == [
         ("log.a", None, None, '{"n": 1}'),
@@ -68,8 +54,8 @@ def test_committed_events_are_logged_once_with_their_transaction_id(db):
     assert {r[7] for r in rows} == {10}
 
 
-def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_queue(db):
-    c = logging_conn(db)
+def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_queue(logdb):
+    c = logging_conn(logdb)
     c.execute("BEGIN")
     c.execute("SELECT outbox.publish('log.r', '{}')")
     c.execute("ROLLBACK")
@@ -84,32 +70,32 @@ def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_qu
     c.execute("RELEASE SAVEPOINT sp2")
     top = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
     c.execute("COMMIT")
-    rows = log_rows(db)
-    assert [r[0] for r in rows] == [kept, inner] == queue_ids(db)
+    rows = log_rows(logdb)
+    assert [r[0] for r in rows] == [kept, inner] == queue_ids(logdb)
     # A subtransaction's event carries the top-level id (what snapshots list).
     assert {r[1] for r in rows} == {top}
 
-    if db.one("SHOW max_prepared_transactions")[0] == "0":
+    if logdb.one("SHOW max_prepared_transactions")[0] == "0":
         pytest.skip("max_prepared_transactions = 0")
     c.execute("SET outbox.notify = off")  # a NOTIFY cannot be prepared
     for gid, finish in (("log-2pc-a", "COMMIT PREPARED"), ("log-2pc-b", "ROLLBACK PREPARED")):
-        before = len(log_rows(db))
+        before = len(log_rows(logdb))
         c.execute("BEGIN")
         c.execute("SELECT outbox.publish('log.2pc', %s::jsonb)", (f'{{"gid": "{gid}"}}',))
         c.execute(f"PREPARE TRANSACTION '{gid}'")
         try:
-            assert len(log_rows(db)) == before  # not visible while prepared
+            assert len(log_rows(logdb)) == before  # not visible while prepared
         finally:
             c.execute(f"{finish} '{gid}'")
-    rows = log_rows(db)
+    rows = log_rows(logdb)
     assert [r[6] for r in rows if r[3] == "log.2pc"] == ['{"gid": "log-2pc-a"}']
-    assert [r[0] for r in rows] == queue_ids(db)
+    assert [r[0] for r in rows] == queue_ids(logdb)
 
 
-def test_off_by_default_and_only_a_superuser_turns_it_on(db):
-    c = db.conn()
+def test_off_by_default_and_only_a_superuser_turns_it_on(logdb):
+    c = logdb.conn()
     c.execute("SELECT outbox.publish('log.off', '{}')")
-    assert log_rows(db) == []
+    assert log_rows(logdb) == []
     c.execute("DROP ROLE IF EXISTS log_test_user")
     c.execute("CREATE ROLE log_test_user")
     c.execute("GRANT outbox_publisher TO log_test_user")
@@ -122,20 +108,20 @@ def test_off_by_default_and_only_a_superuser_turns_it_on(db):
         c.execute("SET ROLE log_test_user")
         got = c.execute("SELECT outbox.publish('log.role', '{}')").fetchone()[0]
         c.execute("RESET ROLE")
-        assert [r[0] for r in log_rows(db)] == [got]
+        assert [r[0] for r in log_rows(logdb)] == [got]
     finally:
         c.execute("RESET ROLE")
         c.execute("DROP OWNED BY log_test_user")
         c.execute("DROP ROLE log_test_user")
 
 
-def test_a_subject_keeps_one_lane_and_plain_events_go_in_runs_of_64(db):
-    c = logging_conn(db)
+def test_a_subject_keeps_one_lane_and_plain_events_go_in_runs_of_64(logdb):
+    c = logging_conn(logdb)
     for i in range(3):
         for s in ("order:1", "order:2", "user:äö", None):
             c.execute("SELECT outbox.publish(%s, '{}', %s)", (f"log.t{i}", s))
     c.execute("SELECT * FROM outbox.publish_batch('log.many', array_fill('{}'::jsonb, ARRAY[200]))")
-    rows = db.all(" UNION ALL ".join(f"SELECT id, lane, subject, hashtext(subject) & 15 FROM {t}" for t in RING))
+    rows = logdb.all(" UNION ALL ".join(f"SELECT id, lane, subject, hashtext(subject) & 15 FROM {t}" for t in RING))
     assert len(rows) == 212
     for id_, lane, subject, sql_lane in rows:
         assert 0 <= lane < 16
@@ -150,23 +136,23 @@ def test_a_subject_keeps_one_lane_and_plain_events_go_in_runs_of_64(db):
     assert all(len(v) == 1 for v in by_subject.values())
 
 
-def test_a_read_only_transaction_gets_25006_and_writes_nothing(db):
-    c = logging_conn(db)
+def test_a_read_only_transaction_gets_25006_and_writes_nothing(logdb):
+    c = logging_conn(logdb)
     c.execute("BEGIN READ ONLY")
     assert sqlstate(c, "SELECT outbox.publish('log.ro', '{}')") == "25006"
     c.execute("ROLLBACK")
     c.execute("BEGIN READ ONLY")
     assert sqlstate(c, "SELECT * FROM outbox.publish_batch('log.ro', ARRAY['{}']::jsonb[])") == "25006"
     c.execute("ROLLBACK")
-    assert log_rows(db) == []
+    assert log_rows(logdb) == []
 
 
-def test_publish_has_its_transaction_id_before_it_draws_an_event_id(db):
+def test_publish_has_its_transaction_id_before_it_draws_an_event_id(logdb):
     """Invariant 2 of src/log.rs. A session holding the queue's table lock makes
     a publisher wait where it opens the table to insert, after it drew its
     event id: it must already have its transaction id (the insert alone would
     assign it only after the wait)."""
-    locker, pub, watch = db.conn(), logging_conn(db), db.conn()
+    locker, pub, watch = logdb.conn(), logging_conn(logdb), logdb.conn()
     pub.execute("SELECT outbox.publish('log.order', '{}')")  # caches warm: no statement runs below
     pid = pub.execute("SELECT pg_backend_pid()").fetchone()[0]
     before = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]
@@ -192,40 +178,40 @@ def test_publish_has_its_transaction_id_before_it_draws_an_event_id(db):
         locker.execute("COMMIT")
         t.join(10)
     assert result == [before + 1]
-    assert [r[0] for r in log_rows(db)][-1] == before + 1
+    assert [r[0] for r in log_rows(logdb)][-1] == before + 1
 
 
-def state(db):
-    return db.all("SELECT n, sealed_at IS NOT NULL FROM outbox.log_state ORDER BY n")
+def state(logdb):
+    return logdb.all("SELECT n, sealed_at IS NOT NULL FROM outbox.log_state ORDER BY n")
 
 
-def test_rotation_seals_opens_and_truncates_past_retention(db):
-    c, admin = logging_conn(db), db.conn()
+def test_rotation_seals_opens_and_truncates_past_retention(logdb):
+    c, admin = logging_conn(logdb), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
     c.execute("SELECT outbox.publish('log.rot', '{}')")
-    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 1
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 1
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
-    assert state(db) == [(0, False)]                 # first run records log_0 as open
+    assert state(logdb) == [(0, False)]                 # first run records log_0 as open
     admin.execute("SELECT outbox._log_rotate()")
-    assert state(db) == [(0, True), (1, False)]      # sealed, and log_1 opened
+    assert state(logdb) == [(0, True), (1, False)]      # sealed, and log_1 opened
     # The publisher's cached table follows the rotation at its next call.
     second = c.execute("SELECT outbox.publish('log.rot', '{}')").fetchone()[0]
-    assert db.all("SELECT id FROM outbox.log_1") == [(second,)]
+    assert logdb.all("SELECT id FROM outbox.log_1") == [(second,)]
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 1
-    assert state(db) == [(1, True), (2, False)]
-    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    assert state(logdb) == [(1, True), (2, False)]
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
     # With the default retention nothing is sealed or truncated early.
     admin.execute("RESET outbox.retention_delivered")
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
-    assert state(db) == [(1, True), (2, False)]
-    assert db.one("SELECT count(*) FROM outbox.log_1")[0] == 1
+    assert state(logdb) == [(1, True), (2, False)]
+    assert logdb.one("SELECT count(*) FROM outbox.log_1")[0] == 1
 
 
-def test_rotation_never_waits_for_a_table_in_use_and_publishers_never_wait_for_it(db):
+def test_rotation_never_waits_for_a_table_in_use_and_publishers_never_wait_for_it(logdb):
     """A reader idles in a transaction holding a lock on the sealed table: the
     truncation is skipped at once (NOWAIT), no lock request is left queued, so
     a publisher behind it is not blocked; the next run truncates."""
-    c, admin, reader = logging_conn(db), db.conn(), db.conn()
+    c, admin, reader = logging_conn(logdb), logdb.conn(), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
     admin.execute("SELECT outbox._log_rotate()")     # log_0 open
     c.execute("SELECT outbox.publish('log.busy', '{}')")
@@ -235,20 +221,20 @@ def test_rotation_never_waits_for_a_table_in_use_and_publishers_never_wait_for_i
     t0 = time.monotonic()
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
     assert time.monotonic() - t0 < 2
-    assert db.one("SELECT count(*) FROM pg_locks WHERE NOT granted")[0] == 0
+    assert logdb.one("SELECT count(*) FROM pg_locks WHERE NOT granted")[0] == 0
     # Another session still appends (to log_1) and reads log_0 without waiting.
-    other = logging_conn(db)
+    other = logging_conn(logdb)
     other.execute("SET lock_timeout = '2s'")
     other.execute("SELECT outbox.publish('log.busy', '{}')")
     assert other.execute("SELECT count(*) FROM outbox.log_0").fetchone()[0] == 1
     reader.execute("COMMIT")
     # log_0 now, and log_1 (sealed by the run above).
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 2
-    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
 
 
-def test_two_rotations_at_once_do_not_wait_for_each_other(db):
-    a, b = db.conn(), db.conn()
+def test_two_rotations_at_once_do_not_wait_for_each_other(logdb):
+    a, b = logdb.conn(), logdb.conn()
     for x in (a, b):
         x.execute("SET outbox.retention_delivered = 0")
     a.execute("BEGIN")
@@ -257,17 +243,17 @@ def test_two_rotations_at_once_do_not_wait_for_each_other(db):
     assert b.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
     assert time.monotonic() - t0 < 2
     a.execute("COMMIT")
-    assert state(db) == [(0, False)]
+    assert state(logdb) == [(0, False)]
 
 
-def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_one(db):
+def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_one(logdb):
     """The ring is full when the next table is still sealed (not past its
     retention): the open table keeps taking events rather than overwrite one."""
-    c, admin = logging_conn(db), db.conn()
+    c, admin = logging_conn(logdb), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
     for _ in range(3):
         admin.execute("SELECT outbox._log_rotate()")
-    assert state(db) == [(1, True), (2, False)]
+    assert state(logdb) == [(1, True), (2, False)]
     # log_3 sealed just now, log_2 open for a day, retention 1 h: log_3 is not
     # free, so log_2 stays open and nothing is truncated.
     admin.execute("INSERT INTO outbox.log_state VALUES (3, now(), now())")
@@ -275,25 +261,25 @@ def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_on
     admin.execute("UPDATE outbox.log_state SET opened_at = now(), sealed_at = now() WHERE n = 1")
     admin.execute("SET outbox.retention_delivered = '1h'")
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
-    assert state(db) == [(1, True), (2, False), (3, True)]
+    assert state(logdb) == [(1, True), (2, False), (3, True)]
     got = c.execute("SELECT outbox.publish('log.full', '{}')").fetchone()[0]
-    assert db.all("SELECT id FROM outbox.log_2") == [(got,)]
+    assert logdb.all("SELECT id FROM outbox.log_2") == [(got,)]
 
 
-def test_run_maintenance_runs_the_log_step(db):
-    c = logging_conn(db)
+def test_run_maintenance_runs_the_log_step(logdb):
+    c = logging_conn(logdb)
     c.execute("SELECT outbox.publish('log.m', '{}')")
     c.execute("SET outbox.retention_delivered = 0")
     c.execute("CALL outbox.run_maintenance()")
-    assert state(db) == [(0, False)]
+    assert state(logdb) == [(0, False)]
     c.execute("CALL outbox.run_maintenance()")
-    assert state(db) == [(0, True), (1, False)]
+    assert state(logdb) == [(0, True), (1, False)]
 
 
-def test_an_altered_ring_table_is_written_through_sql(db):
+def test_an_altered_ring_table_is_written_through_sql(logdb):
     """A trigger on a ring table rules the direct heap path out: publish then
     uses its INSERT statement, so the trigger fires and the row is the same."""
-    c = logging_conn(db)
+    c = logging_conn(logdb)
     c.execute("CREATE TABLE public.log_seen (id bigint)")
     c.execute("CREATE FUNCTION public.log_seen_f() RETURNS trigger LANGUAGE plpgsql AS "
               "$$ BEGIN INSERT INTO public.log_seen VALUES (NEW.id); RETURN NEW; END $$")
@@ -303,16 +289,16 @@ def test_an_altered_ring_table_is_written_through_sql(db):
         b = [r[0] for r in c.execute(
             "SELECT * FROM outbox.publish_batch('log.trg', ARRAY['{}', '{}']::jsonb[])").fetchall()]
         assert [r[0] for r in c.execute("SELECT id FROM public.log_seen ORDER BY id").fetchall()] == [a, *b]
-        rows = log_rows(db)
+        rows = log_rows(logdb)
         assert [r[0] for r in rows] == [a, *b]
-        assert (rows[0][2], rows[0][4], rows[0][6]) == (db.one("SELECT hashtext('x') & 15")[0], "x", '{"a": 1}')
+        assert (rows[0][2], rows[0][4], rows[0][6]) == (logdb.one("SELECT hashtext('x') & 15")[0], "x", '{"a": 1}')
     finally:
         c.execute("DROP TRIGGER seen ON outbox.log_0")
         c.execute("DROP FUNCTION public.log_seen_f()")
         c.execute("DROP TABLE public.log_seen")
 
 
-def test_concurrent_publishers_log_exactly_the_committed_events(db):
+def test_concurrent_publishers_log_exactly_the_committed_events(logdb):
     """Eight sessions publish with and without subjects, a third of their
     transactions rolled back and some savepoints undone; the log then holds
     exactly the queue's events, each once, with its own transaction's id."""
@@ -320,7 +306,7 @@ def test_concurrent_publishers_log_exactly_the_committed_events(db):
 
     def run(k):
         try:
-            c = logging_conn(db)
+            c = logging_conn(logdb)
             for i in range(40):
                 c.execute("BEGIN")
                 c.execute("SELECT outbox.publish('log.c', '{}', %s)", (f"s{i % 5}" if k % 2 else None,))
@@ -338,17 +324,17 @@ def test_concurrent_publishers_log_exactly_the_committed_events(db):
     for t in threads:
         t.join(60)
     assert not errors, errors
-    rows = log_rows(db)
+    rows = log_rows(logdb)
     ids = [r[0] for r in rows]
     assert len(ids) == len(set(ids)) == 8 * 26
-    assert ids == queue_ids(db)
+    assert ids == queue_ids(logdb)
 
 
-def test_retention_keeps_a_table_until_every_reader_has_passed_it(db):
+def test_retention_keeps_a_table_until_every_reader_has_passed_it(logdb):
     """A reader (log lanes of a subscription) whose cursor has not seen log_0's
     events keeps log_0 from being truncated, however old; once its lanes have
     read past them, the next run truncates it."""
-    c, admin = logging_conn(db), db.conn()
+    c, admin = logging_conn(logdb), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
     c.execute("SELECT outbox._log_subscribe('slow')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('log.keep', ARRAY['{}', '{}']::jsonb[])")]
@@ -357,9 +343,9 @@ def test_retention_keeps_a_table_until_every_reader_has_passed_it(db):
     assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is False
     for _ in range(3):
         admin.execute("SELECT outbox._log_rotate()")  # empty tables come and go
-    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 2
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 2
     # The ring is not overwritten either: log_2, log_3 may open, log_0 may not.
-    assert (0, True) in state(db)
+    assert (0, True) in state(logdb)
     # The reader takes and acks them; its lanes then move past log_0.
     rows = c.execute("SELECT id, lease_token FROM outbox._log_claim('slow', 10, '30 s')").fetchall()
     assert sorted(r[0] for r in rows) == ids
@@ -367,4 +353,4 @@ def test_retention_keeps_a_table_until_every_reader_has_passed_it(db):
     assert c.execute("SELECT * FROM outbox._log_claim('slow', 10, '30 s')").fetchall() == []
     assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is True
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
-    assert db.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0

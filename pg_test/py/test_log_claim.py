@@ -17,16 +17,9 @@ import psycopg
 import pytest
 
 from conftest import connect
-from test_log_reader import publisher, resolver
+from test_log_reader import Traffic
 
-RING = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3")
 CLAIM = "SELECT id, subject, lease_token FROM outbox._log_claim(%s, %s, %s::interval)"
-
-
-@pytest.fixture
-def db(plain):
-    plain.clean(extra=(*RING, "outbox.log_state", "outbox.log_lanes", "outbox.log_batches"))
-    yield plain
 
 
 class Journal:
@@ -93,30 +86,24 @@ def worker(dsn, sub, seed, stop, journal, errors):
         errors.append(e)
 
 
-def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(db):
-    two_pc = int(db.one("SHOW max_prepared_transactions")[0]) > 0
-    assert db.one("SELECT outbox._log_subscribe('alpha')")[0] is True
-    assert db.one("SELECT outbox._log_subscribe('beta')")[0] is True
-    stop, pubs_done, prepared, errors, journal = threading.Event(), threading.Event(), [], [], Journal()
-    pubs = [threading.Thread(target=publisher, args=(db.dsn, 200 + k, stop, prepared, errors, two_pc))
-            for k in range(4)]
-    res = threading.Thread(target=resolver, args=(db.dsn, pubs_done, prepared, errors))
-    workers = [threading.Thread(target=worker, args=(db.dsn, sub, 300 + k, stop, journal, errors))
+def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(logdb):
+    assert logdb.one("SELECT outbox._log_subscribe('alpha')")[0] is True
+    assert logdb.one("SELECT outbox._log_subscribe('beta')")[0] is True
+    stop, errors, journal = threading.Event(), [], Journal()
+    traffic = Traffic(logdb, 4, 200, errors)
+    workers = [threading.Thread(target=worker, args=(logdb.dsn, sub, 300 + k, stop, journal, errors))
                for k, sub in enumerate(["alpha", "beta"] * 3)]
-    for t in pubs + [res] + workers:
+    for t in workers:
         t.start()
     time.sleep(12)
+    traffic.finish()
     stop.set()
-    for t in pubs:
-        t.join(30)
-    pubs_done.set()
-    res.join(30)
     for t in workers:
         t.join(60)
     assert not errors, errors
     assert not any(t.is_alive() for t in workers), "workers did not drain"
 
-    committed = dict(db.all("SELECT id, subject FROM outbox.log"))
+    committed = dict(logdb.all("SELECT id, subject FROM outbox.log"))
     assert len(committed) > 200, "too little traffic to mean anything"
     for sub in ("alpha", "beta"):
         handed = [h for h in journal.handed if h[0] == sub]
@@ -148,11 +135,11 @@ def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(db):
             again = [t for at, t in hand_outs[i] if t != tok and mine < at < start]
             assert not again, f"{sub}: event {i} acked with a stale token after it was handed out again"
     # Finished batches are gone; every lane's cursor moved.
-    assert db.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
 
 
-def test_a_held_subject_waits_for_its_ack_and_other_subjects_do_not(db):
-    c = db.conn()
+def test_a_held_subject_waits_for_its_ack_and_other_subjects_do_not(logdb):
+    c = logdb.conn()
     c.execute("SET outbox.log_write = on")
     c.execute("SELECT outbox._log_subscribe('s')")
     a1 = c.execute("SELECT outbox.publish('h.t', '{}', 'a')").fetchone()[0]
@@ -166,8 +153,8 @@ def test_a_held_subject_waits_for_its_ack_and_other_subjects_do_not(db):
     assert [r[0] for r in second] == [a2]
 
 
-def test_an_expired_round_is_handed_out_again_and_the_old_token_acks_nothing(db):
-    c = db.conn()
+def test_an_expired_round_is_handed_out_again_and_the_old_token_acks_nothing(logdb):
+    c = logdb.conn()
     c.execute("SET outbox.log_write = on")
     c.execute("SELECT outbox._log_subscribe('s')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.t', ARRAY['{}', '{}']::jsonb[])")]
@@ -184,11 +171,11 @@ def test_an_expired_round_is_handed_out_again_and_the_old_token_acks_nothing(db)
                      (old[1][0], old[1][2])).fetchone()[0] == 0
     assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
                      (again[0][0], again[0][2])).fetchone()[0] == 1
-    assert db.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
 
 
-def test_bad_claim_and_ack_arguments_get_documented_errors(db):
-    c = db.conn()
+def test_bad_claim_and_ack_arguments_get_documented_errors(logdb):
+    c = logdb.conn()
     c.execute("SELECT outbox._log_subscribe('s')")
     cases = [
         ("SELECT * FROM outbox._log_claim('nope', 1, '1 s')", "42704"),
@@ -212,8 +199,8 @@ def test_bad_claim_and_ack_arguments_get_documented_errors(db):
     assert c.execute("SELECT outbox._log_ack(ARRAY[1], ARRAY[gen_random_uuid()])").fetchone()[0] == 0
 
 
-def test_extend_keeps_a_round_out_past_its_first_lease_and_refuses_stale_tokens(db):
-    c = db.conn()
+def test_extend_keeps_a_round_out_past_its_first_lease_and_refuses_stale_tokens(logdb):
+    c = logdb.conn()
     c.execute("SET outbox.log_write = on")
     c.execute("SELECT outbox._log_subscribe('s')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.e', ARRAY['{}', '{}']::jsonb[])")]

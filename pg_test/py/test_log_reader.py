@@ -15,14 +15,7 @@ import pytest
 
 from conftest import connect
 
-RING = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3")
 SUBJECTS = [f"acct:{i}" for i in range(8)]
-
-
-@pytest.fixture
-def db(plain):
-    plain.clean(extra=(*RING, "outbox.log_state"))
-    yield plain
 
 
 def cursor(conn):
@@ -98,6 +91,29 @@ def resolver(dsn, done, prepared, errors):
         errors.append(e)
 
 
+class Traffic:
+    """`n` publishers (and the resolver of their prepared transactions) for as
+    long as the caller runs; `finish()` stops them, resolves every prepared
+    transaction and returns once nothing is left in flight."""
+
+    def __init__(self, logdb, n, seed, errors):
+        two_pc = int(logdb.one("SHOW max_prepared_transactions")[0]) > 0
+        self.stop, self.done, self.prepared, self.errors = threading.Event(), threading.Event(), [], errors
+        self.pubs = [threading.Thread(target=publisher, args=(logdb.dsn, seed + k, self.stop, self.prepared, errors,
+                                                                two_pc)) for k in range(n)]
+        self.res = threading.Thread(target=resolver, args=(logdb.dsn, self.done, self.prepared, errors))
+        for t in self.pubs + [self.res]:
+            t.start()
+
+    def finish(self):
+        self.stop.set()
+        for t in self.pubs:
+            t.join(30)
+        self.done.set()
+        self.res.join(30)
+        assert not self.prepared
+
+
 class Reader:
     """One subscription's worth of lane cursors, read by one session."""
 
@@ -141,35 +157,26 @@ class Reader:
             self.step(lane)
 
 
-def test_windows_read_every_committed_event_once_in_subject_order(db):
-    two_pc = int(db.one("SHOW max_prepared_transactions")[0]) > 0
-    stop, prepared, errors = threading.Event(), [], []
-    readers = [Reader(db.dsn, "READ COMMITTED", 1), Reader(db.dsn, "REPEATABLE READ", 2)]
-    pubs = [threading.Thread(target=publisher, args=(db.dsn, 100 + k, stop, prepared, errors, two_pc))
-            for k in range(5)]
-    stop_readers, pubs_done = threading.Event(), threading.Event()
-    res = threading.Thread(target=resolver, args=(db.dsn, pubs_done, prepared, errors))
+def test_windows_read_every_committed_event_once_in_subject_order(logdb):
+    errors, stop_readers = [], threading.Event()
+    readers = [Reader(logdb.dsn, "READ COMMITTED", 1), Reader(logdb.dsn, "REPEATABLE READ", 2)]
     rthreads = [threading.Thread(target=r.run, args=(stop_readers, errors)) for r in readers]
-    for t in pubs + [res] + rthreads:
+    traffic = Traffic(logdb, 5, 100, errors)
+    for t in rthreads:
         t.start()
     time.sleep(12)
-    stop.set()
-    for t in pubs:
-        t.join(30)
-    pubs_done.set()
-    res.join(30)
+    traffic.finish()
     stop_readers.set()
     for t in rthreads:
         t.join(30)
     assert not errors, errors
-    assert not prepared
     for r in readers:
         r.finish()
         r.conn.close()
 
-    committed = db.all("SELECT id, subject FROM outbox.log ORDER BY id")
+    committed = logdb.all("SELECT id, subject FROM outbox.log ORDER BY id")
     assert len(committed) > 200, "too little traffic to mean anything"
-    assert [r[0] for r in committed] == [r[0] for r in db.all("SELECT id FROM outbox.events ORDER BY id")]
+    assert [r[0] for r in committed] == [r[0] for r in logdb.all("SELECT id FROM outbox.events ORDER BY id")]
     subject_of = dict(committed)
     for r in readers:
         assert len(r.read) == len(set(r.read)), f"{r.isolation}: an event read twice"
@@ -184,11 +191,11 @@ def test_windows_read_every_committed_event_once_in_subject_order(db):
                 last[s] = i
 
 
-def test_a_transaction_running_at_the_cursor_is_read_by_the_next_window(db):
+def test_a_transaction_running_at_the_cursor_is_read_by_the_next_window(logdb):
     """The late committer: T1 drew its id first but commits after T2 and after
     the cursor was taken (m already covers its id); the next window must have it
     (only the cursor's in-progress list finds it), and the one after must not."""
-    t1, t2, r = db.conn(), db.conn(), db.conn()
+    t1, t2, r = logdb.conn(), logdb.conn(), logdb.conn()
     for c in (t1, t2):
         c.execute("SET outbox.log_write = on")
     lo = cursor(r)
@@ -199,28 +206,28 @@ def test_a_transaction_running_at_the_cursor_is_read_by_the_next_window(db):
     assert mid[1] >= b > a
     t1.execute("COMMIT")
     hi = cursor(r)
-    lane_of = dict(db.all("SELECT id, lane FROM outbox.log"))
+    lane_of = dict(logdb.all("SELECT id, lane FROM outbox.log"))
     got_first = {i for lane in set(lane_of.values()) for i in window(r, lane, lo, mid[0])}
     got_second = {i for lane in set(lane_of.values()) for i in window(r, lane, mid, hi[0])}
     got_third = {i for lane in set(lane_of.values()) for i in window(r, lane, hi, cursor(r)[0])}
     assert (got_first, got_second, got_third) == ({b}, {a}, set())
 
 
-def test_a_repeatable_read_reader_sees_commits_after_its_snapshot(db):
+def test_a_repeatable_read_reader_sees_commits_after_its_snapshot(logdb):
     """The cursor and the window take fresh snapshots, not the transaction's."""
-    p, r = db.conn(), db.conn()
+    p, r = logdb.conn(), logdb.conn()
     p.execute("SET outbox.log_write = on")
     r.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     lo = cursor(r)
     a = p.execute("SELECT outbox.publish('rd.rr', '{}')").fetchone()[0]
     hi = cursor(r)
-    lane = db.one("SELECT lane FROM outbox.log WHERE id = %s", (a,))[0]
+    lane = logdb.one("SELECT lane FROM outbox.log WHERE id = %s", (a,))[0]
     assert window(r, lane, lo, hi[0]) == [a]
     r.execute("COMMIT")
 
 
-def test_bad_window_arguments_get_documented_errors(db):
-    c = db.conn()
+def test_bad_window_arguments_get_documented_errors(logdb):
+    c = logdb.conn()
     lo = cursor(c)
     for lane, limit, state in ((16, None, "22023"), (-1, None, "22023"), (0, -1, "22023")):
         with pytest.raises(psycopg.Error) as e:

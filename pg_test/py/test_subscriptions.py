@@ -11,7 +11,7 @@ import time
 import psycopg
 import pytest
 
-from conftest import connect
+from conftest import connect, sqlstate
 
 
 def claim(conn, worker="w", n=10, lease=None, subscription=None):
@@ -24,14 +24,6 @@ def claim(conn, worker="w", n=10, lease=None, subscription=None):
 
 def publish(conn, topic="sub.t", n=1, subject=None):
     return [conn.execute("SELECT outbox.publish(%s, '{}', %s)", (topic, subject)).fetchone()[0] for _ in range(n)]
-
-
-def sqlstate(conn, sql, params=None):
-    try:
-        conn.execute(sql, params)
-    except psycopg.Error as e:
-        return e.sqlstate
-    return None
 
 
 def test_default_subscription_exists_and_the_view_counts_its_events(plain):

@@ -135,7 +135,12 @@ impl Batch {
             .enumerate()
             .map(|(i, (_, key))| key.as_ref().and_then(|k| last.insert(k, i as u16)))
             .collect();
-        Batch { ids: events.iter().map(|e| e.0).collect(), prev, state: vec![State::Waiting; events.len()], rounds: vec![] }
+        Batch {
+            ids: events.iter().map(|e| e.0).collect(),
+            prev,
+            state: vec![State::Waiting; events.len()],
+            rounds: vec![],
+        }
     }
 
     /// Number of events.
@@ -202,9 +207,7 @@ impl Batch {
     pub fn holder(&self, id: i64, token: Token) -> Result<usize, Refused> {
         let i = self.position(id).ok_or(Refused::NotInBatch)?;
         match self.state[i] {
-            State::Out(r)
-                if r == token.round && self.rounds[r as usize - 1].random == token.random & RANDOM_MASK =>
-            {
+            State::Out(r) if r == token.round && self.rounds[r as usize - 1].random == token.random & RANDOM_MASK => {
                 Ok(i)
             }
             _ => Err(Refused::Stale),
@@ -455,7 +458,8 @@ mod tests {
         assert_eq!(b.ack(10, Token { random: 7, ..new }), Err(Refused::Stale));
         assert_eq!(b.ack(99, new), Err(Refused::NotInBatch));
         b.ack(10, new).unwrap();
-        assert_eq!(b.ack(10, new), Err(Refused::Stale)); // twice
+        // Twice.
+        assert_eq!(b.ack(10, new), Err(Refused::Stale));
         // An expired but not reclaimed hand-out can still be acked.
         assert!(b.handable(T0 + 61).contains(&1));
         b.ack(11, new).unwrap();

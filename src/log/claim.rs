@@ -50,9 +50,7 @@ use crate::pg;
 use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
-use crate::sql::log::{
-    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, FETCH, LANES, LANE_PUT, SUBSCRIBE,
-};
+use crate::sql::log::{BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, FETCH, LANES, LANE_PUT, SUBSCRIBE};
 use crate::validate;
 use pgrx::datum::{DatumWithOid, Interval};
 use pgrx::prelude::*;
@@ -89,7 +87,14 @@ fn lanes(subscription: &str) -> Vec<Lane> {
             else {
                 errors::raise(errors::INTERNAL, "malformed outbox.log_lanes row");
             };
-            out.push(Lane { tid, lane, lo, hi: cursor_at(r.text(5), r.i64(6), r.text(7)), pos: r.i64(8), batch: r.i64(9) });
+            out.push(Lane {
+                tid,
+                lane,
+                lo,
+                hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
+                pos: r.i64(8),
+                batch: r.i64(9),
+            });
         });
         out
     })
@@ -287,7 +292,8 @@ pub unsafe fn log_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 /// False when it has them already. 22004 for NULL, 22023 for another start.
 #[pg_extern(name = "_log_subscribe", volatile, parallel_unsafe)]
 pub fn log_subscribe(subscription: Option<&str>, start: default!(Option<&str>, "'now'")) -> bool {
-    let subscription = subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
     validate::subscription(subscription);
     let c = match start {
         Some("now") => cursor(),

@@ -108,12 +108,7 @@ pub fn enabled() -> bool {
 }
 
 fn current() -> usize {
-    CURRENT_TABLE.with(|c| {
-        c.with(
-            || plans::one::<i16>(&CURRENT, &[]).map_or(0, |n| n.clamp(0, 3) as usize),
-            |n| *n,
-        )
-    })
+    CURRENT_TABLE.with(|c| c.with(|| plans::one::<i16>(&CURRENT, &[]).map_or(0, |n| n.clamp(0, 3) as usize), |n| *n))
 }
 
 /// Append `rows` to the current ring table, in the caller's transaction. The
