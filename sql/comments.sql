@@ -59,10 +59,17 @@ COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
 'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
+COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
+'Internal: whether ring table outbox.log_<n> (n 0..3) holds an event of a transaction not visible in snapshot s, i.e. running when s was taken or begun after (boolean): '
+'written since a seal that took s. Two index probes. Errors: 42P01 for n outside 0..3.';
+
 COMMENT ON FUNCTION outbox._log_rotate() IS
-'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has finished with and that was sealed longer ago than outbox.retention_delivered, '
-'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
-'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
+'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has read past and that nobody '
+'has written to for outbox.retention_delivered (a row written after its seal restarts that), then, when the open table has been open for half that and the next one '
+'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
+'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
+'Errors: 40001 when called in a REPEATABLE READ or SERIALIZABLE transaction that a concurrent rotation overtook (retry; the maintenance runs use READ COMMITTED unless '
+'default_transaction_isolation says otherwise).';
 
 COMMENT ON FUNCTION outbox._visible_floor() IS
 'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '

@@ -10,6 +10,12 @@
 -- lock is free (never queued: src/log.rs), so a held xmin leaves no dead tuple
 -- in the log and nothing ever waits for its cleanup.
 --
+-- Not dumped (no pg_extension_config_dump, here or for the readers' tables
+-- below): a row's txid names a transaction of this cluster, and restored into
+-- another it could name an unrelated one there. The queue, which is dumped,
+-- holds every event; the slice that makes the log the storage rebases txids
+-- at restore.
+--
 -- A row is written once, by publish, and never updated or deleted:
 --   txid  the publishing transaction's id, assigned before the event's id is
 --         drawn (src/publish.rs), so that a reader can find late committers
@@ -38,7 +44,6 @@ BEGIN
             ) WITH (vacuum_truncate = false);
             CREATE INDEX log_%1$s_lane_id ON outbox.log_%1$s (lane, id);
             CREATE INDEX log_%1$s_txid ON outbox.log_%1$s (txid, lane);
-            SELECT pg_catalog.pg_extension_config_dump('outbox.log_%1$s', '');
         $ddl$, n);
     END LOOP;
 END
@@ -57,18 +62,21 @@ COMMENT ON VIEW outbox.log IS
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
 -- install, before the first rotation) that is log_0. A sealed table takes no
--- new events (but see src/log.rs on a publisher's stale copy) and is truncated
--- once its retention has passed; its row is then deleted, and the table is
--- free. No row is made at install, so a dump restores its rows into an empty
--- table. Written only by outbox._log_rotate, whose changes a statement trigger
+-- new events (but see src/log/mod.rs on a publisher's stale copy) and is truncated
+-- once its retention has passed since the last event written to it
+-- (sealed_snap: transactions not visible in it, running at the seal or begun
+-- after, may have written after the seal); its row is then deleted, and the
+-- table is free. No row is made at
+-- install. Written only by outbox._log_rotate, whose changes a statement trigger
 -- turns into a relcache invalidation for every backend's copy, as for
 -- outbox.topics.
 CREATE TABLE outbox.log_state (
     n          smallint    PRIMARY KEY CHECK (n BETWEEN 0 AND 3),
     opened_at  timestamptz NOT NULL,
-    sealed_at  timestamptz CHECK (sealed_at >= opened_at)
+    sealed_at  timestamptz CHECK (sealed_at >= opened_at),
+    sealed_snap pg_snapshot,
+    CHECK ((sealed_at IS NULL) = (sealed_snap IS NULL))
 ) WITH (vacuum_truncate = false);  -- read by publishers: see event_queue
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
 CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
@@ -107,9 +115,6 @@ CREATE TABLE outbox.log_batches (
     next_expiry  timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
 
 -- Whether every reader has finished with ring table log_<n>: no lane's cursor
 -- leaves one of its lane's events unseen (an idle lane's cursor does not move,
@@ -132,24 +137,46 @@ BEGIN
 END
 $$;
 
--- Log retention, one maintenance step (src/log/mod.rs): truncate every sealed
--- table sealed longer ago than outbox.retention_delivered that every reader
--- has finished with, then seal the open table once it has been open for half
--- that (so a table holds at most half the retention window of events) and
--- open the next, which must be free and finished with. A table is locked with
--- NOWAIT before its TRUNCATE: when any transaction uses it, the lock is not
--- queued (publishers and readers never wait behind it) and the table is left
--- for the next run. Nothing a reader has not finished with is truncated.
+-- Whether ring table log_<n> holds an event of a transaction not visible in
+-- snapshot s (running when s was taken, or begun after): written since s. Two
+-- probes of the (txid, lane) index, whatever an old transaction holds back.
+CREATE FUNCTION outbox._log_written_since(n smallint, s pg_snapshot) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    found boolean;
+BEGIN
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM outbox.%1$I WHERE txid = ANY (ARRAY(SELECT pg_snapshot_xip($1)))) '
+                   '    OR EXISTS (SELECT 1 FROM outbox.%1$I WHERE txid >= pg_snapshot_xmax($1))', 'log_' || n)
+        INTO found USING s;
+    RETURN found;
+END
+$$;
+
+-- Log retention, one maintenance step (src/log/mod.rs):
+-- 1. truncate every sealed table that every reader has finished with and
+--    that nobody has written to for outbox.retention_delivered: sealed that
+--    long ago, and no row of a transaction the seal's snapshot did not see (a
+--    publisher whose copy of the state was stale, or a transaction open
+--    across the seal; such a row restarts the table's retention);
+-- 2. seal the open table once it has been open for half that (so a table
+--    holds at most half the window) and open the next, which must be free.
+-- A TRUNCATE waits for its lock at most lock_timeout (20 ms, the function's
+-- own setting): publishers and readers queue behind the request for no
+-- longer than that, and a table in use is left for the next run. Opening an
+-- empty table takes no lock. Nothing a reader has not read past is truncated.
 CREATE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '20ms'
 AS $$
 DECLARE
     keep      interval := outbox._retention_guc('outbox.retention_delivered');
     cur       smallint;
     opened    timestamptz;
     nxt       smallint;
-    t         smallint;
+    r         record;
     truncated integer := 0;
 BEGIN
     -- One rotation at a time (the worker and run_maintenance() may overlap);
@@ -159,14 +186,21 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         RETURN 0;
     END;
-    FOR t IN SELECT s.n FROM outbox.log_state s WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
-        CONTINUE WHEN NOT outbox._log_readers_passed(t);
+    FOR r IN SELECT s.n, s.sealed_snap FROM outbox.log_state s
+              WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
+        CONTINUE WHEN NOT outbox._log_readers_passed(r.n);
+        IF outbox._log_written_since(r.n, r.sealed_snap) THEN
+            UPDATE outbox.log_state
+               SET sealed_at = now(), sealed_snap = pg_current_snapshot()
+             WHERE n = r.n;
+            CONTINUE;
+        END IF;
         BEGIN
-            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || t);
-            -- Again under the lock: no event can be added meanwhile.
-            IF outbox._log_readers_passed(t) THEN
-                EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
-                DELETE FROM outbox.log_state WHERE n = t;
+            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || r.n);
+            -- Again under the lock: nobody can add an event meanwhile.
+            IF outbox._log_readers_passed(r.n) AND NOT outbox._log_written_since(r.n, r.sealed_snap) THEN
+                EXECUTE format('TRUNCATE outbox.%I', 'log_' || r.n);
+                DELETE FROM outbox.log_state WHERE n = r.n;
                 truncated := truncated + 1;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
@@ -188,21 +222,30 @@ BEGIN
         RETURN truncated;
     END IF;
     nxt := (cur + 1) % 4;
-    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) OR NOT outbox._log_readers_passed(nxt) THEN
+    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
         RETURN truncated;  -- the next table is not free yet: keep writing this one
     END IF;
-    BEGIN
-        -- A free table is empty unless rows were restored into it or written by
-        -- a publisher whose copy of the state was stale; readers have passed them.
-        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || nxt);
-        IF outbox._log_readers_passed(nxt) THEN
-            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
-            UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
-            INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+    -- A free table is empty unless a publisher whose copy of the state was stale
+    -- wrote to it after its truncation; then it is emptied first, once every
+    -- reader has read past those rows.
+    -- ('3:3:' sees no transaction: written since it means holding any row.)
+    IF outbox._log_written_since(nxt, '3:3:'::pg_snapshot) THEN
+        IF NOT outbox._log_readers_passed(nxt) THEN
+            RETURN truncated;
         END IF;
-    EXCEPTION WHEN lock_not_available THEN
-        NULL;
-    END;
+        BEGIN
+            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || nxt);
+            IF NOT outbox._log_readers_passed(nxt) THEN
+                RETURN truncated;
+            END IF;
+            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN truncated;
+        END;
+    END IF;
+    UPDATE outbox.log_state SET sealed_at = now(), sealed_snap = pg_current_snapshot()
+     WHERE n = cur;
+    INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
     RETURN truncated;
 END
 $$;

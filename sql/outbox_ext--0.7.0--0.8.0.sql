@@ -3,9 +3,10 @@
 \echo Use "ALTER EXTENSION outbox_ext UPDATE TO '0.8.0'" to load this file. \quit
 
 -- sql/upgrade/0.7.0--0.8.0.sql
--- 0.7.0 -> 0.8.0: the event log ring (sql/log.sql), written beside the queue
--- when outbox.log_write is on. The tables' DDL as in sql/log.sql (no diff can
--- derive a CREATE TABLE); the function and its comment come from the generator.
+-- 0.7.0 -> 0.8.0: the event log ring and its readers (sql/log.sql), written
+-- beside the queue when outbox.log_write is on. The tables' DDL as in
+-- sql/log.sql (no diff can derive a CREATE TABLE); the functions, the view
+-- and their comments come from the generator.
 
 DO $$
 BEGIN
@@ -26,7 +27,6 @@ BEGIN
             ) WITH (vacuum_truncate = false);
             CREATE INDEX log_%1$s_lane_id ON outbox.log_%1$s (lane, id);
             CREATE INDEX log_%1$s_txid ON outbox.log_%1$s (txid, lane);
-            SELECT pg_catalog.pg_extension_config_dump('outbox.log_%1$s', '');
         $ddl$, n);
     END LOOP;
 END
@@ -35,18 +35,21 @@ $$;
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
 -- install, before the first rotation) that is log_0. A sealed table takes no
--- new events (but see src/log.rs on a publisher's stale copy) and is truncated
--- once its retention has passed; its row is then deleted, and the table is
--- free. No row is made at install, so a dump restores its rows into an empty
--- table. Written only by outbox._log_rotate, whose changes a statement trigger
+-- new events (but see src/log/mod.rs on a publisher's stale copy) and is truncated
+-- once its retention has passed since the last event written to it
+-- (sealed_snap: transactions not visible in it, running at the seal or begun
+-- after, may have written after the seal); its row is then deleted, and the
+-- table is free. No row is made at
+-- install. Written only by outbox._log_rotate, whose changes a statement trigger
 -- turns into a relcache invalidation for every backend's copy, as for
 -- outbox.topics.
 CREATE TABLE outbox.log_state (
     n          smallint    PRIMARY KEY CHECK (n BETWEEN 0 AND 3),
     opened_at  timestamptz NOT NULL,
-    sealed_at  timestamptz CHECK (sealed_at >= opened_at)
+    sealed_at  timestamptz CHECK (sealed_at >= opened_at),
+    sealed_snap pg_snapshot,
+    CHECK ((sealed_at IS NULL) = (sealed_snap IS NULL))
 ) WITH (vacuum_truncate = false);  -- read by publishers: see event_queue
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
 CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
@@ -85,9 +88,6 @@ CREATE TABLE outbox.log_batches (
     next_expiry  timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
 
 -- Functions and procedures, new or changed
 
@@ -154,16 +154,31 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox._log_written_since(n smallint, s pg_snapshot) RETURNS boolean
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    found boolean;
+BEGIN
+    EXECUTE format('SELECT EXISTS (SELECT 1 FROM outbox.%1$I WHERE txid = ANY (ARRAY(SELECT pg_snapshot_xip($1)))) '
+                   '    OR EXISTS (SELECT 1 FROM outbox.%1$I WHERE txid >= pg_snapshot_xmax($1))', 'log_' || n)
+        INTO found USING s;
+    RETURN found;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
+SET lock_timeout = '20ms'
 AS $$
 DECLARE
     keep      interval := outbox._retention_guc('outbox.retention_delivered');
     cur       smallint;
     opened    timestamptz;
     nxt       smallint;
-    t         smallint;
+    r         record;
     truncated integer := 0;
 BEGIN
     -- One rotation at a time (the worker and run_maintenance() may overlap);
@@ -173,14 +188,21 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         RETURN 0;
     END;
-    FOR t IN SELECT s.n FROM outbox.log_state s WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
-        CONTINUE WHEN NOT outbox._log_readers_passed(t);
+    FOR r IN SELECT s.n, s.sealed_snap FROM outbox.log_state s
+              WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
+        CONTINUE WHEN NOT outbox._log_readers_passed(r.n);
+        IF outbox._log_written_since(r.n, r.sealed_snap) THEN
+            UPDATE outbox.log_state
+               SET sealed_at = now(), sealed_snap = pg_current_snapshot()
+             WHERE n = r.n;
+            CONTINUE;
+        END IF;
         BEGIN
-            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || t);
-            -- Again under the lock: no event can be added meanwhile.
-            IF outbox._log_readers_passed(t) THEN
-                EXECUTE format('TRUNCATE outbox.%I', 'log_' || t);
-                DELETE FROM outbox.log_state WHERE n = t;
+            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || r.n);
+            -- Again under the lock: nobody can add an event meanwhile.
+            IF outbox._log_readers_passed(r.n) AND NOT outbox._log_written_since(r.n, r.sealed_snap) THEN
+                EXECUTE format('TRUNCATE outbox.%I', 'log_' || r.n);
+                DELETE FROM outbox.log_state WHERE n = r.n;
                 truncated := truncated + 1;
             END IF;
         EXCEPTION WHEN lock_not_available THEN
@@ -202,21 +224,30 @@ BEGIN
         RETURN truncated;
     END IF;
     nxt := (cur + 1) % 4;
-    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) OR NOT outbox._log_readers_passed(nxt) THEN
+    IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
         RETURN truncated;  -- the next table is not free yet: keep writing this one
     END IF;
-    BEGIN
-        -- A free table is empty unless rows were restored into it or written by
-        -- a publisher whose copy of the state was stale; readers have passed them.
-        EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE NOWAIT', 'log_' || nxt);
-        IF outbox._log_readers_passed(nxt) THEN
-            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
-            UPDATE outbox.log_state SET sealed_at = now() WHERE n = cur;
-            INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
+    -- A free table is empty unless a publisher whose copy of the state was stale
+    -- wrote to it after its truncation; then it is emptied first, once every
+    -- reader has read past those rows.
+    -- ('3:3:' sees no transaction: written since it means holding any row.)
+    IF outbox._log_written_since(nxt, '3:3:'::pg_snapshot) THEN
+        IF NOT outbox._log_readers_passed(nxt) THEN
+            RETURN truncated;
         END IF;
-    EXCEPTION WHEN lock_not_available THEN
-        NULL;
-    END;
+        BEGIN
+            EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || nxt);
+            IF NOT outbox._log_readers_passed(nxt) THEN
+                RETURN truncated;
+            END IF;
+            EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN truncated;
+        END;
+    END IF;
+    UPDATE outbox.log_state SET sealed_at = now(), sealed_snap = pg_current_snapshot()
+     WHERE n = cur;
+    INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
     RETURN truncated;
 END
 $$;
@@ -271,10 +302,17 @@ COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
 'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
+COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
+'Internal: whether ring table outbox.log_<n> (n 0..3) holds an event of a transaction not visible in snapshot s, i.e. running when s was taken or begun after (boolean): '
+'written since a seal that took s. Two index probes. Errors: 42P01 for n outside 0..3.';
+
 COMMENT ON FUNCTION outbox._log_rotate() IS
-'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has finished with and that was sealed longer ago than outbox.retention_delivered, '
-'then, when the open table has been open for half that and the next one is free, seals it and opens the next. Each TRUNCATE first takes its lock with NOWAIT and '
-'leaves a table in use for the next run, so no publisher ever waits behind it; a second concurrent call returns at once. Returns the number of tables truncated (integer). No errors.';
+'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has read past and that nobody '
+'has written to for outbox.retention_delivered (a row written after its seal restarts that), then, when the open table has been open for half that and the next one '
+'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
+'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
+'Errors: 40001 when called in a REPEATABLE READ or SERIALIZABLE transaction that a concurrent rotation overtook (retry; the maintenance runs use READ COMMITTED unless '
+'default_transaction_isolation says otherwise).';
 
 COMMENT ON FUNCTION outbox._log_cursor() IS
 'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '
@@ -312,16 +350,6 @@ COMMENT ON FUNCTION outbox._log_extend(bigint, uuid, interval) IS
 'Internal (0.8.0, the log storage under test): extend the lease of the round that token (from outbox._log_claim) names to now + lease, never shortening it, '
 'if the token still holds event id; every event of that round shares the lease. Returns the round''s lease expiry (timestamptz), or NULL for a stale or unknown token. '
 'Errors: 22004 NULL argument, 22023 lease outside (0, outbox.max_lease].';
-
--- Configuration tables for pg_dump
-
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
-
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
-
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
-
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
@@ -387,6 +415,13 @@ ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
 ALTER FUNCTION outbox._log_rotate() SECURITY DEFINER;
+-- The log's reader functions (internal in 0.8.0) read the id sequence and write
+-- the readers' tables, which only the owner may.
+ALTER FUNCTION outbox._log_claim(text, integer, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_ack(bigint[], uuid[]) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_extend(bigint, uuid, interval) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
     outbox.alter_subscription(text, integer, interval, interval, interval),
@@ -397,7 +432,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.drop_topic(text, boolean),
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint),
+    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint), outbox._log_written_since(smallint, pg_snapshot),
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),

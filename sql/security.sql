@@ -60,6 +60,13 @@ ALTER FUNCTION outbox._purge_step(text, interval, integer) SECURITY DEFINER;
 ALTER FUNCTION outbox._log_maintenance(timestamptz, jsonb) SECURITY DEFINER;
 ALTER FUNCTION outbox._purge_pause() SECURITY DEFINER;
 ALTER FUNCTION outbox._log_rotate() SECURITY DEFINER;
+-- The log's reader functions (internal in 0.8.0) read the id sequence and write
+-- the readers' tables, which only the owner may.
+ALTER FUNCTION outbox._log_claim(text, integer, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_ack(bigint[], uuid[]) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_extend(bigint, uuid, interval) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
     outbox.alter_subscription(text, integer, interval, interval, interval),
@@ -70,7 +77,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.drop_topic(text, boolean),
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint),
+    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint), outbox._log_written_since(smallint, pg_snapshot),
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),

@@ -47,9 +47,9 @@ pub struct Settings {
 }
 
 thread_local! {
-    /// The catalog, valid for the relcache generation it was loaded under
-    /// ([`pg::GenerationCache`]): any relcache invalidation makes it stale.
-    static CACHE: pg::GenerationCache<HashMap<String, Settings>> = const { pg::GenerationCache::new() };
+    /// The catalog, valid for the count of invalidations of the watched tables
+    /// it was loaded under ([`pg::GenerationCache`]).
+    static CACHE: pg::GenerationCache<HashMap<String, Settings>> = const { pg::GenerationCache::new(c"subscription_catalog") };
 }
 
 /// The settings of subscription `name`, or None when it does not exist. Only

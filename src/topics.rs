@@ -4,8 +4,10 @@
 //! costs an index-scan node to start and stop per publish (about a tenth of its
 //! time), so each backend keeps `outbox.topics` in memory. Any change to the table
 //! fires a statement trigger that sends a relcache invalidation for it; a copy is
-//! valid only for the count of relcache invalidations it was loaded under
-//! ([`pg::load_consistent`]), so the next publish after one reloads it.
+//! valid only for the count of the watched tables' relcache invalidations it was
+//! loaded under ([`pg::GenerationCache`]), so the next publish after one reloads
+//! it, reading the registry as committed then (not under a REPEATABLE READ
+//! transaction's older snapshot, which would keep the change out of the copy).
 //! Invalidations are transactional: other sessions see the change when it
 //! commits, the changing session at its next command.
 
@@ -21,20 +23,23 @@ use std::collections::HashMap;
 type Registry = HashMap<String, Option<i32>>;
 
 thread_local! {
-    /// The registry, valid for the relcache generation it was loaded under. The
-    /// relid of outbox.topics is not at hand in an invalidation callback, and any
-    /// relcache invalidation is rare next to publishes, so every one makes it stale.
-    static CACHE: pg::GenerationCache<Registry> = const { pg::GenerationCache::new() };
+    /// The registry, valid for the count of invalidations of the watched tables
+    /// (outbox.topics among them) it was loaded under.
+    static CACHE: pg::GenerationCache<Registry> = const { pg::GenerationCache::new(c"topics") };
 }
 
+/// The registry as committed now: under a snapshot taken now, not the
+/// transaction's (a REPEATABLE READ snapshot older than a change would store
+/// the old registry under the new generation, for later transactions too).
 fn load() -> Registry {
-    plans::run(&LOAD, &[], |t| {
-        t.map(|row| {
-            let name: String = errors::spi(row.get::<String>(1)).unwrap_or_default();
-            let max: Option<i32> = errors::spi(row.get::<i32>(2));
-            (name, max)
-        })
-        .collect::<Registry>()
+    plans::run_latest(&LOAD, &[], |rows| {
+        let mut map = Registry::new();
+        rows.for_each(|row| {
+            if let Some(name) = row.text(0) {
+                map.insert(name, row.i32(1));
+            }
+        });
+        map
     })
 }
 

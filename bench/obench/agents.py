@@ -53,7 +53,7 @@ def _claim_ack(conn, system, worker, batch):
     if not rows:
         return 0, 0, t_claim, []
     ids = [r[0] for r in rows]
-    if system == "outbox":
+    if system.startswith("outbox"):
         acked = conn.execute(q["ack"], {"ids": ids, "tokens": [r[1] for r in rows]}).fetchone()[0]
     else:
         acked = conn.execute(q["ack"], {"ids": ids}).rowcount
@@ -90,6 +90,52 @@ def _drain_worker(*, barrier, dsn, system, wid, batch, total, counter, deadline_
     conn.close()
     return {"wid": wid, "n": n, "t0": t0, "t1": t1, "claims": claims, "empty": empty}
 
+
+def _log_drain_worker(*, barrier, dsn, reader, wid, batch, total, counter, deadline_s):
+    """Drain a log reader (scenario 10): outbox._log_claim, then outbox._log_ack of
+    the whole claim (two autocommit round trips per batch), until at least `total`
+    events were acked by all of the reader's workers together and this worker has
+    caught up (a claim returned less than a full batch). Keeps, per non-empty
+    claim, when it returned, when its ack was sent and its ids, for the harness
+    to check (each event acked once; with subjects, their order)."""
+    conn = connect(dsn)
+    q = S.LOG_DRAIN
+    prm = {"reader": reader, "batch": batch}
+    tok = S.LOG_TOKEN_COL
+    claims_log = []
+    barrier.wait()
+    t0 = now_ns()
+    deadline = t0 + int(deadline_s * 1e9)
+    n = claims = empty = acked_total = 0
+    while True:
+        rows = conn.execute(q["claim"], prm).fetchall()
+        t_claim = now_ns()
+        claims += 1
+        got = len(rows)
+        if got:
+            ids = [r[0] for r in rows]
+            tokens = [r[tok] for r in rows]
+            t_ack = now_ns()
+            acked = conn.execute(q["ack"], {"ids": ids, "tokens": tokens}).fetchone()[0]
+            if acked != got:
+                raise RuntimeError(f"log reader {reader}: claimed {got} but _log_ack acked {acked}")
+            claims_log.append((t_claim, t_ack, ids))
+            acked_total += acked
+            with counter.get_lock():
+                counter.value += acked
+            n += acked
+        else:
+            empty += 1
+        if got < batch and counter.value >= total:
+            break
+        if now_ns() > deadline:
+            raise RuntimeError(f"log drain did not finish within {deadline_s}s ({counter.value}/{total} acked)")
+        if not got:
+            time.sleep(0.001)  # other workers hold the last lanes (or subjects wait for acks)
+    t1 = now_ns()
+    conn.close()
+    return {"wid": wid, "reader": reader, "n": n, "t0": t0, "t1": t1, "claims": claims, "empty": empty,
+            "acked": acked_total, "log": claims_log}
 
 
 def _pgq_consumer(*, barrier, dsn, deadline_s):
@@ -266,6 +312,7 @@ def _wake_prober(*, barrier, dsn, tag, n, warmup_s, span_s, offset):
 
 AGENTS = {
     "drain_worker": _drain_worker,
+    "log_drain_worker": _log_drain_worker,
     "pgq_consumer": _pgq_consumer,
     "publisher": _publisher,
     "e2e_worker": _e2e_worker,

@@ -51,6 +51,21 @@ FULL = {
     "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
     # 9: s9_n payloads per column type (jsonb, json, text), read in keyset batches of s9_batch
     "s9_n": 100_000, "s9_batch": 500,
+    # 10: drain s10_n events from the log (_log_claim + _log_ack) in the (workers,
+    # batch) cells s10_log_cells, today's outbox.claim in s10_outbox_cells, plain
+    # SKIP LOCKED at s10_plain_batch with s10_plain_workers, PgQ (one consumer) at
+    # s10_pgq_batches; the log drain with s10_subjects subjects in s10_subject_cells
+    # (None: every log cell); s10_fanout readers with one worker each at
+    # s10_fanout_batch, s10_fanout_n events (None: s10_n); s10_reps repetitions
+    # (None: reps)
+    "s10_n": 100_000,
+    "s10_log_cells": [(w, b) for b in (100, 500) for w in (1, 2, 4)],
+    "s10_outbox_cells": [(w, b) for b in (100, 500) for w in (1, 2, 4)],
+    "s10_plain_batch": 100, "s10_plain_workers": [1, 2, 4],
+    "s10_pgq_batches": [100, 500],
+    "s10_subjects": 1000, "s10_subject_cells": None,
+    "s10_fanout": 10, "s10_fanout_batch": 500, "s10_fanout_n": None,
+    "s10_reps": None,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -68,6 +83,10 @@ QUICK = dict(FULL, **{
     "s7_seconds": 2, "s7_probes": 8,
     "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,
     "s9_n": 20_000,
+    # 10: one repetition of one cell per system and batch size, a smaller fan-out
+    "s10_n": 20_000,
+    "s10_log_cells": [(2, 100), (2, 500)], "s10_outbox_cells": [(2, 100)], "s10_plain_workers": [2],
+    "s10_subject_cells": [(2, 100)], "s10_fanout_n": 5_000, "s10_reps": 1,
 })
 
 SCENARIOS = [
@@ -81,6 +100,7 @@ SCENARIOS = [
     ("s7", "7. many databases", scenarios.s7_multidb),
     ("s8", "8. held transaction id", scenarios.s8_held_xid),
     ("s9", "9. payload output", scenarios.s9_payload),
+    ("s10", "10. log drain", scenarios.s10_log_drain),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held xmin", scenarios.s6_xmin),
     ("s6c", "6c. purge", scenarios.s6_purge),
@@ -117,6 +137,7 @@ def main(argv=None):
     prof = dict(QUICK if args.quick else FULL)
     if args.reps:
         prof["reps"] = args.reps
+        prof["s10_reps"] = None  # an explicit --reps applies to scenario 10 too
     for kv in args.set:
         k, _, v = kv.partition("=")
         if k not in prof:

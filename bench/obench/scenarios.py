@@ -252,13 +252,18 @@ DRAIN_VARIANTS = {
     "plain": ("plain", None),
     # informational: ack deletes instead of archiving (outbox.keep_delivered = off)
     "outbox_nokeep": ("outbox", {"outbox.keep_delivered": "off"}),
+    # scenario 10: outbox.claim selecting payload::text (as the log drain does)
+    "outbox_text": ("outbox_text", None),
 }
 
 
-def _drain_once(ctx, variant, workers, batch, n, subjects=0):
+def _drain_once(ctx, variant, workers, batch, n, subjects=0, info=None):
+    """One drain; returns (events/s, empty claims). info (a dict), when given,
+    receives the workers' statement counts: claims (empty ones included) and acks."""
     system, gucs = DRAIN_VARIANTS[variant]
+    outbox = system.startswith("outbox")
     ctx.reset(system)
-    if system == "outbox":
+    if outbox:
         ctx.load_outbox(n, subjects=subjects)
         ctx.sql("VACUUM ANALYZE outbox.event_queue")
     else:
@@ -273,14 +278,19 @@ def _drain_once(ctx, variant, workers, batch, n, subjects=0):
     res = g.collect(workers, ctx.p["drain_deadline"] + 30)
     g.join()
     done = sum(r["n"] for r in res)
-    left = ctx.one("SELECT count(*) FROM outbox.event_queue" if system == "outbox" else "SELECT count(*) FROM bench_plain")
+    left = ctx.one("SELECT count(*) FROM outbox.event_queue" if outbox else "SELECT count(*) FROM bench_plain")
     if done != n or left != 0:
         raise HarnessError(f"{system} drain acked {done} of {n}, {left} left in the table")
     secs = (max(r["t1"] for r in res) - min(r["t0"] for r in res)) / ns
-    return n / secs, sum(r["empty"] for r in res)
+    empty = sum(r["empty"] for r in res)
+    if info is not None:
+        claims = sum(r["claims"] for r in res)
+        info.update(claims=claims, acks=claims - empty, empty=empty)
+    return n / secs, empty
 
 
-def _drain_pgq(ctx, batch, n):
+def _drain_pgq(ctx, batch, n, info=None):
+    """PgQ, one consumer; info (a dict), when given, receives its batch count."""
     ctx.reset_pgq()
     ctx.load_pgq(n, batch)
     ctx.checkpoint()
@@ -290,6 +300,8 @@ def _drain_pgq(ctx, batch, n):
     g.join()
     if r["n"] != n:
         raise HarnessError(f"pgq drain read {r['n']} of {n} events")
+    if info is not None:
+        info.update(batches=r["batches"])
     return n / ((r["t1"] - r["t0"]) / ns)
 
 
@@ -1499,3 +1511,410 @@ def s9_payload(ctx):  # noqa: C901
            + _code(S.PAYLOAD_READ.format(**per_type) + ";")
            + "**server-side conversion**\n\n" + _code(S.PAYLOAD_CONVERT.format(**per_type) + ";"))
     ctx.section("9. Payload output", md)
+
+
+# ---------------------------------------------------------------------------
+# 10. Drain the log: 0.8.0's internal storage for subscriptions
+#     (outbox._log_claim / outbox._log_ack) against PgQ, plain SKIP LOCKED and
+#     today's outbox.claim; with 1,000 subjects; fan-out over 10 readers
+# ---------------------------------------------------------------------------
+S10 = "s10_log_drain"
+S10_HAS_LOG_CLAIM = ("SELECT to_regprocedure('outbox._log_claim(text, integer, interval)') IS NOT NULL"
+                     " AND to_regprocedure('outbox._log_ack(bigint[], uuid[])') IS NOT NULL")
+
+
+def _log_load(ctx, readers, n, subjects=0):
+    """Empty the log, its readers and the queue; subscribe `readers` (cursors
+    taken now); publish n events with outbox.log_write = on. Returns their ids in
+    publish order (with subjects, the event at position g has subject
+    'acct:<g % subjects>')."""
+    ctx.sql(S.LOG_DRAIN_RESET)
+    for r in readers:
+        if not ctx.one(S.LOG_SUBSCRIBE, {"reader": r}):
+            raise HarnessError(f"log reader {r} had lanes after the reset")
+    conn = agents.connect(ctx.cluster.dsn(), gucs=S.LOG_LOAD_GUCS)
+    ids = []
+    try:
+        while len(ids) < n:
+            k = min(10000, n - len(ids))
+            prm = {"topic": "bench.drain", "payload": S.PAYLOAD, "n": k, "first": len(ids), "subjects": subjects}
+            got = conn.execute(S.LOG_LOAD_SUBJECTS if subjects else S.LOG_LOAD, prm).fetchone()[0]
+            if not got or len(got) != k:
+                raise HarnessError(f"log drain: publish_batch of {k} events returned {len(got or [])} ids")
+            ids.extend(got)
+    finally:
+        conn.close()
+    logged = ctx.one(S.LOG_ROWS)
+    if logged != n or len(set(ids)) != n:
+        raise HarnessError(f"log drain: published {n} events ({len(set(ids))} distinct ids) with "
+                           f"outbox.log_write = on, the log ring holds {logged} rows")
+    ctx.sql(S.LOG_VACUUM)
+    ctx.checkpoint()
+    return ids
+
+
+def _check_subject_order(reader, results, ids, subjects):
+    """No claim hands out two events of one subject, and each event of a subject
+    is claimed only after the ack of the subject's previous event was sent (its
+    claim returned later than that ack left the worker, on one system-wide
+    monotonic clock: a sound test, if a weaker one than "after the ack
+    committed")."""
+    subj = {i: pos % subjects for pos, i in enumerate(ids)}
+    when = {}
+    for x in results:
+        for t_claim, t_ack, claimed in x["log"]:
+            ss = [subj[i] for i in claimed]
+            if len(set(ss)) != len(ss):
+                raise HarnessError(f"log reader {reader}: a claim returned two events of one subject")
+            for i in claimed:
+                when[i] = (t_claim, t_ack)
+    prev = {}
+    for i in ids:  # publish order: each subject's commit order
+        s = subj[i]
+        if s in prev and when[i][0] <= when[prev[s]][1]:
+            raise HarnessError(f"log reader {reader}: event {i} of subject acct:{s} was claimed before the ack "
+                               f"of its predecessor {prev[s]} was sent")
+        prev[s] = i
+
+
+def _log_drain(ctx, readers, workers, batch, n, subjects=0):
+    """Load n events for `readers`, then drain every reader with `workers`
+    workers of its own, all at once. Every reader must ack each published event
+    exactly once, and _log_ack must report every event it was sent as acked.
+    Returns (events/s summed over the readers, statement counts and per-reader
+    rates)."""
+    ids = _log_load(ctx, readers, n, subjects)
+    dsn = ctx.cluster.dsn()
+    counters = {r: ctx.mp.Value("q", 0) for r in readers}
+    specs = [("log_drain_worker", dict(dsn=dsn, reader=r, wid=w, batch=batch, total=n, counter=counters[r],
+                                       deadline_s=ctx.p["drain_deadline"]))
+             for r in readers for w in range(workers)]
+    g = ctx.agents(specs)
+    g.start()
+    res = g.collect(len(specs), ctx.p["drain_deadline"] + 30)
+    g.join()
+    want = set(ids)
+    rates = []
+    for r in readers:
+        mine = [x for x in res if x["reader"] == r]
+        got = [i for x in mine for _, _, claimed in x["log"] for i in claimed]
+        acked = sum(x["acked"] for x in mine)
+        seen = set(got)
+        if len(got) != n or seen != want or acked != n:
+            raise HarnessError(
+                f"log reader {r}: {n} events published, {len(got)} acked ({len(got) - len(seen)} more than once, "
+                f"{len(want - seen)} never, {len(seen - want)} not published); _log_ack returned {acked} in all")
+        if subjects:
+            _check_subject_order(r, mine, ids, subjects)
+        rates.append(n / ((max(x["t1"] for x in mine) - min(x["t0"] for x in mine)) / ns))
+    secs = (max(x["t1"] for x in res) - min(x["t0"] for x in res)) / ns
+    claims = sum(x["claims"] for x in res)
+    empty = sum(x["empty"] for x in res)
+    info = {"claims": claims, "acks": claims - empty, "empty": empty, "reader_rates": rates,
+            "batches_left": ctx.one("SELECT count(*) FROM outbox.log_batches")}
+    return len(readers) * n / secs, info
+
+
+def _s10_rec(ctx, system, prm, rep, eps, n, batch, round_trips, claims_served):
+    """events/s, round trips per batch (statements sent / (n / batch)) and
+    events per non-empty claim (PgQ: per batch)."""
+    ctx.rec(S10, system, prm, rep, "events_per_s", eps, "ev/s")
+    ctx.rec(S10, system, prm, rep, "round_trips_per_batch", round_trips * batch / n, "round trips")
+    ctx.rec(S10, system, prm, rep, "events_per_claim", n / claims_served if claims_served else None, "events")
+
+
+def _s10_cells(p):
+    log = [tuple(c) for c in p["s10_log_cells"]]
+    subj = [tuple(c) for c in (p["s10_subject_cells"] or log)]
+    batches = sorted({b for _, b in log} | {b for _, b in p["s10_outbox_cells"]} | set(p["s10_pgq_batches"])
+                     | ({p["s10_plain_batch"]} if p["s10_plain_workers"] else set()))
+    return log, [tuple(c) for c in p["s10_outbox_cells"]], subj, batches
+
+
+def _s10_workers(counts, chosen):
+    """'2 workers, the best of 1/2/4' or '1 worker' (one count measured)."""
+    txt = f"{chosen} worker{'s' if chosen != 1 else ''}"
+    return txt + (f", the best of {'/'.join(str(w) for w in sorted(counts))}" if len(counts) > 1 else "")
+
+
+def s10_log_drain(ctx):  # noqa: C901
+    p = ctx.p
+    n = p["s10_n"]
+    reps = p["s10_reps"] or p["reps"]
+    if not ctx.one(S.LOG_WRITE_SETTING) or not ctx.one(S10_HAS_LOG_CLAIM):
+        ctx.say("  s10: this build has no log ring or no outbox._log_claim/_log_ack (before 0.8.0): left out")
+        ctx.section("10. Drain the log", "Left out: this build has no log ring or no `outbox._log_claim` / "
+                    "`outbox._log_ack` (they came with 0.8.0).\n")
+        return
+    log_cells, outbox_cells, subj_cells, batches = _s10_cells(p)
+    k = p["s10_subjects"]
+    pb, plain_workers = p["s10_plain_batch"], p["s10_plain_workers"]
+    fan, fb = p["s10_fanout"], p["s10_fanout_batch"]
+    fn = p["s10_fanout_n"] or n
+    # The fan-out's "one reader alone" is the log cell of 1 worker at the fan-out's
+    # batch size when that cell drains the same backlog; otherwise it runs apart.
+    alone_in_log = fn == n and (1, fb) in log_cells
+    reader = S.LOG_READER
+    for rep in range(reps):
+        line = []
+        # Systems interleaved within a repetition (drift hits all alike): at each
+        # batch size, worker count by worker count, then PgQ, then the subjects,
+        # then the fan-out.
+        for b in batches:
+            for w in sorted({w for w, bb in log_cells + outbox_cells if bb == b}
+                            | (set(plain_workers) if b == pb else set())):
+                prm = {"workers": w, "batch": b}
+                if (w, b) in log_cells:
+                    eps, info = _log_drain(ctx, [reader], w, b, n)
+                    _s10_rec(ctx, "log", prm, rep, eps, n, b, info["claims"] + info["acks"], info["acks"])
+                    ctx.rec(S10, "log", prm, rep, "batches_left", info["batches_left"], "rows")
+                    line.append(f"log {w}w b{b}={eps:.0f}")
+                if (w, b) in outbox_cells:
+                    info = {}
+                    eps, _ = _drain_once(ctx, "outbox_text", w, b, n, info=info)
+                    _s10_rec(ctx, "outbox_claim", prm, rep, eps, n, b, info["claims"] + info["acks"], info["acks"])
+                    line.append(f"outbox.claim {w}w b{b}={eps:.0f}")
+                if b == pb and w in plain_workers:
+                    info = {}
+                    eps, _ = _drain_once(ctx, "plain", w, b, n, info=info)
+                    _s10_rec(ctx, "plain", prm, rep, eps, n, b, info["claims"] + info["acks"], info["acks"])
+                    line.append(f"plain {w}w b{b}={eps:.0f}")
+            if b in p["s10_pgq_batches"]:
+                info = {}
+                eps = _drain_pgq(ctx, b, n, info=info)
+                # next_batch, get_batch_events, finish_batch per batch; one more
+                # next_batch finds no batch left
+                _s10_rec(ctx, "pgq", {"workers": 1, "batch": b}, rep, eps, n, b, 3 * info["batches"] + 1,
+                         info["batches"])
+                line.append(f"pgq b{b}={eps:.0f}")
+        for w, b in subj_cells:
+            prm = {"workers": w, "batch": b}
+            eps, info = _log_drain(ctx, [reader], w, b, n, subjects=k)
+            _s10_rec(ctx, "log_subjects", prm, rep, eps, n, b, info["claims"] + info["acks"], info["acks"])
+            ctx.rec(S10, "log_subjects", prm, rep, "batches_left", info["batches_left"], "rows")
+            line.append(f"log {k} subjects {w}w b{b}={eps:.0f}")
+        if fan:
+            if not alone_in_log:
+                eps, info = _log_drain(ctx, [reader], 1, fb, fn)
+                _s10_rec(ctx, "log_alone", {"workers": 1, "batch": fb}, rep, eps, fn, fb,
+                         info["claims"] + info["acks"], info["acks"])
+                line.append(f"log alone 1w b{fb} ({fn} events)={eps:.0f}")
+            fprm = {"readers": fan, "workers": 1, "batch": fb}
+            eps, info = _log_drain(ctx, [f"f{i}" for i in range(fan)], 1, fb, fn)
+            _s10_rec(ctx, "log_fanout", fprm, rep, eps, fn * fan, fb, info["claims"] + info["acks"], info["acks"])
+            ctx.rec(S10, "log_fanout", fprm, rep, "reader_eps_min", min(info["reader_rates"]), "ev/s")
+            ctx.rec(S10, "log_fanout", fprm, rep, "reader_eps_max", max(info["reader_rates"]), "ev/s")
+            ctx.rec(S10, "log_fanout", fprm, rep, "batches_left", info["batches_left"], "rows")
+            line.append(f"fan-out {fan} readers b{fb}={eps:.0f} in all")
+        ctx.say(f"  s10 rep={rep}: " + ", ".join(line))
+    _s10_report(ctx, n, reps, log_cells, outbox_cells, subj_cells, batches, alone_in_log)
+
+
+def _s10_report(ctx, n, reps, log_cells, outbox_cells, subj_cells, batches, alone_in_log):  # noqa: C901
+    p = ctx.p
+    k = p["s10_subjects"]
+    pb, plain_workers = p["s10_plain_batch"], p["s10_plain_workers"]
+    fan, fb = p["s10_fanout"], p["s10_fanout_batch"]
+    fn = p["s10_fanout_n"] or n
+
+    def prm(w, b):
+        return {"workers": w, "batch": b}
+
+    def med(system, w, b, metric="events_per_s"):
+        return ctx.med(S10, system, prm(w, b), metric)
+
+    def vals(system, w, b, metric="events_per_s"):
+        return [v for v in ctx.values(S10, system, prm(w, b), metric) if v is not None]
+
+    def best(system, cells, b):
+        """(events/s, workers) of the system's best worker count at batch b, by median."""
+        got = [(med(system, w, bb), w) for w, bb in cells if bb == b and med(system, w, bb) is not None]
+        return max(got) if got else (None, None)
+
+    def per_rep(a, b):
+        """The range of per-repetition ratios of two series measured in the same repetitions."""
+        rs = [x / y for x, y in zip(a, b) if x is not None and y]
+        if len(rs) < 2:
+            return "one run" if rs else "n/a"
+        return f"{min(rs):.2f}–{max(rs):.2f}x"
+
+    def spread(xs):
+        return f"{_fmt(min(xs))}–{_fmt(max(xs))}" if xs else "n/a"
+
+    unstable = []
+
+    def note_unstable(label, xs):
+        if len(xs) > 1 and min(xs) > 0 and max(xs) / min(xs) > 1.5:
+            unstable.append(f"{label} ({spread(xs)} events/s)")
+
+    pgq = {b: med("pgq", 1, b) for b in p["s10_pgq_batches"]}
+    plain_best, plain_w = best("plain", [(w, pb) for w in plain_workers], pb)
+    rt_pgq = {b: med("pgq", 1, b, "round_trips_per_batch") for b in p["s10_pgq_batches"]}
+
+    md = (f"The log that subscriptions will read (0.8.0: internal functions, `outbox.log_write = on`), drained "
+          f"through `outbox._log_claim` and `outbox._log_ack` by one reader (`{S.LOG_READER}`, 16 lanes), against "
+          f"PgQ (one consumer), the plain SKIP LOCKED table and today's `outbox.claim`, in one run: a backlog of "
+          f"{n:,} events (the payload of scenario 3), "
+          + (f"every system and cell interleaved within each of {reps} repetitions; figures are medians, with the "
+             "min–max of the runs. " if reps > 1 else
+             "one repetition of every system and cell (a quick run: single runs, not medians). ")
+          + "Events/s "
+          "from the first claim to the last ack (PgQ: the first `next_batch` to the last `finish_batch`).\n\n"
+          "- **log**: before each drain `TRUNCATE` of the log ring, `outbox.log_state`, `outbox.log_lanes`, "
+          "`outbox.log_batches` and the queue tables; `outbox._log_subscribe` (a cursor taken now); then the "
+          "backlog is published with `publish_batch` in transactions of 10,000 events by a session with "
+          "`outbox.log_write = on` (each event goes to the queue and to the log); then `VACUUM ANALYZE` of the "
+          "log tables and `outbox.log_lanes`, and a `CHECKPOINT`. Each worker claims, then acks the whole claim "
+          "in one `_log_ack` call with the ids and tokens arrays (two autocommit round trips per batch).\n"
+          "- **outbox.claim**: scenario 3's outbox drain (backlog loaded, `VACUUM ANALYZE`d, checkpointed), its "
+          "claim selecting `payload::text`.\n"
+          f"- **plain**: scenario 3's plain SKIP LOCKED drain, at batch {pb}.\n"
+          "- **pgq**: scenario 3's PgQ drain with one consumer: the batch size is set by the ticks (a tick after "
+          "every `batch` events while loading, `ticker_max_count = batch`); a batch holds the events between two "
+          "ticks, so its size is what the ticks made (the events per claim column).\n\n"
+          "**Payloads are fetched as text by every client**: the log and `outbox.claim` drains select "
+          "`payload::text`, PgQ's `ev_data` is text, and plain's `jsonb` column is sent in text format and kept "
+          "as a string (every client keeps jsonb/json/uuid values as strings), so no client parses JSON.\n\n"
+          "**Every drain is checked** (a failure is a harness error): log: the ids acked by all workers of a "
+          "reader are exactly the published ids, each once, and each `_log_ack` returned the number of events it "
+          "was sent; with subjects also no claim with two events of one subject, and each event of a subject "
+          "claimed only after its predecessor's ack was sent. outbox.claim and plain: every event acked, the "
+          "queue table empty afterwards; PgQ: every event read.\n\n"
+          "**Round trips per batch** = statements the workers sent / (events / batch size): claims (empty ones "
+          "included: a worker that finds nothing retries after 1 ms until the backlog is acked) plus acks; "
+          "PgQ: `next_batch` + `get_batch_events` + `finish_batch` per batch, plus the last `next_batch` that "
+          "finds none. Events per claim: per non-empty claim (PgQ: per batch).\n\n")
+
+    # -- the drains
+    md += ("| system | workers | batch | events/s | min–max | / PgQ | / plain b" + str(pb)
+           + " (best) | round trips per batch | events per claim |\n|---|---|---|---|---|---|---|---|---|\n")
+    rows = []
+    for b in batches:
+        for w, bb in log_cells:
+            if bb == b:
+                rows.append(("log", w, b))
+        for w, bb in outbox_cells:
+            if bb == b:
+                rows.append(("outbox_claim", w, b))
+        if b == pb:
+            rows.extend(("plain", w, b) for w in plain_workers)
+        if b in pgq:
+            rows.append(("pgq", 1, b))
+    for system, w, b in rows:
+        xs = vals(system, w, b)
+        m = med(system, w, b)
+        note_unstable(f"{system} {w}w b{b}", xs)
+        md += (f"| {system} | {w} | {b} | {_fmt(m)} | {spread(xs)} | {_fmt(_ratio(m, pgq.get(b)), 2)}x | "
+               f"{_fmt(_ratio(m, plain_best), 2)}x | {_fmt(med(system, w, b, 'round_trips_per_batch'), 2)} | "
+               f"{_fmt(med(system, w, b, 'events_per_claim'), 1)} |\n")
+    md += "\n"
+
+    # -- targets: log / PgQ per batch, log / plain at b100
+    summary = []
+    for b in batches:
+        lb, lw = best("log", log_cells, b)
+        ob, ow = best("outbox_claim", outbox_cells, b)
+        if lb is None or b not in pgq:
+            continue
+        r = _ratio(lb, pgq[b])
+        rt = med("log", lw, b, "round_trips_per_batch")
+        summary.append(f"at batch {b}: log at its best ({lw} worker{'s' if lw != 1 else ''}) "
+                       f"**{_fmt(r, 2)}x** PgQ (per repetition: {per_rep(vals('log', lw, b), vals('pgq', 1, b))}), "
+                       f"{_fmt(rt, 2)} round trips per batch against PgQ's {_fmt(rt_pgq[b], 2)}"
+                       + (f"; today's `outbox.claim` at its best ({ow} workers) {_fmt(_ratio(ob, pgq[b]), 2)}x PgQ"
+                          if ob is not None else ""))
+        ctx.target(f"10 log/pgq b{b}",
+                   f"log drain (_log_claim + _log_ack, {_s10_workers([w for w, bb in log_cells if bb == b], lw)}; "
+                   f"{_fmt(rt, 2)} round trips per batch) / PgQ one consumer ({_fmt(rt_pgq[b], 2)}), "
+                   f"batch {b}", r, ">=", 1.0)
+    lb, lw = best("log", log_cells, pb)
+    r_plain = _ratio(lb, plain_best)
+    if lb is not None and plain_best is not None:
+        summary.append(f"at batch {pb}: log at its best ({lw} worker{'s' if lw != 1 else ''}) "
+                       f"**{_fmt(r_plain, 2)}x** plain SKIP LOCKED at its best ({plain_w} "
+                       f"worker{'s' if plain_w != 1 else ''}; per repetition: "
+                       f"{per_rep(vals('log', lw, pb), vals('plain', plain_w, pb))})")
+        ctx.target(f"10 log/plain b{pb}",
+                   f"log drain ({_s10_workers([w for w, bb in log_cells if bb == pb], lw)}) / plain SKIP LOCKED "
+                   f"({_s10_workers(plain_workers, plain_w)}), batch {pb}", r_plain, ">=", 1.5)
+    md += "".join(f"- {s}\n" for s in summary) + "\n"
+
+    # -- subjects
+    md += (f"**With {k:,} subjects**: the same log drain with every event carrying a subject, `acct:0` .. "
+           f"`acct:{k - 1}` round robin over the backlog (publish_batch's `subjects` array), against the log "
+           "drain without subjects of the same cell and run; the target compares them at the best worker count "
+           "of the drain without subjects.\n\n"
+           "| workers | batch | no subjects | with subjects | min–max | ratio | per repetition | round trips per "
+           "batch | events per claim |\n|---|---|---|---|---|---|---|---|---|\n")
+    for w, b in subj_cells:
+        xs = vals("log_subjects", w, b)
+        m = med("log_subjects", w, b)
+        base = med("log", w, b)
+        note_unstable(f"log with subjects {w}w b{b}", xs)
+        md += (f"| {w} | {b} | {_fmt(base)} | {_fmt(m)} | {spread(xs)} | {_fmt(_ratio(m, base), 2)}x | "
+               f"{per_rep(xs, vals('log', w, b))} | {_fmt(med('log_subjects', w, b, 'round_trips_per_batch'), 2)} | "
+               f"{_fmt(med('log_subjects', w, b, 'events_per_claim'), 1)} |\n")
+    md += "\n"
+    for b in sorted({b for _, b in subj_cells}):
+        lb, lw = best("log", log_cells, b)
+        # at the best worker count of the drain without subjects, else at the
+        # subject cell's own (a quick run measures one cell)
+        ws = [w for w, bb in subj_cells if bb == b]
+        w = lw if lw in ws else ws[0]
+        r = _ratio(med("log_subjects", w, b), med("log", w, b))
+        ctx.target(f"10 subjects b{b}", f"log drain with {k:,} subjects / without, {w} worker{'s' if w != 1 else ''}"
+                   f"{' (the best without subjects)' if w == lw else ''}, batch {b}", r, ">=", 0.9)
+
+    # -- fan-out
+    if fan:
+        fprm = {"readers": fan, "workers": 1, "batch": fb}
+        fx = [v for v in ctx.values(S10, "log_fanout", fprm, "events_per_s") if v is not None]
+        f = median(fx)
+        alone_sys = "log" if alone_in_log else "log_alone"
+        ax = vals(alone_sys, 1, fb)
+        a = median(ax)
+        note_unstable(f"fan-out {fan} readers", fx)
+        r = _ratio(f, a)
+        md += (f"**Fan-out**: {fan} readers (`_log_subscribe('f0')` .. `('f{fan - 1}')` before publishing) each "
+               f"drained by one worker process of its own, all {fan} at once, the same {fn:,} events each, batch {fb}; "
+               f"against one reader drained by one worker alone ("
+               + ("the log cell of 1 worker at batch " + str(fb) + " above" if alone_in_log else
+                  f"a drain of its own of {fn:,} events") + "). Events/s of the fan-out = "
+               f"{fan} x {fn:,} / (last ack - first claim over all readers).\n\n"
+               "| | events/s | min–max | round trips per batch | slowest / fastest reader (events/s, median) |\n"
+               "|---|---|---|---|---|\n"
+               f"| {fan} readers together | {_fmt(f)} | {spread(fx)} | "
+               f"{_fmt(ctx.med(S10, 'log_fanout', fprm, 'round_trips_per_batch'), 2)} | "
+               f"{_fmt(ctx.med(S10, 'log_fanout', fprm, 'reader_eps_min'))} / "
+               f"{_fmt(ctx.med(S10, 'log_fanout', fprm, 'reader_eps_max'))} |\n"
+               f"| one reader alone | {_fmt(a)} | {spread(ax)} | {_fmt(med(alone_sys, 1, fb, 'round_trips_per_batch'), 2)} "
+               "| |\n\n"
+               f"{fan} readers together / one alone = **{_fmt(r, 2)}x** (per repetition: {per_rep(fx, ax)}; "
+               "target >= 1.0x)\n\n")
+        ctx.target(f"10 fan-out b{fb}", f"log fan-out: {fan} readers with one worker each together / one reader "
+                   f"alone, batch {fb}", r, ">=", 1.0)
+
+    left = [(s, v) for s in ("log", "log_subjects", "log_fanout", "log_alone")
+            for r in ctx.rows if r["scenario"] == S10 and r["system"] == s and r["metric"] == "batches_left"
+            for v in [r["value"]] if v]
+    if left:
+        md += (f"After {len(left)} log drain(s) `outbox.log_batches` still held rows (every batch's events were "
+               "acked, and an ack deletes a finished batch): " + ", ".join(f"{s}: {v}" for s, v in left) + ".\n\n")
+    if unstable:
+        md += ("**Unstable between repetitions** (slowest and fastest run more than 1.5x apart): "
+               + "; ".join(unstable) + ".\n\n")
+    elif reps > 1:
+        md += "No cell's runs were more than 1.5x apart.\n\n"
+
+    # -- the statements
+    md += ("**log**, before each drain (the loading session has `outbox.log_write = on`; `first`: the chunk's "
+           "position in the backlog)\n\n"
+           + _code(S.LOG_DRAIN_RESET + ";\n" + S.LOG_SUBSCRIBE + ";\n" + S.LOG_LOAD + ";\n-- with subjects:\n"
+                   + S.LOG_LOAD_SUBJECTS + ";\n" + S.LOG_VACUUM + ";\nCHECKPOINT;")
+           + "**log** (per batch: claim, then ack)\n\n" + _code(S.LOG_DRAIN["claim"] + ";\n" + S.LOG_DRAIN["ack"] + ";")
+           + "**outbox.claim** (per batch: claim, then ack)\n\n"
+           + _code(S.DRAIN["outbox_text"]["claim"] + ";\n" + S.DRAIN["outbox_text"]["ack"] + ";")
+           + "**plain** (per batch: claim, then ack)\n\n" + _code(S.DRAIN["plain"]["claim"] + ";\n" + S.DRAIN["plain"]["ack"] + ";")
+           + "**pgq** (per batch)\n\n" + _code(";\n".join(S.DRAIN["pgq"].values()) + ";")
+           + "Backlog loading of outbox.claim, plain and PgQ (not timed): scenario 3's.\n")
+    ctx.section("10. Drain the log", md)

@@ -150,6 +150,13 @@ DRAIN = {
         ),
         "ack": "DELETE FROM bench_plain WHERE id = ANY(%(ids)s::bigint[])",
     },
+    # Scenario 10: outbox.claim with the payload cast to text in the select list
+    # (as the log drain's claim does), so that every system's claim sends the
+    # payload as text in the same way; the ack is outbox's.
+    "outbox_text": {
+        "claim": "SELECT id, lease_token, topic, payload::text FROM outbox.claim(%(worker)s, %(batch)s::int)",
+        "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
+    },
     "pgq": {
         "next": "SELECT pgq.next_batch('bench_q', 'bench_c')",
         "events": "SELECT ev_id, ev_type, ev_data FROM pgq.get_batch_events(%(batch_id)s)",
@@ -275,3 +282,42 @@ PAYLOAD_LOAD = (
 PAYLOAD_READ = "SELECT payload FROM {table} WHERE id > %(after)s::bigint ORDER BY id LIMIT {batch}"
 PAYLOAD_CONVERT = "SELECT sum(length(payload::text)) FROM {table}"
 PAYLOAD_BYTES = "SELECT avg(octet_length(payload::text))::float8, count(*) FROM {table}"
+
+# ---------------------------------------------------------------------------
+# Scenario 10: draining the log (0.8.0's internal storage for subscriptions).
+# Before each drain the ring, its state, the readers' lanes and batches and the
+# queue are emptied; then the readers subscribe (a cursor taken now), then the
+# backlog is published with outbox.log_write = on (publish_batch, chunks of
+# 10,000 events, each its own transaction): every event goes to the queue and
+# to the log, and each reader reads it once.
+LOG_READER = "default"
+LOG_DRAIN_RESET = ("TRUNCATE " + ", ".join(LOG_TABLES) + ", outbox.log_lanes, outbox.log_batches,"
+                   " outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+LOG_SUBSCRIBE = "SELECT outbox._log_subscribe(%(reader)s)"
+LOG_LOAD_GUCS = {"outbox.log_write": "on"}
+# The ids come back in input order (publish_batch's contract): the harness keeps
+# them to check that each is acked exactly once, and knows each one's subject.
+LOG_LOAD = (
+    "SELECT array_agg(e.id ORDER BY e.ord) FROM outbox.publish_batch(%(topic)s,"
+    " (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(n)s::int))) WITH ORDINALITY AS e(id, ord)"
+)
+# subjects 'acct:0' .. 'acct:<subjects - 1>' round robin over the whole backlog
+# (%(first)s: the position of the chunk's first event in the backlog)
+LOG_LOAD_SUBJECTS = (
+    "SELECT array_agg(e.id ORDER BY e.ord) FROM outbox.publish_batch(%(topic)s,"
+    " (SELECT array_agg(%(payload)s::jsonb) FROM generate_series(1, %(n)s::int)),"
+    " (SELECT array_agg('acct:' || (g %% %(subjects)s::int) ORDER BY g)"
+    " FROM generate_series(%(first)s::int, %(first)s::int + %(n)s::int - 1) g)) WITH ORDINALITY AS e(id, ord)"
+)
+LOG_VACUUM = "VACUUM ANALYZE " + ", ".join(LOG_RING) + ", outbox.log_lanes"
+# One claim round trip and one ack round trip per batch; the ack takes the whole
+# claim (events of one lane share a token). The payload is selected as text.
+LOG_DRAIN = {
+    "claim": (
+        "SELECT id, topic, subject, payload::text, headers, lease_token, lease_expires_at\n"
+        "  FROM outbox._log_claim(%(reader)s, %(batch)s::int, interval '30 seconds')"
+    ),
+    "ack": "SELECT outbox._log_ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
+}
+# column of lease_token in LOG_DRAIN['claim']
+LOG_TOKEN_COL = 5

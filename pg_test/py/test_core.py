@@ -360,3 +360,22 @@ def test_direct_insert_matches_sql_insert_and_yields_to_triggers(plain):
     last = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 5}')").fetchone()[0]
     assert last > via_sql
     assert c.execute("SELECT count(*) FROM outbox.events WHERE topic = 'core.direct'").fetchone()[0] == 4
+
+
+def test_a_topic_created_during_a_repeatable_read_transaction_reaches_its_session(plain):
+    """The topic cache reloads the registry as committed now, not under the
+    transaction's older snapshot: otherwise the stale copy outlived the
+    transaction, and strict topics refused a registered topic (P0002) in every
+    later transaction of the session."""
+    c, admin = plain.conn(), plain.conn()
+    c.execute("SET outbox.strict_topics = on")
+    c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    c.execute("SELECT count(*) FROM outbox.topics")  # the transaction's snapshot is taken
+    admin.execute("SELECT outbox.create_topic('rr.late')")
+    try:
+        c.execute("SELECT outbox.publish('rr.late', '{}')")
+        c.execute("COMMIT")
+        assert c.execute("SELECT outbox.publish('rr.late', '{}')").fetchone()[0] > 0
+    finally:
+        c.execute("ROLLBACK")
+        admin.execute("SELECT outbox.drop_topic('rr.late', true)")

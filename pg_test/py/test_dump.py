@@ -110,6 +110,10 @@ SNAPSHOT = {
 }
 
 
+# The log ring is not dumped (sql/log.sql says why).
+NOT_DUMPED = ("log", "log_state")
+
+
 def snapshot(dsn):
     with connect(dsn) as c:
         return {k: c.execute(q).fetchall() for k, q in SNAPSHOT.items()}
@@ -143,7 +147,8 @@ def restore(plain_dsn, dumped, fmt, name):
 def test_source_has_every_state(dumped):
     states = Counter(r[6] for r in dumped["snap"]["events"])
     assert set(states) == {"pending", "leased", "dead", "delivered", "cancelled"}
-    # The log ring holds every event once, and maintenance recorded its open table.
+    # The source's log ring holds every event once, and maintenance recorded its
+    # open table (neither is dumped).
     assert sorted(r[1] for r in dumped["snap"]["log"]) == sorted(r[0] for r in dumped["snap"]["events"])
     assert [r[0] for r in dumped["snap"]["log_state"]] == [0]
 
@@ -156,7 +161,12 @@ def test_dump_restore_round_trip_and_drain(plain_dsn, dumped, fmt):
         dst = restore(plain_dsn, dumped, fmt, name)
         got = snapshot(dst)
         for k in SNAPSHOT:
-            assert got[k] == dumped["snap"][k], f"{k} differs after restore"
+            if k in NOT_DUMPED:
+                # Transaction ids do not survive a restore (sql/log.sql): the log
+                # and its state start empty; the queue holds every event.
+                assert got[k] == [], f"{k} was restored"
+            else:
+                assert got[k] == dumped["snap"][k], f"{k} differs after restore"
 
         c = connect(dst)
         try:

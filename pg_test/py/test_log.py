@@ -256,7 +256,7 @@ def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_on
     assert state(logdb) == [(1, True), (2, False)]
     # log_3 sealed just now, log_2 open for a day, retention 1 h: log_3 is not
     # free, so log_2 stays open and nothing is truncated.
-    admin.execute("INSERT INTO outbox.log_state VALUES (3, now(), now())")
+    admin.execute("INSERT INTO outbox.log_state VALUES (3, now(), now(), pg_current_snapshot())")
     admin.execute("UPDATE outbox.log_state SET opened_at = now() - interval '1 day' WHERE n = 2")
     admin.execute("UPDATE outbox.log_state SET opened_at = now(), sealed_at = now() WHERE n = 1")
     admin.execute("SET outbox.retention_delivered = '1h'")
@@ -353,4 +353,25 @@ def test_retention_keeps_a_table_until_every_reader_has_passed_it(logdb):
     assert c.execute("SELECT * FROM outbox._log_claim('slow', 10, '30 s')").fetchall() == []
     assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is True
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+
+
+def test_a_write_after_the_seal_restarts_the_tables_retention(logdb):
+    """A transaction open across the seal may still append to the sealed table
+    (a publisher's copy of the state can be older than the seal). Once it
+    commits, the table's retention starts again instead of truncating its rows.
+    The stray row is written by hand here, as such a publisher would."""
+    c, admin = logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 open
+    c.execute("BEGIN")
+    c.execute("INSERT INTO outbox.log_0 (id, txid, lane, topic, payload, max_attempts, published_at) "
+              "VALUES (-1, pg_current_xact_id(), 0, 'log.seal', '{}', 1, now())")
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 sealed while c is open
+    assert state(logdb) == [(0, True), (1, False)]
+    c.execute("COMMIT")
+    admin.execute("SELECT outbox._log_rotate()")     # written since the seal: sealed again, kept
+    assert logdb.all("SELECT id FROM outbox.log_0") == [(-1,)]
+    assert state(logdb)[0] == (0, True)
+    admin.execute("SELECT outbox._log_rotate()")     # nothing new since: truncated
     assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0

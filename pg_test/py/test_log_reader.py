@@ -239,3 +239,26 @@ def test_bad_window_arguments_get_documented_errors(logdb):
     with pytest.raises(psycopg.Error) as e:
         c.execute("SELECT * FROM outbox._log_window_ids(0::smallint, 'nonsense', 0, '1', '1:1:', 0, NULL)")
     assert e.value.sqlstate == "22P02"
+
+
+def test_a_cursor_taken_in_a_writing_transaction_leaves_its_events_to_a_later_window(logdb):
+    """A snapshot does not list its own transaction as running; the cursor does,
+    so the transaction's events (published before or after the cursor) are read
+    by the first window that ends after its commit, once."""
+    r, other = logdb.conn(), logdb.conn()
+    for c in (r, other):
+        c.execute("SET outbox.log_write = on")
+    c0 = cursor(r)
+    r.execute("BEGIN")
+    before = r.execute("SELECT outbox.publish('rd.own', '{}')").fetchone()[0]
+    # A later transaction completes, so the own id sits below the snapshot's xmax.
+    theirs = other.execute("SELECT outbox.publish('rd.own', '{}')").fetchone()[0]
+    c1 = cursor(r)
+    after = r.execute("SELECT outbox.publish('rd.own', '{}')").fetchone()[0]
+    lanes = range(16)
+    first = [i for lane in lanes for i in window(r, lane, c0, c1[0])]
+    r.execute("COMMIT")
+    c2 = cursor(r)
+    second = [i for lane in lanes for i in window(r, lane, c1, c2[0])]
+    assert sorted(first) == [theirs]
+    assert sorted(second) == [before, after]

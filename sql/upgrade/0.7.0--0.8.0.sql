@@ -1,6 +1,7 @@
--- 0.7.0 -> 0.8.0: the event log ring (sql/log.sql), written beside the queue
--- when outbox.log_write is on. The tables' DDL as in sql/log.sql (no diff can
--- derive a CREATE TABLE); the function and its comment come from the generator.
+-- 0.7.0 -> 0.8.0: the event log ring and its readers (sql/log.sql), written
+-- beside the queue when outbox.log_write is on. The tables' DDL as in
+-- sql/log.sql (no diff can derive a CREATE TABLE); the functions, the view
+-- and their comments come from the generator.
 
 DO $$
 BEGIN
@@ -21,7 +22,6 @@ BEGIN
             ) WITH (vacuum_truncate = false);
             CREATE INDEX log_%1$s_lane_id ON outbox.log_%1$s (lane, id);
             CREATE INDEX log_%1$s_txid ON outbox.log_%1$s (txid, lane);
-            SELECT pg_catalog.pg_extension_config_dump('outbox.log_%1$s', '');
         $ddl$, n);
     END LOOP;
 END
@@ -30,18 +30,21 @@ $$;
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
 -- install, before the first rotation) that is log_0. A sealed table takes no
--- new events (but see src/log.rs on a publisher's stale copy) and is truncated
--- once its retention has passed; its row is then deleted, and the table is
--- free. No row is made at install, so a dump restores its rows into an empty
--- table. Written only by outbox._log_rotate, whose changes a statement trigger
+-- new events (but see src/log/mod.rs on a publisher's stale copy) and is truncated
+-- once its retention has passed since the last event written to it
+-- (sealed_snap: transactions not visible in it, running at the seal or begun
+-- after, may have written after the seal); its row is then deleted, and the
+-- table is free. No row is made at
+-- install. Written only by outbox._log_rotate, whose changes a statement trigger
 -- turns into a relcache invalidation for every backend's copy, as for
 -- outbox.topics.
 CREATE TABLE outbox.log_state (
     n          smallint    PRIMARY KEY CHECK (n BETWEEN 0 AND 3),
     opened_at  timestamptz NOT NULL,
-    sealed_at  timestamptz CHECK (sealed_at >= opened_at)
+    sealed_at  timestamptz CHECK (sealed_at >= opened_at),
+    sealed_snap pg_snapshot,
+    CHECK ((sealed_at IS NULL) = (sealed_snap IS NULL))
 ) WITH (vacuum_truncate = false);  -- read by publishers: see event_queue
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_state', '');
 CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;
@@ -80,6 +83,3 @@ CREATE TABLE outbox.log_batches (
     next_expiry  timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_lanes', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batches', '');
-SELECT pg_catalog.pg_extension_config_dump('outbox.log_batch_seq', '');

@@ -39,6 +39,11 @@
 //! - (a) ids above `m`;
 //! - (b) ids at most `m` whose txid is in `xip(S)` or in `[xmax(S), xn)`.
 //!
+//! A snapshot does not list its own transaction as running (its writes are
+//! visible to it); a cursor taken by a transaction that has an id lists it
+//! ([`with_running`]), so "visible in `S`" always means committed when `S` was
+//! taken.
+//!
 //! **The branches miss nothing.** Let E (id `i`, transaction T) be visible in
 //! `S'` and not in `S`. If `i > m`, (a) has it. Otherwise `i` was drawn before
 //! `m` was read, so (invariant 2) T had its id before that, hence before `xn`
@@ -97,7 +102,7 @@ pub fn lane(id: i64, subject_hash: Option<i32>) -> i16 {
 thread_local! {
     /// The ring table publishers append to, valid for the relcache generation it
     /// was read under.
-    static CURRENT_TABLE: pg::GenerationCache<usize> = const { pg::GenerationCache::new() };
+    static CURRENT_TABLE: pg::GenerationCache<usize> = const { pg::GenerationCache::new(c"log_state") };
 }
 
 /// True when publish should append to the log: the setting is on and the
@@ -160,13 +165,47 @@ pub struct Cursor {
 }
 
 /// A cursor taken now (module docs: the order of the three reads matters).
+///
+/// A snapshot leaves the taking transaction's own id out of its in-progress
+/// list (its own writes are visible to it), so a cursor taken in a transaction
+/// that has an id would count that transaction's events as seen before it
+/// commits; they would then be in no window. The id is therefore put into the
+/// cursor's in-progress list: the transaction's events are read by the first
+/// window whose upper cursor is taken after it commits.
 pub fn cursor() -> Cursor {
     let (snapshot, m) = plans::run_latest(&CURSOR, &[], |rows| {
         let mut out = (String::new(), 0);
         rows.for_each(|r| out = (r.text(0).unwrap_or_default(), r.raw_i64(1)));
         out
     });
+    let snapshot = match pg::top_full_xid_if_any() {
+        Some(own) => with_running(&snapshot, own),
+        None => snapshot,
+    };
     Cursor { snapshot, m, xn: pg::next_xid() }
+}
+
+/// `snapshot` (`pg_snapshot` text, `xmin:xmax:xip,...`) with the running
+/// transaction `xid` counted as not visible. At or above `xmax` it is already;
+/// below, it goes into the in-progress list. (Raising `xmax` instead would be
+/// wrong: every other id between the old and the new bound, running when the
+/// snapshot was taken and not listed, would turn visible.)
+pub fn with_running(snapshot: &str, xid: u64) -> String {
+    let mut parts = snapshot.splitn(3, ':');
+    let (Some(xmin), Some(xmax), Some(xip)) = (parts.next(), parts.next(), parts.next()) else {
+        errors::raise(errors::INTERNAL, format!("malformed snapshot {snapshot:?}"));
+    };
+    let parse = |s: &str| s.parse::<u64>().unwrap_or_else(|_| errors::raise(errors::INTERNAL, "malformed snapshot"));
+    let (xmin, xmax) = (parse(xmin), parse(xmax));
+    if xid >= xmax {
+        return snapshot.to_string();
+    }
+    let mut running: Vec<u64> = xip.split(',').filter(|s| !s.is_empty()).map(parse).collect();
+    running.push(xid);
+    running.sort_unstable();
+    running.dedup();
+    let list: Vec<String> = running.iter().map(u64::to_string).collect();
+    format!("{}:{}:{}", xmin.min(xid), xmax, list.join(","))
 }
 
 /// The events (id, subject) of lane `lane`'s window between `lo` and the

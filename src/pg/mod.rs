@@ -343,6 +343,13 @@ pub fn next_xid() -> u64 {
     unsafe { pg_sys::ReadNextFullTransactionId() }.value
 }
 
+/// The top-level transaction's full id, if it has one.
+pub fn top_full_xid_if_any() -> Option<u64> {
+    // SAFETY: reads backend-local transaction state.
+    let x = unsafe { pg_sys::GetTopFullTransactionIdIfAny() }.value;
+    (x != 0).then_some(x)
+}
+
 /// The top-level transaction's id, or 0 when it has none (32 bits, as
 /// `pg_prepared_xacts.transaction` shows it).
 pub fn top_xid_if_any() -> u32 {
@@ -454,21 +461,47 @@ thread_local! {
     static RELCACHE_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-#[pgrx::pg_guard]
-extern "C-unwind" fn count_relcache_invalidation(_arg: pg_sys::Datum, _relid: pg_sys::Oid) {
-    RELCACHE_GENERATION.with(|g| g.set(g.get().wrapping_add(1)));
+thread_local! {
+    /// The relations whose invalidations [`GenerationCache`]s depend on (their
+    /// OIDs in this database, as last looked up); empty until a cache loads.
+    static WATCHED: std::cell::RefCell<Vec<pg_sys::Oid>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Start counting relcache invalidations (once per process, from `_PG_init`):
-/// the per-backend caches of the topic registry and the subscription catalog
-/// are valid while the count is the one they were loaded under.
+#[pgrx::pg_guard]
+extern "C-unwind" fn count_relcache_invalidation(_arg: pg_sys::Datum, relid: pg_sys::Oid) {
+    // Only the watched relations and a full reset (InvalidOid) count: a session's
+    // own temporary tables, ANALYZE or autovacuum of any other table would
+    // otherwise make every cached copy reload on every transaction.
+    let counts = relid == pg_sys::InvalidOid || WATCHED.with(|w| w.borrow().contains(&relid));
+    if counts {
+        RELCACHE_GENERATION.with(|g| g.set(g.get().wrapping_add(1)));
+    }
+}
+
+/// Count invalidations of relation `relid` from now on (see
+/// [`count_relcache_invalidations`]). A dropped relation's OID stays in the list:
+/// its drop was itself an invalidation, and a few stale OIDs cost nothing.
+pub fn watch_relation(relid: pg_sys::Oid) {
+    WATCHED.with(|w| {
+        let mut w = w.borrow_mut();
+        if !w.contains(&relid) {
+            w.push(relid);
+        }
+    });
+}
+
+/// Start counting relcache invalidations of the watched relations (once per
+/// process, from `_PG_init`): the per-backend caches of the topic registry, the
+/// subscription catalog and the log ring's state are valid while the count is
+/// the one they were loaded under.
 pub fn count_relcache_invalidations() {
     // SAFETY: registering a static callback with no argument; PostgreSQL keeps a
     // fixed number of slots and raises an error when they are full.
     unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(count_relcache_invalidation), pg_sys::Datum::from(0)) };
 }
 
-/// How many relcache invalidations this backend has processed.
+/// How many relcache invalidations of watched relations (or full resets) this
+/// backend has processed.
 pub fn relcache_generation() -> u64 {
     RELCACHE_GENERATION.with(|g| g.get())
 }
@@ -496,39 +529,44 @@ pub fn load_consistent<T>(load: impl Fn() -> T) -> (u64, T) {
     (STALE, load())
 }
 
-/// A per-backend copy of rows read from catalog-like tables (the topic registry,
-/// the subscription catalog, the log ring's state), valid while the relcache
-/// invalidation count is the one it was loaded under ([`load_consistent`]).
-/// Those tables' statement triggers send an invalidation at commit, so any change
-/// makes every backend's copy stale; so does any other relcache invalidation,
-/// which is rare next to the calls that read the copy.
-pub struct GenerationCache<T>(std::cell::RefCell<Option<(u64, T)>>);
+/// A per-backend copy of rows read from one catalog-like table of schema outbox
+/// (the topic registry, the subscription catalog, the log ring's state), valid
+/// while the count of invalidations of watched relations is the one it was
+/// loaded under ([`load_consistent`]). The table's statement trigger sends an
+/// invalidation at commit, so any change makes every backend's copy stale; so
+/// does an invalidation of another watched table, or a full reset, which are rare
+/// next to the calls that read the copy.
+pub struct GenerationCache<T> {
+    table: &'static std::ffi::CStr,
+    copy: std::cell::RefCell<Option<(u64, T)>>,
+}
 
 impl<T> GenerationCache<T> {
-    /// An empty cache (loaded on first use).
-    pub const fn new() -> Self {
-        GenerationCache(std::cell::RefCell::new(None))
+    /// An empty cache of rows of `outbox.<table>` (loaded on first use).
+    pub const fn new(table: &'static std::ffi::CStr) -> Self {
+        GenerationCache { table, copy: std::cell::RefCell::new(None) }
     }
 
     /// Apply `f` to the copy, loading it with `load` first when it is missing or
-    /// stale.
+    /// stale. `load` must read the latest committed state (a snapshot taken
+    /// now, [`plans::run_latest`]), not the transaction's snapshot: the copy is
+    /// kept for later transactions, and an older snapshot would keep a change
+    /// out of it until some unrelated invalidation.
     pub fn with<R>(&self, load: impl Fn() -> T, f: impl FnOnce(&T) -> R) -> R {
         let generation = relcache_generation();
-        if let Some((g, value)) = self.0.borrow().as_ref() {
+        if let Some((g, value)) = self.copy.borrow().as_ref() {
             if *g == generation {
                 return f(value);
             }
         }
+        // Watched before the load, so a change committed during it counts.
+        if let Some(relid) = catalog::outbox_relid(self.table) {
+            watch_relation(relid);
+        }
         let (generation, value) = load_consistent(load);
         let r = f(&value);
-        *self.0.borrow_mut() = Some((generation, value));
+        *self.copy.borrow_mut() = Some((generation, value));
         r
-    }
-}
-
-impl<T> Default for GenerationCache<T> {
-    fn default() -> Self {
-        Self::new()
     }
 }
 
