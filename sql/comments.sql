@@ -57,7 +57,7 @@ COMMENT ON FUNCTION outbox._topics_changed() IS
 
 COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
-'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
+'holds nothing a reader still needs (three index probes per lane). Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
 COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
 'Internal: whether ring table outbox.log_<n> (n 0..3) holds an event of a transaction not visible in snapshot s, i.e. running when s was taken or begun after (boolean): '
@@ -68,8 +68,8 @@ COMMENT ON FUNCTION outbox._log_rotate() IS
 'has written to for outbox.retention_delivered (a row written after its seal restarts that), then, when the open table has been open for half that and the next one '
 'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
 'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
-'Errors: 40001 when called in a REPEATABLE READ or SERIALIZABLE transaction that a concurrent rotation overtook (retry; the maintenance runs use READ COMMITTED unless '
-'default_transaction_isolation says otherwise).';
+'Only at READ COMMITTED (its checks must see every committed row): in a REPEATABLE READ or SERIALIZABLE transaction it does nothing and returns 0; '
+'the background worker runs it at READ COMMITTED whatever default_transaction_isolation says. No errors.';
 
 COMMENT ON FUNCTION outbox._visible_floor() IS
 'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '

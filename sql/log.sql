@@ -1,14 +1,14 @@
 -- The event log: the append-only storage that subscriptions will read
 -- (docs/design/subscriptions.md). 0.8.0 writes it beside event_queue when
--- outbox.log_write is on, so its cost can be measured; nothing reads it yet,
--- and no claim depends on it.
+-- outbox.log_write is on, so its cost can be measured; its readers are
+-- internal functions (below), and no public claim depends on it.
 --
 -- A fixed ring of four tables created here, so that each belongs to the
--- extension (pg_dump, DROP EXTENSION, grants, the upgrade's schema comparison)
--- without any DDL at run time. outbox.log_state names the one publishers
--- write. Retention empties a whole table with TRUNCATE, taken only when the
--- lock is free (never queued: src/log.rs), so a held xmin leaves no dead tuple
--- in the log and nothing ever waits for its cleanup.
+-- extension (DROP EXTENSION, grants, the upgrade's schema comparison) without
+-- any DDL at run time. outbox.log_state names the one publishers write.
+-- Retention empties a whole table with TRUNCATE, whose lock it waits for at
+-- most 20 ms (src/log/mod.rs, invariant 4), so a held xmin leaves no dead
+-- tuple in the log and nobody queues behind its cleanup for longer.
 --
 -- Not dumped (no pg_extension_config_dump, here or for the readers' tables
 -- below): a row's txid names a transaction of this cluster, and restored into
@@ -117,10 +117,13 @@ CREATE TABLE outbox.log_batches (
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
 
 -- Whether every reader has finished with ring table log_<n>: no lane's cursor
--- leaves one of its lane's events unseen (an idle lane's cursor does not move,
--- and needs not). An event unseen by a snapshot has a txid at
--- or above the snapshot's xmin, so each lane costs one range probe of the
--- table's (txid, lane) index.
+-- (lo_snap, lo_m, lo_xn) leaves one of its lane's events unseen (an idle
+-- lane's cursor does not move, and needs not). The events a cursor has not
+-- seen are exactly a window's three branches (src/log/mod.rs): ids above m,
+-- transactions in its xip, transactions in [xmax, xn) with ids up to m. So
+-- each lane costs three index probes, whatever the table's size, and `lane + 0`
+-- keeps the planner from reading a lane's history through (lane, id) for the
+-- third. Runs at READ COMMITTED only (each statement sees every commit).
 CREATE FUNCTION outbox._log_readers_passed(n smallint) RETURNS boolean
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
@@ -129,9 +132,13 @@ DECLARE
     behind boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE EXISTS ('
-        '    SELECT 1 FROM outbox.%I e WHERE e.txid >= pg_snapshot_xmin(l.lo_snap) AND e.lane = l.lane'
-        '       AND NOT pg_visible_in_snapshot(e.txid, l.lo_snap)))', 'log_' || n)
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE'
+        '    EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = l.lane AND e.id > l.lo_m)'
+        ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
+        '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
+        ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
+        '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
+        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m))', 'log_' || n)
     INTO behind;
     RETURN NOT behind;
 END
@@ -179,6 +186,13 @@ DECLARE
     r         record;
     truncated integer := 0;
 BEGIN
+    -- The checks before a TRUNCATE must see every committed row: a REPEATABLE
+    -- READ or SERIALIZABLE snapshot could miss rows committed while the lock
+    -- was awaited. Then nothing is done (the background worker runs this step
+    -- at READ COMMITTED whatever the default; src/log/mod.rs).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN 0;
+    END IF;
     -- One rotation at a time (the worker and run_maintenance() may overlap);
     -- readers of the state are not blocked by this lock mode.
     BEGIN

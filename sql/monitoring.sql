@@ -58,6 +58,8 @@ DECLARE
     n bigint;
     r record;
     w record;
+    keep interval;
+    why text;
 BEGIN
     IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
        OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
@@ -194,6 +196,29 @@ BEGIN
         END IF;
         RETURN NEXT;
     END LOOP;
+
+    -- 9. The log ring (0.8.0): a sealed table its retention should have
+    -- truncated, or an open table its rotation should have sealed, and why.
+    -- Ten minutes of slack cover the maintenance interval and a few busy runs.
+    keep := outbox._retention_guc('outbox.retention_delivered');
+    check_name := 'log_ring'; value := 0; status := 'ok'; message := NULL;
+    FOR r IN SELECT s.n, s.opened_at, s.sealed_at FROM outbox.log_state s ORDER BY s.n LOOP
+        IF r.sealed_at IS NOT NULL AND r.sealed_at < now() - keep - interval '10 minutes' THEN
+            why := CASE WHEN NOT outbox._log_readers_passed(r.n) THEN 'a log reader has not read past its events'
+                        ELSE 'no maintenance run got its lock within 20 ms, or rows were written to it after its seal' END;
+            message := concat_ws('; ', message, format('outbox.log_%s, sealed %s, is not truncated: %s',
+                                                       r.n, date_trunc('second', r.sealed_at), why));
+        ELSIF r.sealed_at IS NULL AND r.opened_at < now() - keep - interval '10 minutes' THEN
+            message := concat_ws('; ', message, format('outbox.log_%s, open since %s, is not sealed: the next ring table is not free yet',
+                                                       r.n, date_trunc('second', r.opened_at)));
+        ELSE
+            CONTINUE;
+        END IF;
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
+    message := COALESCE(message, 'the log ring rotates and truncates on time');
+    RETURN NEXT;
 END
 $$;
 
@@ -202,4 +227,6 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
-'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
+'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
+'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -146,9 +146,13 @@ DECLARE
     behind boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE EXISTS ('
-        '    SELECT 1 FROM outbox.%I e WHERE e.txid >= pg_snapshot_xmin(l.lo_snap) AND e.lane = l.lane'
-        '       AND NOT pg_visible_in_snapshot(e.txid, l.lo_snap)))', 'log_' || n)
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE'
+        '    EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = l.lane AND e.id > l.lo_m)'
+        ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
+        '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
+        ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
+        '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
+        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m))', 'log_' || n)
     INTO behind;
     RETURN NOT behind;
 END
@@ -181,6 +185,13 @@ DECLARE
     r         record;
     truncated integer := 0;
 BEGIN
+    -- The checks before a TRUNCATE must see every committed row: a REPEATABLE
+    -- READ or SERIALIZABLE snapshot could miss rows committed while the lock
+    -- was awaited. Then nothing is done (the background worker runs this step
+    -- at READ COMMITTED whatever the default; src/log/mod.rs).
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        RETURN 0;
+    END IF;
     -- One rotation at a time (the worker and run_maintenance() may overlap);
     -- readers of the state are not blocked by this lock mode.
     BEGIN
@@ -277,6 +288,184 @@ RETURNS TABLE (
 LANGUAGE c VOLATILE
 AS 'MODULE_PATHNAME', 'outbox_log_claim';
 
+CREATE OR REPLACE FUNCTION outbox.health(
+    backlog_age        interval DEFAULT '60 seconds',
+    backlog_critical   bigint   DEFAULT 1000,
+    xmin_warn          interval DEFAULT '5 minutes',
+    xmin_critical      interval DEFAULT '1 hour',
+    dead_tuples_warn   bigint   DEFAULT 100000
+) RETURNS TABLE (check_name text, status text, value numeric, message text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    r record;
+    w record;
+    keep interval;
+    why text;
+BEGIN
+    IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
+       OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
+        RAISE EXCEPTION 'outbox: health() thresholds must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF backlog_age < interval '0' OR backlog_age > interval '100 years'
+       OR xmin_warn < interval '0' OR xmin_warn > interval '100 years'
+       OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
+    END IF;
+    -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    check_name := 'backlog_age'; value := n;
+    status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s ready events waiting longer than %s', n, backlog_age);
+    RETURN NEXT;
+
+    -- 2. Dead letters in the last hour.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    check_name := 'dead_letters'; value := n;
+    status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s events dead-lettered in the last hour', n);
+    RETURN NEXT;
+
+    -- 3. Expired leases: workers died or handlers outlive their lease.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'leased' AND e.visible_at <= now();
+    check_name := 'expired_leases'; value := n;
+    status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s leases expired without ack or fail', n);
+    RETURN NEXT;
+
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+      INTO r
+      FROM pg_stat_activity a
+     WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
+     ORDER BY a.xact_start
+     LIMIT 1;
+    check_name := 'xmin_horizon';
+    IF r.pid IS NULL THEN
+        value := 0; status := 'ok'; message := 'no other session holds the xmin horizon';
+    ELSE
+        value := round(extract(epoch FROM r.age)::numeric, 3);
+        status := CASE WHEN r.age >= xmin_critical THEN 'critical' WHEN r.age >= xmin_warn THEN 'warn' ELSE 'ok' END;
+        message := format('oldest snapshot held for %s by pid %s (user %s, application %L, %s)',
+                          date_trunc('second', r.age), r.pid, r.usename, r.application_name, r.state);
+    END IF;
+    RETURN NEXT;
+    FOR r IN SELECT gid, now() - prepared AS age FROM pg_prepared_xacts ORDER BY prepared LIMIT 1 LOOP
+        IF r.age >= xmin_warn THEN
+            check_name := 'xmin_horizon'; value := round(extract(epoch FROM r.age)::numeric, 3);
+            status := CASE WHEN r.age >= xmin_critical THEN 'critical' ELSE 'warn' END;
+            message := format('prepared transaction %L open for %s', r.gid, date_trunc('second', r.age));
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+
+    -- 5. Dead tuples in the hot relation.
+    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
+    status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
+                        AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
+    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    RETURN NEXT;
+
+    -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
+    -- which a sequence cache breaks (each backend pre-allocates a block of ids).
+    -- sql/guard.sql refuses ALTER SEQUENCE ... CACHE; this catches a bypass.
+    SELECT s.seqcache INTO n FROM pg_sequence s WHERE s.seqrelid = 'outbox.event_id_seq'::regclass;
+    check_name := 'id_sequence'; value := n;
+    IF n > 1 THEN
+        status := 'critical';
+        message := format('outbox.event_id_seq has CACHE %s: ids no longer follow the subject lock order, so per-subject delivery order can break; run ALTER SEQUENCE outbox.event_id_seq CACHE 1', n);
+    ELSE
+        status := 'ok';
+        message := 'outbox.event_id_seq draws ids one at a time (CACHE 1)';
+    END IF;
+    RETURN NEXT;
+
+    -- 7. The background worker of this database (src/launcher.rs).
+    SELECT * INTO w FROM outbox.wakeup_status();
+    check_name := 'background_worker'; value := w.worker_pid;
+    IF NOT w.preloaded THEN
+        status := 'warn';
+        message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
+    ELSIF w.state = 'serving' THEN
+        status := 'ok';
+        message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    ELSIF w.launcher_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox_ext launcher is not running, so no background worker serves this database (the postmaster restarts it within seconds; see the server log)';
+    ELSIF (SELECT d.datistemplate FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database()) THEN
+        status := 'warn';
+        message := 'this database is a template (datistemplate): templates are never served, so that CREATE DATABASE from them works; the copies are';
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                       WHERE pg_catalog.btrim(l.name, E' \t\r\n') <> '')
+          OR EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                      WHERE pg_catalog.btrim(l.name, E' \t\r\n') = pg_catalog.current_database()) THEN
+        status := 'critical';
+        message := CASE w.state
+            WHEN 'waiting' THEN format('no background worker process is free for this database (max_worker_processes = %s, shared with parallel query); the launcher retries every second', pg_catalog.current_setting('max_worker_processes'))
+            WHEN 'starting' THEN 'the background worker of this database is starting'
+            WHEN 'stopped' THEN 'the background worker of this database stopped; the launcher starts another'
+            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second, and serves at most 64 at once; see the server log)' END;
+    ELSE
+        status := 'warn';
+        message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
+    END IF;
+    RETURN NEXT;
+
+    -- 8. Each subscription: paused, or not claimed from while its events wait.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.last_claim_at
+               FROM outbox.subscriptions s ORDER BY s.name LOOP
+        check_name := 'subscription'; value := r.lag_events;
+        IF r.paused THEN
+            status := 'warn';
+            message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
+                              date_trunc('second', r.paused_at), r.lag_events);
+        ELSIF n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            status := 'warn';
+            message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSE
+            status := 'ok';
+            message := format('subscription %L: %s events not yet delivered, last claim %s', r.name, r.lag_events,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'never'));
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+
+    -- 9. The log ring (0.8.0): a sealed table its retention should have
+    -- truncated, or an open table its rotation should have sealed, and why.
+    -- Ten minutes of slack cover the maintenance interval and a few busy runs.
+    keep := outbox._retention_guc('outbox.retention_delivered');
+    check_name := 'log_ring'; value := 0; status := 'ok'; message := NULL;
+    FOR r IN SELECT s.n, s.opened_at, s.sealed_at FROM outbox.log_state s ORDER BY s.n LOOP
+        IF r.sealed_at IS NOT NULL AND r.sealed_at < now() - keep - interval '10 minutes' THEN
+            why := CASE WHEN NOT outbox._log_readers_passed(r.n) THEN 'a log reader has not read past its events'
+                        ELSE 'no maintenance run got its lock within 20 ms, or rows were written to it after its seal' END;
+            message := concat_ws('; ', message, format('outbox.log_%s, sealed %s, is not truncated: %s',
+                                                       r.n, date_trunc('second', r.sealed_at), why));
+        ELSIF r.sealed_at IS NULL AND r.opened_at < now() - keep - interval '10 minutes' THEN
+            message := concat_ws('; ', message, format('outbox.log_%s, open since %s, is not sealed: the next ring table is not free yet',
+                                                       r.n, date_trunc('second', r.opened_at)));
+        ELSE
+            CONTINUE;
+        END IF;
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
+    message := COALESCE(message, 'the log ring rotates and truncates on time');
+    RETURN NEXT;
+END
+$$;
+
 -- Views, changed
 
 CREATE OR REPLACE VIEW outbox.log AS
@@ -291,6 +480,15 @@ COMMENT ON VIEW outbox.log IS
 'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
 'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Written only while outbox.log_write is on (0.8.0).';
 
+COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
+'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
+'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
+'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
+'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
+'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
+'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+
 COMMENT ON FUNCTION outbox._maintenance_steps() IS
 'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
 'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair), log (the log ring: outbox._log_rotate()). No errors.';
@@ -300,7 +498,7 @@ COMMENT ON FUNCTION outbox._topics_changed() IS
 
 COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
-'holds nothing a reader still needs. Returns boolean. Errors: 42P01 for n outside 0..3.';
+'holds nothing a reader still needs (three index probes per lane). Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
 COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
 'Internal: whether ring table outbox.log_<n> (n 0..3) holds an event of a transaction not visible in snapshot s, i.e. running when s was taken or begun after (boolean): '
@@ -311,8 +509,8 @@ COMMENT ON FUNCTION outbox._log_rotate() IS
 'has written to for outbox.retention_delivered (a row written after its seal restarts that), then, when the open table has been open for half that and the next one '
 'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
 'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
-'Errors: 40001 when called in a REPEATABLE READ or SERIALIZABLE transaction that a concurrent rotation overtook (retry; the maintenance runs use READ COMMITTED unless '
-'default_transaction_isolation says otherwise).';
+'Only at READ COMMITTED (its checks must see every committed row): in a REPEATABLE READ or SERIALIZABLE transaction it does nothing and returns 0; '
+'the background worker runs it at READ COMMITTED whatever default_transaction_isolation says. No errors.';
 
 COMMENT ON FUNCTION outbox._log_cursor() IS
 'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '

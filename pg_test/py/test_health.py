@@ -7,7 +7,8 @@ import pytest
 from conftest import connect
 from scratch_db import ensure_login_role, role_dsn
 
-CHECKS = {"backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "id_sequence", "background_worker", "subscription"}
+CHECKS = {"backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "id_sequence", "background_worker",
+          "subscription", "log_ring"}
 STATUSES = {"ok", "warn", "critical"}
 
 
@@ -137,3 +138,21 @@ def test_stats_match_events(plain, topics):
     for t in range(topics):
         assert got[f"st.t{t}"] == (2, 1, 2, 1, 1, 1, 1)
     assert got["st.only_pending"] == (1, 0, 0, 0, 0, 0, 0)
+
+
+def test_health_names_an_overdue_log_table_and_the_reader_that_holds_it(plain):
+    c = plain.conn()
+    plain.clean(extra=("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state",
+                       "outbox.log_lanes", "outbox.log_batches"))
+    assert health(c)["log_ring"][:2] == ("ok", 0)
+    c.execute("SET outbox.log_write = on")
+    c.execute("SELECT outbox._log_subscribe('slow')")
+    c.execute("SELECT outbox.publish('hl.log', '{}')")
+    c.execute("INSERT INTO outbox.log_state VALUES (0, now() - interval '30 days', now() - interval '20 days', "
+              "pg_current_snapshot()), (1, now() - interval '20 days', NULL, NULL)")
+    status, value, message = health(c)["log_ring"]
+    assert (status, value) == ("warn", 2), message
+    assert "outbox.log_0" in message and "a log reader has not read past" in message
+    assert "outbox.log_1" in message and "not sealed" in message
+    c.execute("TRUNCATE outbox.log_state, outbox.log_lanes")
+    assert health(c)["log_ring"][:2] == ("ok", 0)

@@ -375,3 +375,18 @@ def test_a_write_after_the_seal_restarts_the_tables_retention(logdb):
     assert state(logdb)[0] == (0, True)
     admin.execute("SELECT outbox._log_rotate()")     # nothing new since: truncated
     assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+
+
+def test_rotation_does_nothing_outside_read_committed(logdb):
+    """Its checks must see every committed row; a REPEATABLE READ or
+    SERIALIZABLE snapshot may not, so there it leaves the ring alone."""
+    admin = logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    admin.execute("SELECT outbox._log_rotate()")     # log_0 open
+    for level in ("REPEATABLE READ", "SERIALIZABLE"):
+        admin.execute(f"BEGIN ISOLATION LEVEL {level}")
+        assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+        admin.execute("COMMIT")
+        assert state(logdb) == [(0, False)]
+    admin.execute("SELECT outbox._log_rotate()")
+    assert state(logdb) == [(0, True), (1, False)]

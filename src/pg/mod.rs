@@ -241,6 +241,21 @@ pub fn xid_assigned() -> bool {
     unsafe { pg_sys::GetTopTransactionIdIfAny() != pg_sys::InvalidTransactionId }
 }
 
+/// Run the current transaction at READ COMMITTED if it has taken no snapshot
+/// yet (what `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` may do then);
+/// returns whether it now runs at READ COMMITTED.
+pub fn read_committed_if_fresh() -> bool {
+    // SAFETY: backend-local globals; the isolation level may change only before
+    // the transaction's first snapshot and outside a subtransaction, the
+    // conditions check_XactIsoLevel (variable.c) enforces for SET TRANSACTION.
+    unsafe {
+        if !pg_sys::FirstSnapshotSet && !pg_sys::IsSubTransaction() {
+            pg_sys::XactIsoLevel = pg_sys::XACT_READ_COMMITTED as i32;
+        }
+        pg_sys::XactIsoLevel == pg_sys::XACT_READ_COMMITTED as i32
+    }
+}
+
 /// True under REPEATABLE READ and SERIALIZABLE (one snapshot for the transaction).
 pub fn uses_xact_snapshot() -> bool {
     // SAFETY: reads a backend-local GUC variable.
