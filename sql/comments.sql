@@ -53,7 +53,7 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 'Internal: record one run of outbox.run_maintenance() in outbox.maintenance_runs; counts maps purged_delivered, purged_dead and purged_keys to rows removed (missing = 0). Returns void.';
 
 COMMENT ON FUNCTION outbox._topics_changed() IS
-'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log.rs).';
+'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log/mod.rs).';
 
 COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
@@ -104,7 +104,7 @@ COMMENT ON FUNCTION outbox._set_paused(text, boolean) IS
 
 COMMENT ON FUNCTION outbox._log_cursor() IS
 'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '
-'xn xid8: the next transaction id, read after m). src/log.rs explains the order. No errors.';
+'xn xid8: the next transaction id, read after m). src/log/mod.rs explains the order. No errors.';
 
 COMMENT ON FUNCTION outbox._log_cursor_parts() IS
 'Internal: outbox._log_cursor() as (snap text, m bigint, xn bigint). No errors.';
@@ -112,7 +112,7 @@ COMMENT ON FUNCTION outbox._log_cursor_parts() IS
 COMMENT ON FUNCTION outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer) IS
 'Internal: the ids (SETOF bigint, ascending) of the log events of lane (0..15) whose transaction is visible in hi_snap and was not in the cursor (lo_snap, lo_m, lo_xn), '
 'above after (default 0), at most max_events (NULL: all); read under a snapshot taken now. Consecutive windows of a lane return each committed event once, '
-'in per-subject commit order (src/log.rs has the proof). Errors: 22004 NULL argument, 22023 lane out of range or negative max_events.';
+'in per-subject commit order (src/log/mod.rs has the proof). Errors: 22004 NULL argument, 22023 lane out of range or negative max_events.';
 
 COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer) IS
 'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';

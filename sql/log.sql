@@ -104,15 +104,14 @@ CREATE TABLE outbox.log_lanes (
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
 
 -- Batches in flight: a slice of one lane's window, leased in rounds. state is
--- src/log/batch.rs's encoding (ids, per-event state, rounds); next_expiry is
--- the earliest lease of an event still out. A finished batch is deleted.
+-- src/log/batch.rs's encoding (ids, per-event state, rounds, each round's
+-- lease expiry). A finished batch is deleted.
 CREATE SEQUENCE outbox.log_batch_seq AS bigint;
 CREATE TABLE outbox.log_batches (
     id           bigint      PRIMARY KEY,
     subscription text        NOT NULL,
     lane         smallint    NOT NULL,
     state        bytea       NOT NULL,
-    next_expiry  timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
 
@@ -264,7 +263,7 @@ BEGIN
 END
 $$;
 
--- Reading the log in commit order (src/log.rs, "Reading in commit order").
+-- Reading the log in commit order (src/log/mod.rs, "Reading in commit order").
 -- A cursor is (snap, m, xn): a snapshot taken now, the largest event id drawn
 -- when it was taken (read after it), and the next transaction id (read after m).
 CREATE FUNCTION outbox._log_cursor(OUT snap pg_snapshot, OUT m bigint, OUT xn xid8)

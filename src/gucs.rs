@@ -72,8 +72,8 @@ static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::n
 /// hand-rolled outbox's DELETE on success). Off trades the audit trail for a cheaper ack.
 static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
 /// Also append every published event to the log ring (sql/log.sql), the storage
-/// subscriptions will read. Nothing reads it in 0.8.0: it is there so its cost
-/// can be measured, and off by default.
+/// subscriptions will read. In 0.8.0 only internal functions read it: it is
+/// there so its cost can be measured, and off by default.
 static LOG_WRITE: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
@@ -183,7 +183,7 @@ pub fn init(preloaded: bool) {
     GucRegistry::define_bool_guc(
         c"outbox.log_write",
         c"Also append every published event to the log ring (outbox.log_0 .. outbox.log_3).",
-        c"The storage subscriptions will read; nothing reads it yet. The maintenance run rotates and truncates the ring.",
+        c"The storage subscriptions will read; in 0.8.0 only internal functions read it. The maintenance run rotates and truncates the ring.",
         &LOG_WRITE,
         GucContext::Suset,
         GucFlags::default(),

@@ -20,7 +20,7 @@ pub fn batch() -> i64 {
 /// - `audit`: look for rows below the claim low-water mark (written around the API);
 /// - `delivered`, `dead`, `keys`: retention of the archive, dead letters, orphaned keys;
 /// - `heads`: promote subject heads a bypassing write may have left unset;
-/// - `log`: truncate and rotate the log ring (src/log.rs).
+/// - `log`: truncate and rotate the log ring (src/log/mod.rs).
 pub const STEPS: [(&str, Option<&str>); 6] = [
     ("audit", None),
     ("delivered", Some("purged_delivered")),

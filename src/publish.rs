@@ -11,7 +11,7 @@
 //!
 //! Transaction id first: publish gives its transaction an id (after the subject
 //! locks) before it draws any event id, so that every transaction that drew an
-//! id had its id before the id was drawn (src/log.rs, invariant 2).
+//! id had its id before the id was drawn (src/log/mod.rs, invariant 2).
 //!
 //! Idempotency: a dispatch key is inserted into `outbox.dispatch_keys` with
 //! ON CONFLICT DO NOTHING. A concurrent publisher of the same key waits for the

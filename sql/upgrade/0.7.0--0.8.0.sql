@@ -72,14 +72,13 @@ CREATE TABLE outbox.log_lanes (
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
 
 -- Batches in flight: a slice of one lane's window, leased in rounds. state is
--- src/log/batch.rs's encoding (ids, per-event state, rounds); next_expiry is
--- the earliest lease of an event still out. A finished batch is deleted.
+-- src/log/batch.rs's encoding (ids, per-event state, rounds, each round's
+-- lease expiry). A finished batch is deleted.
 CREATE SEQUENCE outbox.log_batch_seq AS bigint;
 CREATE TABLE outbox.log_batches (
     id           bigint      PRIMARY KEY,
     subscription text        NOT NULL,
     lane         smallint    NOT NULL,
     state        bytea       NOT NULL,
-    next_expiry  timestamptz,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack

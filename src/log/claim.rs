@@ -135,8 +135,7 @@ fn store_batch(id: i64, b: &Batch) {
     if b.finished() {
         plans::run_latest(&BATCH_DELETE, &[id.into()], |_| ());
     } else {
-        let expiry = b.next_expiry().map_or_else(|| DatumWithOid::null_oid(pg_sys::TIMESTAMPTZOID), plans::ts_param);
-        plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into(), expiry], |_| ());
+        plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |_| ());
     }
 }
 
@@ -206,8 +205,7 @@ impl Claim<'_> {
             // A new batch id: nobody else can hold its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
-            let expiry = b.next_expiry().map(plans::ts_param).unwrap_or_else(|| plans::ts_param(self.expires));
-            let args = [id.into(), self.subscription.into(), l.lane.into(), b.encode().into(), expiry];
+            let args = [id.into(), self.subscription.into(), l.lane.into(), b.encode().into()];
             plans::run_latest(&BATCH_NEW, &args, |_| ());
             l.pos = events.last().map(|e| e.0);
             l.hi = Some(hi);

@@ -3,8 +3,9 @@
 //! (docs/design/subscriptions.md).
 //!
 //! In 0.8.0 publish appends every event here when `outbox.log_write` is on,
-//! beside its `outbox.event_queue` row; nothing reads the log yet, so its cost
-//! can be measured (`bench/run`, scenario 1) before the claim path is built on it.
+//! beside its `outbox.event_queue` row; only internal functions read it
+//! ([`claim`]), so its cost can be measured (`bench/run`, scenarios 1 and 10)
+//! before the public claim path is built on it.
 //!
 //! # Invariants, and why they hold
 //! 1. **A log row exists iff its publish committed.** It is inserted in the
@@ -71,10 +72,11 @@
 //! one; `txid` is the top-level id, the one snapshots list.
 //!
 //! Which table is written is a backend's cached copy of `outbox.log_state`
-//! ([`crate::pg::GenerationCache`]), stale for at most the commit of a rotation.
-//! A stale copy appends to the table just sealed; that is harmless, since a
-//! sealed table is truncated only once its retention has passed since sealing,
-//! and (from the slice that reads the log) only once every reader has passed it.
+//! ([`crate::pg::GenerationCache`]). It can be older than a rotation within a
+//! transaction that already held its locks when the rotation committed, so
+//! that transaction may append to the table just sealed; that is harmless,
+//! since retention restarts for a table written after its seal, and readers
+//! read all four tables.
 
 pub mod batch;
 pub mod claim;

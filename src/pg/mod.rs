@@ -242,9 +242,8 @@ pub fn xid_assigned() -> bool {
 }
 
 /// Run the current transaction at READ COMMITTED if it has taken no snapshot
-/// yet (what `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` may do then);
-/// returns whether it now runs at READ COMMITTED.
-pub fn read_committed_if_fresh() -> bool {
+/// yet (what `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` may do then).
+pub fn read_committed_if_fresh() {
     // SAFETY: backend-local globals; the isolation level may change only before
     // the transaction's first snapshot and outside a subtransaction, the
     // conditions check_XactIsoLevel (variable.c) enforces for SET TRANSACTION.
@@ -252,7 +251,6 @@ pub fn read_committed_if_fresh() -> bool {
         if !pg_sys::FirstSnapshotSet && !pg_sys::IsSubTransaction() {
             pg_sys::XactIsoLevel = pg_sys::XACT_READ_COMMITTED as i32;
         }
-        pg_sys::XactIsoLevel == pg_sys::XACT_READ_COMMITTED as i32
     }
 }
 

@@ -1,4 +1,4 @@
-//! The log ring (src/log.rs, sql/log.sql).
+//! The log ring (src/log/mod.rs, sql/log.sql).
 
 use crate::pg::plans::Stmt;
 use pgrx::prelude::*;
@@ -133,17 +133,14 @@ pub const BATCH_LOCK: Stmt =
     Stmt { sql: "SELECT state FROM outbox.log_batches WHERE id = $1 FOR UPDATE", types: &[pg_sys::INT8OID] };
 
 pub const BATCH_NEW: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, next_expiry) \
-          VALUES ($1, $2, $3, $4, $5)",
-    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TIMESTAMPTZOID],
+    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) VALUES ($1, $2, $3, $4)",
+    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
 };
 
 pub const BATCH_ID: Stmt = Stmt { sql: "SELECT nextval('outbox.log_batch_seq')", types: &[] };
 
-pub const BATCH_PUT: Stmt = Stmt {
-    sql: "UPDATE outbox.log_batches SET state = $2, next_expiry = $3 WHERE id = $1",
-    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::TIMESTAMPTZOID],
-};
+pub const BATCH_PUT: Stmt =
+    Stmt { sql: "UPDATE outbox.log_batches SET state = $2 WHERE id = $1", types: &[pg_sys::INT8OID, pg_sys::BYTEAOID] };
 
 pub const BATCH_DELETE: Stmt = Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
