@@ -122,19 +122,5 @@ COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
 'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
 'Errors: 22004 NULL argument, 22023 malformed name or other start.';
 
-COMMENT ON FUNCTION outbox._log_claim(text, integer, interval) IS
-'Internal (0.8.0, the log storage under test; src/log/claim.rs): lease up to batch_size (1..outbox.max_batch_size) events of the log for a subscription, '
-'lane by lane, never waiting for another claim: a lane''s batch in flight hands out what it allows (one event per subject at a time, expired leases again), '
-'else the lane''s next window becomes its batch. Returns (id, topic, subject, payload, headers, lease_token, lease_expires_at); events of one lane share a token. '
-'lease is an interval (0 < lease <= outbox.max_lease). Errors: 22004 NULL argument, 22023 bad batch_size or lease, 54000 batch_size above outbox.max_batch_size, '
-'42704 subscription without lanes, 55000 SQL older than 0.8.0.';
 
-COMMENT ON FUNCTION outbox._log_ack(bigint[], uuid[]) IS
-'Internal (0.8.0, the log storage under test): ack each event ids[i] held by tokens[i] (from outbox._log_claim); a batch whose events are all acked is deleted. '
-'Returns how many were acked (integer); a stale or unknown token acks nothing. Waits only for another transaction changing the same batch. '
-'Errors: 22004 NULL array or element, 22023 arrays of different lengths, 54000 more than outbox.max_batch_size elements.';
 
-COMMENT ON FUNCTION outbox._log_extend(bigint, uuid, interval) IS
-'Internal (0.8.0, the log storage under test): extend the lease of the round that token (from outbox._log_claim) names to now + lease, never shortening it, '
-'if the token still holds event id; every event of that round shares the lease. Returns the round''s lease expiry (timestamptz), or NULL for a stale or unknown token. '
-'Errors: 22004 NULL argument, 22023 lease outside (0, outbox.max_lease].';

@@ -106,7 +106,8 @@ CREATE TABLE outbox.log_lanes (
 -- Batches in flight: a slice of one lane's window, leased in rounds. state is
 -- src/log/batch.rs's encoding (ids, per-event state, rounds, each round's
 -- lease expiry). A finished batch is deleted.
-CREATE SEQUENCE outbox.log_batch_seq AS bigint;
+-- A batch id fills 48 bits of a lease token (src/log/batch.rs, Token).
+CREATE SEQUENCE outbox.log_batch_seq AS bigint MAXVALUE 281474976710655;
 CREATE TABLE outbox.log_batches (
     id           bigint      PRIMARY KEY,
     subscription text        NOT NULL,
@@ -114,6 +115,53 @@ CREATE TABLE outbox.log_batches (
     state        bytea       NOT NULL,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
+
+-- Per-event state of the log's subscriptions, only for the events that need
+-- one (src/log/exceptions.rs): an event that failed or whose lease expired,
+-- every later event of its subject (parked behind it, so a subject keeps its
+-- order while the rest of its lane moves on), a delayed event (deliver_at),
+-- and an event a claim narrowed by topics did not take. A row copies its
+-- event from the log, so that retention never waits for it. Most events never
+-- have one: an event acked from its batch on the first try costs no row here.
+--   state       'pending' (claimable from visible_at), 'leased' (visible_at is
+--               the lease expiry), 'dead' (a dead letter);
+--   attempts    deliveries started, the batch's first one included;
+--   lease_token the current lease's token; an event moved here when its
+--               batch lease expired keeps the batch's token, so its holder can
+--               still ack it until a claim hands it out again;
+--   blocks      a dead letter holds its subject's later events (the
+--               dead-letter policy 'block'), or lets them go on ('skip').
+-- Not dumped, like the log (above).
+CREATE TABLE outbox.log_exceptions (
+    subscription text        NOT NULL,
+    id           bigint      NOT NULL,
+    lane         smallint    NOT NULL,
+    topic        text        NOT NULL,
+    subject      text,
+    dispatch_key text,
+    payload      jsonb       NOT NULL,
+    headers      jsonb,
+    max_attempts integer     NOT NULL,
+    published_at timestamptz NOT NULL,
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead')),
+    attempts     integer     NOT NULL CHECK (attempts >= 0),
+    visible_at   timestamptz NOT NULL,
+    lease_token  uuid,
+    leased_by    text,
+    last_error   text,
+    errors       jsonb,
+    blocks       boolean     NOT NULL DEFAULT true,
+    dead_at      timestamptz,
+    PRIMARY KEY (subscription, id)
+) WITH (fillfactor = 70, vacuum_truncate = false);
+-- Claims: claimable rows in (visible_at, id) order.
+CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id) WHERE state <> 'dead';
+-- Rows that hold their subject: the head check of a claim, and a new batch's
+-- check for subjects that must continue here.
+CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)
+    WHERE subject IS NOT NULL AND (state <> 'dead' OR blocks);
+-- ack, fail and extend_lease find a row by its token.
+CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE lease_token IS NOT NULL;
 
 -- Whether every reader has finished with ring table log_<n>: no lane's cursor
 -- (lo_snap, lo_m, lo_xn) leaves one of its lane's events unseen (an idle
@@ -280,17 +328,3 @@ LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._log_window_ids(lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, after, max_events) $$;
 
--- A claim over the log for one subscription (src/log/claim.rs): up to
--- batch_size events, each with its round's lease token and expiry.
-CREATE FUNCTION outbox._log_claim(subscription text, batch_size integer DEFAULT 100, lease interval DEFAULT '30 seconds')
-RETURNS TABLE (
-    id               bigint,
-    topic            text,
-    subject          text,
-    payload          jsonb,
-    headers          jsonb,
-    lease_token      uuid,
-    lease_expires_at timestamptz
-)
-LANGUAGE c VOLATILE
-AS 'MODULE_PATHNAME', 'outbox_log_claim';

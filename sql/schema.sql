@@ -45,7 +45,11 @@ CREATE TABLE outbox.subscription_catalog (
     paused              boolean NOT NULL DEFAULT false,
     paused_at           timestamptz,
     created_at          timestamptz NOT NULL DEFAULT now(),
-    updated_at          timestamptz NOT NULL DEFAULT now()
+    updated_at          timestamptz NOT NULL DEFAULT now(),
+    -- 0.9.0: the topic filter (claim's patterns; NULL: every topic) and the
+    -- dead-letter policy (NULL: the topic's) of a named subscription.
+    topics              text[],
+    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip'))
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
 INSERT INTO outbox.subscription_catalog (name) VALUES ('default');
 

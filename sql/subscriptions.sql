@@ -35,7 +35,8 @@ BEGIN
        SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
            paused = NEW.paused, paused_at = NEW.paused_at,
-           created_at = NEW.created_at, updated_at = NEW.updated_at
+           created_at = NEW.created_at, updated_at = NEW.updated_at,
+           topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
         RETURN NULL;
@@ -53,6 +54,105 @@ CREATE TRIGGER subscription_restore BEFORE INSERT ON outbox.subscription_catalog
 CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.subscription_catalog
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.subscription_catalog ENABLE ALWAYS TRIGGER subscriptions_changed;
+
+-- Named subscriptions (0.9.0) read the event log (sql/log.sql, src/log/):
+-- each has its own lanes, batches and exception rows, so it receives every
+-- matching event whatever the others do, and publish writes nothing per
+-- subscription. 'default' still reads outbox.event_queue.
+CREATE FUNCTION outbox.create_subscription(
+    name               text,
+    topics             text[]   DEFAULT NULL,
+    start              text     DEFAULT 'now',
+    max_attempts       integer  DEFAULT NULL,
+    backoff_base       interval DEFAULT NULL,
+    backoff_max        interval DEFAULT NULL,
+    default_lease      interval DEFAULT NULL,
+    dead_letter_policy text     DEFAULT NULL
+) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    resolved text := outbox._check_subscription(name);
+    patterns text[] := outbox._check_topic_patterns(topics);
+BEGIN
+    IF name IS NULL THEN
+        RAISE EXCEPTION 'outbox: subscription name must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF start IS NULL THEN
+        RAISE EXCEPTION 'outbox: start must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF start OPERATOR(pg_catalog.<>) ALL (ARRAY['now', 'earliest']) THEN
+        RAISE EXCEPTION 'outbox: start must be ''now'' or ''earliest'', got %', pg_catalog.quote_literal(start)
+            USING ERRCODE = '22023';
+    END IF;
+    PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
+                                 COALESCE(dead_letter_policy, 'block'), NULL, NULL);
+    INSERT INTO outbox.subscription_catalog AS c
+           (name, max_attempts, backoff_base, backoff_max, default_lease, topics, dead_letter_policy)
+    VALUES (resolved, max_attempts, backoff_base, backoff_max, default_lease, patterns, dead_letter_policy)
+    ON CONFLICT DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'outbox: subscription % already exists', pg_catalog.quote_literal(resolved)
+            USING ERRCODE = '42710', HINT = 'Change it with outbox.alter_subscription().';
+    END IF;
+    INSERT INTO outbox.subscription_activity (name) VALUES (resolved) ON CONFLICT DO NOTHING;
+    -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
+    -- whose transaction commits after this one took it, whenever it was published.
+    PERFORM outbox._log_subscribe(resolved, start);
+END
+$$;
+
+COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) IS
+'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
+'(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
+'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
+'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
+'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
+'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs. Returns void. '
+'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting, empty topics array; 42710 the subscription exists. '
+'Nothing is created on error. As PgQ''s register_consumer, with per-event leases.';
+
+CREATE FUNCTION outbox.drop_subscription(name text, force boolean DEFAULT false) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    resolved text;
+    in_flight bigint;
+BEGIN
+    IF name IS NULL OR force IS NULL THEN
+        RAISE EXCEPTION 'outbox: name and force must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    resolved := outbox._subscription(name);
+    IF resolved OPERATOR(pg_catalog.=) 'default' THEN
+        RAISE EXCEPTION 'outbox: the default subscription cannot be dropped yet'
+            USING ERRCODE = '0A000',
+                  DETAIL = 'In 0.9.0 it is the events of outbox.event_queue; it moves onto the log in a later release.';
+    END IF;
+    -- Two drops of one subscription: the second waits, then finds it gone.
+    PERFORM 1 FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
+    IF NOT FOUND THEN
+        PERFORM outbox._subscription(resolved);
+    END IF;
+    in_flight := outbox._log_in_flight(resolved);
+    IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
+        RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
+            USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
+    END IF;
+    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
+'Drop a named subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
+'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
+'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; 0A000 ''default'' (it still lives in outbox.event_queue); '
+'55006 leases in flight without force. Nothing is dropped on error.';
 
 CREATE FUNCTION outbox.alter_subscription(
     name          text,

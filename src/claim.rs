@@ -129,6 +129,28 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         name
     });
 
+    // A named subscription reads the log (src/log/claim.rs); `default` the queue.
+    if let Some(name) = subscription.as_deref().filter(|n| *n != validate::DEFAULT_SUBSCRIPTION) {
+        let settings = subscriptions::require(name);
+        note_claim(name, now);
+        if settings.paused {
+            SetResult::begin(&call);
+            return call.finish_set();
+        }
+        let lease_us = lease
+            .as_ref()
+            .or(settings.default_lease.as_ref())
+            .and_then(validate::interval_us)
+            .map_or_else(gucs::default_lease_us, |us| us as i64);
+        let req = crate::log::exceptions::Request {
+            subscription: name,
+            settings: &settings,
+            worker: &worker,
+            lease_us,
+            narrow: filter,
+        };
+        return crate::log::claim::claim(&call, &req, batch as usize);
+    }
     // The mark first: its steps read committed state only while this
     // transaction has written nothing (src/lowwater.rs), and the retry below writes.
     let (from_t, from_id) = lowwater::claim_start();

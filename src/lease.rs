@@ -11,10 +11,10 @@
 
 use crate::backoff;
 use crate::errors::{self, INVALID_PARAMETER, NULL_VALUE};
-use crate::pg::fcall::{Array, Call};
+use crate::pg::fcall::{Array, Call, Value};
 use crate::pg::plans;
 use crate::sql::lease::{ACK, ACK_BATCH, ACK_BATCH_DROP, ACK_DROP, EXTEND, FAIL_APPLY, FAIL_LOCK, FAIL_TOPIC_LOCK};
-use crate::{gucs, lowwater, pg, subject, subscriptions, validate, wakeup};
+use crate::{gucs, log, lowwater, pg, subject, subscriptions, validate, wakeup};
 use pgrx::prelude::*;
 
 /// Longest error text kept per failure; longer texts are cut at a character boundary.
@@ -30,6 +30,9 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return false.into_datum().unwrap();
     };
+    if let Some(t) = log_token(&tok) {
+        return (log::claim::ack(vec![(call.required(0, "id"), t)]) > 0).into_datum().unwrap();
+    }
     let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
     let (n, retired) = plans::run(stmt, &[id.param(), tok.param()], subjects_of);
     subject::promote(&retired, false);
@@ -62,9 +65,44 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     }
     validate::batch_size(n_ids as i64);
     let stmt = if gucs::keep_delivered() { &ACK_BATCH } else { &ACK_BATCH_DROP };
-    let (n, retired) = plans::run(stmt, &[ids.param(), toks.param()], subjects_of);
-    subject::promote(&retired, false);
+    // Tokens of a log claim (named subscriptions) go to the log; the rest, and
+    // every call of a worker of `default` alone, to the queue in one statement.
+    let tok_elems = tok_array.elems();
+    if !tok_elems.iter().flatten().any(|t| log_token(t).is_some()) {
+        let (n, retired) = plans::run(stmt, &[ids.param(), toks.param()], subjects_of);
+        subject::promote(&retired, false);
+        return (n as i32).into_datum().unwrap();
+    }
+    let mut queue: (Vec<i64>, Vec<pgrx::Uuid>) = (vec![], vec![]);
+    let mut logged = Vec::new();
+    for (id, tok) in id_array.elems().into_iter().zip(tok_elems).filter_map(|(i, t)| Some((i?, t?))) {
+        let id = id.datum().value() as i64;
+        match log_token(&tok) {
+            Some(t) => logged.push((id, t)),
+            None => {
+                queue.0.push(id);
+                queue.1.push(uuid_of(&tok));
+            }
+        }
+    }
+    let mut n = log::claim::ack(logged);
+    if !queue.0.is_empty() {
+        let (q, retired) = plans::run(stmt, &[queue.0.into(), queue.1.into()], subjects_of);
+        subject::promote(&retired, false);
+        n += q;
+    }
     (n as i32).into_datum().unwrap()
+}
+
+fn uuid_of(v: &Value) -> pgrx::Uuid {
+    // SAFETY: a non-NULL uuid datum of the call's arguments.
+    unsafe { pgrx::Uuid::from_datum(v.datum(), false) }.unwrap_or_else(|| errors::raise(NULL_VALUE, "NULL token"))
+}
+
+/// The token, when a claim over the log handed it out (src/log/claim.rs).
+fn log_token(v: &Value) -> Option<pgrx::Uuid> {
+    let t = uuid_of(v);
+    log::claim::is_log_token(&t).then_some(t)
 }
 
 /// Rows acknowledged and the subjects whose head they were.
@@ -99,6 +137,9 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return "stale".into_datum().unwrap();
     };
+    if let Some(t) = log_token(&tok) {
+        return log::claim::fail(call.required(0, "id"), t, &error, retry_in, permanent).into_datum().unwrap();
+    }
     plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
     let row = plans::run(&FAIL_LOCK, &[id.param(), tok.param()], |t| {
         if t.is_empty() {
@@ -174,6 +215,13 @@ pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return call.return_null();
     };
+    if let Some(t) = log_token(&tok) {
+        let lease_us = validate::lease_us("lease", &lease);
+        return match log::claim::extend(call.required(0, "id"), t, lease, lease_us) {
+            Some(ts) => ts.into_datum().unwrap(),
+            None => call.return_null(),
+        };
+    }
     let until: Option<TimestampWithTimeZone> =
         plans::one(&EXTEND, &[id.param(), tok.param(), lease.into(), plans::ts_param(lowwater::floor_after_xid())]);
     match until {

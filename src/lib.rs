@@ -67,19 +67,13 @@ pgrx::extension_sql_file!(
 pgrx::extension_sql_file!(
     "../sql/log.sql",
     name = "log",
-    requires = [
-        "admin",
-        log::log_cursor_parts,
-        log::log_window_ids,
-        log::claim::log_subscribe,
-        log::claim::log_ack,
-        log::claim::log_extend
-    ]
+    requires =
+        ["admin", log::log_cursor_parts, log::log_window_ids, log::claim::log_subscribe, log::claim::log_in_flight]
 );
 pgrx::extension_sql_file!(
     "../sql/subscriptions.sql",
     name = "subscriptions",
-    requires = ["log", validate::check_subscription]
+    requires = ["log", validate::check_subscription, validate::check_topic_patterns]
 );
 pgrx::extension_sql_file!(
     "../sql/retention.sql",
@@ -111,7 +105,6 @@ v1_function!(outbox_ack_batch, pg_finfo_outbox_ack_batch, lease::ack_batch);
 v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);
 v1_function!(outbox_extend_lease, pg_finfo_outbox_extend_lease, lease::extend_lease);
 v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff_delay);
-v1_function!(outbox_log_claim, pg_finfo_outbox_log_claim, log::claim::log_claim);
 v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topics_changed);
 
 /// Library initialisation: GUCs, shared memory, transaction callbacks and, when

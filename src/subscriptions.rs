@@ -27,7 +27,7 @@
 use crate::errors;
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::claim::SUBSCRIPTIONS;
+use crate::sql::claim::{SUBSCRIPTIONS, SUBSCRIPTIONS_090};
 use pgrx::prelude::*;
 use std::collections::HashMap;
 
@@ -44,6 +44,10 @@ pub struct Settings {
     pub backoff_max: Option<Interval>,
     /// claim()'s lease when the call passes none.
     pub default_lease: Option<Interval>,
+    /// The topic patterns a named subscription receives (None: every topic).
+    pub topics: Option<Vec<String>>,
+    /// 'block' or 'skip' (None: the topic's policy).
+    pub dead_letter_policy: Option<String>,
 }
 
 thread_local! {
@@ -60,7 +64,10 @@ pub fn lookup(name: &str) -> Option<Settings> {
 }
 
 fn load() -> HashMap<String, Settings> {
-    plans::run_latest(&SUBSCRIPTIONS, &[], |rows| {
+    // The SQL of 0.9.0 adds the named subscriptions' filter and policy.
+    let named = pg::catalog::outbox_relid(c"log_exceptions").is_some();
+    let stmt = if named { &SUBSCRIPTIONS_090 } else { &SUBSCRIPTIONS };
+    plans::run_latest(stmt, &[], |rows| {
         let mut map = HashMap::new();
         rows.for_each(|row| {
             let Some(n) = row.text(0) else { return };
@@ -70,6 +77,8 @@ fn load() -> HashMap<String, Settings> {
                 backoff_base: row.interval(3),
                 backoff_max: row.interval(4),
                 default_lease: row.interval(5),
+                topics: if named { row.text_array(6) } else { None },
+                dead_letter_policy: if named { row.text(7) } else { None },
             };
             map.insert(n, s);
         });

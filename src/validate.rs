@@ -273,3 +273,18 @@ mod tests {
         assert_eq!(interval_us(&iv), Some(30 * 86_400_000_000 + 2 * 86_400_000_000 + 3));
     }
 }
+
+/// `outbox._check_topic_patterns(topics text[]) -> text[]`: a subscription's
+/// topic filter as stored: NULL for every topic (NULL, or a list with `*`),
+/// else the patterns, checked with claim's grammar ([`pattern`]) and without
+/// repeats. 22023 for an empty array or a malformed pattern, 22004 for a NULL
+/// element.
+#[pg_extern(name = "_check_topic_patterns", immutable, parallel_safe)]
+fn check_topic_patterns(topics: Option<Vec<Option<String>>>) -> Option<Vec<String>> {
+    let topics = topics?;
+    crate::claim::topic_filter(Some(topics.clone()))?;
+    let mut out: Vec<String> = topics.into_iter().flatten().collect();
+    out.sort_unstable();
+    out.dedup();
+    Some(out)
+}

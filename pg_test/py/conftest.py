@@ -70,7 +70,10 @@ class DB:
         with connect(self.dsn) as c:
             # A leftover lock would make TRUNCATE hang: fail loudly instead.
             c.execute("SET lock_timeout = '10s'")
-            c.execute(f"TRUNCATE {', '.join([TABLES, *extra])}")
+            c.execute(f"TRUNCATE {', '.join([TABLES, *READER_TABLES, *extra])}")
+            # Named subscriptions (0.9.0) go; 'default' stays.
+            c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default'")
+            c.execute("DELETE FROM outbox.subscription_activity WHERE name <> 'default'")
             # The default subscription back to its install state.
             c.execute("UPDATE outbox.subscription_catalog SET max_attempts = NULL, backoff_base = NULL, "
                       "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL "
@@ -95,9 +98,10 @@ def sqlstate(conn, sql, params=None):
     return None
 
 
-# The log ring and its readers (0.8.0, src/log/).
-LOG_TABLES = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state",
-              "outbox.log_lanes", "outbox.log_batches")
+# The log's readers (src/log/claim.rs): emptied by every clean().
+READER_TABLES = ("outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions")
+# The log ring itself (0.8.0, src/log/).
+LOG_TABLES = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state")
 
 
 def _ensure_extension(dsn):

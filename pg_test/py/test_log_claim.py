@@ -1,5 +1,5 @@
-"""Claims over the log (src/log/claim.rs, internal in 0.8.0): two subscriptions
-with three workers each, against publishers committing in random orders
+"""Claims over the log (src/log/claim.rs): two named subscriptions with three
+workers each, through the public API (claim, ack, extend_lease), against publishers committing in random orders
 (savepoints, aborts, long transactions, 2PC resolved later). Workers claim at
 READ COMMITTED, REPEATABLE READ or in autocommit, with batch sizes 1-20; one
 claim in eight is abandoned with a 1 s lease and its tokens tried again later.
@@ -19,7 +19,12 @@ import pytest
 from conftest import connect
 from test_log_reader import Traffic
 
-CLAIM = "SELECT id, subject, lease_token FROM outbox._log_claim(%s, %s, %s::interval)"
+CLAIM = "SELECT id, subject, lease_token FROM outbox.claim('w', %s, %s::interval, subscription => %s)"
+ACK = "SELECT outbox.ack(%s::bigint, %s::uuid)::int"
+
+
+def claim(c, sub, n, lease):
+    return c.execute(CLAIM, (n, lease, sub)).fetchall()
 
 
 class Journal:
@@ -49,7 +54,7 @@ def worker(dsn, sub, seed, stop, journal, errors):
                 lease = "1 second" if abandon else "30 seconds"
                 if mode != "auto":
                     c.execute(f"BEGIN ISOLATION LEVEL {mode}")
-                rows = c.execute(CLAIM, (sub, rnd.randint(1, 20), lease)).fetchall()
+                rows = claim(c, sub, rnd.randint(1, 20), lease)
                 end = journal.tick()
                 with journal.lock:
                     journal.handed += [(sub, i, tok, s, end) for i, s, tok in rows]
@@ -60,8 +65,7 @@ def worker(dsn, sub, seed, stop, journal, errors):
                 else:
                     for i, _, tok in rows:
                         start = journal.tick()
-                        ok = c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                                       (i, tok)).fetchone()[0]
+                        ok = c.execute(ACK, (i, tok)).fetchone()[0]
                         assert ok in (0, 1)
                         journal.acks.append((sub, i, tok, start, ok))
                 if mode != "auto":
@@ -71,8 +75,7 @@ def worker(dsn, sub, seed, stop, journal, errors):
                 abandoned = [a for a in abandoned if a[2] > time.monotonic()]
                 for i, tok, _ in due:
                     start = journal.tick()
-                    ok = c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                                   (i, tok)).fetchone()[0]
+                    ok = c.execute(ACK, (i, tok)).fetchone()[0]
                     journal.acks.append((sub, i, tok, start, ok))
                 if not rows:
                     if stop.is_set():
@@ -87,8 +90,8 @@ def worker(dsn, sub, seed, stop, journal, errors):
 
 
 def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(logdb):
-    assert logdb.one("SELECT outbox._log_subscribe('alpha')")[0] is True
-    assert logdb.one("SELECT outbox._log_subscribe('beta')")[0] is True
+    logdb.one("SELECT outbox.create_subscription('alpha')")
+    logdb.one("SELECT outbox.create_subscription('beta')")
     stop, errors, journal = threading.Event(), [], Journal()
     traffic = Traffic(logdb, 4, 200, errors)
     workers = [threading.Thread(target=worker, args=(logdb.dsn, sub, 300 + k, stop, journal, errors))
@@ -140,83 +143,111 @@ def test_two_subscriptions_ack_every_committed_event_once_in_subject_order(logdb
 
 def test_a_held_subject_waits_for_its_ack_and_other_subjects_do_not(logdb):
     c = logdb.conn()
-    c.execute("SET outbox.log_write = on")
-    c.execute("SELECT outbox._log_subscribe('s')")
+    c.execute("SELECT outbox.create_subscription('s')")
     a1 = c.execute("SELECT outbox.publish('h.t', '{}', 'a')").fetchone()[0]
     a2 = c.execute("SELECT outbox.publish('h.t', '{}', 'a')").fetchone()[0]
-    first = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
+    first = claim(c, "s", 10, "30 s")
     assert [r[0] for r in first] == [a1]
-    assert c.execute(CLAIM, ("s", 10, "30 s")).fetchall() == []
-    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                     (a1, first[0][2])).fetchone()[0] == 1
-    second = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
+    assert claim(c, "s", 10, "30 s") == []
+    assert c.execute(ACK, (a1, first[0][2])).fetchone()[0] == 1
+    second = claim(c, "s", 10, "30 s")
     assert [r[0] for r in second] == [a2]
 
 
-def test_an_expired_round_is_handed_out_again_and_the_old_token_acks_nothing(logdb):
+def test_an_expired_lease_redelivers_only_the_unacked_event_and_the_old_token_acks_nothing(logdb):
     c = logdb.conn()
-    c.execute("SET outbox.log_write = on")
-    c.execute("SELECT outbox._log_subscribe('s')")
+    c.execute("SELECT outbox.create_subscription('s')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.t', ARRAY['{}', '{}']::jsonb[])")]
-    old = c.execute(CLAIM, ("s", 10, "1 second")).fetchall()
+    old = claim(c, "s", 10, "1 second")
     assert sorted(r[0] for r in old) == ids
     # One is acked in time; the other's lease runs out.
-    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                     (old[0][0], old[0][2])).fetchone()[0] == 1
+    assert c.execute(ACK, (old[0][0], old[0][2])).fetchone()[0] == 1
     time.sleep(1.1)
-    again = c.execute(CLAIM, ("s", 10, "30 s")).fetchall()
-    assert [r[0] for r in again] == [old[1][0]]          # only the unacked one
+    again = c.execute("SELECT id, attempt, lease_token FROM outbox.claim('w', 10, '30 s', subscription => 's')").fetchall()
+    assert [(r[0], r[1]) for r in again] == [(old[1][0], 2)]          # only the unacked one, second attempt
     assert again[0][2] != old[1][2]
-    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                     (old[1][0], old[1][2])).fetchone()[0] == 0
-    assert c.execute("SELECT outbox._log_ack(ARRAY[%s]::bigint[], ARRAY[%s]::uuid[])",
-                     (again[0][0], again[0][2])).fetchone()[0] == 1
+    assert c.execute(ACK, (old[1][0], old[1][2])).fetchone()[0] == 0
+    assert c.execute("SELECT outbox.fail(%s, %s, 'late')", (old[1][0], old[1][2])).fetchone()[0] == "stale"
+    assert c.execute("SELECT outbox.extend_lease(%s, %s, '1 min')", (old[1][0], old[1][2])).fetchone()[0] is None
+    assert c.execute(ACK, (again[0][0], again[0][2])).fetchone()[0] == 1
     assert logdb.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_exceptions")[0] == 0
 
 
-def test_bad_claim_and_ack_arguments_get_documented_errors(logdb):
+def test_an_expired_lease_not_yet_reclaimed_can_still_be_acked(logdb):
     c = logdb.conn()
-    c.execute("SELECT outbox._log_subscribe('s')")
+    c.execute("SELECT outbox.create_subscription('s')")
+    e = c.execute("SELECT outbox.publish('x.t', '{}', 'k')").fetchone()[0]
+    f = c.execute("SELECT outbox.publish('x.t', '{}', 'k')").fetchone()[0]
+    (row,) = claim(c, "s", 10, "1 second")
+    time.sleep(1.1)
+    # Another lane's claim moves nothing of this lane; a claim that visits it
+    # moves the event (and its successor) to the exception table with its token.
+    c.execute("SELECT count(*) FROM outbox.claim('w2', 1, '1 s', subscription => 's', topics => ARRAY['none'])")
+    assert c.execute(ACK, (e, row[2])).fetchone()[0] == 1
+    assert [r[0] for r in claim(c, "s", 10, "30 s")] == [f]
+
+
+def test_bad_arguments_get_documented_errors_and_change_nothing(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
     cases = [
-        ("SELECT * FROM outbox._log_claim('nope', 1, '1 s')", "42704"),
-        ("SELECT * FROM outbox._log_claim(NULL, 1, '1 s')", "22004"),
-        ("SELECT * FROM outbox._log_claim('s', 0, '1 s')", "22023"),
-        ("SELECT * FROM outbox._log_claim('s', 100000, '1 s')", "54000"),
-        ("SELECT * FROM outbox._log_claim('s', 1, '-1 s')", "22023"),
-        ("SELECT * FROM outbox._log_claim('s', 1, '100 days')", "22023"),
-        ("SELECT outbox._log_ack(ARRAY[1], ARRAY[]::uuid[])", "22023"),
-        ("SELECT outbox._log_ack(NULL, ARRAY[]::uuid[])", "22004"),
-        ("SELECT outbox._log_ack(ARRAY[NULL]::bigint[], ARRAY[gen_random_uuid()])", "22004"),
-        ("SELECT outbox._log_subscribe('Bad Name')", "22023"),
-        ("SELECT outbox._log_subscribe('s', 'tomorrow')", "22023"),
-        ("SELECT outbox._log_subscribe(NULL)", "22004"),
+        ("SELECT * FROM outbox.claim('w', 1, subscription => 'nope')", "42704"),
+        ("SELECT * FROM outbox.claim('w', 0, subscription => 's')", "22023"),
+        ("SELECT * FROM outbox.claim('w', 100000, subscription => 's')", "54000"),
+        ("SELECT * FROM outbox.claim('w', 1, '-1 s', subscription => 's')", "22023"),
+        ("SELECT * FROM outbox.claim('w', 1, '100 days', subscription => 's')", "22023"),
+        ("SELECT * FROM outbox.claim('w', 1, topics => ARRAY['Bad'], subscription => 's')", "22023"),
+        ("SELECT outbox.create_subscription('s')", "42710"),
+        ("SELECT outbox.create_subscription('default')", "42710"),
+        ("SELECT outbox.create_subscription('Bad Name')", "22023"),
+        ("SELECT outbox.create_subscription(NULL)", "22004"),
+        ("SELECT outbox.create_subscription('t', start => 'tomorrow')", "22023"),
+        ("SELECT outbox.create_subscription('t', start => NULL)", "22004"),
+        ("SELECT outbox.create_subscription('t', topics => ARRAY[]::text[])", "22023"),
+        ("SELECT outbox.create_subscription('t', topics => ARRAY['a.b', NULL])", "22004"),
+        ("SELECT outbox.create_subscription('t', topics => ARRAY['A'])", "22023"),
+        ("SELECT outbox.create_subscription('t', max_attempts => 0)", "22023"),
+        ("SELECT outbox.create_subscription('t', default_lease => '-1 s')", "22023"),
+        ("SELECT outbox.create_subscription('t', dead_letter_policy => 'drop')", "22023"),
+        ("SELECT outbox.drop_subscription('nope')", "42704"),
+        ("SELECT outbox.drop_subscription(NULL)", "22004"),
+        ("SELECT outbox.drop_subscription('s', NULL)", "22004"),
+        ("SELECT outbox.drop_subscription('default')", "0A000"),
     ]
     for sql, state in cases:
         with pytest.raises(psycopg.Error) as e:
             c.execute(sql)
         assert e.value.sqlstate == state, sql
-    # An unknown token acks nothing, and raises nothing.
-    assert c.execute("SELECT outbox._log_ack(ARRAY[1], ARRAY[gen_random_uuid()])").fetchone()[0] == 0
+    # Nothing half-made: 't' never exists.
+    assert logdb.one("SELECT count(*) FROM outbox.subscription_catalog WHERE name = 't'")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_lanes WHERE subscription = 't'")[0] == 0
+    # An unknown log token acks nothing, and raises nothing.
+    tok = "00000000-0001-8000-8001-000000000001"
+    assert c.execute(ACK, (1, tok)).fetchone()[0] == 0
+    assert c.execute("SELECT outbox.ack(ARRAY[1, 2]::bigint[], ARRAY[%s, gen_random_uuid()]::uuid[])",
+                     (tok,)).fetchone()[0] == 0
 
 
 def test_extend_keeps_a_round_out_past_its_first_lease_and_refuses_stale_tokens(logdb):
     c = logdb.conn()
-    c.execute("SET outbox.log_write = on")
-    c.execute("SELECT outbox._log_subscribe('s')")
+    c.execute("SELECT outbox.create_subscription('s')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('x.e', ARRAY['{}', '{}']::jsonb[])")]
-    rows = c.execute(CLAIM, ("s", 10, "1 second")).fetchall()
+    rows = claim(c, "s", 10, "1 second")
     tok = rows[0][2]
-    until = c.execute("SELECT outbox._log_extend(%s::bigint, %s, '10 seconds') - clock_timestamp()", (ids[0], tok)).fetchone()[0]
+    assert all(r[2] == tok for r in rows)
+    until = c.execute("SELECT outbox.extend_lease(%s::bigint, %s, '10 seconds') - clock_timestamp()",
+                      (ids[0], tok)).fetchone()[0]
     assert 9 < until.total_seconds() <= 10
     time.sleep(1.2)
     # Both events of the round stay out: nothing to claim.
-    assert c.execute(CLAIM, ("s", 10, "30 s")).fetchall() == []
+    assert claim(c, "s", 10, "30 s") == []
     # A shorter extension never shortens the round.
-    assert c.execute("SELECT outbox._log_extend(%s::bigint, %s, '1 second') - clock_timestamp()",
+    assert c.execute("SELECT outbox.extend_lease(%s::bigint, %s, '1 second') - clock_timestamp()",
                      (ids[1], tok)).fetchone()[0].total_seconds() > 5
-    assert c.execute("SELECT outbox._log_ack(%s::bigint[], %s::uuid[])", (ids, [tok, tok])).fetchone()[0] == 2
+    assert c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", (ids, [tok, tok])).fetchone()[0] == 2
     # Acked: the token holds nothing any more.
-    assert c.execute("SELECT outbox._log_extend(%s::bigint, %s, '10 s')", (ids[0], tok)).fetchone()[0] is None
+    assert c.execute("SELECT outbox.extend_lease(%s::bigint, %s, '10 s')", (ids[0], tok)).fetchone()[0] is None
     with pytest.raises(psycopg.Error) as e:
-        c.execute("SELECT outbox._log_extend(%s::bigint, %s, '0 s')", (ids[0], tok))
+        c.execute("SELECT outbox.extend_lease(%s::bigint, %s, '0 s')", (ids[0], tok))
     assert e.value.sqlstate == "22023"

@@ -11,20 +11,25 @@
 //! # The rules, and why they keep the claim contract
 //! - **One event per subject at a time.** Each event knows the previous event
 //!   of its subject in the batch (`prev`). An event is *handable* only when it
-//!   is waiting (or its round's lease expired) and its `prev` is done. So a
-//!   subject's events go out one at a time, in id order, which within a lane is
-//!   commit order (src/log/mod.rs); events without a subject have no `prev` and
-//!   all go out at once.
+//!   is waiting and its `prev` is done. So a subject's events go out one at a
+//!   time, in id order, which within a lane is commit order (src/log/mod.rs);
+//!   events without a subject have no `prev` and all go out at once.
+//! - **Each event goes out of a batch at most once.** Every later delivery of
+//!   it (after a failure or an expired lease) is from the exception table
+//!   (src/log/exceptions.rs), so attempts beyond the first are counted there.
 //! - **Rounds and fencing.** Each hand-out is a *round* with its own random
 //!   part and lease expiry; its events carry the token (batch, round, random)
 //!   ([`Token`]). An ack or fail is accepted only if the event is out in that
-//!   very round with that random part. An expired event handed out again joins
-//!   a new round, so the old token matches nothing: a stale holder can never
-//!   ack, fail or extend a re-handed event.
-//! - **Parking.** A failed event leaves the batch (the caller moves it to the
-//!   exception table with its retry time) and is *parked*; every later event
-//!   of its subject in the batch is parked with it, so they follow it in order
-//!   from the exception table, and one failing subject never holds the batch.
+//!   very round with that random part; a parked or acked event accepts nothing
+//!   from the batch's side.
+//! - **Parking.** An event that leaves the batch is *parked* together with every
+//!   later event of its subject in the batch, and the caller moves them all to
+//!   the exception table, where they follow it in id order: a failed event
+//!   ([`Batch::park`]), an event whose lease expired ([`Batch::expire`]), and,
+//!   while the batch is built, a delayed event or one outside the claim's topics
+//!   with every event of its subject ([`Batch::divert`]: none of them is out
+//!   yet, so none is handed out ahead of an earlier one that waits in the
+//!   exception table). One failing subject never holds the batch.
 //! - **Finished** when every event is done or parked: the lane's cursor may
 //!   then move past the batch.
 
@@ -54,8 +59,18 @@ pub struct Round {
     pub expires: i64,
 }
 
-/// A lease token, as the `uuid` workers hold: batch id (8 bytes, big-endian),
-/// round (2 bytes), random part (6 bytes).
+/// A lease token of a batch round, as the `uuid` workers hold. It is an RFC 9562
+/// version 8 (vendor-specific) UUID, so it never equals a token of the queue
+/// (`gen_random_uuid()`, version 4) and ack, fail and extend_lease know from the
+/// token alone which storage holds the event ([`TokenKind`]):
+///
+/// | bytes | content |
+/// |---|---|
+/// | 0..6 | batch id, 48 bits, big-endian |
+/// | 6 | `0x80` (version 8) with the kind in the low nibble (0: a batch round) |
+/// | 7, 9 | round, high and low byte |
+/// | 8 | `0x80` (the RFC variant), low six bits zero |
+/// | 10..16 | random part, 48 bits |
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
     pub batch: i64,
@@ -67,12 +82,53 @@ pub struct Token {
 /// The random part of a token keeps 48 bits.
 pub const RANDOM_MASK: u64 = (1 << 48) - 1;
 
+/// Largest batch id a token can name (the sequence `outbox.log_batch_seq` stops there).
+pub const MAX_BATCH_ID: i64 = (1 << 48) - 1;
+
+/// Which storage a lease token's event is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TokenKind {
+    /// Not a log token: the queue of the `default` subscription (version 4).
+    Queue,
+    /// A batch round ([`Token`]).
+    Batch,
+    /// A lease of a row of the exception table ([`exception_token`]).
+    Exception,
+}
+
+/// The kind of the token spelled by `b`.
+pub fn token_kind(b: &[u8; 16]) -> TokenKind {
+    if b[6] >> 4 != 8 || b[8] >> 6 != 2 {
+        return TokenKind::Queue;
+    }
+    match b[6] & 0x0f {
+        0 => TokenKind::Batch,
+        1 => TokenKind::Exception,
+        _ => TokenKind::Queue,
+    }
+}
+
+/// A fresh token for a lease of exception-table rows: version 8, kind 1, and
+/// 118 random bits from `r1`, `r2`.
+pub fn exception_token(r1: u64, r2: u64) -> [u8; 16] {
+    let mut b = [0u8; 16];
+    b[..8].copy_from_slice(&r1.to_be_bytes());
+    b[8..].copy_from_slice(&r2.to_be_bytes());
+    b[6] = 0x81;
+    b[8] = 0x80 | (b[8] & 0x3f);
+    b
+}
+
 impl Token {
     /// The 16 bytes of the token's uuid.
     pub fn to_bytes(self) -> [u8; 16] {
         let mut b = [0u8; 16];
-        b[..8].copy_from_slice(&self.batch.to_be_bytes());
-        b[8..10].copy_from_slice(&self.round.to_be_bytes());
+        b[..6].copy_from_slice(&(self.batch & MAX_BATCH_ID).to_be_bytes()[2..]);
+        b[6] = 0x80;
+        let round = self.round.to_be_bytes();
+        b[7] = round[0];
+        b[8] = 0x80;
+        b[9] = round[1];
         b[10..].copy_from_slice(&(self.random & RANDOM_MASK).to_be_bytes()[2..]);
         b
     }
@@ -81,12 +137,12 @@ impl Token {
     /// [`Token::to_bytes`] simply matches no batch.
     pub fn from_bytes(b: [u8; 16]) -> Token {
         let mut batch = [0u8; 8];
-        batch.copy_from_slice(&b[..8]);
+        batch[2..].copy_from_slice(&b[..6]);
         let mut random = [0u8; 8];
         random[2..].copy_from_slice(&b[10..]);
         Token {
             batch: i64::from_be_bytes(batch),
-            round: u16::from_be_bytes([b[8], b[9]]),
+            round: u16::from_be_bytes([b[7], b[9]]),
             random: u64::from_be_bytes(random),
         }
     }
@@ -172,27 +228,70 @@ impl Batch {
         self.rounds[round as usize - 1].expires <= now
     }
 
-    /// Positions a claim may hand out at `now`, in id order: waiting events, or
-    /// events whose round expired, whose subject's previous event is done.
-    pub fn handable(&self, now: i64) -> Vec<usize> {
+    /// Positions a claim may hand out, in id order: waiting events whose
+    /// subject's previous event is done. (An event whose lease expired is not
+    /// handed out again from the batch: [`Batch::expire`] moves it out first.)
+    pub fn handable(&self) -> Vec<usize> {
         (0..self.len())
             .filter(|&i| {
-                let free = match self.state[i] {
-                    State::Waiting => true,
-                    State::Out(r) => self.expired(r, now),
-                    State::Done | State::Parked => false,
-                };
-                free && self.prev[i].is_none_or(|p| self.state[p as usize] == State::Done)
+                self.state[i] == State::Waiting && self.prev[i].is_none_or(|p| self.state[p as usize] == State::Done)
             })
             .collect()
+    }
+
+    /// Park the events whose round's lease expired at `now`, each with every
+    /// later event of its subject in the batch; returns the parked positions in
+    /// id order, each with true when it was out (its expired attempt counts)
+    /// and false for an event parked behind one. The caller moves them all to
+    /// the exception table, where the expired ones are claimed again.
+    pub fn expire(&mut self, now: i64) -> Vec<(usize, bool)> {
+        let expired: Vec<usize> =
+            (0..self.len()).filter(|&i| matches!(self.state[i], State::Out(r) if self.expired(r, now))).collect();
+        let mut parked = Vec::new();
+        for i in expired {
+            parked.push((i, true));
+            parked.extend(self.park_after(i).into_iter().map(|j| (j, false)));
+            self.state[i] = State::Parked;
+        }
+        parked.sort_unstable();
+        parked
+    }
+
+    /// Park every waiting event of the subject of event `i` (before and after
+    /// it; `i` alone without a subject), for an event the claim does not hand
+    /// out from the batch (delayed, or outside the claim's topics): its subject
+    /// then continues from the exception table, in id order. Returns the
+    /// parked positions. Panics if one of them is out or done: a claim diverts
+    /// only while it builds the batch.
+    pub fn divert(&mut self, i: usize) -> Vec<usize> {
+        let root = |mut j: usize| {
+            while let Some(p) = self.prev[j] {
+                j = p as usize;
+            }
+            j
+        };
+        let mine = root(i);
+        let all: Vec<usize> = (0..self.len()).filter(|&j| root(j) == mine).collect();
+        for &j in &all {
+            assert!(matches!(self.state[j], State::Waiting | State::Parked), "divert of an event already out");
+            self.state[j] = State::Parked;
+        }
+        all
+    }
+
+    /// Mark event `i` done without handing it out: the subscription's topic
+    /// filter does not take it, so nothing is owed.
+    pub fn skip(&mut self, i: usize) {
+        assert_eq!(self.state[i], State::Waiting, "skip of an event already handed out");
+        self.state[i] = State::Done;
     }
 
     /// Hand out the positions `picks` (from [`Batch::handable`]) as a new round
     /// with lease expiry `expires` and random part `random`; returns the round's
     /// token for batch `batch_id`. Panics if a pick is not handable, or after
     /// `u16::MAX` rounds.
-    pub fn hand_out(&mut self, batch_id: i64, picks: &[usize], now: i64, expires: i64, random: u64) -> Token {
-        let handable = self.handable(now);
+    pub fn hand_out(&mut self, batch_id: i64, picks: &[usize], expires: i64, random: u64) -> Token {
+        let handable = self.handable();
         assert!(picks.iter().all(|p| handable.contains(p)), "hand_out of an event that is not handable");
         assert!(self.rounds.len() < u16::MAX as usize, "too many rounds");
         self.rounds.push(Round { random: random & RANDOM_MASK, expires });
@@ -229,15 +328,24 @@ impl Batch {
     pub fn park(&mut self, id: i64, token: Token) -> Result<Vec<usize>, Refused> {
         let i = self.holder(id, token)?;
         let mut parked = vec![i];
+        parked.extend(self.park_after(i));
+        self.state[i] = State::Parked;
+        Ok(parked)
+    }
+
+    /// Park every later event of the subject of event `i`; returns them.
+    fn park_after(&mut self, i: usize) -> Vec<usize> {
+        let mut chain = vec![i];
         for j in i + 1..self.len() {
-            if self.prev[j].is_some_and(|p| parked.contains(&(p as usize))) {
-                parked.push(j);
+            if self.prev[j].is_some_and(|p| chain.contains(&(p as usize))) {
+                chain.push(j);
             }
         }
-        for &p in &parked {
+        chain.remove(0);
+        for &p in &chain {
             self.state[p] = State::Parked;
         }
-        Ok(parked)
+        chain
     }
 
     /// Extend the lease of the round `token` names to `expires`, if `token`
@@ -254,6 +362,17 @@ impl Batch {
     /// When round `round`'s lease expires, if the round exists.
     pub fn round_expiry(&self, round: u16) -> Option<i64> {
         self.rounds.get((round as usize).checked_sub(1)?).map(|r| r.expires)
+    }
+
+    /// The token of round `round` of batch `batch`, if the round exists.
+    pub fn token(&self, batch: i64, round: u16) -> Option<Token> {
+        let r = self.rounds.get((round as usize).checked_sub(1)?)?;
+        Some(Token { batch, round, random: r.random })
+    }
+
+    /// How many events are out in a round whose lease has not expired at `now`.
+    pub fn out_unexpired(&self, now: i64) -> usize {
+        self.state.iter().filter(|s| matches!(s, State::Out(r) if !self.expired(*r, now))).count()
     }
 
     /// True when every event is done or parked.
@@ -426,54 +545,70 @@ mod tests {
     #[pg_test]
     fn one_event_per_subject_in_id_order() {
         let mut b = batch();
-        assert_eq!(b.handable(T0), vec![0, 1, 3]);
-        let t1 = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 0xabc);
-        assert_eq!(b.handable(T0), Vec::<usize>::new());
+        assert_eq!(b.handable(), vec![0, 1, 3]);
+        let t1 = b.hand_out(7, &[0, 1, 3], T0 + 30, 0xabc);
+        assert_eq!(b.handable(), Vec::<usize>::new());
         b.ack(10, t1).unwrap();
-        assert_eq!(b.handable(T0), vec![2]); // a's next; b's next waits for 11
+        assert_eq!(b.handable(), vec![2]); // a's next; b's next waits for 11
         b.ack(11, t1).unwrap();
         b.ack(13, t1).unwrap();
-        assert_eq!(b.handable(T0), vec![2, 4]);
-        let t2 = b.hand_out(7, &[2, 4], T0, T0 + 30, 0xdef);
+        assert_eq!(b.handable(), vec![2, 4]);
+        let t2 = b.hand_out(7, &[2, 4], T0 + 30, 0xdef);
         b.ack(12, t2).unwrap();
         b.ack(14, t2).unwrap();
         assert!(!b.finished());
-        let t3 = b.hand_out(7, &[5], T0, T0 + 30, 1);
+        let t3 = b.hand_out(7, &[5], T0 + 30, 1);
         b.ack(15, t3).unwrap();
         assert!(b.finished());
         assert_eq!(b.next_expiry(), None);
     }
 
     #[pg_test]
-    fn a_stale_token_after_a_reclaim_is_refused() {
+    fn an_expired_event_leaves_the_batch_with_its_successors() {
         let mut b = batch();
-        let old = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
-        // The lease expires; the events go out again in a new round.
-        assert_eq!(b.handable(T0 + 30), vec![0, 1, 3]);
-        let new = b.hand_out(7, &[0, 1, 3], T0 + 30, T0 + 60, 6);
+        let old = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
+        b.ack(13, old).unwrap();
+        // Expired but not moved yet: an ack is still accepted.
+        b.ack(11, old).unwrap();
+        assert_eq!(b.expire(T0 + 29), vec![]);
+        // 10 expired: it and a's later events (12, 15) leave; 14 (b) goes on.
+        assert_eq!(b.expire(T0 + 30), vec![(0, true), (2, false), (5, false)]);
         assert_eq!(b.ack(10, old), Err(Refused::Stale));
-        assert_eq!(b.park(11, old), Err(Refused::Stale));
-        assert_eq!(b.extend(13, old, T0 + 999), Err(Refused::Stale));
-        // Same round number, other random part: also stale.
-        assert_eq!(b.ack(10, Token { random: 7, ..new }), Err(Refused::Stale));
-        assert_eq!(b.ack(99, new), Err(Refused::NotInBatch));
-        b.ack(10, new).unwrap();
-        // Twice.
-        assert_eq!(b.ack(10, new), Err(Refused::Stale));
-        // An expired but not reclaimed hand-out can still be acked.
-        assert!(b.handable(T0 + 61).contains(&1));
-        b.ack(11, new).unwrap();
+        assert_eq!(b.park(10, old), Err(Refused::Stale));
+        assert_eq!(b.extend(10, old, T0 + 999), Err(Refused::Stale));
+        assert_eq!(b.ack(99, old), Err(Refused::NotInBatch));
+        assert_eq!(b.handable(), vec![4]);
+        let t = b.hand_out(7, &[4], T0 + 60, 6);
+        // Same round number, other random part: stale.
+        assert_eq!(b.ack(14, Token { random: 7, ..t }), Err(Refused::Stale));
+        b.ack(14, t).unwrap();
+        assert_eq!(b.ack(14, t), Err(Refused::Stale));
+        assert!(b.finished());
+    }
+
+    #[pg_test]
+    fn divert_takes_a_whole_subject_and_skip_owes_nothing() {
+        let mut b = batch();
+        // 12 (a) is delayed: every event of a leaves, earlier 10 too.
+        assert_eq!(b.divert(2), vec![0, 2, 5]);
+        // An event without a subject leaves alone.
+        assert_eq!(b.divert(3), vec![3]);
+        b.skip(1); // 11 (b) is outside the subscription's topics
+        assert_eq!(b.handable(), vec![4]);
+        let t = b.hand_out(7, &[4], T0 + 30, 1);
+        b.ack(14, t).unwrap();
+        assert!(b.finished());
     }
 
     #[pg_test]
     fn a_failed_event_parks_its_subject_and_frees_the_batch() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
+        let t = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
         assert_eq!(b.park(10, t).unwrap(), vec![0, 2, 5]);
-        assert_eq!(b.handable(T0), Vec::<usize>::new()); // 14 waits for 11 still
+        assert_eq!(b.handable(), Vec::<usize>::new()); // 14 waits for 11 still
         b.ack(11, t).unwrap();
         b.ack(13, t).unwrap();
-        let t2 = b.hand_out(7, &[4], T0, T0 + 30, 9);
+        let t2 = b.hand_out(7, &[4], T0 + 30, 9);
         b.ack(14, t2).unwrap();
         assert!(b.finished());
     }
@@ -481,22 +616,30 @@ mod tests {
     #[pg_test]
     fn extend_keeps_the_round_and_never_shortens_it() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
+        let t = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
         b.extend(10, t, T0 + 100).unwrap();
         b.extend(11, t, T0 + 50).unwrap();
         assert_eq!(b.next_expiry(), Some(T0 + 100));
-        assert!(b.handable(T0 + 99).is_empty());
+        assert!(b.expire(T0 + 99).is_empty());
     }
 
     #[pg_test]
     fn tokens_round_trip_through_uuid_bytes() {
         for t in [
             Token { batch: 0, round: 1, random: 0 },
-            Token { batch: i64::MAX, round: u16::MAX, random: RANDOM_MASK },
-            Token { batch: -5, round: 300, random: 0x1234_5678_9abc },
+            Token { batch: MAX_BATCH_ID, round: u16::MAX, random: RANDOM_MASK },
+            Token { batch: 5, round: 300, random: 0x1234_5678_9abc },
         ] {
             assert_eq!(Token::from_bytes(t.to_bytes()), t);
+            assert_eq!(token_kind(&t.to_bytes()), TokenKind::Batch);
         }
+        let x = exception_token(u64::MAX, u64::MAX);
+        assert_eq!(token_kind(&x), TokenKind::Exception);
+        // gen_random_uuid() makes version 4: the queue's.
+        let mut q = x;
+        q[6] = 0x4f;
+        assert_eq!(token_kind(&q), TokenKind::Queue);
+        assert_eq!(token_kind(&exception_token(0, 0)), TokenKind::Exception);
         // The random part keeps 48 bits; higher bits are dropped on both sides.
         let t = Token { batch: 1, round: 1, random: u64::MAX };
         assert_eq!(Token::from_bytes(t.to_bytes()).random, RANDOM_MASK);
@@ -505,7 +648,7 @@ mod tests {
     #[pg_test]
     fn encoding_round_trips_and_stays_small() {
         let mut b = batch();
-        let t = b.hand_out(42, &[0, 1, 3], T0, T0 + 30, 77);
+        let t = b.hand_out(42, &[0, 1, 3], T0 + 30, 77);
         b.ack(10, t).unwrap();
         assert_eq!(Batch::decode(&b.encode()), Ok(b.clone()));
         let dense: Vec<(i64, Option<u32>)> = (0..500).map(|i| (1_000_000_000 + i, Some((i % 7) as u32))).collect();
@@ -528,7 +671,7 @@ mod tests {
         assert!(Batch::decode(&[2, 0, 0]).is_err());
         // A state naming a round that does not exist.
         let mut b = batch();
-        b.hand_out(1, &[0], T0, T0 + 1, 1);
+        b.hand_out(1, &[0], T0 + 1, 1);
         let mut bytes = b.encode();
         let rounds_at = bytes.len() - 15;
         bytes[rounds_at] = 0; // zero rounds...

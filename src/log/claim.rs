@@ -1,27 +1,31 @@
 //! Claims over the log for one subscription: lanes, windows and batches
-//! (docs/design/subscriptions.md, "Claiming: lanes and batches").
+//! (docs/design/subscriptions.md, "Claiming: lanes and batches"), and ack,
+//! fail and extend_lease for the tokens they hand out.
 //!
-//! Internal in 0.8.0: `outbox._log_subscribe`, `outbox._log_claim` and
-//! `outbox._log_ack` run the storage that `outbox.claim` will move onto, so it
-//! can be checked against real commit orders (pg_test/py/test_log_claim.py) and
-//! measured against PgQ (`bench/run`) first. Failures (the exception table),
-//! lease extension, attempts, pauses and retention against readers come with the
-//! slices that move the public API here.
+//! `outbox.claim(..., subscription => name)` for a named subscription runs
+//! here (src/claim.rs routes it); `default` still claims from the queue. A
+//! lease token says which storage holds its event ([`TokenKind`]), so `ack`,
+//! `fail` and `extend_lease` route by token (src/lease.rs).
 //!
 //! # A claim
-//! For each lane of the subscription, starting at a rotating lane so workers
-//! spread out, until it has `batch_size` events:
-//! 1. take the lane row with `_lock_row` semantics ([`pg::try_lock_row`]: a lane
-//!    another claim holds is skipped, never waited for);
-//! 2. if the lane has a batch in flight, take the batch's lock without waiting
-//!    ([`BATCH_LOCK_KEY`]) and hand out what the batch allows now
-//!    ([`Batch::handable`]: waiting events whose subject's earlier event is
-//!    acked, and events whose round's lease expired) as a new round;
-//! 3. otherwise read the lane's window (src/log/mod.rs) from where the last
-//!    batch ended, at most what the claim still needs, make it the lane's batch
-//!    and hand out its first round. An open window that has no more events
-//!    moves the lane's cursor to its end; a fresh window with no events writes
-//!    nothing.
+//! 1. Exception rows first (src/log/exceptions.rs): retries, expired leases,
+//!    delayed and parked events whose time has come, subject heads only.
+//! 2. Then each lane of the subscription, starting at a rotating lane so
+//!    workers spread out, until it has `batch_size` events:
+//!    1. take the lane row with `_lock_row` semantics ([`pg::try_lock_row`]: a
+//!       lane another claim holds is skipped, never waited for);
+//!    2. if the lane has a batch in flight, take the batch's lock without
+//!       waiting ([`BATCH_LOCK_KEY`]), move its expired events to the exception
+//!       table ([`Batch::expire`]), and hand out what the batch allows now
+//!       ([`Batch::handable`]) as a new round;
+//!    3. otherwise read the lane's window (src/log/mod.rs) from where the last
+//!       batch ended, at most what the claim still needs, and make it the
+//!       lane's batch: events outside the subscription's topics are done at
+//!       once ([`Batch::skip`]); the subjects that continue in the exception
+//!       table, delayed events and events outside the call's own topics go
+//!       there ([`Batch::divert`]); the rest is handed out as the batch's first
+//!       round. An open window that has no more events moves the lane's cursor
+//!       to its end; a fresh window with no events writes nothing.
 //!
 //! # Invariants, and why they hold
 //! 1. **Each committed event of a lane is put in exactly one batch.** A lane's
@@ -36,23 +40,30 @@
 //!    event per subject out at a time inside a batch (src/log/batch.rs), a
 //!    subject's events are handed out one after another in commit order.
 //! 3. **Fencing.** A token names its batch, round and random part; an ack
-//!    matches it against the batch's state under the batch lock, and an expired
-//!    event handed out again is in a newer round. A stale token acks nothing.
+//!    matches it against the batch's state under the batch lock. An event
+//!    leaves its batch at most once, and its later deliveries are leases of its
+//!    exception row, with their own tokens (src/log/exceptions.rs). A stale
+//!    token acks, fails and extends nothing.
 //! 4. **No lost update of a batch.** Claims and acks change a batch only while
 //!    holding its advisory lock (claims try it, acks wait for it), and read it
 //!    under a snapshot taken after the lock: the version changed is the newest,
 //!    at every isolation level, with no serialization failure from the row.
 
-use super::batch::{Batch, Token};
-use super::{cursor, window, Cursor};
+use super::batch::{Batch, Token, TokenKind};
+use super::exceptions::{self, Kind, Moved, Request};
+use super::{cursor, window, Cursor, WindowEvent};
 use crate::errors;
 use crate::pg;
 use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
-use crate::sql::log::{BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, FETCH, LANES, LANE_PUT, SUBSCRIBE};
+use crate::sql::log::{
+    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, FAIL_INFO, FETCH, LANES,
+    LANE_PUT, SUBSCRIBE,
+};
+use crate::subscriptions::Settings;
 use crate::validate;
-use pgrx::datum::{DatumWithOid, Interval};
+use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use pgrx::prelude::*;
 use std::cell::Cell;
 use std::collections::BTreeMap;
@@ -60,6 +71,11 @@ use std::collections::BTreeMap;
 /// First key of the batch advisory locks (0x6f62746c = "obtl"); the second is
 /// the batch id's low 32 bits (two batches that share them only serialise).
 pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
+
+/// How many window pieces one claim reads in one lane before it moves on: a
+/// piece whose events all go elsewhere (outside the topics, delayed) hands
+/// nothing out, and a claim must still end.
+const MAX_PIECES: usize = 8;
 
 fn batch_lock_key(id: i64) -> i32 {
     id as i32
@@ -118,17 +134,28 @@ fn put_lane(subscription: &str, l: &Lane) {
     plans::run_latest(&LANE_PUT, &args, |_| ());
 }
 
-/// The batch `id`'s state, read after its lock was taken; None when an ack has
-/// finished and deleted it.
-fn load_batch(id: i64) -> Option<Batch> {
-    let bytes = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
+/// A batch row: its state, lane and subscription.
+struct Loaded {
+    batch: Batch,
+    lane: i16,
+    subscription: String,
+}
+
+/// The batch `id`, read after its lock was taken; None when it is finished
+/// (deleted) or its subscription was dropped.
+fn load_batch(id: i64) -> Option<Loaded> {
+    let (bytes, lane, subscription) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
         let mut out = None;
-        rows.for_each(|r| out = r.bytes(1));
+        rows.for_each(|r| out = Some((r.bytes(0), r.i16(1), r.text(2))));
         out
     })?;
-    Some(Batch::decode(&bytes).unwrap_or_else(|e| {
+    let (Some(bytes), Some(lane), Some(subscription)) = (bytes, lane, subscription) else {
+        errors::raise(errors::INTERNAL, format!("malformed outbox.log_batches row {id}"));
+    };
+    let batch = Batch::decode(&bytes).unwrap_or_else(|e| {
         errors::raise(PgSqlErrorCode::ERRCODE_DATA_CORRUPTED, format!("outbox.log_batches row {id}: {e}"))
-    }))
+    });
+    Some(Loaded { batch, lane, subscription })
 }
 
 fn store_batch(id: i64, b: &Batch) {
@@ -139,12 +166,28 @@ fn store_batch(id: i64, b: &Batch) {
     }
 }
 
+/// Whether `topic` passes a filter (exact names, prefixes); None passes all.
+fn passes(filter: &Option<(Vec<String>, Vec<String>)>, topic: &str) -> bool {
+    match filter {
+        None => true,
+        Some((exact, prefixes)) => exact.iter().any(|e| e == topic) || prefixes.iter().any(|p| topic.starts_with(p)),
+    }
+}
+
+/// The subscription's own topic filter, from its catalog row's patterns.
+fn own_filter(settings: &Settings) -> Option<(Vec<String>, Vec<String>)> {
+    settings.topics.as_ref().and_then(|t| crate::claim::topic_filter(Some(t.iter().cloned().map(Some).collect())))
+}
+
 /// What one claim call is handing out.
 struct Claim<'a> {
-    subscription: &'a str,
+    req: &'a Request<'a>,
+    own: Option<(Vec<String>, Vec<String>)>,
     now: i64,
     expires: i64,
     out: &'a SetResult,
+    /// Whether this claim moved expired events to the exception table.
+    moved: Cell<bool>,
 }
 
 impl Claim<'_> {
@@ -156,6 +199,73 @@ impl Claim<'_> {
         plans::run_latest(&FETCH, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
     }
 
+    /// Move the events of batch `id` whose lease expired to the exception table.
+    fn expire(&self, id: i64, lane: i16, b: &mut Batch) -> bool {
+        let rounds: Vec<Option<u16>> =
+            (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
+        let moved = b.expire(self.now);
+        if moved.is_empty() {
+            return false;
+        }
+        let rows: Vec<Moved> = moved
+            .iter()
+            .map(|&(i, was_out)| Moved {
+                id: b.ids()[i],
+                kind: if was_out { Kind::Expired } else { Kind::Parked },
+                visible_at: self.now,
+                token: if was_out {
+                    rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()))
+                } else {
+                    None
+                },
+                error: None,
+            })
+            .collect();
+        exceptions::insert(self.req.subscription, self.req.settings, lane, &rows);
+        self.moved.set(true);
+        true
+    }
+
+    /// Make `events` (the next piece of lane `lane`'s window) a batch: skip
+    /// what the subscription does not take, send to the exception table what
+    /// must continue there, and return the batch.
+    fn build(&self, lane: i16, events: &[WindowEvent]) -> Batch {
+        let mut b = Batch::new(&events.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
+        for (i, e) in events.iter().enumerate() {
+            if !passes(&self.own, &e.topic) {
+                b.skip(i);
+            }
+        }
+        let waiting = |b: &Batch, i: usize| b.state(i) == super::batch::State::Waiting;
+        let mut subjects: Vec<String> =
+            events.iter().enumerate().filter(|(i, _)| waiting(&b, *i)).filter_map(|(_, e)| e.subject.clone()).collect();
+        subjects.sort_unstable();
+        subjects.dedup();
+        let open = exceptions::open_subjects(self.req.subscription, lane, subjects);
+        let mut moved = Vec::new();
+        for (i, e) in events.iter().enumerate() {
+            if !waiting(&b, i) {
+                continue;
+            }
+            let held = e.subject.as_ref().is_some_and(|s| open.contains(s));
+            let delayed = e.deliver_at.is_some_and(|d| d > self.now);
+            if held || delayed || !passes(&self.req.narrow, &e.topic) {
+                for j in b.divert(i) {
+                    moved.push(Moved {
+                        id: b.ids()[j],
+                        kind: Kind::Parked,
+                        visible_at: self.now,
+                        token: None,
+                        error: None,
+                    });
+                }
+            }
+        }
+        moved.sort_unstable_by_key(|m| m.id);
+        exceptions::insert(self.req.subscription, self.req.settings, lane, &moved);
+        b
+    }
+
     /// Hand out up to `left` events of lane `l` (its row held); returns how many.
     fn serve(&self, mut l: Lane, left: usize) -> usize {
         let mut dirty = false;
@@ -164,15 +274,24 @@ impl Claim<'_> {
                 return 0; // an ack is changing it: the next claim serves it
             }
             match load_batch(id) {
-                Some(mut b) => {
-                    let picks: Vec<usize> = b.handable(self.now).into_iter().take(left).collect();
-                    if picks.is_empty() {
-                        return 0;
+                Some(Loaded { batch: mut b, .. }) => {
+                    let changed = self.expire(id, l.lane, &mut b);
+                    if !b.finished() {
+                        let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
+                        if picks.is_empty() {
+                            if changed {
+                                store_batch(id, &b);
+                            }
+                            return 0;
+                        }
+                        let token = b.hand_out(id, &picks, self.expires, pg::strong_random());
+                        store_batch(id, &b);
+                        self.emit(l.lane, &b, &picks, token);
+                        return picks.len();
                     }
-                    let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
                     store_batch(id, &b);
-                    self.emit(l.lane, &b, &picks, token);
-                    return picks.len();
+                    l.batch = None;
+                    dirty = true;
                 }
                 None => {
                     l.batch = None;
@@ -181,7 +300,7 @@ impl Claim<'_> {
             }
         }
         // No batch in flight: the next piece of the open window, or a new window.
-        for _ in 0..2 {
+        for _ in 0..MAX_PIECES {
             let (hi, fresh) = match &l.hi {
                 Some(h) => (h.clone(), false),
                 None => (cursor(), true),
@@ -198,24 +317,28 @@ impl Claim<'_> {
                 dirty = true;
                 continue;
             }
-            let mut b = Batch::new(&events);
-            let picks: Vec<usize> = b.handable(self.now).into_iter().take(left).collect();
+            let mut b = self.build(l.lane, &events);
+            l.pos = events.last().map(|e| e.id);
+            l.hi = Some(hi);
+            dirty = true;
+            if b.finished() {
+                continue; // every event done or moved: nothing to lease here
+            }
+            let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
             let id = plans::one::<i64>(&BATCH_ID, &[])
                 .unwrap_or_else(|| errors::raise(errors::INTERNAL, "nextval returned no batch id"));
             // A new batch id: nobody else can hold its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
-            let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
-            let args = [id.into(), self.subscription.into(), l.lane.into(), b.encode().into()];
+            let token = b.hand_out(id, &picks, self.expires, pg::strong_random());
+            let args = [id.into(), self.req.subscription.into(), l.lane.into(), b.encode().into()];
             plans::run_latest(&BATCH_NEW, &args, |_| ());
-            l.pos = events.last().map(|e| e.0);
-            l.hi = Some(hi);
             l.batch = Some(id);
-            put_lane(self.subscription, &l);
+            put_lane(self.req.subscription, &l);
             self.emit(l.lane, &b, &picks, token);
             return picks.len();
         }
         if dirty {
-            put_lane(self.subscription, &l);
+            put_lane(self.req.subscription, &l);
         }
         0
     }
@@ -243,45 +366,53 @@ fn require_relid(name: &std::ffi::CStr) -> pg_sys::Oid {
     })
 }
 
-/// `outbox._log_claim(subscription text, batch_size integer, lease interval)
-/// -> TABLE(id, topic, subject, payload, headers, lease_token, lease_expires_at)`.
-///
-/// # Safety
-/// Called by PostgreSQL through the v1 calling convention.
-pub unsafe fn log_claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    // SAFETY: the frame of outbox._log_claim(text, integer, interval) (sql/log.sql).
-    let call = unsafe { Call::new(fcinfo) };
-    let subscription: String = call.required(0, "subscription");
-    let batch_size: i32 = call.required(1, "batch_size");
-    validate::batch_size(batch_size as i64);
-    let lease: Interval = call.required(2, "lease");
-    let lease_us = validate::lease_us("lease", &lease);
+/// `outbox.claim` for a subscription that reads the log: up to `batch_size`
+/// events into the call's result set (src/claim.rs has checked the arguments
+/// and that the subscription exists and is not paused).
+pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum {
     let relid = require_relid(c"log_lanes");
     let now = pg::now();
-    let lanes = lanes(&subscription);
-    if lanes.is_empty() {
-        errors::raise_hint(
-            errors::UNDEFINED_OBJECT,
-            format!("subscription '{subscription}' has no lanes in the log"),
-            "Create them with outbox._log_subscribe().",
-        );
-    }
-    let out = SetResult::begin(&call);
-    let claim = Claim { subscription: &subscription, now, expires: now.saturating_add(lease_us), out: &out };
-    let start = start_lane();
-    let mut order: Vec<Lane> = lanes;
-    order.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
-    let mut left = batch_size as usize;
-    for l in order {
-        if left == 0 {
-            break;
+    let out = SetResult::begin(call);
+    let mut left = batch_size - exceptions::claim(req, now, batch_size, &out);
+    if left > 0 {
+        let mut all = lanes(req.subscription);
+        if all.is_empty() {
+            // A subscription restored from a dump (the log and its lanes are not
+            // dumped: sql/log.sql) starts at the restore.
+            subscribe(req.subscription, cursor());
+            all = lanes(req.subscription);
         }
-        if pg::try_lock_row(relid, l.tid) != pg::RowLock::Locked {
-            continue;
+        let claim = Claim {
+            req,
+            own: own_filter(req.settings),
+            now,
+            expires: now.saturating_add(req.lease_us),
+            out: &out,
+            moved: Cell::new(false),
+        };
+        let start = start_lane();
+        all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
+        for l in all {
+            if left == 0 {
+                break;
+            }
+            if pg::try_lock_row(relid, l.tid) != pg::RowLock::Locked {
+                continue;
+            }
+            left -= claim.serve(l, left);
         }
-        left -= claim.serve(l, left);
+        if left > 0 && claim.moved.get() {
+            // Expired events it moved are due now: hand them out at once.
+            exceptions::claim(req, now, left, &out);
+        }
     }
     call.finish_set()
+}
+
+fn subscribe(subscription: &str, c: Cursor) -> bool {
+    let xn = c.xn.to_string();
+    let args: [DatumWithOid<'_>; 4] = [subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
+    plans::run_latest(&SUBSCRIBE, &args, |rows| rows.len()) > 0
 }
 
 /// `outbox._log_subscribe(subscription text, start text DEFAULT 'now') -> boolean`:
@@ -302,72 +433,126 @@ pub fn log_subscribe(subscription: Option<&str>, start: default!(Option<&str>, "
             errors::raise(errors::INVALID_PARAMETER, format!("start must be 'now' or 'earliest', not {other:?}"))
         }
     };
-    let xn = c.xn.to_string();
-    let args: [DatumWithOid<'_>; 4] = [subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
-    plans::run_latest(&SUBSCRIBE, &args, |rows| rows.len()) > 0
+    subscribe(subscription, c)
 }
 
-/// `outbox._log_ack(ids bigint[], tokens uuid[]) -> integer`: ack each event
-/// held by its token; returns how many were acked (a stale or unknown token
-/// acks nothing). 22004 for NULL arrays or elements, 22023 for arrays of
-/// different lengths.
-#[pg_extern(name = "_log_ack", volatile, parallel_unsafe)]
-pub fn log_ack(ids: Option<Vec<Option<i64>>>, tokens: Option<Vec<Option<pgrx::Uuid>>>) -> i32 {
-    let (Some(ids), Some(tokens)) = (ids, tokens) else {
-        errors::raise(errors::NULL_VALUE, "ids and tokens must not be NULL");
-    };
-    if ids.len() != tokens.len() {
-        errors::raise(
-            errors::INVALID_PARAMETER,
-            format!("ids has {} elements but tokens has {}", ids.len(), tokens.len()),
-        );
-    }
-    validate::batch_size(ids.len().max(1) as i64);
-    let mut by_batch: BTreeMap<i64, Vec<(i64, Token)>> = BTreeMap::new();
-    for (id, token) in ids.into_iter().zip(tokens) {
-        let (Some(id), Some(token)) = (id, token) else {
-            errors::raise(errors::NULL_VALUE, "ids and tokens must not contain NULL");
-        };
-        let t = Token::from_bytes(*token.as_bytes());
-        by_batch.entry(t.batch).or_default().push((id, t));
+/// `outbox._log_in_flight(subscription text) -> bigint`: the subscription's
+/// leases that have not expired, in its batches and its exception rows.
+#[pg_extern(name = "_log_in_flight", volatile, parallel_unsafe)]
+pub fn log_in_flight(subscription: Option<&str>) -> i64 {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let now = pg::now();
+    let in_batches: i64 = plans::run_latest(&BATCH_STATES, &[subscription.into()], |rows| {
+        let mut n = 0i64;
+        rows.for_each(|r| {
+            if let Some(b) = r.bytes(0).and_then(|bytes| Batch::decode(&bytes).ok()) {
+                n += b.out_unexpired(now) as i64;
+            }
+        });
+        n
+    });
+    let in_rows: i64 = plans::one(&EXC_IN_FLIGHT, &[subscription.into(), plans::ts_param(now)]).unwrap_or(0);
+    in_batches + in_rows
+}
+
+/// True when `token` was handed out by a claim over the log (a batch round or
+/// an exception row), not by the queue's claim.
+pub fn is_log_token(token: &pgrx::Uuid) -> bool {
+    super::batch::token_kind(token.as_bytes()) != TokenKind::Queue
+}
+
+/// Ack log events: each id with its token (batch rounds, exception rows).
+/// Returns how many were acked; a stale or unknown token acks nothing.
+pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
+    let mut by_batch: BTreeMap<i64, Vec<(i64, pgrx::Uuid)>> = BTreeMap::new();
+    let mut rows: Vec<(i64, pgrx::Uuid)> = Vec::new();
+    for (id, token) in pairs {
+        match super::batch::token_kind(token.as_bytes()) {
+            TokenKind::Batch => {
+                by_batch.entry(Token::from_bytes(*token.as_bytes()).batch).or_default().push((id, token))
+            }
+            _ => rows.push((id, token)),
+        }
     }
     let mut acked = 0;
     // Batches in id order: two acks of overlapping batches take their locks in
     // one order and cannot deadlock on them.
     for (batch, items) in by_batch {
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-        let Some(mut b) = load_batch(batch) else { continue };
+        let Some(Loaded { batch: mut b, .. }) = load_batch(batch) else {
+            rows.extend(items); // finished: a moved event may be in the exception table
+            continue;
+        };
         let before = acked;
-        for (id, t) in items {
-            acked += b.ack(id, t).is_ok() as i32;
+        for (id, token) in items {
+            match b.ack(id, Token::from_bytes(*token.as_bytes())) {
+                Ok(()) => acked += 1,
+                // Moved out when its lease expired: its row keeps the token.
+                Err(_) => rows.push((id, token)),
+            }
         }
         if acked > before {
             store_batch(batch, &b);
         }
     }
-    acked
+    let (ids, tokens): (Vec<i64>, Vec<pgrx::Uuid>) = rows.into_iter().unzip();
+    acked + exceptions::ack(ids, tokens).len()
 }
 
-/// `outbox._log_extend(id bigint, token uuid, lease interval) -> timestamptz`:
-/// extend the lease of the round `token` names to now + `lease` (never
-/// shortening it), if `token` still holds event `id`; returns the round's lease
-/// expiry, or NULL for a stale or unknown token. 22004 for NULL, 22023 for a
-/// lease outside (0, outbox.max_lease].
-#[pg_extern(name = "_log_extend", volatile, parallel_unsafe)]
-pub fn log_extend(
-    id: Option<i64>,
-    token: Option<pgrx::Uuid>,
-    lease: Option<Interval>,
-) -> Option<pgrx::datum::TimestampWithTimeZone> {
-    let (Some(id), Some(token), Some(lease)) = (id, token, lease) else {
-        errors::raise(errors::NULL_VALUE, "id, token and lease must not be NULL");
-    };
-    let lease_us = validate::lease_us("lease", &lease);
-    let t = Token::from_bytes(*token.as_bytes());
-    pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
-    let mut b = load_batch(t.batch)?;
-    let expires = pg::now().saturating_add(lease_us);
-    b.extend(id, t, expires).ok()?;
-    store_batch(t.batch, &b);
-    b.round_expiry(t.round).map(pg::timestamptz)
+/// fail() for a log token: the new state ('pending', 'dead'), or 'stale'.
+pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, permanent: bool) -> &'static str {
+    if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
+        let t = Token::from_bytes(*token.as_bytes());
+        pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
+        if let Some(Loaded { batch: mut b, lane, subscription }) = load_batch(t.batch) {
+            if let Ok(parked) = b.park(id, t) {
+                let settings = crate::subscriptions::lookup(&subscription).unwrap_or_default();
+                let (max_attempts, base, cap) = plans::run_latest(&FAIL_INFO, &[lane.into(), id.into()], |rows| {
+                    let mut out = (1, None, None);
+                    rows.for_each(|r| out = (r.i32(0).unwrap_or(1), r.interval(1), r.interval(2)));
+                    out
+                });
+                let (state, delay) = exceptions::decide(&settings, 1, max_attempts, base, cap, retry_in, permanent);
+                let now = pg::now();
+                let mut moved: Vec<Moved> = parked
+                    .iter()
+                    .map(|&p| {
+                        if p == parked[0] {
+                            Moved {
+                                id,
+                                kind: if state == "dead" { Kind::Dead } else { Kind::Retry },
+                                visible_at: now.saturating_add(delay),
+                                token: None,
+                                error: Some(error.to_string()),
+                            }
+                        } else {
+                            Moved { id: b.ids()[p], kind: Kind::Parked, visible_at: now, token: None, error: None }
+                        }
+                    })
+                    .collect();
+                moved.sort_unstable_by_key(|m| m.id);
+                exceptions::insert(&subscription, &settings, lane, &moved);
+                store_batch(t.batch, &b);
+                return state;
+            }
+        }
+    }
+    exceptions::fail(id, token, error, retry_in, permanent).unwrap_or("stale")
+}
+
+/// extend_lease for a log token: the lease's new expiry, or None when stale.
+pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval, lease_us: i64) -> Option<TimestampWithTimeZone> {
+    if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
+        let t = Token::from_bytes(*token.as_bytes());
+        pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
+        if let Some(Loaded { batch: mut b, .. }) = load_batch(t.batch) {
+            let expires = pg::now().saturating_add(lease_us);
+            if b.extend(id, t, expires).is_ok() {
+                store_batch(t.batch, &b);
+                return b.round_expiry(t.round).map(pg::timestamptz);
+            }
+        }
+    }
+    exceptions::extend(id, token, lease)
 }

@@ -80,6 +80,7 @@
 
 pub mod batch;
 pub mod claim;
+pub mod exceptions;
 
 use crate::errors;
 use crate::pg;
@@ -110,11 +111,15 @@ thread_local! {
     static CURRENT_TABLE: pg::GenerationCache<usize> = const { pg::GenerationCache::new(c"log_state") };
 }
 
-/// True when publish should append to the log: the setting is on and the
-/// installed SQL has the ring (0.8.0 or later; the library may be newer than
-/// the SQL until `ALTER EXTENSION outbox_ext UPDATE`).
+/// True when publish should append to the log: the installed SQL has the
+/// named subscriptions that read it (0.9.0 or later; the library may be newer
+/// than the SQL until `ALTER EXTENSION outbox_ext UPDATE`), or, with the SQL of
+/// 0.8.0, `outbox.log_write` is on. From 0.9.0 every event is logged, whether
+/// or not a named subscription exists yet: a subscription created while a
+/// transaction that published is still open must find that transaction's
+/// events in the log (it receives every event committed after it).
 pub fn enabled() -> bool {
-    crate::gucs::log_write() && outbox_relid(c"log_state").is_some()
+    outbox_relid(c"log_exceptions").is_some() || (crate::gucs::log_write() && outbox_relid(c"log_state").is_some())
 }
 
 /// The open ring table, as committed now (a snapshot taken now: the copy is
@@ -228,9 +233,19 @@ pub fn with_running(snapshot: &str, xid: u64) -> String {
     format!("{}:{}:{}", xmin.min(xid), xmax, list.join(","))
 }
 
-/// The events (id, subject) of lane `lane`'s window between `lo` and the
-/// snapshot `hi`, above `after`, at most `limit` (None: all), in id order.
-pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) -> Vec<(i64, Option<String>)> {
+/// One event of a lane's window, with what a claim decides on.
+#[derive(Clone, Debug)]
+pub struct WindowEvent {
+    pub id: i64,
+    pub subject: Option<String>,
+    pub topic: String,
+    /// `deliver_at` in µs, when the event has one.
+    pub deliver_at: Option<i64>,
+}
+
+/// The events of lane `lane`'s window between `lo` and the snapshot `hi`,
+/// above `after`, at most `limit` (None: all), in id order.
+pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) -> Vec<WindowEvent> {
     let xn = lo.xn.to_string();
     let args: [DatumWithOid<'_>; 7] = [
         lane.into(),
@@ -243,7 +258,14 @@ pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) 
     ];
     plans::run_latest(&WINDOW, &args, |rows| {
         let mut out = Vec::with_capacity(rows.len());
-        rows.for_each(|r| out.push((r.raw_i64(0), r.text(1))));
+        rows.for_each(|r| {
+            out.push(WindowEvent {
+                id: r.raw_i64(0),
+                subject: r.text(1),
+                topic: r.text(2).unwrap_or_default(),
+                deliver_at: r.timestamptz(3),
+            })
+        });
         out
     })
 }
@@ -287,5 +309,5 @@ pub fn log_window_ids(
         xn,
     };
     let hi = hi_snap.unwrap_or_else(|| need("hi_snap"));
-    SetOfIterator::new(window(lane, &lo, hi, after.unwrap_or(0), max_events).into_iter().map(|(id, _)| id))
+    SetOfIterator::new(window(lane, &lo, hi, after.unwrap_or(0), max_events).into_iter().map(|e| e.id))
 }

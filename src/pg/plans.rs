@@ -301,6 +301,21 @@ impl Row {
         (self.types[i] == pg_sys::INT8OID && !self.nulls[i]).then(|| self.values[i].value() as i64)
     }
 
+    /// text[] column `i` (0-based), NULL elements dropped; None when NULL or of another type.
+    pub fn text_array(&self, i: usize) -> Option<Vec<String>> {
+        if self.types[i] != pg_sys::TEXTARRAYOID {
+            return None;
+        }
+        // SAFETY: a text[] datum of the live tuple table (or NULL).
+        let elems = unsafe { Vec::<Option<String>>::from_datum(self.values[i], self.nulls[i]) }?;
+        Some(elems.into_iter().flatten().collect())
+    }
+
+    /// timestamptz column `i` (0-based) in microseconds, None when NULL or of another type.
+    pub fn timestamptz(&self, i: usize) -> Option<i64> {
+        (self.types[i] == pg_sys::TIMESTAMPTZOID && !self.nulls[i]).then(|| self.values[i].value() as i64)
+    }
+
     /// tid column `i` (0-based, a `ctid`), copied; None when NULL or of another type.
     pub fn tid(&self, i: usize) -> Option<pg_sys::ItemPointerData> {
         if self.types[i] != pg_sys::TIDOID || self.nulls[i] {

@@ -134,6 +134,14 @@ pub const SUBSCRIPTIONS: Stmt = Stmt {
     types: &[],
 };
 
+/// [`SUBSCRIPTIONS`] with the topic filter and dead-letter policy of 0.9.0.
+pub const SUBSCRIPTIONS_090: Stmt = Stmt {
+    sql: "SELECT c.name, c.paused, c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease, \
+                 c.topics, c.dead_letter_policy \
+            FROM outbox.subscription_catalog c",
+    types: &[],
+};
+
 /// Note when the subscription was last claimed from, only if no other
 /// transaction holds or changed its activity row (`_lock_row`): a claim never
 /// waits for this, and under REPEATABLE READ a row changed since the snapshot is

@@ -65,15 +65,15 @@ pub const CURSOR: Stmt = Stmt {
 /// find every event it accepts. The snapshots are cast once (`s`), not per row.
 pub const WINDOW: Stmt = Stmt {
     sql: "WITH s AS MATERIALIZED (SELECT $2::pg_snapshot AS lo, $5::pg_snapshot AS hi) \
-          SELECT w.id, w.subject FROM s, LATERAL ( \
-            SELECT e.id, e.txid, e.subject FROM outbox.log e \
+          SELECT w.id, w.subject, w.topic, w.deliver_at FROM s, LATERAL ( \
+            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
              WHERE e.lane = $1 AND e.id > greatest($3, $6) \
             UNION ALL \
-            SELECT e.id, e.txid, e.subject FROM outbox.log e \
+            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
              WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.lo))) AND e.lane = $1 \
                AND e.id + 0 > $6 AND e.id + 0 <= $3 \
             UNION ALL \
-            SELECT e.id, e.txid, e.subject FROM outbox.log e \
+            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
              WHERE e.txid >= pg_snapshot_xmax(s.lo) AND e.txid < $4::xid8 AND e.lane = $1 \
                AND e.id + 0 > $6 AND e.id + 0 <= $3 \
           ) w \
@@ -124,13 +124,13 @@ pub const LANE_PUT: Stmt = Stmt {
     ],
 };
 
-/// A batch's state, with its ctid (claims lock it with `_lock_row`).
+/// A batch's state, lane and subscription (read under the batch's advisory lock).
 pub const BATCH_GET: Stmt =
-    Stmt { sql: "SELECT ctid, state FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+    Stmt { sql: "SELECT state, lane, subscription FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
-/// A batch's state, locked for an ack (waits for a claim holding it).
-pub const BATCH_LOCK: Stmt =
-    Stmt { sql: "SELECT state FROM outbox.log_batches WHERE id = $1 FOR UPDATE", types: &[pg_sys::INT8OID] };
+/// The states of a subscription's batches (`_log_in_flight`).
+pub const BATCH_STATES: Stmt =
+    Stmt { sql: "SELECT state FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
 
 pub const BATCH_NEW: Stmt = Stmt {
     sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) VALUES ($1, $2, $3, $4)",
@@ -144,10 +144,234 @@ pub const BATCH_PUT: Stmt =
 
 pub const BATCH_DELETE: Stmt = Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
-/// The claimed events' rows, with the round's token and lease expiry: the
-/// result columns of `outbox._log_claim`.
+/// The claimed events' rows, with the round's token and lease expiry, as
+/// `outbox.claim` returns them (attempt 1: an event goes out of a batch once).
 pub const FETCH: Stmt = Stmt {
-    sql: "SELECT l.id, l.topic, l.subject, l.payload, l.headers, $3::uuid, $4::timestamptz \
+    sql: "SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, 1::int4, $3::uuid, $4::timestamptz, \
+                 l.published_at \
           FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) ORDER BY l.id",
     types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::UUIDOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// What fail() needs to decide a batch event's fate: its max_attempts and its
+/// topic's backoff.
+pub const FAIL_INFO: Stmt = Stmt {
+    sql: "SELECT l.max_attempts, t.backoff_base, t.backoff_max \
+          FROM outbox.log l LEFT JOIN outbox.topics t ON t.topic = l.topic WHERE l.lane = $1 AND l.id = $2",
+    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
+};
+
+/// SQL condition on a row `$r` of the log (`l`) or of the exception table
+/// (`e`): a dead letter of it holds its subject, under the subscription's
+/// dead-letter policy ($p, NULL: none), else the topic's, else 'block'.
+macro_rules! dead_blocks {
+    ($r:literal, $p:literal) => {
+        concat!(
+            $r,
+            ".subject IS NOT NULL AND COALESCE(",
+            $p,
+            ", (SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = ",
+            $r,
+            ".topic), 'block') = 'block'"
+        )
+    };
+}
+
+/// Move events of lane $2 from a batch of subscription $1 into the exception
+/// table (src/log/exceptions.rs), copying them from the log. Per event ($3 ids)
+/// a kind ($4): `parked` (behind another, delayed, or outside the claim's
+/// topics: pending from its deliver_at, no attempt yet), `expired` (its batch
+/// lease expired: one attempt; pending with the batch token $6 kept, or dead
+/// with 'lease expired' when that was its last), `retry` (failed: pending
+/// from $5 with error $7) and `dead` (failed for good). $8 is the
+/// subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
+pub const EXC_INSERT: Stmt = Stmt {
+    sql: concat!(
+        "INSERT INTO outbox.log_exceptions AS e (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
+           max_attempts, published_at, state, attempts, visible_at, lease_token, last_error, errors, blocks, dead_at) \
+         SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, l.published_at, \
+                y.state, y.attempts, greatest(x.visible_at, l.deliver_at), \
+                CASE WHEN y.state = 'pending' AND x.kind = 'expired' THEN x.token END, \
+                y.error, \
+                CASE WHEN y.error IS NOT NULL THEN jsonb_build_array(jsonb_build_object( \
+                  'attempt', 1, 'at', clock_timestamp(), 'worker', NULL, 'error', y.error)) END, \
+                CASE WHEN y.state = 'dead' THEN ",
+        dead_blocks!("l", "$9"),
+        " ELSE true END, \
+                CASE WHEN y.state = 'dead' THEN clock_timestamp() END \
+           FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[]) \
+                  AS x(id, kind, visible_at, token, error) \
+           JOIN outbox.log l ON l.lane = $2 AND l.id = x.id \
+          CROSS JOIN LATERAL (SELECT \
+                CASE x.kind WHEN 'parked' THEN 'pending' WHEN 'retry' THEN 'pending' WHEN 'dead' THEN 'dead' \
+                     ELSE CASE WHEN 1 >= COALESCE($8, l.max_attempts) THEN 'dead' ELSE 'pending' END END AS state, \
+                CASE WHEN x.kind = 'parked' THEN 0 ELSE 1 END AS attempts, \
+                CASE WHEN x.kind = 'expired' AND 1 >= COALESCE($8, l.max_attempts) THEN 'lease expired' \
+                     ELSE x.error END AS error) y \
+         RETURNING e.id"
+    ),
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT2OID,
+        pg_sys::INT8ARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::TIMESTAMPTZARRAYOID,
+        pg_sys::UUIDARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::INT4OID,
+        pg_sys::TEXTOID,
+    ],
+};
+
+/// Which of the subjects $3 have a row in subscription $1's lane $2 of the
+/// exception table that holds them: their events continue there, in order.
+pub const EXC_OPEN_SUBJECTS: Stmt = Stmt {
+    sql: "SELECT DISTINCT e.subject FROM outbox.log_exceptions e \
+           WHERE e.subscription = $1 AND e.lane = $2 AND e.subject = ANY ($3) \
+             AND e.subject IS NOT NULL AND (e.state <> 'dead' OR e.blocks)",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::TEXTARRAYOID],
+};
+
+/// SQL condition on exception row `e`: it has used its attempts and goes dead
+/// instead of being leased again ($9: the subscription's max_attempts). Rows
+/// with a token are leases that expired (a claim's, or a batch's moved here);
+/// a pending row past its attempts is one whose subscription lowered them.
+macro_rules! exc_exhausted {
+    () => {
+        "e.attempts >= COALESCE($9, e.max_attempts) AND (e.lease_token IS NOT NULL OR e.attempts > 0)"
+    };
+}
+
+/// Claim up to $3 rows of subscription $1's exception table: pending or
+/// expired rows whose time ($2) has come and whose subject has no earlier row
+/// that holds it, in (visible_at, id) order, each taken with `_lock_row` (never
+/// waits), narrowed to the topics $6 (exact) and $7 (prefixes) when $6 is not
+/// NULL. They get token $4, lease $5 and worker $8; an expired lease on the
+/// last attempt goes dead instead ($10: the subscription's dead-letter
+/// policy). Columns 1-10 are claim's result; 11 is false for a row that went
+/// dead (not returned).
+pub const EXC_CLAIM: Stmt = Stmt {
+    sql: concat!(
+        "WITH cand AS ( \
+           SELECT r.id FROM ( \
+             SELECT e.id, e.ctid AS row FROM outbox.log_exceptions e \
+              WHERE e.subscription = $1 AND e.state <> 'dead' AND e.visible_at <= $2 \
+                AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
+                AND (e.subject IS NULL OR NOT EXISTS ( \
+                     SELECT 1 FROM outbox.log_exceptions p \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
+                        AND (p.state <> 'dead' OR p.blocks))) \
+              ORDER BY e.visible_at, e.id OFFSET 0) r \
+            WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
+         ), upd AS ( \
+           UPDATE outbox.log_exceptions e SET \
+             state = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN 'dead' ELSE 'leased' END, \
+             attempts = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN e.attempts ELSE e.attempts + 1 END, \
+             lease_token = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN NULL ELSE $4 END, \
+             visible_at = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN e.visible_at ELSE clock_timestamp() + $5 END, \
+             leased_by = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN e.leased_by ELSE $8 END, \
+             last_error = CASE WHEN e.lease_token IS NOT NULL THEN 'lease expired' ELSE e.last_error END, \
+             errors = CASE WHEN e.lease_token IS NOT NULL THEN ",
+        crate::history_append!(
+            "e.errors",
+            "jsonb_build_object('attempt', e.attempts, 'at', clock_timestamp(), 'worker', e.leased_by, 'error', 'lease expired')"
+        ),
+        " ELSE e.errors END, \
+             dead_at = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN clock_timestamp() END, \
+             blocks = CASE WHEN ",
+        exc_exhausted!(),
+        " THEN ",
+        dead_blocks!("e", "$10"),
+        " ELSE e.blocks END \
+           WHERE e.subscription = $1 AND e.id = ANY (ARRAY(SELECT c.id FROM cand c)) \
+           RETURNING e.id, e.topic, e.subject, e.dispatch_key, e.payload, e.headers, e.attempts, e.lease_token, \
+                     e.visible_at, e.published_at, e.state = 'leased' AS leased \
+         ) SELECT * FROM upd ORDER BY id"
+    ),
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT4OID,
+        pg_sys::UUIDOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::TEXTOID,
+        pg_sys::INT4OID,
+        pg_sys::TEXTOID,
+    ],
+};
+
+/// Ack exception rows by (id, token) pairs ($1, $2): the row's current lease,
+/// or the batch lease of a row moved here that no claim has handed out again.
+pub const EXC_ACK: Stmt = Stmt {
+    sql: "DELETE FROM outbox.log_exceptions e \
+           WHERE e.lease_token = ANY ($2) AND e.state <> 'dead' \
+             AND e.lease_token = ($2)[array_position($1, e.id)] RETURNING e.id",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
+};
+
+/// The exception row (id $1) token $2 holds, locked for fail(), with what
+/// fail() needs to decide: attempts, max_attempts, the topic's backoff, the
+/// subscription.
+pub const EXC_FAIL_LOCK: Stmt = Stmt {
+    sql: "SELECT e.attempts, e.max_attempts, t.backoff_base, t.backoff_max, e.subscription \
+            FROM outbox.log_exceptions e LEFT JOIN outbox.topics t ON t.topic = e.topic \
+           WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead' FOR UPDATE OF e",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
+/// fail() on an exception row: state $3 ('pending' or 'dead'), retry at now +
+/// $4, error $5 appended to the history; the lease ends ($6: the
+/// subscription's dead-letter policy).
+pub const EXC_FAIL_APPLY: Stmt = Stmt {
+    sql: concat!(
+        "UPDATE outbox.log_exceptions e SET state = $3, visible_at = clock_timestamp() + $4, lease_token = NULL, \
+           attempts = greatest(e.attempts, 1), last_error = $5, \
+           errors = ",
+        crate::history_append!(
+            "e.errors",
+            "jsonb_build_object('attempt', greatest(e.attempts, 1), 'at', clock_timestamp(), 'worker', e.leased_by, 'error', $5)"
+        ),
+        ", dead_at = CASE WHEN $3 = 'dead' THEN clock_timestamp() END, \
+           blocks = CASE WHEN $3 = 'dead' THEN ",
+        dead_blocks!("e", "$6"),
+        " ELSE e.blocks END \
+         WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead'"
+    ),
+    types: &[
+        pg_sys::INT8OID,
+        pg_sys::UUIDOID,
+        pg_sys::TEXTOID,
+        pg_sys::INTERVALOID,
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+    ],
+};
+
+/// extend_lease on an exception row: leased until now + $3 (a row moved here
+/// by an expired batch lease is leased again to its holder).
+pub const EXC_EXTEND: Stmt = Stmt {
+    sql: "UPDATE outbox.log_exceptions e SET state = 'leased', visible_at = clock_timestamp() + $3 \
+           WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead' RETURNING e.visible_at",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID, pg_sys::INTERVALOID],
+};
+
+/// Leases of subscription $1's exception rows that have not expired ($2: now).
+pub const EXC_IN_FLIGHT: Stmt = Stmt {
+    sql: "SELECT count(*) FROM outbox.log_exceptions e \
+           WHERE e.subscription = $1 AND e.state = 'leased' AND e.visible_at > $2",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
 };

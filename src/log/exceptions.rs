@@ -1,0 +1,237 @@
+//! The exception table `outbox.log_exceptions`: per-event state of the log's
+//! subscriptions, kept only for the events that need one (sql/log.sql).
+//!
+//! An event acked from its batch on the first try never has a row here. An
+//! event gets one when it leaves its batch (src/log/batch.rs, "Parking"):
+//! it failed, its batch lease expired, it is delayed (`deliver_at`), or a claim
+//! narrowed by topics did not take it; every other event of its subject that
+//! was in the batch after it (or, for a delayed or narrowed event, every event
+//! of its subject in the batch) comes with it. Claims take rows from here before
+//! they read their lanes.
+//!
+//! # Invariants, and why they hold
+//! 1. **Per-subject order.** A row is claimable only when no row of its
+//!    subscription, lane and subject with a smaller id holds the subject
+//!    (pending, leased, or dead under the 'block' policy). A subject's events
+//!    reach this table in id order: its earlier events of the same batch come
+//!    with it or are done ([`super::batch::Batch`] hands out a subject's events
+//!    one at a time and parks the later ones with a leaving event), and a new
+//!    batch of the lane sends every event of a subject that has a holding row
+//!    here ([`open_subjects`]). That check reads the table under a snapshot
+//!    taken after the lane's previous batch was seen finished, and a batch
+//!    finishes in the transaction that moves its last events here, so every row
+//!    moved out of an earlier batch is seen.
+//! 2. **Fencing.** A row's lease is its `lease_token`: a claim gives a new
+//!    one (version 8, kind 1: [`super::batch::exception_token`]), fail()
+//!    clears it, so an ack, fail or extension with any earlier token matches
+//!    nothing. A row moved here because its batch lease expired keeps the
+//!    batch's token until a claim hands it out again, as an expired lease of
+//!    the queue can still be acked until it is claimed again.
+//! 3. **Claims never wait.** Candidate rows are taken with `_lock_row`
+//!    ([`crate::pg::try_lock_row`]), as the queue's claim takes its rows.
+
+use crate::pg::fcall::SetResult;
+use crate::pg::plans;
+use crate::sql::log::{EXC_ACK, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS};
+use crate::subscriptions::Settings;
+use crate::{backoff, errors, gucs, pg, validate};
+use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
+use std::collections::HashSet;
+
+/// Why an event leaves its batch for the exception table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    /// Behind another event of its subject, delayed, or outside a narrowed
+    /// claim's topics: pending, no attempt yet.
+    Parked,
+    /// Its batch lease expired: one attempt used; the batch token stays its lease.
+    Expired,
+    /// fail() with attempts left: pending from its retry time.
+    Retry,
+    /// fail() for good, or on its last attempt.
+    Dead,
+}
+
+impl Kind {
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Parked => "parked",
+            Kind::Expired => "expired",
+            Kind::Retry => "retry",
+            Kind::Dead => "dead",
+        }
+    }
+}
+
+/// One event moving out of a batch.
+pub struct Moved {
+    pub id: i64,
+    pub kind: Kind,
+    /// When it may be claimed again (µs; its `deliver_at` if later).
+    pub visible_at: i64,
+    /// The batch token an expired event keeps.
+    pub token: Option<pgrx::Uuid>,
+    /// The failure, for `Retry` and `Dead`.
+    pub error: Option<String>,
+}
+
+/// Copy the events `moved` of lane `lane` from the log into subscription
+/// `subscription`'s exception rows.
+pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved]) {
+    if moved.is_empty() {
+        return;
+    }
+    let ids: Vec<i64> = moved.iter().map(|m| m.id).collect();
+    let kinds: Vec<&str> = moved.iter().map(|m| m.kind.as_str()).collect();
+    let at: Vec<TimestampWithTimeZone> = moved.iter().map(|m| pg::timestamptz(m.visible_at)).collect();
+    let tokens: Vec<Option<pgrx::Uuid>> = moved.iter().map(|m| m.token).collect();
+    let errs: Vec<Option<&str>> = moved.iter().map(|m| m.error.as_deref()).collect();
+    let args: [DatumWithOid<'_>; 9] = [
+        subscription.into(),
+        lane.into(),
+        ids.into(),
+        kinds.into(),
+        at.into(),
+        tokens.into(),
+        errs.into(),
+        settings.max_attempts.into(),
+        settings.dead_letter_policy.as_deref().into(),
+    ];
+    let n = plans::run_latest(&EXC_INSERT, &args, |rows| rows.len());
+    if n != moved.len() {
+        // Every id came from the lane's window, so the log holds it (retention
+        // waits for readers): a missing one is a broken invariant, not a race.
+        errors::raise(
+            errors::INTERNAL,
+            format!("{} of {} events to park are missing from the log", moved.len() - n, moved.len()),
+        );
+    }
+}
+
+/// The subjects among `subjects` whose events must continue in the exception
+/// table (a row of theirs holds them in lane `lane`).
+pub fn open_subjects(subscription: &str, lane: i16, subjects: Vec<String>) -> HashSet<String> {
+    if subjects.is_empty() {
+        return HashSet::new();
+    }
+    plans::run_latest(&EXC_OPEN_SUBJECTS, &[subscription.into(), lane.into(), subjects.into()], |rows| {
+        let mut out = HashSet::new();
+        rows.for_each(|r| {
+            if let Some(s) = r.text(0) {
+                out.insert(s);
+            }
+        });
+        out
+    })
+}
+
+/// What one claim asks for.
+pub struct Request<'a> {
+    pub subscription: &'a str,
+    pub settings: &'a Settings,
+    pub worker: &'a str,
+    pub lease_us: i64,
+    /// The call's own topics (exact, prefixes); None: the subscription's.
+    pub narrow: Option<(Vec<String>, Vec<String>)>,
+}
+
+/// Claim up to `left` exception rows into `out`; returns how many.
+pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize {
+    let token = pgrx::Uuid::from_bytes(super::batch::exception_token(pg::strong_random(), pg::strong_random()));
+    let (exact, prefixes) = match &req.narrow {
+        Some((e, p)) => (Some(e.clone()), Some(p.clone())),
+        None => (None, None),
+    };
+    let args: [DatumWithOid<'_>; 10] = [
+        req.subscription.into(),
+        plans::ts_param(now),
+        (left as i32).into(),
+        token.into(),
+        Interval::from_micros(req.lease_us).into(),
+        exact.into(),
+        prefixes.into(),
+        req.worker.into(),
+        req.settings.max_attempts.into(),
+        req.settings.dead_letter_policy.as_deref().into(),
+    ];
+    plans::run_latest(&EXC_CLAIM, &args, |rows| {
+        let mut n = 0;
+        rows.for_each(|r| {
+            if r.bool(10).unwrap_or(false) {
+                out.put_row(r);
+                n += 1;
+            }
+        });
+        n
+    })
+}
+
+/// Ack the exception rows among (`ids`, `tokens`); returns the ids acked.
+pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
+    if ids.is_empty() {
+        return vec![];
+    }
+    plans::run(&EXC_ACK, &[ids.into(), tokens.into()], |t| t.filter_map(|r| r.get::<i64>(1).ok().flatten()).collect())
+}
+
+/// fail() on the exception row `id` that `token` holds: Some(new state), or
+/// None when the token holds no row.
+pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, permanent: bool) -> Option<&'static str> {
+    let row = plans::run(&EXC_FAIL_LOCK, &[id.into(), token.into()], |t| {
+        if t.is_empty() {
+            return None;
+        }
+        let r = t.first();
+        let attempts: i32 = errors::spi(r.get(1)).unwrap_or(1);
+        let max_attempts: i32 = errors::spi(r.get(2)).unwrap_or(1);
+        let base: Option<Interval> = errors::spi(r.get(3));
+        let cap: Option<Interval> = errors::spi(r.get(4));
+        let sub: Option<String> = errors::spi(r.get(5));
+        Some((attempts.max(1), max_attempts, base, cap, sub.unwrap_or_default()))
+    })?;
+    let (attempts, max_attempts, base, cap, sub) = row;
+    let settings = crate::subscriptions::lookup(&sub).unwrap_or_default();
+    let (state, delay) = decide(&settings, attempts, max_attempts, base, cap, retry_in, permanent);
+    let args: [DatumWithOid<'_>; 6] = [
+        id.into(),
+        token.into(),
+        state.into(),
+        Interval::from_micros(delay).into(),
+        error.into(),
+        settings.dead_letter_policy.as_deref().into(),
+    ];
+    plans::count(&EXC_FAIL_APPLY, &args);
+    Some(state)
+}
+
+/// The fate of a failure of attempt `attempts`: ('dead' | 'pending', delay in
+/// µs). The subscription's settings first, then the topic's (`base`, `cap`,
+/// `max_attempts` from publish), then the GUCs.
+pub fn decide(
+    settings: &Settings,
+    attempts: i32,
+    max_attempts: i32,
+    base: Option<Interval>,
+    cap: Option<Interval>,
+    retry_in: Option<i64>,
+    permanent: bool,
+) -> (&'static str, i64) {
+    let max_attempts = settings.max_attempts.unwrap_or(max_attempts);
+    if permanent || attempts >= max_attempts {
+        return ("dead", 0);
+    }
+    let delay = retry_in.unwrap_or_else(|| {
+        let us = |iv: Option<Interval>, guc: fn() -> i64| {
+            iv.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(guc)
+        };
+        let base = us(settings.backoff_base.or(base), gucs::backoff_base_us);
+        let cap = us(settings.backoff_max.or(cap), gucs::backoff_max_us);
+        backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
+    });
+    ("pending", delay)
+}
+
+/// extend_lease on the exception row `id` that `token` holds: the new expiry.
+pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval) -> Option<TimestampWithTimeZone> {
+    plans::one(&EXC_EXTEND, &[id.into(), token.into(), lease.into()])
+}
