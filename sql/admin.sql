@@ -24,11 +24,26 @@ AS $$
 DECLARE
     t text;
     subj text;
+    sub text;
 BEGIN
-    -- 0.7.0 stores one subscription, 'default', whose rows are all of event_queue.
-    PERFORM outbox._subscription(subscription);
+    -- 'default' is event_queue's; a named subscription's dead and cancelled
+    -- events are its exception rows (src/log/exceptions.rs).
+    sub := outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
+        RETURNING x.topic INTO t;
+        IF t IS NULL THEN
+            RETURN false;
+        END IF;
+        PERFORM outbox._wake(t);
+        RETURN true;
     END IF;
     -- Subject lock first, as publish and cancel take it: whether the replayed event
     -- leads its subject is decided under it, from a snapshot taken after it
@@ -81,7 +96,8 @@ COMMENT ON FUNCTION outbox.replay(bigint, text) IS
 'Move a dead or cancelled event of a subscription (NULL = ''default'') back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
 'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them.';
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them. '
+'For a named subscription (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
@@ -95,13 +111,36 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n bigint;
+    sub text;
 BEGIN
-    PERFORM outbox._subscription(subscription);
+    sub := outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
         PERFORM outbox._pattern_kind(topic_pattern);
     END IF;
     IF dry_run IS NULL THEN
         RAISE EXCEPTION 'outbox: dry_run must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        IF dry_run THEN
+            SELECT pg_catalog.count(*) INTO n FROM outbox.log_exceptions x
+             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+            RETURN n;
+        END IF;
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM outbox._wake(NULL);
+        END IF;
+        RETURN n;
     END IF;
     IF dry_run THEN
         SELECT pg_catalog.count(*) INTO n
@@ -140,10 +179,24 @@ AS $$
 DECLARE
     n bigint;
     subj text;
+    sub text;
 BEGIN
-    PERFORM outbox._subscription(subscription);
+    sub := outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        -- Only events the subscription holds per event can be cancelled: not
+        -- leased ones, and not those its lanes have not read yet.
+        UPDATE outbox.log_exceptions x
+           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM outbox._wake(NULL);
+        END IF;
+        RETURN n OPERATOR(pg_catalog.>) 0;
     END IF;
     -- Subject lock first, row lock second: the order ack and publish use, so a
     -- cancel cannot deadlock with the promotion of the next head.
@@ -180,7 +233,9 @@ COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
 'Cancel, for a subscription (NULL = ''default''), an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
 'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
 'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. '
+'For a named subscription (0.9.0) it cancels an event that subscription holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead) and takes no subject lock; '
+'an event its lanes have not read yet, or one in a batch, cannot be cancelled there (false).';
 
 -- The topic registry.
 

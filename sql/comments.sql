@@ -118,9 +118,20 @@ COMMENT ON FUNCTION outbox._log_window_ids(smallint, text, bigint, text, text, b
 'Internal: outbox._log_window() with the snapshots and lo_xn as text. Errors as outbox._log_window(), and 22P02 for a malformed snapshot.';
 
 COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
-'Internal (0.8.0, the log storage under test): give a subscription its 16 lanes in outbox.log_lanes, starting at a cursor taken now (start = ''now'': '
+'Internal (create_subscription; claim, for a subscription restored from a dump): give a subscription its 16 lanes in outbox.log_lanes, starting at a cursor taken now (start = ''now'': '
 'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
 'Errors: 22004 NULL argument, 22023 malformed name or other start.';
 
 
 
+
+COMMENT ON FUNCTION outbox._log_in_flight(text) IS
+'Internal (drop_subscription): how many events the named subscription has leased out whose lease has not expired (bigint), in its batches and its exception rows. Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._log_subscription_stats(text) IS
+'Internal (the view outbox.subscriptions): one row for a named subscription: lag_events (bigint: events not yet delivered, read from the log or not), oldest_id and oldest_at (the oldest of them), '
+'leases_in_flight (bigint, unexpired), dead_letters (bigint). Reads each lane''s window up to a cursor taken now; an event of a transaction that committed late, below a lane''s position, counts from that lane''s next read. Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
+'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '
+'Errors: 22023 empty array or a malformed pattern (claim''s grammar: exact topic names, prefixes ending in ''.*'', ''*''); 22004 NULL element.';

@@ -124,7 +124,8 @@ CREATE TABLE outbox.log_batches (
 -- event from the log, so that retention never waits for it. Most events never
 -- have one: an event acked from its batch on the first try costs no row here.
 --   state       'pending' (claimable from visible_at), 'leased' (visible_at is
---               the lease expiry), 'dead' (a dead letter);
+--               the lease expiry), 'dead' (a dead letter), 'cancelled'
+--               (by outbox.cancel; kept for replay until retention_dead);
 --   attempts    deliveries started, the batch's first one included;
 --   lease_token the current lease's token; an event moved here when its
 --               batch lease expired keeps the batch's token, so its holder can
@@ -143,7 +144,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -152,14 +153,16 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);
 -- Claims: claimable rows in (visible_at, id) order.
-CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id) WHERE state <> 'dead';
+CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id)
+    WHERE state IN ('pending', 'leased');
 -- Rows that hold their subject: the head check of a claim, and a new batch's
 -- check for subjects that must continue here.
 CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)
-    WHERE subject IS NOT NULL AND (state <> 'dead' OR blocks);
+    WHERE subject IS NOT NULL AND (state IN ('pending', 'leased') OR (state = 'dead' AND blocks));
 -- ack, fail and extend_lease find a row by its token.
 CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE lease_token IS NOT NULL;
 

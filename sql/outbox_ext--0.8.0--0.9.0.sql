@@ -36,7 +36,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -45,14 +45,16 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);
 -- Claims: claimable rows in (visible_at, id) order.
-CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id) WHERE state <> 'dead';
+CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id)
+    WHERE state IN ('pending', 'leased');
 -- Rows that hold their subject: the head check of a claim, and a new batch's
 -- check for subjects that must continue here.
 CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)
-    WHERE subject IS NOT NULL AND (state <> 'dead' OR blocks);
+    WHERE subject IS NOT NULL AND (state IN ('pending', 'leased') OR (state = 'dead' AND blocks));
 -- ack, fail and extend_lease find a row by its token.
 CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE lease_token IS NOT NULL;
 
@@ -71,6 +73,219 @@ CREATE OR REPLACE FUNCTION "_log_in_flight"(
 VOLATILE PARALLEL UNSAFE 
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_in_flight_wrapper';
+
+CREATE OR REPLACE FUNCTION "_log_subscription_stats"(
+	"subscription" TEXT /* Option < & str > */
+) RETURNS TABLE (
+	"lag_events" bigint,  /* i64 */
+	"oldest_id" bigint,  /* Option < i64 > */
+	"oldest_at" timestamp with time zone,  /* Option < TimestampWithTimeZone > */
+	"leases_in_flight" bigint,  /* i64 */
+	"dead_letters" bigint  /* i64 */
+)
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_subscription_stats_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox.replay(id bigint, subscription text DEFAULT NULL) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    t text;
+    subj text;
+    sub text;
+BEGIN
+    -- 'default' is event_queue's; a named subscription's dead and cancelled
+    -- events are its exception rows (src/log/exceptions.rs).
+    sub := outbox._subscription(subscription);
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
+        RETURNING x.topic INTO t;
+        IF t IS NULL THEN
+            RETURN false;
+        END IF;
+        PERFORM outbox._wake(t);
+        RETURN true;
+    END IF;
+    -- Subject lock first, as publish and cancel take it: whether the replayed event
+    -- leads its subject is decided under it, from a snapshot taken after it
+    -- (outbox._promote_heads, src/subject.rs), whatever the isolation level.
+    SELECT q.subject INTO subj FROM outbox.event_queue q
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
+    IF NOT FOUND THEN
+        SELECT a.subject INTO subj FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled';
+    END IF;
+    PERFORM outbox._lock_subject(subj);
+    -- Dead events live in the hot relation: flip them back to pending.
+    UPDATE outbox.event_queue q
+       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
+           lease_token = NULL, leased_by = NULL, leased_at = NULL,
+           dead_at = NULL, blocks_subject = false
+     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead'
+    RETURNING q.topic INTO t;
+    IF FOUND THEN
+        PERFORM outbox._wake(t);
+        RETURN true;
+    END IF;
+    -- Cancelled events live in the archive: move them back, keeping id and history.
+    -- They enter as non-heads; the promotion below makes the subject's earliest
+    -- live event its head.
+    WITH moved AS (
+        DELETE FROM outbox.event_archive a
+         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled'
+        RETURNING a.*
+    )
+    INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
+                                    attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
+           0, m.max_attempts, GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()), m.last_error, m.errors, m.published_at,
+           m.subject IS NULL
+      FROM moved m
+    RETURNING topic INTO t;
+    IF t IS NULL THEN
+        RETURN false;
+    END IF;
+    IF subj IS NOT NULL THEN
+        PERFORM outbox._promote_heads(ARRAY[subj]);
+    END IF;
+    PERFORM outbox._wake(t);
+    RETURN true;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.replay_dead(
+    topic_pattern text        DEFAULT NULL,
+    dead_since    timestamptz DEFAULT NULL,
+    dead_until    timestamptz DEFAULT NULL,
+    dry_run       boolean     DEFAULT false,
+    subscription  text        DEFAULT NULL
+) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    sub text;
+BEGIN
+    sub := outbox._subscription(subscription);
+    IF topic_pattern IS NOT NULL THEN
+        PERFORM outbox._pattern_kind(topic_pattern);
+    END IF;
+    IF dry_run IS NULL THEN
+        RAISE EXCEPTION 'outbox: dry_run must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        IF dry_run THEN
+            SELECT pg_catalog.count(*) INTO n FROM outbox.log_exceptions x
+             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+            RETURN n;
+        END IF;
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM outbox._wake(NULL);
+        END IF;
+        RETURN n;
+    END IF;
+    IF dry_run THEN
+        SELECT pg_catalog.count(*) INTO n
+          FROM outbox.event_queue q
+         WHERE q.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
+           AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
+        RETURN n;
+    END IF;
+    UPDATE outbox.event_queue q
+       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
+           lease_token = NULL, leased_by = NULL, leased_at = NULL,
+           dead_at = NULL, blocks_subject = false
+     WHERE q.state OPERATOR(pg_catalog.=) 'dead'
+       AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
+       AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
+       AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox.cancel(id bigint, subscription text DEFAULT NULL) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    subj text;
+    sub text;
+BEGIN
+    sub := outbox._subscription(subscription);
+    IF id IS NULL THEN
+        RETURN false;
+    END IF;
+    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        -- Only events the subscription holds per event can be cancelled: not
+        -- leased ones, and not those its lanes have not read yet.
+        UPDATE outbox.log_exceptions x
+           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
+        GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.>) 0 THEN
+            PERFORM outbox._wake(NULL);
+        END IF;
+        RETURN n OPERATOR(pg_catalog.>) 0;
+    END IF;
+    -- Subject lock first, row lock second: the order ack and publish use, so a
+    -- cancel cannot deadlock with the promotion of the next head.
+    SELECT q.subject INTO subj FROM outbox.event_queue q WHERE q.id OPERATOR(pg_catalog.=) cancel.id;
+    IF subj IS NOT NULL THEN
+        PERFORM outbox._lock_subject(subj);
+    END IF;
+    WITH moved AS (
+        DELETE FROM outbox.event_queue q
+         WHERE q.id OPERATOR(pg_catalog.=) cancel.id
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead'])
+        RETURNING q.*
+    )
+    INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state,
+                                      attempts, max_attempts, leased_by, last_error, errors,
+                                      published_at, finished_at)
+    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'cancelled',
+           m.attempts, m.max_attempts, m.leased_by, m.last_error, m.errors,
+           m.published_at, pg_catalog.clock_timestamp()
+      FROM moved m;
+    GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.>) 0 THEN
+        -- A cancelled head of a subject may unblock the next event.
+        IF subj IS NOT NULL THEN
+            PERFORM outbox._promote_heads(ARRAY[subj]);
+        END IF;
+        PERFORM outbox._wake(NULL);
+    END IF;
+    RETURN n OPERATOR(pg_catalog.>) 0;
+END
+$$;
 
 CREATE OR REPLACE FUNCTION outbox._subscription_restore() RETURNS trigger
 LANGUAGE plpgsql
@@ -170,7 +385,191 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint := 0;
+    more bigint;
+    blocked text[];
+    key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
+BEGIN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads']) THEN
+        RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
+    END IF;
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox: older_than must not be negative, got %', older_than USING ERRCODE = '22023';
+    END IF;
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox: batch_size must be at least 1, got %', pg_catalog.quote_nullable(batch_size) USING ERRCODE = '22023';
+    END IF;
+    IF batch_size > outbox._setting('outbox.max_batch_size')::integer THEN
+        RAISE EXCEPTION 'outbox: batch size % exceeds outbox.max_batch_size', batch_size USING ERRCODE = '54000';
+    END IF;
+
+    IF kind = 'delivered' THEN
+        -- Rows are deleted by ctid (stable while the FOR UPDATE lock is held): the
+        -- archive has no btree on id, and a join on id would scan it per batch.
+        WITH victims AS (
+            SELECT a.ctid AS tid FROM outbox.event_archive a
+              LEFT JOIN outbox.topics t ON t.topic = a.topic
+             WHERE a.finished_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+             LIMIT batch_size
+               FOR UPDATE OF a SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.event_archive a WHERE a.ctid = ANY (ARRAY(SELECT v.tid FROM victims v))
+            RETURNING a.id, a.dispatch_key
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    ELSIF kind = 'dead' THEN
+        WITH victims AS (
+            SELECT q.id FROM outbox.event_queue q
+              LEFT JOIN outbox.topics t ON t.topic = q.topic
+             WHERE q.state = 'dead'
+               AND q.dead_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+             LIMIT batch_size
+               FOR UPDATE OF q SKIP LOCKED
+        ), gone AS (
+            -- The state test is repeated: a replay may have won the row meanwhile.
+            DELETE FROM outbox.event_queue q WHERE q.id = ANY (ARRAY(SELECT v.id FROM victims v)) AND q.state = 'dead'
+            RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
+          INTO n, blocked FROM gone g;
+        -- Purging a blocking dead letter unblocks its subject.
+        IF blocked IS NOT NULL THEN
+            PERFORM outbox._promote_heads(blocked, false);
+        END IF;
+        -- Dead letters and cancelled events of named subscriptions (0.9.0), in
+        -- what is left of the batch. Their subjects need no promotion: a claim finds heads itself
+        -- (src/log/exceptions.rs).
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state IN ('dead', 'cancelled')
+                   AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state IN ('dead', 'cancelled');
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
+    ELSIF kind = 'heads' THEN
+        -- Repair of heads that writes around the outbox functions left unset (a
+        -- manual INSERT, a data-only restore); the functions themselves keep heads
+        -- right without it (src/subject.rs).
+        SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
+          FROM outbox.event_queue q
+         WHERE NOT q.is_head AND q.state <> 'dead'
+           AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p
+                            WHERE p.subject = q.subject AND p.id < q.id
+                              AND (p.state <> 'dead' OR p.blocks_subject));
+        IF blocked IS NOT NULL THEN
+            n := outbox._promote_heads(blocked, false);
+        END IF;
+    ELSE
+        -- Keys whose events are gone, once they are older than the key window.
+        WITH victims AS (
+            SELECT k.dispatch_key FROM outbox.dispatch_keys k
+             WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+             LIMIT batch_size
+               FOR UPDATE OF k SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.dispatch_keys k USING victims v WHERE k.dispatch_key = v.dispatch_key
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    END IF;
+    RETURN n;
+END
+$$;
+
+-- Views, changed
+
+CREATE OR REPLACE VIEW outbox.subscriptions AS
+WITH q AS (
+    SELECT pg_catalog.count(*) FILTER (WHERE e.state <> 'dead') AS undelivered,
+           -- What a claim could take now: subject heads whose time has come,
+           -- expired leases included (the claim index's rows).
+           pg_catalog.count(*) FILTER (WHERE e.state <> 'dead' AND e.is_head AND e.visible_at <= pg_catalog.now()) AS ready,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
+           pg_catalog.min(e.id) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_id,
+           pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
+      FROM outbox.event_queue e
+)
+-- 'default' is the queue's; a named subscription's numbers come from the log
+-- (src/log/claim.rs, outbox._log_subscription_stats).
+SELECT c.name, c.topics, c.paused, c.paused_at,
+       COALESCE(l.lag_events, q.undelivered) AS lag_events,
+       pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
+       COALESCE(l.oldest_id, q.oldest_undelivered_id) AS oldest_undelivered_id,
+       COALESCE(l.oldest_at, q.oldest_undelivered_at) AS oldest_undelivered_at,
+       q.ready,
+       COALESCE(l.leases_in_flight, q.leased) AS leases_in_flight,
+       COALESCE(l.dead_letters, q.dead) AS dead_letters,
+       a.last_claim_at,
+       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
+       c.created_at, c.updated_at, c.dead_letter_policy
+  FROM outbox.subscription_catalog c
+  LEFT JOIN outbox.subscription_activity a ON a.name = c.name
+  LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
+                      WHERE c.name OPERATOR(pg_catalog.<>) 'default') l ON true
+  LEFT JOIN q ON c.name OPERATOR(pg_catalog.=) 'default';
+
+CREATE OR REPLACE VIEW outbox.deliveries AS
+SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
+       e.state, e.attempts, COALESCE(c.max_attempts, e.max_attempts) AS max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
+       e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
+  FROM outbox.events e
+ CROSS JOIN outbox.subscription_catalog c
+ WHERE c.name = 'default'
+UNION ALL
+-- A named subscription's events that have per-event state (src/log/exceptions.rs).
+SELECT x.id, x.subscription, x.topic, x.subject,
+       CASE WHEN x.state = 'leased' AND x.visible_at <= pg_catalog.now() THEN 'pending' ELSE x.state END,
+       x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END,
+       x.last_error, x.errors, NULL::timestamptz, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+  JOIN outbox.subscription_catalog c ON c.name = x.subscription;
+
 -- Comments, new or changed
+
+COMMENT ON FUNCTION outbox.replay(bigint, text) IS
+'Move a dead or cancelled event of a subscription (NULL = ''default'') back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
+'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them. '
+'For a named subscription (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there.';
+
+COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
+'Cancel, for a subscription (NULL = ''default''), an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
+'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. '
+'For a named subscription (0.9.0) it cancels an event that subscription holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead) and takes no subject lock; '
+'an event its lanes have not read yet, or one in a batch, cannot be cancelled there (false).';
 
 COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) IS
 'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
@@ -187,6 +586,35 @@ COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
 'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; 0A000 ''default'' (it still lives in outbox.event_queue); '
 '55006 leases in flight without force. Nothing is dropped on error.';
+
+COMMENT ON VIEW outbox.subscriptions IS
+'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
+'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, and dead_letter_policy (NULL: the topic''s). '
+'''default'' reads the hot queue; a named subscription reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
+
+COMMENT ON VIEW outbox.deliveries IS
+'One row per event and subscription with a delivery state: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
+'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
+'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed, whose lease expired, that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
+'events it received on the first try and those it has not read yet have no row here (outbox.subscriptions gives its lag).';
+
+COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
+'Internal (create_subscription; claim, for a subscription restored from a dump): give a subscription its 16 lanes in outbox.log_lanes, starting at a cursor taken now (start = ''now'': '
+'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
+'Errors: 22004 NULL argument, 22023 malformed name or other start.';
+
+COMMENT ON FUNCTION outbox._log_in_flight(text) IS
+'Internal (drop_subscription): how many events the named subscription has leased out whose lease has not expired (bigint), in its batches and its exception rows. Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._log_subscription_stats(text) IS
+'Internal (the view outbox.subscriptions): one row for a named subscription: lag_events (bigint: events not yet delivered, read from the log or not), oldest_id and oldest_at (the oldest of them), '
+'leases_in_flight (bigint, unexpired), dead_letters (bigint). Reads each lane''s window up to a cursor taken now; an event of a transaction that committed late, below a lane''s position, counts from that lane''s next read. Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
+'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '
+'Errors: 22023 empty array or a malformed pattern (claim''s grammar: exact topic names, prefixes ending in ''.*'', ''*''); 22004 NULL element.';
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
@@ -257,6 +685,7 @@ ALTER FUNCTION outbox._log_rotate() SECURITY DEFINER;
 ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_subscription(text, boolean) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
@@ -273,7 +702,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),

@@ -19,6 +19,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n bigint := 0;
+    more bigint;
     blocked text[];
     key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
 BEGIN
@@ -79,6 +80,24 @@ BEGIN
         -- Purging a blocking dead letter unblocks its subject.
         IF blocked IS NOT NULL THEN
             PERFORM outbox._promote_heads(blocked, false);
+        END IF;
+        -- Dead letters and cancelled events of named subscriptions (0.9.0), in
+        -- what is left of the batch. Their subjects need no promotion: a claim finds heads itself
+        -- (src/log/exceptions.rs).
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state IN ('dead', 'cancelled')
+                   AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state IN ('dead', 'cancelled');
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
         END IF;
     ELSIF kind = 'heads' THEN
         -- Repair of heads that writes around the outbox functions left unset (a

@@ -253,24 +253,31 @@ WITH q AS (
            pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
       FROM outbox.event_queue e
 )
-SELECT c.name, NULL::text[] AS topics, c.paused, c.paused_at,
-       q.undelivered AS lag_events,
-       pg_catalog.now() - q.oldest_undelivered_at AS lag,
-       q.oldest_undelivered_id, q.oldest_undelivered_at,
-       q.ready, q.leased AS leases_in_flight, q.dead AS dead_letters,
+-- 'default' is the queue's; a named subscription's numbers come from the log
+-- (src/log/claim.rs, outbox._log_subscription_stats).
+SELECT c.name, c.topics, c.paused, c.paused_at,
+       COALESCE(l.lag_events, q.undelivered) AS lag_events,
+       pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
+       COALESCE(l.oldest_id, q.oldest_undelivered_id) AS oldest_undelivered_id,
+       COALESCE(l.oldest_at, q.oldest_undelivered_at) AS oldest_undelivered_at,
+       q.ready,
+       COALESCE(l.leases_in_flight, q.leased) AS leases_in_flight,
+       COALESCE(l.dead_letters, q.dead) AS dead_letters,
        a.last_claim_at,
        c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
-       c.created_at, c.updated_at
+       c.created_at, c.updated_at, c.dead_letter_policy
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
- CROSS JOIN q;
+  LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
+                      WHERE c.name OPERATOR(pg_catalog.<>) 'default') l ON true
+  LEFT JOIN q ON c.name OPERATOR(pg_catalog.=) 'default';
 
 COMMENT ON VIEW outbox.subscriptions IS
-'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending or leased), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
-'and its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at. '
-'0.7.0 stores one subscription, ''default'', which every event belongs to. Reads the whole hot queue: poll it every 15 s or slower.';
+'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, and dead_letter_policy (NULL: the topic''s). '
+'''default'' reads the hot queue; a named subscription reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
 
 CREATE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
@@ -278,9 +285,20 @@ SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
        e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
   FROM outbox.events e
  CROSS JOIN outbox.subscription_catalog c
- WHERE c.name = 'default';
+ WHERE c.name = 'default'
+UNION ALL
+-- A named subscription's events that have per-event state (src/log/exceptions.rs).
+SELECT x.id, x.subscription, x.topic, x.subject,
+       CASE WHEN x.state = 'leased' AND x.visible_at <= pg_catalog.now() THEN 'pending' ELSE x.state END,
+       x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END,
+       x.last_error, x.errors, NULL::timestamptz, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+  JOIN outbox.subscription_catalog c ON c.name = x.subscription;
 
 COMMENT ON VIEW outbox.deliveries IS
-'One row per event and subscription: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
+'One row per event and subscription with a delivery state: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
-'0.7.0 stores one subscription, ''default'': its rows are those of outbox.events.';
+'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed, whose lease expired, that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
+'events it received on the first try and those it has not read yet have no row here (outbox.subscriptions gives its lag).';

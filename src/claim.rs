@@ -48,33 +48,6 @@ use crate::sql::claim::{CLAIM_ALL, CLAIM_ALL_040, CLAIM_TOPICS, CLAIM_TOPICS_040
 use crate::{gucs, lowwater, pg, subject, subscriptions, validate};
 use pgrx::prelude::*;
 
-/// Split claim's `topics` argument into exact names and prefixes; None means all.
-pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>, Vec<String>)> {
-    let topics = topics?;
-    if topics.is_empty() {
-        errors::raise(errors::INVALID_PARAMETER, "topics must not be an empty array; pass NULL for all topics");
-    }
-    let mut exact = Vec::new();
-    let mut prefixes = Vec::new();
-    let mut all = false;
-    // Validate every element before deciding: errors must not depend on order.
-    for t in topics {
-        let Some(t) = t else {
-            errors::raise(errors::NULL_VALUE, "topics must not contain NULL");
-        };
-        match validate::pattern(&t) {
-            validate::TopicPattern::All => all = true,
-            validate::TopicPattern::Exact(e) => exact.push(e),
-            validate::TopicPattern::Prefix(p) => prefixes.push(p),
-        }
-    }
-    if all {
-        None
-    } else {
-        Some((exact, prefixes))
-    }
-}
-
 thread_local! {
     /// (subscription, clock in µs) of this session's last note in
     /// `outbox.subscription_activity`: claims note at most once a second.
@@ -117,7 +90,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let topics = call.value(3, pg_sys::TEXTARRAYOID).map(|v| {
         Array::read(v, "topics").elems().into_iter().map(|e| e.and_then(Value::text)).collect::<Vec<Option<String>>>()
     });
-    let filter = topic_filter(topics);
+    let filter = validate::topic_filter(topics);
     let default_lease = Interval::from_micros(gucs::default_lease_us());
     let now = pg::now();
     // With the 0.7.0 SQL (five arguments) the catalog exists. A malformed name

@@ -106,6 +106,10 @@ v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);
 v1_function!(outbox_extend_lease, pg_finfo_outbox_extend_lease, lease::extend_lease);
 v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff_delay);
 v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topics_changed);
+// Symbols of 0.8.0's internal functions, for its install script (upgrades run it).
+v1_function!(unpinned outbox_log_claim, pg_finfo_outbox_log_claim, log::claim::retired);
+v1_function!(unpinned log_ack_wrapper, pg_finfo_log_ack_wrapper, log::claim::retired);
+v1_function!(unpinned log_extend_wrapper, pg_finfo_log_extend_wrapper, log::claim::retired);
 
 /// Library initialisation: GUCs, shared memory, transaction callbacks and, when
 /// preloaded, the launcher and the hook that makes workers leave a database that

@@ -274,6 +274,33 @@ mod tests {
     }
 }
 
+/// Split claim's `topics` argument into exact names and prefixes; None means all.
+pub fn topic_filter(topics: Option<Vec<Option<String>>>) -> Option<(Vec<String>, Vec<String>)> {
+    let topics = topics?;
+    if topics.is_empty() {
+        errors::raise(INVALID_PARAMETER, "topics must not be an empty array; pass NULL for all topics");
+    }
+    let mut exact = Vec::new();
+    let mut prefixes = Vec::new();
+    let mut all = false;
+    // Validate every element before deciding: errors must not depend on order.
+    for t in topics {
+        let Some(t) = t else {
+            errors::raise(errors::NULL_VALUE, "topics must not contain NULL");
+        };
+        match pattern(&t) {
+            TopicPattern::All => all = true,
+            TopicPattern::Exact(e) => exact.push(e),
+            TopicPattern::Prefix(p) => prefixes.push(p),
+        }
+    }
+    if all {
+        None
+    } else {
+        Some((exact, prefixes))
+    }
+}
+
 /// `outbox._check_topic_patterns(topics text[]) -> text[]`: a subscription's
 /// topic filter as stored: NULL for every topic (NULL, or a list with `*`),
 /// else the patterns, checked with claim's grammar ([`pattern`]) and without
@@ -282,7 +309,7 @@ mod tests {
 #[pg_extern(name = "_check_topic_patterns", immutable, parallel_safe)]
 fn check_topic_patterns(topics: Option<Vec<Option<String>>>) -> Option<Vec<String>> {
     let topics = topics?;
-    crate::claim::topic_filter(Some(topics.clone()))?;
+    topic_filter(Some(topics.clone()))?;
     let mut out: Vec<String> = topics.into_iter().flatten().collect();
     out.sort_unstable();
     out.dedup();

@@ -92,23 +92,22 @@ def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_qu
     assert [r[0] for r in rows] == queue_ids(logdb)
 
 
-def test_off_by_default_and_only_a_superuser_turns_it_on(logdb):
+def test_every_publish_is_logged_whatever_the_setting_and_role(logdb):
+    """From 0.9.0 the log is always written (named subscriptions read it, and a
+    subscription created while a publisher's transaction is open must find its
+    events there); outbox.log_write only matters with the SQL of 0.8.0."""
     c = logdb.conn()
-    c.execute("SELECT outbox.publish('log.off', '{}')")
-    assert log_rows(logdb) == []
+    c.execute("SET outbox.log_write = off")
+    first = c.execute("SELECT outbox.publish('log.off', '{}')").fetchone()[0]
     c.execute("DROP ROLE IF EXISTS log_test_user")
     c.execute("CREATE ROLE log_test_user")
     c.execute("GRANT outbox_publisher TO log_test_user")
     try:
         c.execute("SET ROLE log_test_user")
         assert sqlstate(c, "SET outbox.log_write = on") == "42501"
-        c.execute("RESET ROLE")
-        # Set by a superuser for the role, it applies to that role's publishes.
-        c.execute("SET outbox.log_write = on")
-        c.execute("SET ROLE log_test_user")
         got = c.execute("SELECT outbox.publish('log.role', '{}')").fetchone()[0]
         c.execute("RESET ROLE")
-        assert [r[0] for r in log_rows(logdb)] == [got]
+        assert [r[0] for r in log_rows(logdb)] == [first, got]
     finally:
         c.execute("RESET ROLE")
         c.execute("DROP OWNED BY log_test_user")
@@ -336,7 +335,7 @@ def test_retention_keeps_a_table_until_every_reader_has_passed_it(logdb):
     read past them, the next run truncates it."""
     c, admin = logging_conn(logdb), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
-    c.execute("SELECT outbox._log_subscribe('slow')")
+    c.execute("SELECT outbox.create_subscription('slow')")
     ids = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('log.keep', ARRAY['{}', '{}']::jsonb[])")]
     admin.execute("SELECT outbox._log_rotate()")     # log_0 recorded as open
     admin.execute("SELECT outbox._log_rotate()")     # sealed, log_1 open
@@ -347,10 +346,11 @@ def test_retention_keeps_a_table_until_every_reader_has_passed_it(logdb):
     # The ring is not overwritten either: log_2, log_3 may open, log_0 may not.
     assert (0, True) in state(logdb)
     # The reader takes and acks them; its lanes then move past log_0.
-    rows = c.execute("SELECT id, lease_token FROM outbox._log_claim('slow', 10, '30 s')").fetchall()
+    claim = "SELECT id, lease_token FROM outbox.claim('w', 10, subscription => 'slow')"
+    rows = c.execute(claim).fetchall()
     assert sorted(r[0] for r in rows) == ids
-    c.execute("SELECT outbox._log_ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
-    assert c.execute("SELECT * FROM outbox._log_claim('slow', 10, '30 s')").fetchall() == []
+    c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+    assert c.execute(claim).fetchall() == []
     assert admin.execute("SELECT outbox._log_readers_passed(0::smallint)").fetchone()[0] is True
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
     assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0

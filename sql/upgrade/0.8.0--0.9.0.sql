@@ -31,7 +31,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -40,13 +40,15 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);
 -- Claims: claimable rows in (visible_at, id) order.
-CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id) WHERE state <> 'dead';
+CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id)
+    WHERE state IN ('pending', 'leased');
 -- Rows that hold their subject: the head check of a claim, and a new batch's
 -- check for subjects that must continue here.
 CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)
-    WHERE subject IS NOT NULL AND (state <> 'dead' OR blocks);
+    WHERE subject IS NOT NULL AND (state IN ('pending', 'leased') OR (state = 'dead' AND blocks));
 -- ack, fail and extend_lease find a row by its token.
 CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE lease_token IS NOT NULL;

@@ -260,9 +260,10 @@ impl Batch {
     /// Park every waiting event of the subject of event `i` (before and after
     /// it; `i` alone without a subject), for an event the claim does not hand
     /// out from the batch (delayed, or outside the claim's topics): its subject
-    /// then continues from the exception table, in id order. Returns the
-    /// parked positions. Panics if one of them is out or done: a claim diverts
-    /// only while it builds the batch.
+    /// then continues from the exception table, in id order. Events already
+    /// done (skipped: outside the subscription's topics) stay done. Returns the
+    /// parked positions. Panics if an event of the subject is out: a claim
+    /// diverts only while it builds the batch.
     pub fn divert(&mut self, i: usize) -> Vec<usize> {
         let root = |mut j: usize| {
             while let Some(p) = self.prev[j] {
@@ -271,11 +272,14 @@ impl Batch {
             j
         };
         let mine = root(i);
-        let all: Vec<usize> = (0..self.len()).filter(|&j| root(j) == mine).collect();
+        let all: Vec<usize> = (0..self.len()).filter(|&j| root(j) == mine && self.state[j] == State::Waiting).collect();
         for &j in &all {
-            assert!(matches!(self.state[j], State::Waiting | State::Parked), "divert of an event already out");
             self.state[j] = State::Parked;
         }
+        assert!(
+            (0..self.len()).all(|j| root(j) != mine || !matches!(self.state[j], State::Out(_))),
+            "divert of a subject with an event out"
+        );
         all
     }
 
@@ -595,6 +599,11 @@ mod tests {
         assert_eq!(b.divert(3), vec![3]);
         b.skip(1); // 11 (b) is outside the subscription's topics
         assert_eq!(b.handable(), vec![4]);
+        // A skipped event stays done when its subject is diverted.
+        let mut c = batch();
+        c.skip(1);
+        assert_eq!(c.divert(4), vec![4]);
+        assert_eq!(c.state(1), State::Done);
         let t = b.hand_out(7, &[4], T0 + 30, 1);
         b.ack(14, t).unwrap();
         assert!(b.finished());

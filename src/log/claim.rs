@@ -58,8 +58,8 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, FAIL_INFO, FETCH, LANES,
-    LANE_PUT, SUBSCRIBE,
+    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, EXC_STATS, FAIL_INFO, FETCH,
+    LANES, LANE_PUT, PUBLISHED_AT, SUBSCRIBE,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -176,7 +176,7 @@ fn passes(filter: &Option<(Vec<String>, Vec<String>)>, topic: &str) -> bool {
 
 /// The subscription's own topic filter, from its catalog row's patterns.
 fn own_filter(settings: &Settings) -> Option<(Vec<String>, Vec<String>)> {
-    settings.topics.as_ref().and_then(|t| crate::claim::topic_filter(Some(t.iter().cloned().map(Some).collect())))
+    settings.topics.as_ref().and_then(|t| validate::topic_filter(Some(t.iter().cloned().map(Some).collect())))
 }
 
 /// What one claim call is handing out.
@@ -456,6 +456,74 @@ pub fn log_in_flight(subscription: Option<&str>) -> i64 {
     in_batches + in_rows
 }
 
+/// `outbox._log_subscription_stats(subscription text)`: one row of what a
+/// named subscription owes, for the view `outbox.subscriptions`: `lag_events`
+/// (events not yet delivered: read or not, in batches, retries), `oldest_id`
+/// and `oldest_at` (the oldest of them), `leases_in_flight` (unexpired),
+/// `dead_letters`. Reads each lane's window up to a cursor taken now. An
+/// event whose transaction committed late below a lane's position is counted
+/// once that lane's next window reads it.
+#[pg_extern(name = "_log_subscription_stats", volatile, parallel_unsafe)]
+pub fn log_subscription_stats(
+    subscription: Option<&str>,
+) -> TableIterator<
+    'static,
+    (
+        name!(lag_events, i64),
+        name!(oldest_id, Option<i64>),
+        name!(oldest_at, Option<TimestampWithTimeZone>),
+        name!(leases_in_flight, i64),
+        name!(dead_letters, i64),
+    ),
+> {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let now = pg::now();
+    let hi = cursor();
+    let (mut lag, mut in_flight) = (0i64, 0i64);
+    let mut oldest: Option<(i64, i16)> = None;
+    let mut note = |id: Option<i64>, lane: i16| {
+        if let Some(id) = id {
+            if oldest.is_none_or(|(o, _)| id < o) {
+                oldest = Some((id, lane));
+            }
+        }
+    };
+    for l in lanes(subscription) {
+        let (n, min) = super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0));
+        lag += n;
+        note(min, l.lane);
+        if let Some(Loaded { batch: b, .. }) = l.batch.and_then(load_batch) {
+            let owed: Vec<i64> = (0..b.len())
+                .filter(|&i| matches!(b.state(i), super::batch::State::Waiting | super::batch::State::Out(_)))
+                .map(|i| b.ids()[i])
+                .collect();
+            lag += owed.len() as i64;
+            note(owed.first().copied(), l.lane);
+            in_flight += b.out_unexpired(now) as i64;
+        }
+    }
+    let mut oldest_at =
+        oldest.and_then(|(id, lane)| plans::one::<TimestampWithTimeZone>(&PUBLISHED_AT, &[lane.into(), id.into()]));
+    let (exc, exc_min, exc_at, exc_leased, dead) =
+        plans::run_latest(&EXC_STATS, &[subscription.into(), plans::ts_param(now)], |rows| {
+            let mut out = (0, None, None, 0, 0);
+            rows.for_each(|r| {
+                out = (r.i64(0).unwrap_or(0), r.i64(1), r.timestamptz(2), r.i64(3).unwrap_or(0), r.i64(4).unwrap_or(0))
+            });
+            out
+        });
+    lag += exc;
+    let mut oldest_id = oldest.map(|(id, _)| id);
+    if let (Some(id), Some(at)) = (exc_min, exc_at) {
+        if oldest_id.is_none_or(|o| id < o) {
+            oldest_id = Some(id);
+            oldest_at = Some(pg::timestamptz(at));
+        }
+    }
+    TableIterator::once((lag, oldest_id, oldest_at, in_flight + exc_leased, dead))
+}
+
 /// True when `token` was handed out by a claim over the log (a batch round or
 /// an exception row), not by the queue's claim.
 pub fn is_log_token(token: &pgrx::Uuid) -> bool {
@@ -555,4 +623,20 @@ pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval, lease_us: i64) -> Opt
         }
     }
     exceptions::extend(id, token, lease)
+}
+
+/// The body of the C symbols of 0.8.0's internal claim functions
+/// (`outbox._log_claim`, `_log_ack`, `_log_extend`), which 0.9.0 replaced with
+/// `outbox.claim`, `ack` and `extend_lease`: the frozen install script of
+/// 0.8.0 must still load against this library (an upgrade goes through it),
+/// and a call before `ALTER EXTENSION outbox_ext UPDATE` gets a clear error.
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention; reads nothing.
+pub unsafe fn retired(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    errors::raise_hint(
+        PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
+        "this internal function of outbox_ext 0.8.0 was replaced in 0.9.0",
+        "Run ALTER EXTENSION outbox_ext UPDATE; outbox.claim, ack and extend_lease serve named subscriptions.",
+    )
 }

@@ -88,7 +88,7 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::param;
 use crate::pg::heap::{self, LogRow};
 use crate::pg::plans;
-use crate::sql::log::{APPEND_ONE, CURRENT, CURSOR, ROTATE, WINDOW};
+use crate::sql::log::{APPEND_ONE, CURRENT, CURSOR, ROTATE, WINDOW, WINDOW_COUNT};
 use pgrx::datum::DatumWithOid;
 use pgrx::prelude::*;
 
@@ -266,6 +266,26 @@ pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) 
                 deliver_at: r.timestamptz(3),
             })
         });
+        out
+    })
+}
+
+/// How many events of lane `lane` are between `lo` and the snapshot `hi`
+/// above `after`, and the smallest id among them.
+pub fn window_count(lane: i16, lo: &Cursor, hi: &str, after: i64) -> (i64, Option<i64>) {
+    let xn = lo.xn.to_string();
+    let args: [DatumWithOid<'_>; 7] = [
+        lane.into(),
+        lo.snapshot.as_str().into(),
+        lo.m.into(),
+        xn.as_str().into(),
+        hi.into(),
+        after.into(),
+        None::<i32>.into(),
+    ];
+    plans::run_latest(&WINDOW_COUNT, &args, |rows| {
+        let mut out = (0, None);
+        rows.for_each(|r| out = (r.i64(0).unwrap_or(0), r.i64(1)));
         out
     })
 }

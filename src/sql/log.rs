@@ -55,6 +55,30 @@ pub const CURSOR: Stmt = Stmt {
     types: &[],
 };
 
+/// The window statement with select list `$cols` and tail `$tail` ([`WINDOW`]).
+macro_rules! window_sql {
+    ($cols:literal, $tail:literal) => {
+        concat!(
+            "WITH s AS MATERIALIZED (SELECT $2::pg_snapshot AS lo, $5::pg_snapshot AS hi) SELECT ",
+            $cols,
+            " FROM s, LATERAL ( \
+               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
+                WHERE e.lane = $1 AND e.id > greatest($3, $6) \
+               UNION ALL \
+               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
+                WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.lo))) AND e.lane = $1 \
+                  AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+               UNION ALL \
+               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
+                WHERE e.txid >= pg_snapshot_xmax(s.lo) AND e.txid < $4::xid8 AND e.lane = $1 \
+                  AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+             ) w \
+             WHERE pg_visible_in_snapshot(w.txid, s.hi) AND NOT pg_visible_in_snapshot(w.txid, s.lo) ",
+            $tail
+        )
+    };
+}
+
 /// The events of lane $1 between the cursor ($2 snapshot, $3 m, $4 xn) and the
 /// snapshot $5, ids above $6, at most $7 (NULL: all), in id order. The three
 /// branches are the access paths: ids drawn after m (the `(lane, id)` index);
@@ -63,32 +87,22 @@ pub const CURSOR: Stmt = Stmt {
 /// the lane's whole history through `(lane, id)` instead). The outer filter is
 /// the definition (visible in $5, not in $2); src/log/mod.rs proves the branches
 /// find every event it accepts. The snapshots are cast once (`s`), not per row.
-pub const WINDOW: Stmt = Stmt {
-    sql: "WITH s AS MATERIALIZED (SELECT $2::pg_snapshot AS lo, $5::pg_snapshot AS hi) \
-          SELECT w.id, w.subject, w.topic, w.deliver_at FROM s, LATERAL ( \
-            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
-             WHERE e.lane = $1 AND e.id > greatest($3, $6) \
-            UNION ALL \
-            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
-             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.lo))) AND e.lane = $1 \
-               AND e.id + 0 > $6 AND e.id + 0 <= $3 \
-            UNION ALL \
-            SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at FROM outbox.log e \
-             WHERE e.txid >= pg_snapshot_xmax(s.lo) AND e.txid < $4::xid8 AND e.lane = $1 \
-               AND e.id + 0 > $6 AND e.id + 0 <= $3 \
-          ) w \
-          WHERE pg_visible_in_snapshot(w.txid, s.hi) AND NOT pg_visible_in_snapshot(w.txid, s.lo) \
-          ORDER BY w.id LIMIT $7",
-    types: &[
-        pg_sys::INT2OID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTOID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::INT4OID,
-    ],
-};
+pub const WINDOW: Stmt =
+    Stmt { sql: window_sql!("w.id, w.subject, w.topic, w.deliver_at", "ORDER BY w.id LIMIT $7"), types: WINDOW_TYPES };
+
+/// [`WINDOW`] counted: how many events, the smallest id and the earliest
+/// publish time ($7 is ignored).
+pub const WINDOW_COUNT: Stmt = Stmt { sql: window_sql!("count(*), min(w.id)", ""), types: WINDOW_TYPES };
+
+const WINDOW_TYPES: &[pg_sys::Oid] = &[
+    pg_sys::INT2OID,
+    pg_sys::TEXTOID,
+    pg_sys::INT8OID,
+    pg_sys::TEXTOID,
+    pg_sys::TEXTOID,
+    pg_sys::INT8OID,
+    pg_sys::INT4OID,
+];
 
 /// A subscription's lanes, starting at one cursor (`_log_subscribe`).
 pub const SUBSCRIBE: Stmt = Stmt {
@@ -228,7 +242,7 @@ pub const EXC_INSERT: Stmt = Stmt {
 pub const EXC_OPEN_SUBJECTS: Stmt = Stmt {
     sql: "SELECT DISTINCT e.subject FROM outbox.log_exceptions e \
            WHERE e.subscription = $1 AND e.lane = $2 AND e.subject = ANY ($3) \
-             AND e.subject IS NOT NULL AND (e.state <> 'dead' OR e.blocks)",
+             AND e.subject IS NOT NULL AND (e.state IN ('pending', 'leased') OR (e.state = 'dead' AND e.blocks))",
     types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::TEXTARRAYOID],
 };
 
@@ -255,12 +269,12 @@ pub const EXC_CLAIM: Stmt = Stmt {
         "WITH cand AS ( \
            SELECT r.id FROM ( \
              SELECT e.id, e.ctid AS row FROM outbox.log_exceptions e \
-              WHERE e.subscription = $1 AND e.state <> 'dead' AND e.visible_at <= $2 \
+              WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
                 AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
                 AND (e.subject IS NULL OR NOT EXISTS ( \
                      SELECT 1 FROM outbox.log_exceptions p \
                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
-                        AND (p.state <> 'dead' OR p.blocks))) \
+                        AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks)))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
             WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
@@ -318,7 +332,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
 /// or the batch lease of a row moved here that no claim has handed out again.
 pub const EXC_ACK: Stmt = Stmt {
     sql: "DELETE FROM outbox.log_exceptions e \
-           WHERE e.lease_token = ANY ($2) AND e.state <> 'dead' \
+           WHERE e.lease_token = ANY ($2) AND e.state IN ('pending', 'leased') \
              AND e.lease_token = ($2)[array_position($1, e.id)] RETURNING e.id",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };
@@ -329,7 +343,7 @@ pub const EXC_ACK: Stmt = Stmt {
 pub const EXC_FAIL_LOCK: Stmt = Stmt {
     sql: "SELECT e.attempts, e.max_attempts, t.backoff_base, t.backoff_max, e.subscription \
             FROM outbox.log_exceptions e LEFT JOIN outbox.topics t ON t.topic = e.topic \
-           WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead' FOR UPDATE OF e",
+           WHERE e.lease_token = $2 AND e.id = $1 AND e.state IN ('pending', 'leased') FOR UPDATE OF e",
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
@@ -349,7 +363,7 @@ pub const EXC_FAIL_APPLY: Stmt = Stmt {
            blocks = CASE WHEN $3 = 'dead' THEN ",
         dead_blocks!("e", "$6"),
         " ELSE e.blocks END \
-         WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead'"
+         WHERE e.lease_token = $2 AND e.id = $1 AND e.state IN ('pending', 'leased')"
     ),
     types: &[
         pg_sys::INT8OID,
@@ -365,7 +379,7 @@ pub const EXC_FAIL_APPLY: Stmt = Stmt {
 /// by an expired batch lease is leased again to its holder).
 pub const EXC_EXTEND: Stmt = Stmt {
     sql: "UPDATE outbox.log_exceptions e SET state = 'leased', visible_at = clock_timestamp() + $3 \
-           WHERE e.lease_token = $2 AND e.id = $1 AND e.state <> 'dead' RETURNING e.visible_at",
+           WHERE e.lease_token = $2 AND e.id = $1 AND e.state IN ('pending', 'leased') RETURNING e.visible_at",
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID, pg_sys::INTERVALOID],
 };
 
@@ -373,5 +387,22 @@ pub const EXC_EXTEND: Stmt = Stmt {
 pub const EXC_IN_FLIGHT: Stmt = Stmt {
     sql: "SELECT count(*) FROM outbox.log_exceptions e \
            WHERE e.subscription = $1 AND e.state = 'leased' AND e.visible_at > $2",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// When event $2 of lane $1 was published.
+pub const PUBLISHED_AT: Stmt = Stmt {
+    sql: "SELECT l.published_at FROM outbox.log l WHERE l.lane = $1 AND l.id = $2",
+    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
+};
+
+/// Subscription $1's exception rows in numbers ($2: now): undelivered, the
+/// oldest of them (id, published_at), leases in flight, dead letters.
+pub const EXC_STATS: Stmt = Stmt {
+    sql: "SELECT count(*) FILTER (WHERE e.state IN ('pending', 'leased')), min(e.id) FILTER (WHERE e.state IN ('pending', 'leased')), \
+                 min(e.published_at) FILTER (WHERE e.state IN ('pending', 'leased')), \
+                 count(*) FILTER (WHERE e.state = 'leased' AND e.visible_at > $2), \
+                 count(*) FILTER (WHERE e.state = 'dead') \
+            FROM outbox.log_exceptions e WHERE e.subscription = $1",
     types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
 };
