@@ -227,7 +227,6 @@ fn truncate_for_message(s: &str) -> String {
 #[pgrx::pg_schema]
 mod tests {
     use super::*;
-    use pgrx::prelude::*;
 
     #[pg_test]
     fn subscription_grammar() {

@@ -464,6 +464,7 @@ pub fn log_in_flight(subscription: Option<&str>) -> i64 {
 /// event whose transaction committed late below a lane's position is counted
 /// once that lane's next window reads it.
 #[pg_extern(name = "_log_subscription_stats", volatile, parallel_unsafe)]
+#[allow(clippy::type_complexity)] // pgrx reads the row's columns from this tuple
 pub fn log_subscription_stats(
     subscription: Option<&str>,
 ) -> TableIterator<
