@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The outbox_ext demo: pgbench's TPC-B-like workload publishing one outbox event per
-# transaction, drained meanwhile by separate worker processes; then a summary and
-# the invariant check (delivered events = committed transactions, each acked once).
+# transaction, drained meanwhile through two subscriptions, 'ledger' and
+# 'notifications', each by its own worker processes; then, per subscription, a
+# summary and the invariant check (delivered events = committed transactions, each
+# acked once, in per-account order).
 #
 #   scripts/demo.sh [--duration SECS] [--clients N] [--workers N] [--scale N]
 #                   [--port PORT] [--cluster NAME] [--skip-setup] [--keep]
 #
-# Defaults: 20 s, 8 clients, 2 workers, scale 8, cluster 'demo' on port 5450.
+# Defaults: 20 s, 8 clients, 2 workers per subscription, scale 8, cluster 'demo' on port 5450.
 # --skip-setup  do not run scripts/setup.sh (also: OUTBOX_SKIP_SETUP=1)
 # --keep        leave the cluster running afterwards (scripts/pgcluster.sh stop NAME)
 # Exit status: 0 when the invariant holds, 1 when it does not, 2 on a usage or
@@ -23,6 +25,7 @@ SKIP_SETUP="${OUTBOX_SKIP_SETUP:-0}"
 # attempts 1-2) that fail transiently.
 ABORT_PCT=2 FAIL_PCT=3
 TOPIC=bank.account.updated
+SUBSCRIPTIONS=(ledger notifications)
 
 usage() { sed -n '2,13p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 num() { case "${2:-}" in '' | *[!0-9]*) echo "demo: $1 needs a number" >&2; exit 2 ;; esac; }
@@ -98,14 +101,16 @@ psql -f "$DEMO_DIR/prepare.sql" >/dev/null
 # Workers get the whole run plus their drain allowance, and a margin, before
 # timeout stops them: the demo must never hang.
 DRAIN_TIMEOUT=60
-for i in $(seq 1 "$WORKERS"); do
-    timeout -k 5 $((DURATION + DRAIN_TIMEOUT + 30)) "$PY" "$DEMO_DIR/worker.py" \
-        --dsn "$DSN" --name "worker-$i" --topic "$TOPIC" \
-        --fail-pct "$FAIL_PCT" --drain-timeout "$DRAIN_TIMEOUT" \
-        >"$RUN_DIR/worker-$i.log" 2>&1 &
-    WORKER_PIDS+=("$!")
+for sub in "${SUBSCRIPTIONS[@]}"; do
+    for i in $(seq 1 "$WORKERS"); do
+        timeout -k 5 $((DURATION + DRAIN_TIMEOUT + 30)) "$PY" "$DEMO_DIR/worker.py" \
+            --dsn "$DSN" --name "$sub-$i" --topic "$TOPIC" --subscription "$sub" \
+            --fail-pct "$FAIL_PCT" --drain-timeout "$DRAIN_TIMEOUT" \
+            >"$RUN_DIR/worker-$sub-$i.log" 2>&1 &
+        WORKER_PIDS+=("$!")
+    done
 done
-say "$WORKERS workers started; pgbench: $CLIENTS clients for $DURATION s ($ABORT_PCT% of transactions roll back)"
+say "$WORKERS workers for each of ${SUBSCRIPTIONS[*]} started; pgbench: $CLIENTS clients for $DURATION s ($ABORT_PCT% of transactions roll back)"
 
 psql -c "UPDATE demo.run SET pgbench_started = clock_timestamp()"
 "$PG_BINDIR/pgbench" "$DSN" -n -f "$DEMO_DIR/tpcb_outbox.sql" -s "$SCALE" \
@@ -142,8 +147,10 @@ if [ "$workers_rc" -ne 0 ]; then
 fi
 
 check_rc=0
-"$PY" "$DEMO_DIR/check.py" --dsn "$DSN" --topic "$TOPIC" --pgbench-log "$RUN_DIR/pgbench.log" \
-    --clients "$CLIENTS" --workers "$WORKERS" --duration "$DURATION" || check_rc=$?
+for sub in "${SUBSCRIPTIONS[@]}"; do
+    "$PY" "$DEMO_DIR/check.py" --dsn "$DSN" --topic "$TOPIC" --pgbench-log "$RUN_DIR/pgbench.log" \
+        --clients "$CLIENTS" --workers "$WORKERS" --duration "$DURATION" --subscription "$sub" || check_rc=$?
+done
 
 if [ "$check_rc" -ne 0 ] || [ "$pgbench_rc" -ne 0 ] || [ "$workers_rc" -ne 0 ]; then
     say "FAILED (check $check_rc, pgbench $pgbench_rc, workers $workers_rc); logs in $RUN_DIR," \

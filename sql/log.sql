@@ -124,8 +124,11 @@ CREATE TABLE outbox.log_batches (
 -- event from the log, so that retention never waits for it. Most events never
 -- have one: an event acked from its batch on the first try costs no row here.
 --   state       'pending' (claimable from visible_at), 'leased' (visible_at is
---               the lease expiry), 'dead' (a dead letter), 'cancelled'
---               (by outbox.cancel; kept for replay until retention_dead);
+--               the lease expiry), 'delivered' (acked after a retry: its
+--               attempt history, kept for retention_delivered unless
+--               outbox.keep_delivered is off), 'dead' (a dead letter),
+--               'cancelled' (by outbox.cancel; kept for replay until
+--               retention_dead);
 --   attempts    deliveries started, the batch's first one included;
 --   lease_token the current lease's token; an event moved here when its
 --               batch lease expired keeps the batch's token, so its holder can
@@ -144,7 +147,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'delivered', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -153,6 +156,7 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    delivered_at timestamptz,
     cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);

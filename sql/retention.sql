@@ -56,6 +56,23 @@ BEGIN
             RETURNING 1
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
+        -- Named subscriptions' delivered exception rows (events that needed a
+        -- retry: their attempt history), in what is left of the batch.
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state = 'delivered'
+                   AND x.delivered_at < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state = 'delivered';
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
     ELSIF kind = 'dead' THEN
         WITH victims AS (
             SELECT q.id FROM outbox.event_queue q

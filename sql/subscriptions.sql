@@ -293,12 +293,12 @@ SELECT x.id, x.subscription, x.topic, x.subject,
        x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
        CASE WHEN x.state = 'leased' THEN x.visible_at END,
        CASE WHEN x.state = 'pending' THEN x.visible_at END,
-       x.last_error, x.errors, NULL::timestamptz, x.dead_at, x.cancelled_at
+       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
   FROM outbox.log_exceptions x
   JOIN outbox.subscription_catalog c ON c.name = x.subscription;
 
 COMMENT ON VIEW outbox.deliveries IS
 'One row per event and subscription with a delivery state: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
-'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed, whose lease expired, that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
+'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed or whose lease expired (delivered ones too, with their history, for retention_delivered), that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
 'events it received on the first try and those it has not read yet have no row here (outbox.subscriptions gives its lag).';

@@ -32,14 +32,15 @@
 //!
 //! # Subscriptions
 //! The `subscription` argument (NULL: `default`) names the consumer group the
-//! claim serves; 0.7.0 stores one, `default`, whose rows are all of
-//! `event_queue`. An unknown name raises 42704 before any event is read; a paused
-//! subscription hands out nothing (and its expired leases stay as they are until
-//! it resumes). The subscription's lease and max_attempts override the topic's
-//! (from the per-backend cache of src/subscriptions.rs, which says when a change
-//! applies); an event that has used the subscription's attempts goes dead
-//! instead of being leased. A library newer than the installed SQL is called with four
-//! arguments and no catalog exists: it claims as 0.6.0 did.
+//! claim serves. `default` claims from `event_queue`, as below; a named
+//! subscription (0.9.0) claims from the log (src/log/claim.rs), after the same
+//! argument checks. An unknown name raises 42704 before any event is read; a
+//! paused subscription hands out nothing (and its expired leases stay as they
+//! are until it resumes). The subscription's lease and max_attempts override
+//! the topic's (from the per-backend cache of src/subscriptions.rs, which says
+//! when a change applies); an event that has used the subscription's attempts
+//! goes dead instead of being leased. A library newer than the installed SQL is
+//! called with four arguments and no catalog exists: it claims as 0.6.0 did.
 
 use crate::errors;
 use crate::pg::fcall::{Array, Call, SetResult, Value};

@@ -66,20 +66,28 @@ PUB1 = {
     "pgq": f"SELECT pgq.insert_event('bench_q', 'bench.publish', {_lit(PAYLOAD)});\n",
 }
 
-# The log ring (0.8.0): with outbox.log_write = on, publish also appends every
-# event to the current one of outbox.log_0 .. log_3 (outbox.log_state names it).
-# Scenario 1's outbox_log system empties them with the queue before each run, and
-# counts the rows it wrote.
+# The log ring (0.8.0; from 0.9.0 every publish appends the event to it, beside
+# its outbox.event_queue row): outbox.log_0 .. log_3, outbox.log_state naming the
+# table being written (no row: log_0).
 LOG_RING = [f"outbox.log_{i}" for i in range(4)]
 LOG_TABLES = LOG_RING + ["outbox.log_state"]
 QUEUE_RESET = "TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys"
 LOG_RESET = QUEUE_RESET + ", " + ", ".join(LOG_TABLES)
 LOG_ROWS = "SELECT " + " + ".join(f"(SELECT count(*) FROM {t})" for t in LOG_RING)
-# 1 when the library has the setting and the installed SQL the ring (0.8.0 and later)
-LOG_WRITE_SETTING = (
-    "SELECT count(*) FROM pg_settings"
-    " WHERE name = 'outbox.log_write' AND to_regclass('outbox.log_state') IS NOT NULL"
+# 1 when the installed SQL has the log ring (0.8.0 and later)
+HAS_LOG_RING = "SELECT to_regclass('outbox.log_state') IS NOT NULL"
+
+# Named subscriptions (0.9.0): consumer groups that read the log; 'default'
+# still reads outbox.event_queue. Scenario 1 publishes with some of them
+# existing, scenario 10 drains them.
+HAS_SUBSCRIPTIONS = (
+    "SELECT count(DISTINCT p.proname) = 2 FROM pg_proc p"
+    " WHERE p.pronamespace = to_regnamespace('outbox')"
+    " AND p.proname IN ('create_subscription', 'drop_subscription')"
 )
+SUBSCRIPTIONS_NAMED = "SELECT name FROM outbox.subscription_catalog WHERE name <> 'default' ORDER BY name"
+SUBSCRIPTION_CREATE = "SELECT outbox.create_subscription(%(name)s)"
+SUBSCRIPTION_DROP = "SELECT outbox.drop_subscription(%(name)s, force => true)"
 
 # ---------------------------------------------------------------------------
 # Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
@@ -284,17 +292,16 @@ PAYLOAD_CONVERT = "SELECT sum(length(payload::text)) FROM {table}"
 PAYLOAD_BYTES = "SELECT avg(octet_length(payload::text))::float8, count(*) FROM {table}"
 
 # ---------------------------------------------------------------------------
-# Scenario 10: draining the log (0.8.0's internal storage for subscriptions).
-# Before each drain the ring, its state, the readers' lanes and batches and the
-# queue are emptied; then the readers subscribe (a cursor taken now), then the
-# backlog is published with outbox.log_write = on (publish_batch, chunks of
-# 10,000 events, each its own transaction): every event goes to the queue and
-# to the log, and each reader reads it once.
-LOG_READER = "default"
+# Scenario 10: draining the log through named subscriptions (0.9.0's public
+# API). Before each drain every named subscription is dropped, then the ring,
+# its state, the lanes, batches and exception rows and the queue are emptied;
+# then the readers are created (create_subscription: a cursor taken now), then
+# the backlog is published (publish_batch, chunks of 10,000 events, each its own
+# transaction): every event goes to the queue (the 'default' subscription's,
+# not read here) and to the log, and each named subscription reads it once.
+LOG_READER = "bench"
 LOG_DRAIN_RESET = ("TRUNCATE " + ", ".join(LOG_TABLES) + ", outbox.log_lanes, outbox.log_batches,"
-                   " outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
-LOG_SUBSCRIBE = "SELECT outbox._log_subscribe(%(reader)s)"
-LOG_LOAD_GUCS = {"outbox.log_write": "on"}
+                   " outbox.log_exceptions, outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
 # The ids come back in input order (publish_batch's contract): the harness keeps
 # them to check that each is acked exactly once, and knows each one's subject.
 LOG_LOAD = (
@@ -310,14 +317,19 @@ LOG_LOAD_SUBJECTS = (
     " FROM generate_series(%(first)s::int, %(first)s::int + %(n)s::int - 1) g)) WITH ORDINALITY AS e(id, ord)"
 )
 LOG_VACUUM = "VACUUM ANALYZE " + ", ".join(LOG_RING) + ", outbox.log_lanes"
-# One claim round trip and one ack round trip per batch; the ack takes the whole
-# claim (events of one lane share a token). The payload is selected as text.
+# Left behind by a drain whose every event was acked: finished batches are
+# deleted by their last ack; an exception row means an event left its batch
+# (a lease expired) and was delivered again from there.
+LOG_LEFT = "SELECT (SELECT count(*) FROM outbox.log_batches), (SELECT count(*) FROM outbox.log_exceptions)"
+# One claim round trip and one ack round trip per batch: the ack is the batch
+# form, with each event's own lease token (fenced per event; the events of one
+# lane's batch round may share a token). The payload is selected as text.
 LOG_DRAIN = {
     "claim": (
         "SELECT id, topic, subject, payload::text, headers, lease_token, lease_expires_at\n"
-        "  FROM outbox._log_claim(%(reader)s, %(batch)s::int, interval '30 seconds')"
+        "  FROM outbox.claim(%(worker)s, %(batch)s::int, interval '30 seconds', subscription => %(reader)s)"
     ),
-    "ack": "SELECT outbox._log_ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
+    "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
 }
 # column of lease_token in LOG_DRAIN['claim']
 LOG_TOKEN_COL = 5

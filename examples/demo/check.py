@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Demo summary and invariant check; exit status 0 iff every check holds.
+"""Demo summary and invariant check for one subscription; exit status 0 iff every
+check holds.
 
-Reads pgbench_history, outbox.events and the demo.* tables written by the workers,
-plus pgbench's own output, and prints what happened and whether the outbox kept
-its promise: the delivered events are exactly the committed pgbench transactions,
-each acknowledged once.
+Reads pgbench_history, outbox.events (and, for a named subscription,
+outbox.deliveries) and the demo.* tables written by the workers, plus pgbench's
+own output, and prints what happened and whether the outbox kept its promise to
+that subscription: the delivered events are exactly the committed pgbench
+transactions, each acknowledged once, in per-account order.
 """
 
 import argparse
@@ -23,7 +25,37 @@ def parse_args():
     p.add_argument("--clients", type=int)
     p.add_argument("--workers", type=int)
     p.add_argument("--duration", type=int)
+    p.add_argument("--subscription", default="default",
+                   help="the subscription whose deliveries are checked (default: 'default')")
     return p.parse_args()
+
+
+def named_states(q, topic, sub):
+    """outbox.events' columns as they are for named subscription `sub`.
+
+    A named subscription keeps per-event state only for events that need it
+    (outbox.deliveries: retries, dead letters); an event acked on its first try
+    has none, and its delivery is the worker's record in demo.deliveries."""
+    per_event = {r[0]: r[1:] for r in q(
+        "SELECT event_id, state, attempts, max_attempts, errors FROM outbox.deliveries"
+        " WHERE subscription = %s", sub)}
+    acked = {r[0]: r[1:] for r in q(
+        "SELECT event_id, min(acked_at), max(attempt) FROM demo.deliveries"
+        " WHERE subscription = %s GROUP BY event_id", sub)}
+    out = []
+    for eid, subject, payload, published_at in q(
+            "SELECT id, subject, payload, published_at FROM outbox.events WHERE topic = %s ORDER BY id",
+            topic):
+        state, attempts, max_attempts, errors = per_event.get(eid, (None, 0, 5, None))
+        delivered_at = None
+        if eid in acked:
+            state, delivered_at = "delivered", acked[eid][0]
+            attempts = max(attempts, acked[eid][1])
+        elif state is None:
+            state = "pending"  # not finished: it counts against "drained"
+        out.append((eid, state, subject, payload, attempts, max_attempts, errors,
+                    published_at, delivered_at))
+    return out
 
 
 def pgbench_numbers(path):
@@ -60,15 +92,21 @@ def main():
                    q("SELECT hid, aid, tid, bid, delta FROM pgbench_history")}
         last, called = q("SELECT last_value, is_called FROM pgbench_history_hid_seq")[0]
         hids_drawn = last if called else 0
-        events = q("""SELECT id, state, subject, payload, attempts, max_attempts, errors,
-                             published_at, delivered_at
-                        FROM outbox.events WHERE topic = %s ORDER BY id""", a.topic)
+        if a.subscription == "default":
+            events = q("""SELECT id, state, subject, payload, attempts, max_attempts, errors,
+                                 published_at, delivered_at
+                            FROM outbox.events WHERE topic = %s ORDER BY id""", a.topic)
+        else:
+            events = named_states(q, a.topic, a.subscription)
         other_topics = q("SELECT count(*) FROM outbox.events WHERE topic <> %s", a.topic)[0][0]
-        deliveries = q("SELECT seq, event_id, worker, attempt FROM demo.deliveries ORDER BY seq")
-        failures = q("SELECT event_id, attempt, result FROM demo.failures")
+        deliveries = q("SELECT seq, event_id, worker, attempt FROM demo.deliveries"
+                       " WHERE subscription = %s ORDER BY seq", a.subscription)
+        failures = q("SELECT event_id, attempt, result FROM demo.failures WHERE subscription = %s",
+                     a.subscription)
         wstats = q("""SELECT worker, claimed, acked, ack_stale, fail_pending, fail_dead,
                              fail_stale, wakeups, drained
-                        FROM demo.worker_stats ORDER BY worker""")
+                        FROM demo.worker_stats WHERE subscription = %s ORDER BY worker""",
+                   a.subscription)
         started, finished = q("SELECT pgbench_started, pgbench_finished FROM demo.run")[0]
 
     ev = {e[0]: e for e in events}
@@ -184,7 +222,7 @@ def main():
     def row(label, value, note=""):
         print(f"  {label:<32}{value:>10}  {note}".rstrip())
 
-    head = "outbox_ext demo: pgbench TPC-B-like + outbox.publish"
+    head = f"outbox_ext demo, subscription '{a.subscription}': pgbench TPC-B-like + outbox.publish"
     if a.clients:
         head += f", {a.clients} clients"
     if a.duration:

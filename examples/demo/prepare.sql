@@ -12,6 +12,12 @@ SELECT outbox.create_topic('bank.account.updated',
                            max_attempts  => 5,
                            default_lease => interval '10 seconds');
 
+-- Two consumers of the same events, each with its own workers, retries, dead
+-- letters and order (named subscriptions, over one log): publishing writes each
+-- event once, whatever the number of subscriptions.
+SELECT outbox.create_subscription('ledger', topics => ARRAY['bank.*']);
+SELECT outbox.create_subscription('notifications', topics => ARRAY['bank.account.*']);
+
 CREATE SCHEMA demo;
 
 -- Timestamps of the pgbench run, written by scripts/demo.sh. Workers start draining
@@ -30,6 +36,7 @@ INSERT INTO demo.run DEFAULT VALUES;
 -- global delivery order (per-subject order check).
 CREATE TABLE demo.deliveries (
     seq      bigserial PRIMARY KEY,
+    subscription text NOT NULL,
     event_id bigint NOT NULL,
     worker   text NOT NULL,
     attempt  int NOT NULL,
@@ -38,6 +45,7 @@ CREATE TABLE demo.deliveries (
 
 -- One row per fail() call, with what it returned, in the same transaction.
 CREATE TABLE demo.failures (
+    subscription text NOT NULL,
     event_id  bigint NOT NULL,
     worker    text NOT NULL,
     attempt   int NOT NULL,
@@ -49,6 +57,7 @@ CREATE TABLE demo.failures (
 -- Each worker's own counters, written when it exits.
 CREATE TABLE demo.worker_stats (
     worker       text PRIMARY KEY,
+    subscription text NOT NULL,
     batches      bigint NOT NULL,
     claimed      bigint NOT NULL,
     acked        bigint NOT NULL,

@@ -25,7 +25,8 @@ import psycopg
 
 CLAIM = """
 SELECT id, payload, attempt, lease_token
-  FROM outbox.claim(%(worker)s, %(batch)s, make_interval(secs => %(lease)s), ARRAY[%(topic)s])
+  FROM outbox.claim(%(worker)s, %(batch)s, make_interval(secs => %(lease)s), ARRAY[%(topic)s],
+                    subscription => %(subscription)s)
 """
 
 # ack() and the delivery record commit together: a record exists iff that ack
@@ -36,22 +37,27 @@ WITH acked AS (
       FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(attempts)s::int[]) AS e(id, token, attempt)
      WHERE outbox.ack(e.id, e.token)
 )
-INSERT INTO demo.deliveries (event_id, worker, attempt)
-SELECT id, %(worker)s, attempt FROM acked ORDER BY id
+INSERT INTO demo.deliveries (subscription, event_id, worker, attempt)
+SELECT %(subscription)s, id, %(worker)s, attempt FROM acked ORDER BY id
 RETURNING event_id
 """
 
 FAIL = "SELECT outbox.fail(%s, %s, %s, make_interval(secs => %s))"
 
 RECORD_FAILURE = """
-INSERT INTO demo.failures (event_id, worker, attempt, result, error)
-VALUES (%s, %s, %s, %s, %s)
+INSERT INTO demo.failures (subscription, event_id, worker, attempt, result, error)
+VALUES (%s, %s, %s, %s, %s, %s)
 """
 
+# What is left for this worker's subscription: pending or leased events of the
+# topic ('default': the queue), or a named subscription's lag (events it has not
+# finished, read from the log or not).
 UNFINISHED = """
 SELECT (SELECT pgbench_finished IS NOT NULL FROM demo.run),
-       (SELECT count(*) FROM outbox.events
-         WHERE topic = %s AND state IN ('pending', 'leased'))
+       CASE WHEN %(subscription)s = 'default'
+            THEN (SELECT count(*) FROM outbox.events
+                   WHERE topic = %(topic)s AND state IN ('pending', 'leased'))
+            ELSE (SELECT lag_events FROM outbox.subscriptions WHERE name = %(subscription)s) END
 """
 
 
@@ -60,6 +66,7 @@ def parse_args():
     p.add_argument("--dsn", required=True, help="libpq connection string")
     p.add_argument("--name", required=True, help="worker name (recorded as leased_by)")
     p.add_argument("--topic", default="bank.account.updated")
+    p.add_argument("--subscription", default="default", help="the subscription to claim from")
     p.add_argument("--batch", type=int, default=100, help="events per claim")
     p.add_argument("--lease", type=float, default=10.0, help="lease in seconds")
     p.add_argument("--fail-pct", type=float, default=3.0,
@@ -110,11 +117,13 @@ class Worker:
                 retry_in = self.rng.uniform(self.a.retry_min, self.a.retry_max)
                 result = self.conn.execute(FAIL, (event_id, token, err, retry_in)).fetchone()[0]
                 counts["fail_" + result] += 1
-                self.conn.execute(RECORD_FAILURE, (event_id, self.a.name, attempt, result, err))
+                self.conn.execute(RECORD_FAILURE,
+                                  (self.a.subscription, event_id, self.a.name, attempt, result, err))
             if ok:
                 acked = self.conn.execute(ACK_AND_RECORD, dict(
                     ids=[r[0] for r in ok], tokens=[r[1] for r in ok],
-                    attempts=[r[2] for r in ok], worker=self.a.name)).fetchall()
+                    attempts=[r[2] for r in ok], worker=self.a.name,
+                    subscription=self.a.subscription)).fetchall()
                 counts["acked"] += len(acked)
                 counts["ack_stale"] += len(ok) - len(acked)
         for k, v in counts.items():
@@ -134,13 +143,14 @@ class Worker:
         while True:
             rows = self.conn.execute(CLAIM, dict(
                 worker=self.a.name, batch=self.a.batch, lease=self.a.lease,
-                topic=self.a.topic)).fetchall()
+                topic=self.a.topic, subscription=self.a.subscription)).fetchall()
             if rows:
                 self.stats["batches"] += 1
                 self.stats["claimed"] += len(rows)
                 self.process(rows)
                 continue
-            finished, unfinished = self.conn.execute(UNFINISHED, (self.a.topic,)).fetchone()
+            finished, unfinished = self.conn.execute(UNFINISHED, dict(
+                topic=self.a.topic, subscription=self.a.subscription)).fetchone()
             if finished:
                 if unfinished == 0:
                     return True
@@ -155,10 +165,10 @@ class Worker:
     def save_stats(self, drained):
         s = self.stats
         self.conn.execute(
-            "INSERT INTO demo.worker_stats (worker, batches, claimed, acked, ack_stale,"
+            "INSERT INTO demo.worker_stats (worker, subscription, batches, claimed, acked, ack_stale,"
             " fail_pending, fail_dead, fail_stale, wakeups, drained)"
-            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
-            (self.a.name, s["batches"], s["claimed"], s["acked"], s["ack_stale"],
+            " VALUES (%s, %s, %s, %s, %s, %s, %s, %s, %s, %s, %s)",
+            (self.a.name, self.a.subscription, s["batches"], s["claimed"], s["acked"], s["ack_stale"],
              s["fail_pending"], s["fail_dead"], s["fail_stale"], s["wakeups"], drained))
         print(f"{self.a.name}: " + " ".join(f"{k}={v}" for k, v in s.items())
               + f" drained={drained}")

@@ -16,6 +16,9 @@ SELECT outbox.fail(id, lease_token, 'x', permanent => true) FROM fx WHERE name =
 SELECT outbox.ack(id, lease_token) FROM fx WHERE name = 'delivered';
 INSERT INTO fx SELECT 'pending', id, NULL FROM outbox.events WHERE payload = '"pending"';
 SELECT f.name, e.state FROM fx f JOIN outbox.events e USING (id) ORDER BY f.id;
+-- A named subscription holding leases (from the log: start => 'earliest').
+SELECT outbox.create_subscription('fxsub', start => 'earliest');
+SELECT count(*) FROM outbox.claim('fxs', 10, interval '1 hour', subscription => 'fxsub');
 
 -- Fingerprint of everything the extension stores.
 CREATE FUNCTION pg_temp.fingerprint() RETURNS text LANGUAGE sql AS $$
@@ -24,7 +27,10 @@ CREATE FUNCTION pg_temp.fingerprint() RETURNS text LANGUAGE sql AS $$
         (SELECT string_agg(a::text, ',' ORDER BY a.id) FROM outbox.event_archive a),
         (SELECT string_agg(k::text, ',' ORDER BY k.dispatch_key) FROM outbox.dispatch_keys k),
         (SELECT string_agg(t::text, ',' ORDER BY t.topic) FROM outbox.topics t),
-        (SELECT string_agg(c::text, ',' ORDER BY c.name) FROM outbox.subscription_catalog c)))
+        (SELECT string_agg(c::text, ',' ORDER BY c.name) FROM outbox.subscription_catalog c),
+        (SELECT string_agg(l::text, ',' ORDER BY l.subscription, l.lane) FROM outbox.log_lanes l),
+        (SELECT string_agg(b::text, ',' ORDER BY b.id) FROM outbox.log_batches b),
+        (SELECT string_agg(x::text, ',' ORDER BY x.subscription, x.id) FROM outbox.log_exceptions x)))
 $$;
 
 CREATE TEMP TABLE cases (n serial PRIMARY KEY, fn text NOT NULL, label text NOT NULL, call text NOT NULL, expect text NOT NULL);
@@ -429,7 +435,38 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('pause_subscription', 'malformed name', $$SELECT outbox.pause_subscription(' default')$$, '22023'),
 ('resume_subscription', 'not paused', $$SELECT outbox.resume_subscription('default')$$, 'ok:false'),
 ('resume_subscription', 'NULL name', $$SELECT outbox.resume_subscription(NULL)$$, '22004'),
-('resume_subscription', 'unknown name', $$SELECT outbox.resume_subscription('nope')$$, '42704');
+('resume_subscription', 'unknown name', $$SELECT outbox.resume_subscription('nope')$$, '42704'),
+('create_subscription', 'valid baseline', $$SELECT outbox.create_subscription('fresh', ARRAY['fx.*', 'a.b'], 'earliest', 3, '1 s', '1 min', '30 s', 'skip')$$, 'ok'),
+('create_subscription', 'NULL name', $$SELECT outbox.create_subscription(NULL)$$, '22004'),
+('create_subscription', 'NULL start', $$SELECT outbox.create_subscription('fresh', start => NULL)$$, '22004'),
+('create_subscription', 'NULL topics element', $$SELECT outbox.create_subscription('fresh', ARRAY['a.b', NULL])$$, '22004'),
+('create_subscription', 'malformed name', $$SELECT outbox.create_subscription('Fresh')$$, '22023'),
+('create_subscription', 'empty name', $$SELECT outbox.create_subscription('')$$, '22023'),
+('create_subscription', 'start tomorrow', $$SELECT outbox.create_subscription('fresh', start => 'tomorrow')$$, '22023'),
+('create_subscription', 'empty topics', $$SELECT outbox.create_subscription('fresh', ARRAY[]::text[])$$, '22023'),
+('create_subscription', 'bad pattern', $$SELECT outbox.create_subscription('fresh', ARRAY['a.b', 'A*'])$$, '22023'),
+('create_subscription', 'multi-dimensional topics', $$SELECT outbox.create_subscription('fresh', ARRAY[['a.b'], ['c.d']])$$, '22023'),
+('create_subscription', 'max_attempts 0', $$SELECT outbox.create_subscription('fresh', max_attempts => 0)$$, '22023'),
+('create_subscription', 'backoff_base negative', $$SELECT outbox.create_subscription('fresh', backoff_base => '-1 s')$$, '22023'),
+('create_subscription', 'default_lease over max', $$SELECT outbox.create_subscription('fresh', default_lease => '1 day')$$, '22023'),
+('create_subscription', 'dead_letter_policy drop', $$SELECT outbox.create_subscription('fresh', dead_letter_policy => 'drop')$$, '22023'),
+('create_subscription', 'exists', $$SELECT outbox.create_subscription('fxsub')$$, '42710'),
+('create_subscription', 'default exists', $$SELECT outbox.create_subscription('default')$$, '42710'),
+('drop_subscription', 'leases in flight', $$SELECT outbox.drop_subscription('fxsub')$$, '55006'),
+('drop_subscription', 'forced', $$SELECT outbox.drop_subscription('fxsub', true)$$, 'ok'),
+('drop_subscription', 'NULL name', $$SELECT outbox.drop_subscription(NULL)$$, '22004'),
+('drop_subscription', 'NULL force', $$SELECT outbox.drop_subscription('fxsub', NULL)$$, '22004'),
+('drop_subscription', 'unknown name', $$SELECT outbox.drop_subscription('nope')$$, '42704'),
+('drop_subscription', 'malformed name', $$SELECT outbox.drop_subscription('No pe')$$, '22023'),
+('drop_subscription', 'default', $$SELECT outbox.drop_subscription('default')$$, '0A000'),
+('claim', 'named: unknown', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => 'nope')$$, '42704'),
+('claim', 'named: bad lease', $$SELECT count(*) FROM outbox.claim('w', 1, '-1 s', subscription => 'fxsub')$$, '22023'),
+('claim', 'named: batch over max', $$SELECT count(*) FROM outbox.claim('w', 1000000, subscription => 'fxsub')$$, '54000'),
+('claim', 'named: nothing left', $$SELECT count(*) FROM outbox.claim('w', 10, subscription => 'fxsub')$$, 'ok:0'),
+('ack', 'forged log token', $$SELECT outbox.ack(1, '00000000-0001-8000-8001-000000000001')$$, 'ok:false'),
+('fail', 'forged log token', $$SELECT outbox.fail(1, '00000000-0001-8000-8001-000000000001', 'x')$$, 'ok:stale'),
+('extend_lease', 'forged log token', $$SELECT outbox.extend_lease(1, '00000000-0001-8000-8001-000000000001', '1 min')$$, 'ok:NULL'),
+('ack', 'forged exception token', $$SELECT outbox.ack(ARRAY[1, 2], ARRAY['00000000-0000-8100-8000-000000000000', gen_random_uuid()]::uuid[])$$, 'ok:0');
 
 -- ---------------------------------------------------------------------------
 -- Run every case.

@@ -31,7 +31,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'delivered', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -40,6 +40,7 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    delivered_at timestamptz,
     cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);

@@ -32,7 +32,7 @@
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
-use crate::sql::log::{EXC_ACK, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS};
+use crate::sql::log::{EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS};
 use crate::subscriptions::Settings;
 use crate::{backoff, errors, gucs, pg, validate};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
@@ -166,12 +166,15 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
     })
 }
 
-/// Ack the exception rows among (`ids`, `tokens`); returns the ids acked.
+/// Ack the exception rows among (`ids`, `tokens`); returns the ids acked. A
+/// delivered row keeps the event's attempt history for `retention_delivered`
+/// (the maintenance step `delivered`), unless `outbox.keep_delivered` is off.
 pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
     if ids.is_empty() {
         return vec![];
     }
-    plans::run(&EXC_ACK, &[ids.into(), tokens.into()], |t| t.filter_map(|r| r.get::<i64>(1).ok().flatten()).collect())
+    let stmt = if gucs::keep_delivered() { &EXC_ACK } else { &EXC_ACK_DROP };
+    plans::run(stmt, &[ids.into(), tokens.into()], |t| t.filter_map(|r| r.get::<i64>(1).ok().flatten()).collect())
 }
 
 /// fail() on the exception row `id` that `token` holds: Some(new state), or

@@ -328,12 +328,30 @@ pub const EXC_CLAIM: Stmt = Stmt {
     ],
 };
 
-/// Ack exception rows by (id, token) pairs ($1, $2): the row's current lease,
-/// or the batch lease of a row moved here that no claim has handed out again.
+/// The rows (id, token) pairs ($1, $2) hold: the row's current lease, or the
+/// batch lease of a row moved here that no claim has handed out again.
+macro_rules! exc_held {
+    () => {
+        "e.lease_token = ANY ($2) AND e.state IN ('pending', 'leased') \
+         AND e.lease_token = ($2)[array_position($1, e.id)]"
+    };
+}
+
+/// Ack exception rows: delivered, with their attempt history kept for
+/// retention (`outbox.keep_delivered` on).
 pub const EXC_ACK: Stmt = Stmt {
-    sql: "DELETE FROM outbox.log_exceptions e \
-           WHERE e.lease_token = ANY ($2) AND e.state IN ('pending', 'leased') \
-             AND e.lease_token = ($2)[array_position($1, e.id)] RETURNING e.id",
+    sql: concat!(
+        "UPDATE outbox.log_exceptions e SET state = 'delivered', delivered_at = clock_timestamp(), lease_token = NULL \
+          WHERE ",
+        exc_held!(),
+        " RETURNING e.id"
+    ),
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
+};
+
+/// [`EXC_ACK`] with `outbox.keep_delivered` off: the rows go.
+pub const EXC_ACK_DROP: Stmt = Stmt {
+    sql: concat!("DELETE FROM outbox.log_exceptions e WHERE ", exc_held!(), " RETURNING e.id"),
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };
 
