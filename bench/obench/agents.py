@@ -92,15 +92,17 @@ def _drain_worker(*, barrier, dsn, system, wid, batch, total, counter, deadline_
 
 
 def _log_drain_worker(*, barrier, dsn, reader, wid, batch, total, counter, deadline_s):
-    """Drain a log reader (scenario 10): outbox._log_claim, then outbox._log_ack of
-    the whole claim (two autocommit round trips per batch), until at least `total`
-    events were acked by all of the reader's workers together and this worker has
-    caught up (a claim returned less than a full batch). Keeps, per non-empty
-    claim, when it returned, when its ack was sent and its ids, for the harness
-    to check (each event acked once; with subjects, their order)."""
+    """Drain a named subscription `reader` (scenario 10): outbox.claim(...,
+    subscription => reader), then the batch outbox.ack of the whole claim with
+    each event's own lease token (two autocommit round trips per batch), until at
+    least `total` events were acked by all of the subscription's workers together
+    and this worker has caught up (a claim returned less than a full batch).
+    Keeps, per non-empty claim, when it returned, when its ack was sent and its
+    ids, for the harness to check (each event acked once; with subjects, their
+    order)."""
     conn = connect(dsn)
     q = S.LOG_DRAIN
-    prm = {"reader": reader, "batch": batch}
+    prm = {"worker": f"bench-{reader}-w{wid}", "reader": reader, "batch": batch}
     tok = S.LOG_TOKEN_COL
     claims_log = []
     barrier.wait()
@@ -118,7 +120,7 @@ def _log_drain_worker(*, barrier, dsn, reader, wid, batch, total, counter, deadl
             t_ack = now_ns()
             acked = conn.execute(q["ack"], {"ids": ids, "tokens": tokens}).fetchone()[0]
             if acked != got:
-                raise RuntimeError(f"log reader {reader}: claimed {got} but _log_ack acked {acked}")
+                raise RuntimeError(f"subscription {reader}: claimed {got} but outbox.ack acked {acked}")
             claims_log.append((t_claim, t_ack, ids))
             acked_total += acked
             with counter.get_lock():
@@ -129,7 +131,7 @@ def _log_drain_worker(*, barrier, dsn, reader, wid, batch, total, counter, deadl
         if got < batch and counter.value >= total:
             break
         if now_ns() > deadline:
-            raise RuntimeError(f"log drain did not finish within {deadline_s}s ({counter.value}/{total} acked)")
+            raise RuntimeError(f"log drain of {reader} did not finish within {deadline_s}s ({counter.value}/{total} acked)")
         if not got:
             time.sleep(0.001)  # other workers hold the last lanes (or subjects wait for acks)
     t1 = now_ns()

@@ -25,6 +25,10 @@ E2E_SYSTEMS = [
 FULL = {
     "reps": 3,
     "s1_clients": [1, 4, 16], "s1_seconds": 5,
+    # 1: also publish (outbox background) with each of these numbers of named
+    # subscriptions existing, at the top client count (0.9.0; target: the largest
+    # / the smallest >= 0.95x)
+    "s1_subscriptions": [1, 10],
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination
@@ -51,11 +55,12 @@ FULL = {
     "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
     # 9: s9_n payloads per column type (jsonb, json, text), read in keyset batches of s9_batch
     "s9_n": 100_000, "s9_batch": 500,
-    # 10: drain s10_n events from the log (_log_claim + _log_ack) in the (workers,
+    # 10: drain s10_n events from the log through a named subscription (0.9.0:
+    # create_subscription, claim(..., subscription => name), ack) in the (workers,
     # batch) cells s10_log_cells, today's outbox.claim in s10_outbox_cells, plain
     # SKIP LOCKED at s10_plain_batch with s10_plain_workers, PgQ (one consumer) at
     # s10_pgq_batches; the log drain with s10_subjects subjects in s10_subject_cells
-    # (None: every log cell); s10_fanout readers with one worker each at
+    # (None: every log cell); s10_fanout subscriptions with one worker each at
     # s10_fanout_batch, s10_fanout_n events (None: s10_n); s10_reps repetitions
     # (None: reps)
     "s10_n": 100_000,

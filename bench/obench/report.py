@@ -88,7 +88,6 @@ def write_markdown(ctx, path, meta, plots):
 def plots(ctx, out_dir):
     made = []
     colors = {"outbox_off": "#9ecae1", "outbox_transaction": "#4292c6", "outbox_background": "#08519c",
-              "outbox_log": "#6a51a3",
               "plain": "#fd8d3c", "plain_notify": "#d94801", "pgq": "#74c476",
               "outbox": "#08519c"}
     s1 = ctx.series.get("s1")
