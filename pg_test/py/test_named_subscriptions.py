@@ -269,3 +269,20 @@ def test_workers_of_one_subscription_share_the_work_and_each_event_goes_out_once
         t.join(60)
     assert not errors, errors
     assert sorted(seen) == sorted(ids)
+
+
+def test_health_warns_about_a_named_subscription_that_lags_without_claims(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('idle')")
+    publish(c)
+    time.sleep(0.05)
+    rows = dict(c.execute("SELECT substring(message from '''([a-z]+)'''), status FROM outbox.health(backlog_age => '10 ms') "
+                          "WHERE check_name = 'subscription'").fetchall())
+    assert rows["idle"] == "warn"
+    msg = c.execute("SELECT message FROM outbox.health(backlog_age => '10 ms') WHERE check_name = 'subscription' "
+                    "AND message LIKE '%''idle''%'").fetchone()[0]
+    assert "holds the log's retention" in msg, msg
+    drain(plain.conn(), "idle")
+    status = c.execute("SELECT status FROM outbox.health(backlog_age => '10 ms') WHERE check_name = 'subscription' "
+                       "AND message LIKE '%''idle''%'").fetchone()[0]
+    assert status == "ok"
