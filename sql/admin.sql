@@ -38,10 +38,12 @@ BEGIN
                lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
-        RETURNING x.topic INTO t;
+        RETURNING x.topic, x.subject INTO t, subj;
         IF t IS NULL THEN
             RETURN false;
         END IF;
+        -- Its subject's events still in the lane's batch now follow it.
+        PERFORM outbox._log_detach_subject(sub, subj);
         PERFORM outbox._wake(t);
         RETURN true;
     END IF;
@@ -112,6 +114,7 @@ AS $$
 DECLARE
     n bigint;
     sub text;
+    subjects text[];
 BEGIN
     sub := outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
@@ -129,14 +132,20 @@ BEGIN
                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
             RETURN n;
         END IF;
-        UPDATE outbox.log_exceptions x
-           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
-        GET DIAGNOSTICS n = ROW_COUNT;
+        WITH replayed AS (
+            UPDATE outbox.log_exceptions x
+               SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+                   lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)
+            RETURNING x.subject
+        )
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT r.subject) FILTER (WHERE r.subject IS NOT NULL)
+          INTO n, subjects FROM replayed r;
+        -- Their subjects' events still in the lanes' batches now follow them.
+        PERFORM outbox._log_detach_subject(sub, s) FROM pg_catalog.unnest(subjects) AS s;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;
@@ -274,6 +283,19 @@ BEGIN
       INTO released FROM changed c;
     IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
         PERFORM outbox._promote_heads(released);
+        PERFORM outbox._wake(topic);
+    END IF;
+    -- Named subscriptions' dead letters follow it too, unless their subscription
+    -- sets its own policy; a claim finds the subject's new head by itself
+    -- (src/log/exceptions.rs).
+    UPDATE outbox.log_exceptions x
+       SET blocks = (policy OPERATOR(pg_catalog.=) 'block')
+      FROM outbox.subscription_catalog c
+     WHERE c.name OPERATOR(pg_catalog.=) x.subscription AND c.dead_letter_policy IS NULL
+       AND x.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+       AND x.state OPERATOR(pg_catalog.=) 'dead' AND x.subject IS NOT NULL
+       AND x.blocks IS DISTINCT FROM (policy OPERATOR(pg_catalog.=) 'block');
+    IF FOUND AND policy OPERATOR(pg_catalog.=) 'skip' THEN
         PERFORM outbox._wake(topic);
     END IF;
 END

@@ -135,3 +135,7 @@ COMMENT ON FUNCTION outbox._log_subscription_stats(text) IS
 COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
 'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '
 'Errors: 22023 empty array or a malformed pattern (claim''s grammar: exact topic names, prefixes ending in ''.*'', ''*''); 22004 NULL element.';
+
+COMMENT ON FUNCTION outbox._log_detach_subject(text, text) IS
+'Internal (replay and replay_dead of a named subscription): move the events of subject still in its lane''s batch to the exception table (waiting ones parked; ones out stay leased to their holder, same token and expiry), '
+'so that a replayed earlier event of the subject goes before the waiting ones and never alongside one out. Waits for a claim or ack holding that lane or batch. Returns how many moved (integer); 0 for NULL arguments. No errors of its own.';

@@ -36,7 +36,7 @@ CREATE TABLE outbox.log_exceptions (
     headers      jsonb,
     max_attempts integer     NOT NULL,
     published_at timestamptz NOT NULL,
-    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'dead', 'cancelled')),
+    state        text        NOT NULL CHECK (state IN ('pending', 'leased', 'delivered', 'dead', 'cancelled')),
     attempts     integer     NOT NULL CHECK (attempts >= 0),
     visible_at   timestamptz NOT NULL,
     lease_token  uuid,
@@ -45,6 +45,7 @@ CREATE TABLE outbox.log_exceptions (
     errors       jsonb,
     blocks       boolean     NOT NULL DEFAULT true,
     dead_at      timestamptz,
+    delivered_at timestamptz,
     cancelled_at timestamptz,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);
@@ -66,6 +67,14 @@ CREATE OR REPLACE FUNCTION "_check_topic_patterns"(
 IMMUTABLE PARALLEL SAFE 
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'check_topic_patterns_wrapper';
+
+CREATE OR REPLACE FUNCTION "_log_detach_subject"(
+	"subscription" TEXT, /* Option < & str > */
+	"subject" TEXT /* Option < & str > */
+) RETURNS INT /* i32 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_detach_subject_wrapper';
 
 CREATE OR REPLACE FUNCTION "_log_in_flight"(
 	"subscription" TEXT /* Option < & str > */
@@ -108,10 +117,12 @@ BEGIN
                lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
-        RETURNING x.topic INTO t;
+        RETURNING x.topic, x.subject INTO t, subj;
         IF t IS NULL THEN
             RETURN false;
         END IF;
+        -- Its subject's events still in the lane's batch now follow it.
+        PERFORM outbox._log_detach_subject(sub, subj);
         PERFORM outbox._wake(t);
         RETURN true;
     END IF;
@@ -175,6 +186,7 @@ AS $$
 DECLARE
     n bigint;
     sub text;
+    subjects text[];
 BEGIN
     sub := outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
@@ -192,14 +204,20 @@ BEGIN
                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
             RETURN n;
         END IF;
-        UPDATE outbox.log_exceptions x
-           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
-        GET DIAGNOSTICS n = ROW_COUNT;
+        WITH replayed AS (
+            UPDATE outbox.log_exceptions x
+               SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+                   lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)
+            RETURNING x.subject
+        )
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT r.subject) FILTER (WHERE r.subject IS NOT NULL)
+          INTO n, subjects FROM replayed r;
+        -- Their subjects' events still in the lanes' batches now follow them.
+        PERFORM outbox._log_detach_subject(sub, s) FROM pg_catalog.unnest(subjects) AS s;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;
@@ -284,6 +302,42 @@ BEGIN
         PERFORM outbox._wake(NULL);
     END IF;
     RETURN n OPERATOR(pg_catalog.>) 0;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    released text[];
+BEGIN
+    WITH changed AS (
+        UPDATE outbox.event_queue q
+           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
+         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
+        RETURNING q.subject, q.state
+    )
+    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
+      INTO released FROM changed c;
+    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+        PERFORM outbox._promote_heads(released);
+        PERFORM outbox._wake(topic);
+    END IF;
+    -- Named subscriptions' dead letters follow it too, unless their subscription
+    -- sets its own policy; a claim finds the subject's new head by itself
+    -- (src/log/exceptions.rs).
+    UPDATE outbox.log_exceptions x
+       SET blocks = (policy OPERATOR(pg_catalog.=) 'block')
+      FROM outbox.subscription_catalog c
+     WHERE c.name OPERATOR(pg_catalog.=) x.subscription AND c.dead_letter_policy IS NULL
+       AND x.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
+       AND x.state OPERATOR(pg_catalog.=) 'dead' AND x.subject IS NOT NULL
+       AND x.blocks IS DISTINCT FROM (policy OPERATOR(pg_catalog.=) 'block');
+    IF FOUND AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+        PERFORM outbox._wake(topic);
+    END IF;
 END
 $$;
 
@@ -372,14 +426,21 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
     END IF;
+    -- Lanes first: a claim writes batches and exception rows only while it holds
+    -- a lane row, so this waits for claims in progress (a claim in an open
+    -- transaction included), and later ones skip the gone lanes. The leases are
+    -- counted after that wait, so they include what such a claim handed out.
+    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
             USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
     END IF;
-    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
+    -- Batches second: fail() moves a batch's events to exception rows only
+    -- while the batch row exists (key-share locked), so this waits for it. Then
+    -- the exception rows, all of them visible by now.
     DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
 END
@@ -428,6 +489,23 @@ BEGIN
             RETURNING 1
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
+        -- Named subscriptions' delivered exception rows (events that needed a
+        -- retry: their attempt history), in what is left of the batch.
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state = 'delivered'
+                   AND x.delivered_at < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state = 'delivered';
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
     ELSIF kind = 'dead' THEN
         WITH victims AS (
             SELECT q.id FROM outbox.event_queue q
@@ -503,6 +581,192 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox.health(
+    backlog_age        interval DEFAULT '60 seconds',
+    backlog_critical   bigint   DEFAULT 1000,
+    xmin_warn          interval DEFAULT '5 minutes',
+    xmin_critical      interval DEFAULT '1 hour',
+    dead_tuples_warn   bigint   DEFAULT 100000
+) RETURNS TABLE (check_name text, status text, value numeric, message text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    r record;
+    w record;
+    keep interval;
+    why text;
+BEGIN
+    IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
+       OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
+        RAISE EXCEPTION 'outbox: health() thresholds must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF backlog_age < interval '0' OR backlog_age > interval '100 years'
+       OR xmin_warn < interval '0' OR xmin_warn > interval '100 years'
+       OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
+    END IF;
+    -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    check_name := 'backlog_age'; value := n;
+    status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s ready events waiting longer than %s', n, backlog_age);
+    RETURN NEXT;
+
+    -- 2. Dead letters in the last hour.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    check_name := 'dead_letters'; value := n;
+    status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s events dead-lettered in the last hour', n);
+    RETURN NEXT;
+
+    -- 3. Expired leases: workers died or handlers outlive their lease.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'leased' AND e.visible_at <= now();
+    check_name := 'expired_leases'; value := n;
+    status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s leases expired without ack or fail', n);
+    RETURN NEXT;
+
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+      INTO r
+      FROM pg_stat_activity a
+     WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
+     ORDER BY a.xact_start
+     LIMIT 1;
+    check_name := 'xmin_horizon';
+    IF r.pid IS NULL THEN
+        value := 0; status := 'ok'; message := 'no other session holds the xmin horizon';
+    ELSE
+        value := round(extract(epoch FROM r.age)::numeric, 3);
+        status := CASE WHEN r.age >= xmin_critical THEN 'critical' WHEN r.age >= xmin_warn THEN 'warn' ELSE 'ok' END;
+        message := format('oldest snapshot held for %s by pid %s (user %s, application %L, %s)',
+                          date_trunc('second', r.age), r.pid, r.usename, r.application_name, r.state);
+    END IF;
+    RETURN NEXT;
+    FOR r IN SELECT gid, now() - prepared AS age FROM pg_prepared_xacts ORDER BY prepared LIMIT 1 LOOP
+        IF r.age >= xmin_warn THEN
+            check_name := 'xmin_horizon'; value := round(extract(epoch FROM r.age)::numeric, 3);
+            status := CASE WHEN r.age >= xmin_critical THEN 'critical' ELSE 'warn' END;
+            message := format('prepared transaction %L open for %s', r.gid, date_trunc('second', r.age));
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+
+    -- 5. Dead tuples in the hot relation.
+    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
+    status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
+                        AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
+    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    RETURN NEXT;
+
+    -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
+    -- which a sequence cache breaks (each backend pre-allocates a block of ids).
+    -- sql/guard.sql refuses ALTER SEQUENCE ... CACHE; this catches a bypass.
+    SELECT s.seqcache INTO n FROM pg_sequence s WHERE s.seqrelid = 'outbox.event_id_seq'::regclass;
+    check_name := 'id_sequence'; value := n;
+    IF n > 1 THEN
+        status := 'critical';
+        message := format('outbox.event_id_seq has CACHE %s: ids no longer follow the subject lock order, so per-subject delivery order can break; run ALTER SEQUENCE outbox.event_id_seq CACHE 1', n);
+    ELSE
+        status := 'ok';
+        message := 'outbox.event_id_seq draws ids one at a time (CACHE 1)';
+    END IF;
+    RETURN NEXT;
+
+    -- 7. The background worker of this database (src/launcher.rs).
+    SELECT * INTO w FROM outbox.wakeup_status();
+    check_name := 'background_worker'; value := w.worker_pid;
+    IF NOT w.preloaded THEN
+        status := 'warn';
+        message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
+    ELSIF w.state = 'serving' THEN
+        status := 'ok';
+        message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    ELSIF w.launcher_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox_ext launcher is not running, so no background worker serves this database (the postmaster restarts it within seconds; see the server log)';
+    ELSIF (SELECT d.datistemplate FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database()) THEN
+        status := 'warn';
+        message := 'this database is a template (datistemplate): templates are never served, so that CREATE DATABASE from them works; the copies are';
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                       WHERE pg_catalog.btrim(l.name, E' \t\r\n') <> '')
+          OR EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                      WHERE pg_catalog.btrim(l.name, E' \t\r\n') = pg_catalog.current_database()) THEN
+        status := 'critical';
+        message := CASE w.state
+            WHEN 'waiting' THEN format('no background worker process is free for this database (max_worker_processes = %s, shared with parallel query); the launcher retries every second', pg_catalog.current_setting('max_worker_processes'))
+            WHEN 'starting' THEN 'the background worker of this database is starting'
+            WHEN 'stopped' THEN 'the background worker of this database stopped; the launcher starts another'
+            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second, and serves at most 64 at once; see the server log)' END;
+    ELSE
+        status := 'warn';
+        message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
+    END IF;
+    RETURN NEXT;
+
+    -- 8. Each subscription: paused, or not claimed from while its events wait.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at
+               FROM outbox.subscriptions s ORDER BY s.name LOOP
+        check_name := 'subscription'; value := r.lag_events;
+        IF r.paused THEN
+            status := 'warn';
+            message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
+                              date_trunc('second', r.paused_at), r.lag_events);
+        ELSIF r.name = 'default' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            status := 'warn';
+            message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSIF r.name <> 'default' AND r.lag > backlog_age
+              AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            -- A named subscription holds the log's retention while it lags.
+            status := 'warn';
+            message := format('subscription %L has %s undelivered events, the oldest published %s ago, and no claim since %s; '
+                              'it holds the log''s retention (drop it if it is gone for good)', r.name, r.lag_events,
+                              date_trunc('second', r.lag),
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSE
+            status := 'ok';
+            message := format('subscription %L: %s events not yet delivered, last claim %s', r.name, r.lag_events,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'never'));
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+
+    -- 9. The log ring (0.8.0): a sealed table its retention should have
+    -- truncated, or an open table its rotation should have sealed, and why.
+    -- Ten minutes of slack cover the maintenance interval and a few busy runs.
+    keep := outbox._retention_guc('outbox.retention_delivered');
+    check_name := 'log_ring'; value := 0; status := 'ok'; message := NULL;
+    FOR r IN SELECT s.n, s.opened_at, s.sealed_at FROM outbox.log_state s ORDER BY s.n LOOP
+        IF r.sealed_at IS NOT NULL AND r.sealed_at < now() - keep - interval '10 minutes' THEN
+            why := CASE WHEN NOT outbox._log_readers_passed(r.n) THEN 'a log reader has not read past its events'
+                        ELSE 'no maintenance run got its lock within 20 ms, or rows were written to it after its seal' END;
+            message := concat_ws('; ', message, format('outbox.log_%s, sealed %s, is not truncated: %s',
+                                                       r.n, date_trunc('second', r.sealed_at), why));
+        ELSIF r.sealed_at IS NULL AND r.opened_at < now() - keep - interval '10 minutes' THEN
+            message := concat_ws('; ', message, format('outbox.log_%s, open since %s, is not sealed: the next ring table is not free yet',
+                                                       r.n, date_trunc('second', r.opened_at)));
+        ELSE
+            CONTINUE;
+        END IF;
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
+    message := COALESCE(message, 'the log ring rotates and truncates on time');
+    RETURN NEXT;
+END
+$$;
+
 -- Views, changed
 
 CREATE OR REPLACE VIEW outbox.subscriptions AS
@@ -546,11 +810,11 @@ SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
 UNION ALL
 -- A named subscription's events that have per-event state (src/log/exceptions.rs).
 SELECT x.id, x.subscription, x.topic, x.subject,
-       CASE WHEN x.state = 'leased' AND x.visible_at <= pg_catalog.now() THEN 'pending' ELSE x.state END,
+       x.state,
        x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
        CASE WHEN x.state = 'leased' THEN x.visible_at END,
        CASE WHEN x.state = 'pending' THEN x.visible_at END,
-       x.last_error, x.errors, NULL::timestamptz, x.dead_at, x.cancelled_at
+       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
   FROM outbox.log_exceptions x
   JOIN outbox.subscription_catalog c ON c.name = x.subscription;
 
@@ -597,7 +861,7 @@ COMMENT ON VIEW outbox.subscriptions IS
 COMMENT ON VIEW outbox.deliveries IS
 'One row per event and subscription with a delivery state: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
-'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed, whose lease expired, that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
+'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed or whose lease expired (delivered ones too, with their history, for retention_delivered), that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
 'events it received on the first try and those it has not read yet have no row here (outbox.subscriptions gives its lag).';
 
 COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
@@ -615,6 +879,10 @@ COMMENT ON FUNCTION outbox._log_subscription_stats(text) IS
 COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
 'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '
 'Errors: 22023 empty array or a malformed pattern (claim''s grammar: exact topic names, prefixes ending in ''.*'', ''*''); 22004 NULL element.';
+
+COMMENT ON FUNCTION outbox._log_detach_subject(text, text) IS
+'Internal (replay and replay_dead of a named subscription): move the events of subject still in its lane''s batch to the exception table (waiting ones parked; ones out stay leased to their holder, same token and expiry), '
+'so that a replayed earlier event of the subject goes before the waiting ones and never alongside one out. Waits for a claim or ack holding that lane or batch. Returns how many moved (integer); 0 for NULL arguments. No errors of its own.';
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
@@ -686,6 +954,7 @@ ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_
 ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_subscription(text, boolean) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
@@ -702,7 +971,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),

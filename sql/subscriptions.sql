@@ -135,14 +135,21 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
     END IF;
+    -- Lanes first: a claim writes batches and exception rows only while it holds
+    -- a lane row, so this waits for claims in progress (a claim in an open
+    -- transaction included), and later ones skip the gone lanes. The leases are
+    -- counted after that wait, so they include what such a claim handed out.
+    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
             USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
     END IF;
-    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
+    -- Batches second: fail() moves a batch's events to exception rows only
+    -- while the batch row exists (key-share locked), so this waits for it. Then
+    -- the exception rows, all of them visible by now.
     DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
 END
@@ -289,7 +296,7 @@ SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
 UNION ALL
 -- A named subscription's events that have per-event state (src/log/exceptions.rs).
 SELECT x.id, x.subscription, x.topic, x.subject,
-       CASE WHEN x.state = 'leased' AND x.visible_at <= pg_catalog.now() THEN 'pending' ELSE x.state END,
+       x.state,
        x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
        CASE WHEN x.state = 'leased' THEN x.visible_at END,
        CASE WHEN x.state = 'pending' THEN x.visible_at END,

@@ -286,3 +286,175 @@ def test_health_warns_about_a_named_subscription_that_lags_without_claims(plain)
     status = c.execute("SELECT status FROM outbox.health(backlog_age => '10 ms') WHERE check_name = 'subscription' "
                        "AND message LIKE '%''idle''%'").fetchone()[0]
     assert status == "ok"
+
+
+def test_a_narrowed_claim_never_takes_another_topic_from_a_batch_in_flight(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('n')")
+    a = publish(c, "a.x", subject="s")
+    b = publish(c, "b.x", subject="s")
+    (r,) = claim(c, "n")
+    assert r[0] == a and ack(c, r)
+    # b.x is next in the batch, but this claim wants a.* only: b moves to the
+    # exception table instead of being handed out here.
+    assert claim(c, "n", topics=["a.*"]) == []
+    assert drain(c, "n") == [b]
+
+
+def test_a_slow_handler_holds_its_lane_only_for_a_moment(plain):
+    """One event kept out (1 h lease) must not hold the other subjects of its
+    lane: after src/log/claim.rs's LANE_HOLD_US it moves to the exception table,
+    still leased to its holder, and the lane goes on."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('hol')")
+    publish(c, subject="slow")
+    (slow,) = claim(c, "hol", lease="1 hour")
+    others = [publish(c, subject=f"other-{i}") for i in range(64)]
+    first = [r[0] for r in claim(c, "hol", n=1000)]
+    time.sleep(1.1)
+    got = sorted(first + drain(c, "hol"))
+    assert got == others
+    # The slow holder's lease is intact: it extends and acks with its token.
+    assert c.execute("SELECT outbox.extend_lease(%s, %s, '1 hour') IS NOT NULL",
+                     (slow[0], slow[2])).fetchone()[0]
+    assert claim(c, "hol") == []
+    assert ack(c, slow)
+    assert plain.one("SELECT state FROM outbox.deliveries WHERE subscription = 'hol' AND event_id = %s",
+                     (slow[0],))[0] == "delivered"
+
+
+def test_a_claim_racing_a_drop_never_brings_the_subscription_back(plain):
+    """A claim that passed the catalog check before drop_subscription committed
+    must not recreate the dropped subscription's lanes (they would hold the
+    log's retention for ever)."""
+    a = plain.conn()
+    a.execute("SELECT outbox.create_subscription('orph')")
+    d = connect(plain.dsn, autocommit=False)
+    x = connect(plain.dsn, autocommit=False)
+    try:
+        d.execute("SELECT outbox.drop_subscription('orph', force => true)")
+        # x queues an exclusive lock behind d's; the claim then waits behind x
+        # after its catalog check, at its first read of the exception table.
+        tx = threading.Thread(target=lambda: x.execute("LOCK TABLE outbox.log_exceptions IN ACCESS EXCLUSIVE MODE"))
+        tx.start()
+        time.sleep(0.3)
+        out = {}
+
+        def run_claim():
+            try:
+                out["rows"] = claim(plain.conn(), "orph")
+            except psycopg.Error as e:
+                out["err"] = e.sqlstate
+
+        tc = threading.Thread(target=run_claim)
+        tc.start()
+        time.sleep(0.3)
+        d.commit()
+        tx.join(10)
+        x.commit()
+        tc.join(10)
+        assert out.get("rows", []) == [] or out.get("err") == "42704", out
+    finally:
+        d.close()
+        x.close()
+    assert plain.one("SELECT count(*) FROM outbox.log_lanes WHERE subscription = 'orph'")[0] == 0
+    # A subscription restored without its lanes (they are not dumped) gets them.
+    a.execute("SELECT outbox.create_subscription('rest')")
+    a.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'rest'")
+    e = publish(a)
+    assert drain(a, "rest") == []          # starts at the restore: e came before
+    f = publish(a)
+    assert drain(a, "rest") == [f]
+    assert e < f
+
+
+def test_events_outside_the_filter_never_link_a_subjects_order(plain):
+    """An event the subscription does not take must not let a later event of
+    its subject go out while an earlier one is still out, nor be delivered."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('f', topics => ARRAY['t.a.*'])")
+    n1 = publish(c, "t.a.x", subject="S")
+    publish(c, "t.b.x", subject="S")
+    n3 = publish(c, "t.a.x", subject="S")
+    (r,) = claim(c, "f")
+    assert r[0] == n1
+    assert fail(c, r, retry_in="0 s") == "pending"
+    assert drain(c, "f") == [n1, n3]
+
+
+def test_a_replayed_event_never_goes_out_beside_a_later_one_of_its_subject(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('rs', dead_letter_policy => 'skip', max_attempts => 1)")
+    n1 = publish(c, subject="R")
+    (r,) = claim(c, "rs")
+    assert fail(c, r) == "dead"
+    n2, n3 = publish(c, subject="R"), publish(c, subject="R")
+    (r2,) = claim(c, "rs")
+    assert r2[0] == n2 and ack(c, r2)
+    assert c.execute("SELECT outbox.replay(%s, 'rs')", (n1,)).fetchone()[0] is True
+    # n1 first, then n3 (which was waiting in the batch), one at a time.
+    assert drain(c, "rs") == [n1, n3]
+    # Replayed while a later event of its subject is out: it waits for that one.
+    n4 = publish(c, subject="R")
+    (r4,) = claim(c, "rs")
+    assert r4[0] == n4
+    c.execute("UPDATE outbox.log_exceptions SET state = 'dead' WHERE subscription = 'rs' AND id = %s", (n1,))
+    assert c.execute("SELECT outbox.replay(%s, 'rs')", (n1,)).fetchone()[0] is True
+    assert claim(c, "rs") == []
+    assert ack(c, r4)
+    assert drain(c, "rs") == [n1]
+
+
+def test_switching_a_topics_dead_letter_policy_releases_named_subscriptions_too(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_topic('dl.t')")
+    c.execute("SELECT outbox.create_subscription('dl')")
+    c.execute("SELECT outbox.create_subscription('dlown', dead_letter_policy => 'block')")
+    e1, e2 = publish(c, "dl.t", subject="x"), publish(c, "dl.t", subject="x")
+    for sub in ("dl", "dlown"):
+        (r,) = claim(c, sub)
+        assert fail(c, r, permanent=True) == "dead"
+        assert drain(c, sub) == []
+    c.execute("SELECT outbox.alter_topic('dl.t', dead_letter_policy => 'skip')")
+    assert drain(c, "dl") == [e2]
+    assert drain(c, "dlown") == []       # its own policy stays
+    assert e1 < e2
+
+
+def test_one_array_ack_may_carry_one_event_for_several_subscriptions(plain):
+    c = plain.conn()
+    for s in ("mx", "mx2"):
+        c.execute(f"SELECT outbox.create_subscription('{s}', max_attempts => 5)")
+    e = publish(c)
+    toks = []
+    for s in ("mx", "mx2"):
+        (r,) = claim(c, s)
+        fail(c, r)                       # now an exception row of each subscription
+        (r,) = claim(c, s)
+        toks.append(r[2])
+    (d,) = claim(c, None)
+    toks.append(d[2])
+    assert c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([e, e, e], toks)).fetchone()[0] == 3
+
+
+def test_a_claim_left_open_in_a_transaction_does_not_stall_other_workers(plain):
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('open')")
+    w1 = connect(plain.dsn, autocommit=False)
+    try:
+        assert claim(w1, "open") == []        # nothing yet; the transaction stays open
+        ids = [publish(c, subject=f"o{i}") for i in range(40)]
+        assert sorted(drain(plain.conn(), "open")) == ids
+    finally:
+        w1.rollback()
+        w1.close()
+
+
+def test_a_claim_larger_than_a_batch_holds_is_served_in_batches(plain):
+    c = plain.conn()
+    c.execute("SET outbox.max_batch_size = 100000")
+    c.execute("SELECT outbox.create_subscription('big')")
+    c.execute("SELECT count(*) FROM outbox.publish_batch('big.t', array_fill('{}'::jsonb, ARRAY[10000]))")
+    c.execute("SELECT count(*) FROM outbox.publish_batch('big.t', array_fill('{}'::jsonb, ARRAY[10000]))")
+    n = c.execute("SELECT count(*) FROM outbox.claim('w', 70000, subscription => 'big')").fetchone()[0]
+    assert n == 20000

@@ -35,6 +35,9 @@
 
 use std::fmt;
 
+/// The encoding's version byte (2: rounds keep their hand-out time).
+const VERSION: u8 = 2;
+
 /// Most events one batch holds (state indexes are `u16`).
 pub const MAX_EVENTS: usize = u16::MAX as usize;
 
@@ -51,11 +54,12 @@ pub enum State {
     Parked,
 }
 
-/// One hand-out: the random part of its token and when its lease expires
-/// (TimestampTz microseconds).
+/// One hand-out: the random part of its token, when it was handed out and
+/// when its lease expires (TimestampTz microseconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Round {
     pub random: u64,
+    pub handed: i64,
     pub expires: i64,
 }
 
@@ -257,13 +261,59 @@ impl Batch {
         parked
     }
 
+    /// Release the events out in rounds handed out at or before `before`, each
+    /// with every later event of its subject in the batch, when nothing else
+    /// of the batch can be handed out: a slow handler (a long lease, or one
+    /// kept alive with extend_lease) must not hold the rest of its lane. The
+    /// caller moves them to the exception table, the released ones still
+    /// leased to their holder (same token and expiry), the others parked
+    /// behind them. Returns the parked positions in id order, each with the
+    /// round it was out in (None: parked behind one), or nothing when some
+    /// event is still handable or none is old enough.
+    pub fn release(&mut self, before: i64) -> Vec<(usize, Option<u16>)> {
+        if !self.handable().is_empty() {
+            return vec![];
+        }
+        let old: Vec<(usize, u16)> = (0..self.len())
+            .filter_map(|i| match self.state[i] {
+                State::Out(r) if self.rounds[r as usize - 1].handed <= before => Some((i, r)),
+                _ => None,
+            })
+            .collect();
+        let mut parked = Vec::new();
+        for (i, r) in old {
+            parked.push((i, Some(r)));
+            parked.extend(self.park_after(i).into_iter().map(|j| (j, None)));
+            self.state[i] = State::Parked;
+        }
+        parked.sort_unstable();
+        parked
+    }
+
+    /// Take the events at `positions` out of the batch, whatever their state:
+    /// waiting ones are parked, ones out are parked and returned with their
+    /// round (their holder keeps the lease, from the exception table), done
+    /// ones stay. For a replayed event, whose subject's events still in the
+    /// batch must now follow it. Returns (position, round if it was out).
+    pub fn detach(&mut self, positions: &[usize]) -> Vec<(usize, Option<u16>)> {
+        let mut out = Vec::new();
+        for &i in positions {
+            match self.state[i] {
+                State::Waiting => out.push((i, None)),
+                State::Out(r) => out.push((i, Some(r))),
+                State::Done | State::Parked => continue,
+            }
+            self.state[i] = State::Parked;
+        }
+        out
+    }
+
     /// Park every waiting event of the subject of event `i` (before and after
     /// it; `i` alone without a subject), for an event the claim does not hand
     /// out from the batch (delayed, or outside the claim's topics): its subject
     /// then continues from the exception table, in id order. Events already
-    /// done (skipped: outside the subscription's topics) stay done. Returns the
-    /// parked positions. Panics if an event of the subject is out: a claim
-    /// diverts only while it builds the batch.
+    /// done stay done. Returns the parked positions. Panics if an event of the
+    /// subject is out: a claim diverts only events it could hand out.
     pub fn divert(&mut self, i: usize) -> Vec<usize> {
         let root = |mut j: usize| {
             while let Some(p) = self.prev[j] {
@@ -283,22 +333,15 @@ impl Batch {
         all
     }
 
-    /// Mark event `i` done without handing it out: the subscription's topic
-    /// filter does not take it, so nothing is owed.
-    pub fn skip(&mut self, i: usize) {
-        assert_eq!(self.state[i], State::Waiting, "skip of an event already handed out");
-        self.state[i] = State::Done;
-    }
-
-    /// Hand out the positions `picks` (from [`Batch::handable`]) as a new round
-    /// with lease expiry `expires` and random part `random`; returns the round's
+    /// Hand out the positions `picks` (from [`Batch::handable`]) at `now` as a
+    /// new round with lease expiry `expires` and random part `random`; returns the round's
     /// token for batch `batch_id`. Panics if a pick is not handable, or after
     /// `u16::MAX` rounds.
-    pub fn hand_out(&mut self, batch_id: i64, picks: &[usize], expires: i64, random: u64) -> Token {
+    pub fn hand_out(&mut self, batch_id: i64, picks: &[usize], now: i64, expires: i64, random: u64) -> Token {
         let handable = self.handable();
         assert!(picks.iter().all(|p| handable.contains(p)), "hand_out of an event that is not handable");
         assert!(self.rounds.len() < u16::MAX as usize, "too many rounds");
-        self.rounds.push(Round { random: random & RANDOM_MASK, expires });
+        self.rounds.push(Round { random: random & RANDOM_MASK, handed: now, expires });
         let round = self.rounds.len() as u16;
         for &p in picks {
             self.state[p] = State::Out(round);
@@ -399,11 +442,12 @@ impl Batch {
     /// a varint delta from the previous one (the first from 0), each `prev` as a
     /// varint distance back (0: none), each state as a varint (0 waiting, 1
     /// done, 2 parked, 2 + r out in round r), then the rounds (count, and for
-    /// each the random part as 6 bytes and the expiry as 8). A batch of 500
-    /// events with dense ids takes about 1.5 KB, under the TOAST threshold.
+    /// each the random part as 6 bytes, the hand-out time and the expiry as 8
+    /// each). A batch of 500 events with dense ids takes about 1.5 KB, under
+    /// the TOAST threshold.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + self.len() * 4 + self.rounds.len() * 14);
-        out.push(1);
+        let mut out = Vec::with_capacity(8 + self.len() * 4 + self.rounds.len() * 22);
+        out.push(VERSION);
         put_varint(&mut out, self.len() as u64);
         let mut last = 0i64;
         for &id in &self.ids {
@@ -427,6 +471,7 @@ impl Batch {
         put_varint(&mut out, self.rounds.len() as u64);
         for r in &self.rounds {
             out.extend_from_slice(&r.random.to_be_bytes()[2..]);
+            out.extend_from_slice(&r.handed.to_be_bytes());
             out.extend_from_slice(&r.expires.to_be_bytes());
         }
         out
@@ -436,7 +481,7 @@ impl Batch {
     /// rounds that exist.
     pub fn decode(bytes: &[u8]) -> Result<Batch, Corrupt> {
         let mut r = Reader { bytes, at: 0 };
-        if r.byte()? != 1 {
+        if r.byte()? != VERSION {
             return Err(Corrupt("unknown version"));
         }
         let n = r.varint()? as usize;
@@ -480,9 +525,15 @@ impl Batch {
         for _ in 0..rounds_n {
             let mut random = [0u8; 8];
             random[2..].copy_from_slice(r.take(6)?);
+            let mut handed = [0u8; 8];
+            handed.copy_from_slice(r.take(8)?);
             let mut expires = [0u8; 8];
             expires.copy_from_slice(r.take(8)?);
-            rounds.push(Round { random: u64::from_be_bytes(random), expires: i64::from_be_bytes(expires) });
+            rounds.push(Round {
+                random: u64::from_be_bytes(random),
+                handed: i64::from_be_bytes(handed),
+                expires: i64::from_be_bytes(expires),
+            });
         }
         if r.at != bytes.len() {
             return Err(Corrupt("trailing bytes"));
@@ -550,18 +601,18 @@ mod tests {
     fn one_event_per_subject_in_id_order() {
         let mut b = batch();
         assert_eq!(b.handable(), vec![0, 1, 3]);
-        let t1 = b.hand_out(7, &[0, 1, 3], T0 + 30, 0xabc);
+        let t1 = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 0xabc);
         assert_eq!(b.handable(), Vec::<usize>::new());
         b.ack(10, t1).unwrap();
         assert_eq!(b.handable(), vec![2]); // a's next; b's next waits for 11
         b.ack(11, t1).unwrap();
         b.ack(13, t1).unwrap();
         assert_eq!(b.handable(), vec![2, 4]);
-        let t2 = b.hand_out(7, &[2, 4], T0 + 30, 0xdef);
+        let t2 = b.hand_out(7, &[2, 4], T0, T0 + 30, 0xdef);
         b.ack(12, t2).unwrap();
         b.ack(14, t2).unwrap();
         assert!(!b.finished());
-        let t3 = b.hand_out(7, &[5], T0 + 30, 1);
+        let t3 = b.hand_out(7, &[5], T0, T0 + 30, 1);
         b.ack(15, t3).unwrap();
         assert!(b.finished());
         assert_eq!(b.next_expiry(), None);
@@ -570,7 +621,7 @@ mod tests {
     #[pg_test]
     fn an_expired_event_leaves_the_batch_with_its_successors() {
         let mut b = batch();
-        let old = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
+        let old = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
         b.ack(13, old).unwrap();
         // Expired but not moved yet: an ack is still accepted.
         b.ack(11, old).unwrap();
@@ -582,7 +633,7 @@ mod tests {
         assert_eq!(b.extend(10, old, T0 + 999), Err(Refused::Stale));
         assert_eq!(b.ack(99, old), Err(Refused::NotInBatch));
         assert_eq!(b.handable(), vec![4]);
-        let t = b.hand_out(7, &[4], T0 + 60, 6);
+        let t = b.hand_out(7, &[4], T0, T0 + 60, 6);
         // Same round number, other random part: stale.
         assert_eq!(b.ack(14, Token { random: 7, ..t }), Err(Refused::Stale));
         b.ack(14, t).unwrap();
@@ -591,33 +642,59 @@ mod tests {
     }
 
     #[pg_test]
-    fn divert_takes_a_whole_subject_and_skip_owes_nothing() {
+    fn a_slow_round_is_released_only_when_nothing_else_can_go() {
+        let mut b = batch();
+        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 3600, 5);
+        // 12 and 14 wait behind 10 and 11: nothing handable, but the round is young.
+        assert_eq!(b.release(T0 - 1), vec![]);
+        b.ack(11, t).unwrap();
+        // 14 can go now: no release, whatever the round's age.
+        assert_eq!(b.release(T0), vec![]);
+        let t2 = b.hand_out(7, &[4], T0, T0 + 3600, 6);
+        b.ack(14, t2).unwrap();
+        b.ack(13, t).unwrap();
+        // Only 10 (and a's events behind it) hold the batch: released.
+        assert_eq!(b.release(T0), vec![(0, Some(1)), (2, None), (5, None)]);
+        assert!(b.finished());
+        assert_eq!(b.ack(10, t), Err(Refused::Stale));
+    }
+
+    #[pg_test]
+    fn detach_parks_waiting_and_out_events_and_leaves_done_ones() {
+        let mut b = batch();
+        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
+        b.ack(10, t).unwrap();
+        // a's events: 10 done, 12 now handable, 15 waiting; 12 goes out.
+        let t2 = b.hand_out(7, &[2], T0, T0 + 30, 6);
+        assert_eq!(b.detach(&[0, 2, 5]), vec![(2, Some(2)), (5, None)]);
+        assert_eq!(b.ack(12, t2), Err(Refused::Stale));
+        assert_eq!(b.state(0), State::Done);
+    }
+
+    #[pg_test]
+    fn divert_takes_a_whole_subject() {
         let mut b = batch();
         // 12 (a) is delayed: every event of a leaves, earlier 10 too.
         assert_eq!(b.divert(2), vec![0, 2, 5]);
         // An event without a subject leaves alone.
         assert_eq!(b.divert(3), vec![3]);
-        b.skip(1); // 11 (b) is outside the subscription's topics
-        assert_eq!(b.handable(), vec![4]);
-        // A skipped event stays done when its subject is diverted.
-        let mut c = batch();
-        c.skip(1);
-        assert_eq!(c.divert(4), vec![4]);
-        assert_eq!(c.state(1), State::Done);
-        let t = b.hand_out(7, &[4], T0 + 30, 1);
-        b.ack(14, t).unwrap();
+        let t = b.hand_out(7, &[1], T0, T0 + 30, 1);
+        b.ack(11, t).unwrap();
+        // An acked event stays done when its subject is diverted.
+        assert_eq!(b.divert(4), vec![4]);
+        assert_eq!(b.state(1), State::Done);
         assert!(b.finished());
     }
 
     #[pg_test]
     fn a_failed_event_parks_its_subject_and_frees_the_batch() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
+        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
         assert_eq!(b.park(10, t).unwrap(), vec![0, 2, 5]);
         assert_eq!(b.handable(), Vec::<usize>::new()); // 14 waits for 11 still
         b.ack(11, t).unwrap();
         b.ack(13, t).unwrap();
-        let t2 = b.hand_out(7, &[4], T0 + 30, 9);
+        let t2 = b.hand_out(7, &[4], T0, T0 + 30, 9);
         b.ack(14, t2).unwrap();
         assert!(b.finished());
     }
@@ -625,7 +702,7 @@ mod tests {
     #[pg_test]
     fn extend_keeps_the_round_and_never_shortens_it() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0 + 30, 5);
+        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
         b.extend(10, t, T0 + 100).unwrap();
         b.extend(11, t, T0 + 50).unwrap();
         assert_eq!(b.next_expiry(), Some(T0 + 100));
@@ -657,7 +734,7 @@ mod tests {
     #[pg_test]
     fn encoding_round_trips_and_stays_small() {
         let mut b = batch();
-        let t = b.hand_out(42, &[0, 1, 3], T0 + 30, 77);
+        let t = b.hand_out(42, &[0, 1, 3], T0, T0 + 30, 77);
         b.ack(10, t).unwrap();
         assert_eq!(Batch::decode(&b.encode()), Ok(b.clone()));
         let dense: Vec<(i64, Option<u32>)> = (0..500).map(|i| (1_000_000_000 + i, Some((i % 7) as u32))).collect();
@@ -677,12 +754,12 @@ mod tests {
         let mut trailing = good.clone();
         trailing.push(0);
         assert!(Batch::decode(&trailing).is_err());
-        assert!(Batch::decode(&[2, 0, 0]).is_err());
+        assert!(Batch::decode(&[1, 0, 0]).is_err());
         // A state naming a round that does not exist.
         let mut b = batch();
-        b.hand_out(1, &[0], T0 + 1, 1);
+        b.hand_out(1, &[0], T0, T0 + 1, 1);
         let mut bytes = b.encode();
-        let rounds_at = bytes.len() - 15;
+        let rounds_at = bytes.len() - 23;
         bytes[rounds_at] = 0; // zero rounds...
         assert_eq!(Batch::decode(&bytes), Err(Corrupt("trailing bytes")));
         bytes.truncate(rounds_at + 1); // ...and none stored

@@ -12,20 +12,25 @@
 //!    delayed and parked events whose time has come, subject heads only.
 //! 2. Then each lane of the subscription, starting at a rotating lane so
 //!    workers spread out, until it has `batch_size` events:
-//!    1. take the lane row with `_lock_row` semantics ([`pg::try_lock_row`]: a
-//!       lane another claim holds is skipped, never waited for);
-//!    2. if the lane has a batch in flight, take the batch's lock without
+//!    1. if the lane has a batch in flight, take the batch's lock without
 //!       waiting ([`BATCH_LOCK_KEY`]), move its expired events to the exception
-//!       table ([`Batch::expire`]), and hand out what the batch allows now
-//!       ([`Batch::handable`]) as a new round;
-//!    3. otherwise read the lane's window (src/log/mod.rs) from where the last
-//!       batch ended, at most what the claim still needs, and make it the
-//!       lane's batch: events outside the subscription's topics are done at
-//!       once ([`Batch::skip`]); the subjects that continue in the exception
-//!       table, delayed events and events outside the call's own topics go
-//!       there ([`Batch::divert`]); the rest is handed out as the batch's first
-//!       round. An open window that has no more events moves the lane's cursor
-//!       to its end; a fresh window with no events writes nothing.
+//!       table ([`Batch::expire`]), and, when nothing else of it can go while
+//!       the lane has newer events, its events out for longer than
+//!       [`LANE_HOLD_US`] (still leased to their holder: [`Batch::release`]);
+//!       send events outside the call's topics there too; hand out what the
+//!       batch allows now ([`Batch::handable`]) as a new round;
+//!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
+//!       batch ended, at most what the claim still needs and at most
+//!       [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
+//!       subscription takes the lane's batch: the subjects that continue in
+//!       the exception table, delayed events and events outside the call's own
+//!       topics go there ([`Batch::divert`]); the rest is handed out as the
+//!       batch's first round. An open window that has no more events moves the
+//!       lane's cursor to its end; a fresh window with no events writes nothing.
+//!
+//! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
+//! lane another claim holds is skipped, never waited for) only to change it,
+//! so a claim holds no lock on a lane where it found nothing.
 //!
 //! # Invariants, and why they hold
 //! 1. **Each committed event of a lane is put in exactly one batch.** A lane's
@@ -59,18 +64,26 @@ use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
     BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, EXC_STATS, FAIL_INFO, FETCH,
-    LANES, LANE_PUT, PUBLISHED_AT, SUBSCRIBE,
+    LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use pgrx::prelude::*;
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 /// First key of the batch advisory locks (0x6f62746c = "obtl"); the second is
 /// the batch id's low 32 bits (two batches that share them only serialise).
 pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
+
+/// How long a batch's events may be out before a claim that finds nothing
+/// else of the batch to hand out, while the lane has newer events, moves them
+/// (still leased to their holder) to the exception table, so that the lane
+/// goes on (µs). A handler slower than this, on a lane with a backlog, costs
+/// one row per slow event; the lane's other subjects wait at most this long
+/// for it, not for its whole lease.
+pub const LANE_HOLD_US: i64 = 1_000_000;
 
 /// How many window pieces one claim reads in one lane before it moves on: a
 /// piece whose events all go elsewhere (outside the topics, delayed) hands
@@ -158,11 +171,13 @@ fn load_batch(id: i64) -> Option<Loaded> {
     Some(Loaded { batch, lane, subscription })
 }
 
-fn store_batch(id: i64, b: &Batch) {
+/// Write batch `id` (delete it when finished); false when its row is gone
+/// (drop_subscription removed it).
+fn store_batch(id: i64, b: &Batch) -> bool {
     if b.finished() {
-        plans::run_latest(&BATCH_DELETE, &[id.into()], |_| ());
+        plans::run_latest(&BATCH_DELETE, &[id.into()], |rows| rows.len()) > 0
     } else {
-        plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |_| ());
+        plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |rows| rows.len()) > 0
     }
 }
 
@@ -199,52 +214,115 @@ impl Claim<'_> {
         plans::run_latest(&FETCH, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
     }
 
-    /// Move the events of batch `id` whose lease expired to the exception table.
-    fn expire(&self, id: i64, lane: i16, b: &mut Batch) -> bool {
+    /// Move out of batch `id` (lane `lane`, read up to id `pos`) the events
+    /// whose lease expired ([`Batch::expire`]), then, if nothing else of the
+    /// batch can be handed out and the lane has newer events, the events out
+    /// for longer than [`LANE_HOLD_US`] ([`Batch::release`]), each with the
+    /// later events of its subject. Returns whether the batch changed.
+    fn move_out(&self, id: i64, lane: i16, pos: Option<i64>, b: &mut Batch) -> bool {
         let rounds: Vec<Option<u16>> =
             (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
-        let moved = b.expire(self.now);
-        if moved.is_empty() {
-            return false;
-        }
-        let rows: Vec<Moved> = moved
-            .iter()
-            .map(|&(i, was_out)| Moved {
+        let token_of =
+            |b: &Batch, i: usize| rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()));
+        let mut rows: Vec<Moved> = Vec::new();
+        for (i, was_out) in b.expire(self.now) {
+            rows.push(Moved {
                 id: b.ids()[i],
                 kind: if was_out { Kind::Expired } else { Kind::Parked },
                 visible_at: self.now,
-                token: if was_out {
-                    rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()))
-                } else {
-                    None
-                },
+                token: if was_out { token_of(b, i) } else { None },
                 error: None,
-            })
-            .collect();
-        exceptions::insert(self.req.subscription, self.req.settings, lane, &rows);
-        self.moved.set(true);
+            });
+        }
+        if !rows.is_empty() {
+            // Expired events are due now: this claim hands them out (claim()).
+            self.moved.set(true);
+        }
+        let stuck = b.handable().is_empty() && !b.finished();
+        let released =
+            if stuck && plans::one::<bool>(&LANE_HAS_MORE, &[lane.into(), pos.unwrap_or(0).into()]) == Some(true) {
+                b.release(self.now.saturating_sub(LANE_HOLD_US))
+            } else {
+                vec![]
+            };
+        for (i, round) in released {
+            rows.push(match round.and_then(|r| b.round_expiry(r).map(|e| (r, e))) {
+                // Still leased to its holder, with the same token and expiry.
+                Some((_, expires)) => Moved {
+                    id: b.ids()[i],
+                    kind: Kind::Leased,
+                    visible_at: expires,
+                    token: token_of(b, i),
+                    error: None,
+                },
+                None => Moved { id: b.ids()[i], kind: Kind::Parked, visible_at: self.now, token: None, error: None },
+            });
+        }
+        if rows.is_empty() {
+            return false;
+        }
+        rows.sort_unstable_by_key(|m| m.id);
+        exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, Some(id));
         true
+    }
+
+    /// Send to the exception table, with every waiting event of their
+    /// subjects, the handable events of batch `id` (`b`, lane `lane`) outside
+    /// the call's narrowed topics; returns whether any moved.
+    fn narrow(&self, lane: i16, id: i64, b: &mut Batch) -> bool {
+        if self.req.narrow.is_none() {
+            return false;
+        }
+        let handable = b.handable();
+        if handable.is_empty() {
+            return false;
+        }
+        let ids: Vec<i64> = handable.iter().map(|&i| b.ids()[i]).collect();
+        let topics: HashMap<i64, String> = plans::run_latest(&TOPICS_OF, &[lane.into(), ids.into()], |rows| {
+            let mut out = HashMap::new();
+            rows.for_each(|r| {
+                if let (Some(id), Some(t)) = (r.i64(0), r.text(1)) {
+                    out.insert(id, t);
+                }
+            });
+            out
+        });
+        let mut rows = Vec::new();
+        for i in handable {
+            let passes_narrow = topics.get(&b.ids()[i]).is_some_and(|t| passes(&self.req.narrow, t));
+            if !passes_narrow && b.state(i) == super::batch::State::Waiting {
+                for j in b.divert(i) {
+                    rows.push(Moved {
+                        id: b.ids()[j],
+                        kind: Kind::Parked,
+                        visible_at: self.now,
+                        token: None,
+                        error: None,
+                    });
+                }
+            }
+        }
+        rows.sort_unstable_by_key(|m| m.id);
+        exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, Some(id));
+        !rows.is_empty()
     }
 
     /// Make `events` (the next piece of lane `lane`'s window) a batch: skip
     /// what the subscription does not take, send to the exception table what
     /// must continue there, and return the batch.
     fn build(&self, lane: i16, events: &[WindowEvent]) -> Batch {
-        let mut b = Batch::new(&events.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
-        for (i, e) in events.iter().enumerate() {
-            if !passes(&self.own, &e.topic) {
-                b.skip(i);
-            }
-        }
-        let waiting = |b: &Batch, i: usize| b.state(i) == super::batch::State::Waiting;
-        let mut subjects: Vec<String> =
-            events.iter().enumerate().filter(|(i, _)| waiting(&b, *i)).filter_map(|(_, e)| e.subject.clone()).collect();
+        // Only the events the subscription takes are in the batch: one outside
+        // its topics is owed nothing, and must not link its subject's events
+        // (a later one would go out while an earlier one is still out).
+        let owed: Vec<&WindowEvent> = events.iter().filter(|e| passes(&self.own, &e.topic)).collect();
+        let mut b = Batch::new(&owed.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
+        let mut subjects: Vec<String> = owed.iter().filter_map(|e| e.subject.clone()).collect();
         subjects.sort_unstable();
         subjects.dedup();
         let open = exceptions::open_subjects(self.req.subscription, lane, subjects);
         let mut moved = Vec::new();
-        for (i, e) in events.iter().enumerate() {
-            if !waiting(&b, i) {
+        for (i, e) in owed.iter().enumerate() {
+            if b.state(i) != super::batch::State::Waiting {
                 continue;
             }
             let held = e.subject.as_ref().is_some_and(|s| open.contains(s));
@@ -262,54 +340,76 @@ impl Claim<'_> {
             }
         }
         moved.sort_unstable_by_key(|m| m.id);
-        exceptions::insert(self.req.subscription, self.req.settings, lane, &moved);
+        exceptions::insert(self.req.subscription, self.req.settings, lane, &moved, None);
         b
     }
 
-    /// Hand out up to `left` events of lane `l` (its row held); returns how many.
-    fn serve(&self, mut l: Lane, left: usize) -> usize {
+    /// Hand out up to `left` events of lane `l`; returns how many. The lane row
+    /// is locked (without waiting: [`pg::try_lock_row`] on the version read)
+    /// only to change it: a claim that finds nothing in a lane, or only serves
+    /// the lane's batch in flight, holds no lock on it, so a claim left open in
+    /// a transaction holds only the lanes it moved.
+    fn serve(&self, mut l: Lane, relid: pg_sys::Oid, left: usize) -> usize {
+        let mut locked = false;
+        let lock = |locked: &mut bool| {
+            *locked = *locked || pg::try_lock_row(relid, l.tid) == pg::RowLock::Locked;
+            *locked
+        };
         let mut dirty = false;
         if let Some(id) = l.batch {
             if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
                 return 0; // an ack is changing it: the next claim serves it
             }
-            match load_batch(id) {
-                Some(Loaded { batch: mut b, .. }) => {
-                    let changed = self.expire(id, l.lane, &mut b);
-                    if !b.finished() {
-                        let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
-                        if picks.is_empty() {
-                            if changed {
-                                store_batch(id, &b);
-                            }
-                            return 0;
+            if let Some(Loaded { batch: mut b, .. }) = load_batch(id) {
+                let changed = self.move_out(id, l.lane, l.pos, &mut b) | self.narrow(l.lane, id, &mut b);
+                if !b.finished() {
+                    let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
+                    if picks.is_empty() {
+                        if changed {
+                            store_batch(id, &b);
                         }
-                        let token = b.hand_out(id, &picks, self.expires, pg::strong_random());
-                        store_batch(id, &b);
-                        self.emit(l.lane, &b, &picks, token);
-                        return picks.len();
+                        return 0;
                     }
-                    store_batch(id, &b);
-                    l.batch = None;
-                    dirty = true;
+                    let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
+                    if !store_batch(id, &b) {
+                        return 0; // dropped meanwhile (drop_subscription)
+                    }
+                    self.emit(l.lane, &b, &picks, token);
+                    return picks.len();
                 }
-                None => {
-                    l.batch = None;
-                    dirty = true;
-                }
+                store_batch(id, &b);
             }
+            // The lane's batch is finished: the lane moves on.
+            if !lock(&mut locked) {
+                return 0;
+            }
+            l.batch = None;
+            dirty = true;
         }
         // No batch in flight: the next piece of the open window, or a new window.
+        // The cursor may be taken before the lane is locked: the lock is taken
+        // on the version read before the cursor, or not at all, so the lane's
+        // last writer is visible in it.
         for _ in 0..MAX_PIECES {
             let (hi, fresh) = match &l.hi {
                 Some(h) => (h.clone(), false),
                 None => (cursor(), true),
             };
-            let events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(left as i32));
+            let mut events = window(
+                l.lane,
+                &l.lo,
+                &hi.snapshot,
+                l.pos.unwrap_or(0),
+                Some(left.min(super::batch::MAX_EVENTS) as i32),
+            );
+            cap_subjects(&mut events);
+            if events.is_empty() && fresh {
+                break; // nothing new; the cursor stays (an empty window writes nothing)
+            }
+            if !lock(&mut locked) {
+                return 0;
+            }
             if events.is_empty() {
-                if fresh {
-                    break; // nothing new; the cursor stays (an empty window writes nothing)
-                }
                 // The open window is read to its end: the lane moves there.
                 l.lo = hi;
                 l.hi = None;
@@ -329,7 +429,7 @@ impl Claim<'_> {
                 .unwrap_or_else(|| errors::raise(errors::INTERNAL, "nextval returned no batch id"));
             // A new batch id: nobody else can hold its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
-            let token = b.hand_out(id, &picks, self.expires, pg::strong_random());
+            let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
             let args = [id.into(), self.req.subscription.into(), l.lane.into(), b.encode().into()];
             plans::run_latest(&BATCH_NEW, &args, |_| ());
             l.batch = Some(id);
@@ -341,6 +441,28 @@ impl Claim<'_> {
             put_lane(self.req.subscription, &l);
         }
         0
+    }
+}
+
+/// Most events of one subject a batch takes: a subject's events go out one
+/// per round, so a piece of one busy subject would make a batch of many rounds
+/// (a row that grows with each, rewritten by every ack); the rest of the piece
+/// is read by the lane's next batch.
+pub const MAX_SUBJECT_EVENTS: usize = 16;
+
+/// Cut a window piece (in id order) before the first event whose subject
+/// already has [`MAX_SUBJECT_EVENTS`] in it.
+fn cap_subjects(events: &mut Vec<WindowEvent>) {
+    let mut seen: HashMap<&str, usize> = HashMap::new();
+    let cut = events.iter().position(|e| {
+        e.subject.as_deref().is_some_and(|s| {
+            let n = seen.entry(s).or_insert(0);
+            *n += 1;
+            *n > MAX_SUBJECT_EVENTS
+        })
+    });
+    if let Some(cut) = cut {
+        events.truncate(cut);
     }
 }
 
@@ -378,8 +500,13 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         let mut all = lanes(req.subscription);
         if all.is_empty() {
             // A subscription restored from a dump (the log and its lanes are not
-            // dumped: sql/log.sql) starts at the restore.
-            subscribe(req.subscription, cursor());
+            // dumped: sql/log.sql) starts at the restore; one dropped meanwhile
+            // gets none (its catalog row is read, and waited for, first).
+            let c = cursor();
+            let xn = c.xn.to_string();
+            let args: [DatumWithOid<'_>; 4] =
+                [req.subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
+            plans::run_latest(&SUBSCRIBE_LISTED, &args, |_| ());
             all = lanes(req.subscription);
         }
         let claim = Claim {
@@ -396,10 +523,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             if left == 0 {
                 break;
             }
-            if pg::try_lock_row(relid, l.tid) != pg::RowLock::Locked {
-                continue;
-            }
-            left -= claim.serve(l, left);
+            left -= claim.serve(l, relid, left);
         }
         if left > 0 && claim.moved.get() {
             // Expired events it moved are due now: hand them out at once.
@@ -525,6 +649,62 @@ pub fn log_subscription_stats(
     TableIterator::once((lag, oldest_id, oldest_at, in_flight + exc_leased, dead))
 }
 
+/// `outbox._log_detach_subject(subscription text, subject text) -> integer`:
+/// move the events of `subject` still in its lane's batch to the exception
+/// table (waiting ones parked, ones out still leased to their holder), so that
+/// a replayed earlier event of the subject goes before them. Waits for a claim
+/// or ack holding the lane or the batch. Returns how many moved.
+#[pg_extern(name = "_log_detach_subject", volatile, parallel_unsafe)]
+pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> i32 {
+    let (Some(subscription), Some(subject)) = (subscription, subject) else {
+        return 0;
+    };
+    let lane = super::lane(0, Some(pg::hashtext(subject)));
+    let Some(batch) = plans::run_latest(&LANE_LOCK, &[subscription.into(), lane.into()], |rows| {
+        let mut out = None;
+        rows.for_each(|r| out = r.i64(0));
+        out
+    }) else {
+        return 0;
+    };
+    pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
+    let Some(Loaded { batch: mut b, .. }) = load_batch(batch) else { return 0 };
+    let mine: Vec<i64> =
+        plans::run_latest(&OF_SUBJECT, &[lane.into(), b.ids().to_vec().into(), subject.into()], |rows| {
+            let mut out = Vec::new();
+            rows.for_each(|r| out.extend(r.i64(0)));
+            out
+        });
+    let positions: Vec<usize> = mine.iter().filter_map(|id| b.position(*id)).collect();
+    let rounds: Vec<(usize, Option<(Token, i64)>)> = b
+        .detach(&positions)
+        .into_iter()
+        .map(|(i, r)| (i, r.and_then(|r| Some((b.token(batch, r)?, b.round_expiry(r)?)))))
+        .collect();
+    if rounds.is_empty() {
+        return 0;
+    }
+    let now = pg::now();
+    let mut rows: Vec<Moved> = rounds
+        .iter()
+        .map(|&(i, out)| match out {
+            Some((t, expires)) => Moved {
+                id: b.ids()[i],
+                kind: Kind::Leased,
+                visible_at: expires,
+                token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
+                error: None,
+            },
+            None => Moved { id: b.ids()[i], kind: Kind::Parked, visible_at: now, token: None, error: None },
+        })
+        .collect();
+    rows.sort_unstable_by_key(|m| m.id);
+    let settings = crate::subscriptions::lookup(subscription).unwrap_or_default();
+    exceptions::insert(subscription, &settings, lane, &rows, None);
+    store_batch(batch, &b);
+    rows.len() as i32
+}
+
 /// True when `token` was handed out by a claim over the log (a batch round or
 /// an exception row), not by the queue's claim.
 pub fn is_log_token(token: &pgrx::Uuid) -> bool {
@@ -601,7 +781,9 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                     })
                     .collect();
                 moved.sort_unstable_by_key(|m| m.id);
-                exceptions::insert(&subscription, &settings, lane, &moved);
+                if !exceptions::insert(&subscription, &settings, lane, &moved, Some(t.batch)) {
+                    return "stale"; // the subscription was dropped meanwhile
+                }
                 store_batch(t.batch, &b);
                 return state;
             }

@@ -32,7 +32,9 @@
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
-use crate::sql::log::{EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS};
+use crate::sql::log::{
+    EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS,
+};
 use crate::subscriptions::Settings;
 use crate::{backoff, errors, gucs, pg, validate};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
@@ -46,6 +48,9 @@ pub enum Kind {
     Parked,
     /// Its batch lease expired: one attempt used; the batch token stays its lease.
     Expired,
+    /// Still leased to its holder (same token, expiry `visible_at`), moved
+    /// out of a batch that its slow handler would otherwise hold.
+    Leased,
     /// fail() with attempts left: pending from its retry time.
     Retry,
     /// fail() for good, or on its last attempt.
@@ -57,6 +62,7 @@ impl Kind {
         match self {
             Kind::Parked => "parked",
             Kind::Expired => "expired",
+            Kind::Leased => "leased",
             Kind::Retry => "retry",
             Kind::Dead => "dead",
         }
@@ -76,17 +82,20 @@ pub struct Moved {
 }
 
 /// Copy the events `moved` of lane `lane` from the log into subscription
-/// `subscription`'s exception rows.
-pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved]) {
+/// `subscription`'s exception rows. With `batch`, only while that batch row
+/// exists (its key locked until commit): false when it is gone, because
+/// drop_subscription removed it (which then waits for this transaction before
+/// it removes the rows, so none outlives the subscription).
+pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved], batch: Option<i64>) -> bool {
     if moved.is_empty() {
-        return;
+        return true;
     }
     let ids: Vec<i64> = moved.iter().map(|m| m.id).collect();
     let kinds: Vec<&str> = moved.iter().map(|m| m.kind.as_str()).collect();
     let at: Vec<TimestampWithTimeZone> = moved.iter().map(|m| pg::timestamptz(m.visible_at)).collect();
     let tokens: Vec<Option<pgrx::Uuid>> = moved.iter().map(|m| m.token).collect();
     let errs: Vec<Option<&str>> = moved.iter().map(|m| m.error.as_deref()).collect();
-    let args: [DatumWithOid<'_>; 9] = [
+    let args: [DatumWithOid<'_>; 10] = [
         subscription.into(),
         lane.into(),
         ids.into(),
@@ -96,8 +105,12 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
         errs.into(),
         settings.max_attempts.into(),
         settings.dead_letter_policy.as_deref().into(),
+        batch.into(),
     ];
     let n = plans::run_latest(&EXC_INSERT, &args, |rows| rows.len());
+    if n == 0 && batch.is_some() {
+        return false;
+    }
     if n != moved.len() {
         // Every id came from the lane's window, so the log holds it (retention
         // waits for readers): a missing one is a broken invariant, not a race.
@@ -106,6 +119,7 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
             format!("{} of {} events to park are missing from the log", moved.len() - n, moved.len()),
         );
     }
+    true
 }
 
 /// The subjects among `subjects` whose events must continue in the exception
@@ -174,23 +188,30 @@ pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
         return vec![];
     }
     let stmt = if gucs::keep_delivered() { &EXC_ACK } else { &EXC_ACK_DROP };
-    plans::run(stmt, &[ids.into(), tokens.into()], |t| t.filter_map(|r| r.get::<i64>(1).ok().flatten()).collect())
+    plans::run_latest(stmt, &[ids.into(), tokens.into()], |rows| {
+        let mut out = Vec::new();
+        rows.for_each(|r| out.extend(r.i64(0)));
+        out
+    })
 }
 
 /// fail() on the exception row `id` that `token` holds: Some(new state), or
 /// None when the token holds no row.
 pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, permanent: bool) -> Option<&'static str> {
-    let row = plans::run(&EXC_FAIL_LOCK, &[id.into(), token.into()], |t| {
-        if t.is_empty() {
-            return None;
-        }
-        let r = t.first();
-        let attempts: i32 = errors::spi(r.get(1)).unwrap_or(1);
-        let max_attempts: i32 = errors::spi(r.get(2)).unwrap_or(1);
-        let base: Option<Interval> = errors::spi(r.get(3));
-        let cap: Option<Interval> = errors::spi(r.get(4));
-        let sub: Option<String> = errors::spi(r.get(5));
-        Some((attempts.max(1), max_attempts, base, cap, sub.unwrap_or_default()))
+    // Under a snapshot taken now (as every exception-row change here): a
+    // stale token at REPEATABLE READ is 'stale', not a serialization failure.
+    let row = plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
+        let mut out = None;
+        rows.for_each(|r| {
+            out = Some((
+                r.i32(0).unwrap_or(1).max(1),
+                r.i32(1).unwrap_or(1),
+                r.interval(2),
+                r.interval(3),
+                r.text(4).unwrap_or_default(),
+            ))
+        });
+        out
     })?;
     let (attempts, max_attempts, base, cap, sub) = row;
     let settings = crate::subscriptions::lookup(&sub).unwrap_or_default();
@@ -203,7 +224,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
         error.into(),
         settings.dead_letter_policy.as_deref().into(),
     ];
-    plans::count(&EXC_FAIL_APPLY, &args);
+    plans::run_latest(&EXC_FAIL_APPLY, &args, |_| ());
     Some(state)
 }
 
@@ -236,5 +257,9 @@ pub fn decide(
 
 /// extend_lease on the exception row `id` that `token` holds: the new expiry.
 pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval) -> Option<TimestampWithTimeZone> {
-    plans::one(&EXC_EXTEND, &[id.into(), token.into(), lease.into()])
+    plans::run_latest(&EXC_EXTEND, &[id.into(), token.into(), lease.into()], |rows| {
+        let mut out = None;
+        rows.for_each(|r| out = r.timestamptz(0).map(pg::timestamptz));
+        out
+    })
 }

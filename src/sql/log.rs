@@ -112,6 +112,30 @@ pub const SUBSCRIBE: Stmt = Stmt {
     types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
 };
 
+/// [`SUBSCRIBE`] for a subscription still in the catalog, whose row is
+/// key-share locked (a drop_subscription in progress is waited for, and then
+/// nothing is inserted).
+pub const SUBSCRIBE_LISTED: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn) \
+          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8 FROM generate_series(0, 15) AS g \
+           WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = $1 FOR KEY SHARE) \
+          ON CONFLICT DO NOTHING RETURNING lane",
+    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
+};
+
+/// Whether lane $1 holds an event above id $2 (a batch's slow events would
+/// hold it back).
+pub const LANE_HAS_MORE: Stmt = Stmt {
+    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = $1 AND e.id > $2)",
+    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
+};
+
+/// The topics of events $2 of lane $1.
+pub const TOPICS_OF: Stmt = Stmt {
+    sql: "SELECT l.id, l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2)",
+    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID],
+};
+
 /// A subscription's lanes, with each row's ctid for `_lock_row`.
 pub const LANES: Stmt = Stmt {
     sql: "SELECT ctid, lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, hi_m, hi_xn::text, pos, batch \
@@ -153,10 +177,13 @@ pub const BATCH_NEW: Stmt = Stmt {
 
 pub const BATCH_ID: Stmt = Stmt { sql: "SELECT nextval('outbox.log_batch_seq')", types: &[] };
 
-pub const BATCH_PUT: Stmt =
-    Stmt { sql: "UPDATE outbox.log_batches SET state = $2 WHERE id = $1", types: &[pg_sys::INT8OID, pg_sys::BYTEAOID] };
+pub const BATCH_PUT: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches SET state = $2 WHERE id = $1 RETURNING id",
+    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID],
+};
 
-pub const BATCH_DELETE: Stmt = Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+pub const BATCH_DELETE: Stmt =
+    Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
 
 /// The claimed events' rows, with the round's token and lease expiry, as
 /// `outbox.claim` returns them (attempt 1: an event goes out of a batch once).
@@ -196,16 +223,19 @@ macro_rules! dead_blocks {
 /// a kind ($4): `parked` (behind another, delayed, or outside the claim's
 /// topics: pending from its deliver_at, no attempt yet), `expired` (its batch
 /// lease expired: one attempt; pending with the batch token $6 kept, or dead
-/// with 'lease expired' when that was its last), `retry` (failed: pending
-/// from $5 with error $7) and `dead` (failed for good). $8 is the
-/// subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
+/// with 'lease expired' when that was its last), `leased` (moved out of a
+/// batch its slow handler holds: still leased, token $6, expiry $5), `retry`
+/// (failed: pending from $5 with error $7) and `dead` (failed for good). $8 is
+/// the subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
+/// With $10, only while batch $10 exists (key-share locked: a drop_subscription
+/// that removed it first makes this insert nothing).
 pub const EXC_INSERT: Stmt = Stmt {
     sql: concat!(
         "INSERT INTO outbox.log_exceptions AS e (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
            max_attempts, published_at, state, attempts, visible_at, lease_token, last_error, errors, blocks, dead_at) \
          SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, l.published_at, \
                 y.state, y.attempts, greatest(x.visible_at, l.deliver_at), \
-                CASE WHEN y.state = 'pending' AND x.kind = 'expired' THEN x.token END, \
+                CASE WHEN (y.state = 'pending' AND x.kind = 'expired') OR x.kind = 'leased' THEN x.token END, \
                 y.error, \
                 CASE WHEN y.error IS NOT NULL THEN jsonb_build_array(jsonb_build_object( \
                   'attempt', 1, 'at', clock_timestamp(), 'worker', NULL, 'error', y.error)) END, \
@@ -216,12 +246,16 @@ pub const EXC_INSERT: Stmt = Stmt {
            FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[]) \
                   AS x(id, kind, visible_at, token, error) \
            JOIN outbox.log l ON l.lane = $2 AND l.id = x.id \
+          CROSS JOIN (SELECT $10::int8 IS NULL OR EXISTS ( \
+                        SELECT 1 FROM outbox.log_batches b WHERE b.id = $10 FOR KEY SHARE) AS ok) g \
           CROSS JOIN LATERAL (SELECT \
                 CASE x.kind WHEN 'parked' THEN 'pending' WHEN 'retry' THEN 'pending' WHEN 'dead' THEN 'dead' \
+                            WHEN 'leased' THEN 'leased' \
                      ELSE CASE WHEN 1 >= COALESCE($8, l.max_attempts) THEN 'dead' ELSE 'pending' END END AS state, \
                 CASE WHEN x.kind = 'parked' THEN 0 ELSE 1 END AS attempts, \
                 CASE WHEN x.kind = 'expired' AND 1 >= COALESCE($8, l.max_attempts) THEN 'lease expired' \
                      ELSE x.error END AS error) y \
+          WHERE g.ok \
          RETURNING e.id"
     ),
     types: &[
@@ -234,6 +268,7 @@ pub const EXC_INSERT: Stmt = Stmt {
         pg_sys::TEXTARRAYOID,
         pg_sys::INT4OID,
         pg_sys::TEXTOID,
+        pg_sys::INT8OID,
     ],
 };
 
@@ -258,7 +293,8 @@ macro_rules! exc_exhausted {
 
 /// Claim up to $3 rows of subscription $1's exception table: pending or
 /// expired rows whose time ($2) has come and whose subject has no earlier row
-/// that holds it, in (visible_at, id) order, each taken with `_lock_row` (never
+/// that holds it and no other row leased now (a replayed event may sit before
+/// a later one already out), in (visible_at, id) order, each taken with `_lock_row` (never
 /// waits), narrowed to the topics $6 (exact) and $7 (prefixes) when $6 is not
 /// NULL. They get token $4, lease $5 and worker $8; an expired lease on the
 /// last attempt goes dead instead ($10: the subscription's dead-letter
@@ -273,8 +309,9 @@ pub const EXC_CLAIM: Stmt = Stmt {
                 AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
                 AND (e.subject IS NULL OR NOT EXISTS ( \
                      SELECT 1 FROM outbox.log_exceptions p \
-                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
-                        AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks)))) \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id <> e.id \
+                        AND ((p.id < e.id AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks))) \
+                          OR (p.state = 'leased' AND p.visible_at > $2)))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
             WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
@@ -328,30 +365,25 @@ pub const EXC_CLAIM: Stmt = Stmt {
     ],
 };
 
-/// The rows (id, token) pairs ($1, $2) hold: the row's current lease, or the
-/// batch lease of a row moved here that no claim has handed out again.
-macro_rules! exc_held {
-    () => {
-        "e.lease_token = ANY ($2) AND e.state IN ('pending', 'leased') \
-         AND e.lease_token = ($2)[array_position($1, e.id)]"
-    };
-}
-
 /// Ack exception rows: delivered, with their attempt history kept for
-/// retention (`outbox.keep_delivered` on).
+/// retention (`outbox.keep_delivered` on). A pair (id $1[i], token $2[i])
+/// matches the row the token leases now, or the batch lease of a row moved
+/// here that no claim has handed out again; each pair on its own (one id may
+/// come with the tokens of several subscriptions).
 pub const EXC_ACK: Stmt = Stmt {
-    sql: concat!(
+    sql:
         "UPDATE outbox.log_exceptions e SET state = 'delivered', delivered_at = clock_timestamp(), lease_token = NULL \
-          WHERE ",
-        exc_held!(),
-        " RETURNING e.id"
-    ),
+            FROM unnest($1::int8[], $2::uuid[]) AS p(id, tok) \
+           WHERE e.lease_token = p.tok AND e.id = p.id AND e.state IN ('pending', 'leased') \
+          RETURNING e.id",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };
 
 /// [`EXC_ACK`] with `outbox.keep_delivered` off: the rows go.
 pub const EXC_ACK_DROP: Stmt = Stmt {
-    sql: concat!("DELETE FROM outbox.log_exceptions e WHERE ", exc_held!(), " RETURNING e.id"),
+    sql: "DELETE FROM outbox.log_exceptions e USING unnest($1::int8[], $2::uuid[]) AS p(id, tok) \
+           WHERE e.lease_token = p.tok AND e.id = p.id AND e.state IN ('pending', 'leased') \
+          RETURNING e.id",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
 };
 
@@ -423,4 +455,17 @@ pub const EXC_STATS: Stmt = Stmt {
                  count(*) FILTER (WHERE e.state = 'dead') \
             FROM outbox.log_exceptions e WHERE e.subscription = $1",
     types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// Subscription $1's lane $2, locked (replay waits for a claim holding it):
+/// its batch in flight.
+pub const LANE_LOCK: Stmt = Stmt {
+    sql: "SELECT batch FROM outbox.log_lanes WHERE subscription = $1 AND lane = $2 FOR UPDATE",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID],
+};
+
+/// Which of events $2 of lane $1 have subject $3.
+pub const OF_SUBJECT: Stmt = Stmt {
+    sql: "SELECT l.id FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) AND l.subject = $3",
+    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::TEXTOID],
 };
