@@ -383,6 +383,9 @@ BEGIN
     IF start IS NULL THEN
         RAISE EXCEPTION 'outbox: start must not be NULL' USING ERRCODE = '22004';
     END IF;
+    IF pg_catalog.array_ndims(topics) OPERATOR(pg_catalog.>) 1 THEN
+        RAISE EXCEPTION 'outbox: topics must be a one-dimensional array' USING ERRCODE = '22023';
+    END IF;
     IF start OPERATOR(pg_catalog.<>) ALL (ARRAY['now', 'earliest']) THEN
         RAISE EXCEPTION 'outbox: start must be ''now'' or ''earliest'', got %', pg_catalog.quote_literal(start)
             USING ERRCODE = '22023';
@@ -842,7 +845,7 @@ COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, inte
 'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
 'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs. Returns void. '
-'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting, empty topics array; 42710 the subscription exists. '
+'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting, empty or multi-dimensional topics array; 42710 the subscription exists. '
 'Nothing is created on error. As PgQ''s register_consumer, with per-event leases.';
 
 COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
