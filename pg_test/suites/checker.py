@@ -4,7 +4,11 @@
 Sessions (threads, one psycopg 3 connection per thread and database) drive a random,
 seeded mix of operations against a preloaded cluster with maintenance OFF
 (outbox.maintenance_interval = 0), in two databases, `postgres` and `other`, each
-served by its own background worker:
+served by its own background worker. Each database has three subscriptions: `default`
+(the queue) and two named ones over the log, created before any load starts, so
+every committed event of the run is theirs: sub_a (every topic; the topics' and the
+GUCs' policy) and sub_b (a topic filter; max_attempts 2, its own backoff and lease,
+dead letters under 'skip'):
 
   publishers  publish / publish_batch, with and without subjects (a small colliding
               pool) and dispatch keys (unique, re-used committed keys, a colliding
@@ -18,9 +22,20 @@ served by its own background worker:
               leases left to expire / slow acks; and claims inside explicit
               transactions (any isolation level) that claim again, ack, fail,
               cancel, hold the transaction and then commit or roll back
+  sworkers    workers of the named subscriptions: autocommit claims with
+              subscription => (small ones, ones narrowed with topics, bulk ones
+              acked with one ack(ids[], tokens[])) + ack / array ack / fail (retry,
+              permanent) / extend_lease / leases left to expire / slow acks; claims
+              inside explicit transactions (any isolation level) that claim again,
+              ack, fail, cancel and commit or roll back; late acks with old tokens
+              (of leases left to expire, and of claims that rolled back)
   operator    cancel, cancel + replay of a queued event (the replay held open a
               moment), replay of dead events, replay_dead(), alter_topic switching
               dead_letter_policy block/skip and max_attempts
+  soperator   the named subscriptions' operator: replay(id, sub) of dead letters,
+              replay_dead(pattern, since, until, dry_run, sub), cancel(id, sub) of
+              events held per event (and of others: false), replay of cancelled
+              events, alter_subscription(sub_a, max_attempts)
   idler       sessions idle in a REPEATABLE READ transaction
   bigops      publish_batch with 200-2000 distinct subjects (54000 above the
               documented 1000 is an accepted refusal) and claim + one batch ack of
@@ -39,21 +54,41 @@ Claims run with lock_timeout = 2 s (55P03 in claim is a violation) and
 statement_timeout = 10 s. Then the checker quiesces: load stops, every prepared
 transaction is resolved, every open transaction ends; without any maintenance
 (never run_maintenance, purge, _purge_step, _audit_low_water) every dead and
-cancelled event is replayed and plain autocommit claim + ack workers drain until
-every committed event is acked or nothing moved for --stall seconds. Invariants
-(transaction outcomes come from pg_xact_status of each transaction's xid, commit
-order from pg_xact_commit_timestamp; track_commit_timestamp = on):
+cancelled event is replayed (for a named subscription: replay(id, sub) of its rows of
+outbox.deliveries in state dead or cancelled) and plain autocommit claim + ack workers,
+one per database and subscription, drain until every committed event is acked in
+every subscription or nothing moved for --stall seconds. The journal records every
+claim (events, tokens, attempts, when it returned), ack (token, outcome) and
+transaction; transaction outcomes come from pg_xact_status of each transaction's xid,
+commit order from pg_xact_commit_timestamp (track_commit_timestamp = on). Invariants,
+checked for `default`, sub_a and sub_b alike:
 
   server_errors     no unexpected server error (XX000, 53200, a timeout in claim, a
                     lost connection, a Rust backtrace in a DETAIL, ...)
-  delivery          every committed event is acked exactly once (ack() = true in a
-                    committed transaction); a committed event never acked is
-                    "stranded" and printed with its queue row and _claim_low_water()
-  uncommitted       claim never returned, and no table holds, an event of a
-                    rolled-back transaction, savepoint or prepared transaction
-  subject_order     per subject, committed acks follow the publishers' commit order
-                    (events that were ever cancelled, or went dead in a topic that
-                    had the 'skip' policy at some point, are left out)
+  delivery          every committed event of the subscription's topics is acked
+                    exactly once (ack() = true in a committed transaction; an array
+                    ack of a named subscription that acked only some of its events
+                    counts as unknown); a committed event never acked is "stranded"
+                    and printed with its queue row and _claim_low_water() (named:
+                    its row of outbox.deliveries, the log, the subscription's
+                    counters); an acked event is 'delivered' there; no claim returns
+                    an event outside the subscription's topics or the claim's own
+                    topics; outbox.log holds every committed event
+  uncommitted       claim never returned, and no table holds (outbox.events,
+                    outbox.log, the named subscriptions' per-event rows), an event
+                    of a rolled-back transaction, savepoint or prepared transaction
+  subject_order     per subject, committed acks follow the publishers' commit order;
+                    an event is handed out (by a claim whose transaction committed)
+                    only after the subject's previous event's ack committed, unless
+                    its own transaction acked that event first; one claim never
+                    returns two events of one subject (events that were ever
+                    cancelled, or went dead where the 'skip' policy applied at some
+                    point, are left out: for a named subscription, events fail()
+                    reported dead and events replay()/replay_dead() brought back)
+  fencing           an ack that returned true (in a committed transaction) used a
+                    token handed out for that event by a claim that did not roll
+                    back, and no committed claim handed the event out again between
+                    that claim and the ack
   claim_no_wait     no claim waited on a lock (sampled) or hit lock_timeout
   dispatch_keys     re-publishing a committed dispatch key returns its event id
 
@@ -109,6 +144,25 @@ PUB_TOPICS = ["chk.fast", "chk.skip", "chk.slow", "chk.unreg"]
 WORK_TOPICS = PUB_TOPICS
 NSUBJECTS = 10
 EPOCH = 15.0
+# Named subscriptions (0.9.0), created in every database before any load starts, so
+# every committed event of the run is theirs (when its topic matches). sub_a takes
+# every topic (the big, low-water and replay scenarios' too) with the topics' and the
+# GUCs' policy; sub_b has a topic filter and a policy of its own: two attempts,
+# short backoff and lease, dead letters that let their subject go on ('skip').
+NAMED = {
+    "sub_a": dict(topics=None, max_attempts=None, backoff_base=None, backoff_max=None, default_lease=None,
+                  dead_letter_policy=None),
+    "sub_b": dict(topics=["chk.fast", "chk.skip", "chk.slow", "chk.unreg"], max_attempts=2,
+                  backoff_base="10 ms", backoff_max="100 ms", default_lease="400 ms", dead_letter_policy="skip"),
+}
+SUBS = ["default"] + list(NAMED)
+
+
+def topic_matches(topic, patterns):
+    """claim()'s topic patterns: exact names, prefixes ending in '.*', '*'; None = all."""
+    if patterns is None:
+        return True
+    return any(p == "*" or p == topic or (p.endswith(".*") and topic.startswith(p[:-1])) for p in patterns)
 
 
 CYCLE = 12.0      # every CYCLE seconds the load calms down for the last CALM seconds:
@@ -163,7 +217,8 @@ SERVER_SETTINGS = {
     "outbox.backoff_max": "200ms",
     "outbox.max_attempts": "4",
 }
-INVARIANTS = ["server_errors", "delivery", "uncommitted", "subject_order", "claim_no_wait", "dispatch_keys"]
+INVARIANTS = ["server_errors", "delivery", "uncommitted", "subject_order", "fencing", "claim_no_wait",
+              "dispatch_keys"]
 RETRY = {"40001", "40P01"}
 APP = "chk"
 
@@ -196,12 +251,17 @@ class Ctx:
         self.violations = defaultdict(list)
         self.pubtx = {}           # tag -> tx record
         self.pubops = {}          # pk "tag.k.j" -> (tag, k, j)
-        self.wtx = {}             # worker tx tag -> {db, xid, client}
-        self.acks = []            # (db, id, wtxtag, ok)
-        self.claimed = []         # (db, id, pk, wtxtag)
-        self.cancelled = set()    # (db, id) cancel() returned true (any outcome)
-        self.replayed = set()     # (db, id) replay() returned true
-        self.dead_reported = set()  # (db, id) fail() returned 'dead'
+        self.clock = 0            # journal clock: tick() orders claims, acks and commits
+        self.wtx = {}             # worker tx tag -> {db, xid, client[, tx, cseq]}
+        # (db, id, wtxtag, ok, sub, token, ack start tick); ok None: an array ack of a
+        # named subscription that acked some of its events, not known which
+        self.acks = []
+        # (db, id, pk, wtxtag, sub, token, attempt, subject, claim end time, claim end tick)
+        self.claimed = []
+        # per subscription ('default', 'sub_a', ...): sets of (db, id)
+        self.cancelled = defaultdict(set)      # cancel() returned true (any outcome)
+        self.replayed = defaultdict(set)       # replay() returned true, or replay_dead() replayed it
+        self.dead_reported = defaultdict(set)  # fail() returned 'dead'
         self.ever_skip = set((db, t) for db in DBS for t, a in TOPICS.items()
                              if a and a["dead_letter_policy"] == "skip")
         self.committed_keys = {db: [] for db in DBS}   # (key, id) of committed events
@@ -226,6 +286,11 @@ class Ctx:
     def inc(self, key, n=1):
         with self.lock:
             self.count[key] += n
+
+    def tick(self):
+        with self.lock:
+            self.clock += 1
+            return self.clock
 
     def violation(self, inv, msg, **ctx):
         with self.lock:
@@ -563,71 +628,93 @@ def resolver(ctx):
 # ---------------------------------------------------------------------------
 
 CLAIM_SQL = ("SELECT id, topic, subject, payload->>'pk', attempt, lease_token "
-             "FROM outbox.claim(%s, %s, %s::interval, %s::text[])")
+             "FROM outbox.claim(%s, %s, %s::interval, %s::text[], %s)")
 WORKER_SETTINGS = ["SET lock_timeout = '2s'", "SET statement_timeout = '10s'"]
 
 
-def claim(ctx, c, db, wname, wtx, batch, lease, topics):
-    ctx.inc("claims")
+def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
+    """One claim call (sub None: 'default'). Journals every event handed out with its
+    token, attempt, and when the call returned (wall clock and journal tick)."""
+    sname = sub or "default"
+    ctx.inc("claims" if sub is None else "named claims")
     try:
-        rows = c.execute(CLAIM_SQL, (wname, batch, lease, topics)).fetchall()
+        rows = c.execute(CLAIM_SQL, (wname, batch, lease, topics, sub)).fetchall()
     except psycopg.Error as ex:
         st = getattr(ex, "sqlstate", None)
         if st == "55P03":
             ex._chk_seen = True
-            ctx.violation("claim_no_wait", f"claim hit lock_timeout (55P03) in {db}: {str(ex).strip()[:200]}",
-                          db=db, wtx=wtx)
+            ctx.violation("claim_no_wait", f"claim ({sname}) hit lock_timeout (55P03) in {db}: "
+                          f"{str(ex).strip()[:200]}", db=db, wtx=wtx, sub=sname)
             ctx.inc("claim lock_timeout")
-            ctx.op(k="error", where="claim", st=st, db=db, wtx=wtx)
+            ctx.op(k="error", where="claim", st=st, db=db, wtx=wtx, sub=sname)
             with ctx.lock:
                 ctx.errors[st] += 1
         else:
-            ctx.server_error(ex, "claim", db=db, wtx=wtx)
+            ctx.server_error(ex, "claim", db=db, wtx=wtx, sub=sname)
         raise
+    t_end = time.time()
+    seq = ctx.tick()
     ids = [r[0] for r in rows]
     with ctx.lock:
         for r in rows:
-            ctx.claimed.append((db, r[0], r[3], wtx))
-    ctx.inc("claimed events", len(rows))
+            ctx.claimed.append((db, r[0], r[3], wtx, sname, str(r[5]), r[4], r[2], t_end, seq))
+    ctx.inc("claimed events" if sub is None else "named claimed events", len(rows))
     if rows:
-        ctx.op(k="claim", db=db, wtx=wtx, ids=ids, subjs=[r[2] for r in rows], att=[r[4] for r in rows])
+        ctx.op(k="claim", db=db, wtx=wtx, sub=sname, ids=ids, subjs=[r[2] for r in rows], att=[r[4] for r in rows],
+               tok=sorted(set(str(r[5]) for r in rows)) if sub else None)
+        subjs = [r[2] for r in rows if r[2] is not None]
+        if len(subjs) != len(set(subjs)):
+            dup = [s for s, k in Counter(subjs).items() if k > 1]
+            ctx.violation("subject_order", f"[{sname}] one claim in {db} returned two events of subject {dup[0]}: "
+                          f"{[(r[0], r[2]) for r in rows if r[2] in dup][:10]}", db=db, subj=dup[0], wtx=wtx, sub=sname)
+        want = NAMED[sub]["topics"] if sub else None
+        bad = [(r[0], r[1]) for r in rows if not topic_matches(r[1], want) or not topic_matches(r[1], topics)]
+        if bad:
+            ctx.violation("delivery", f"[{sname}] claim in {db} with topics {topics} returned events of other topics: "
+                          f"{bad[:10]}", db=db, id=bad[0][0], wtx=wtx, sub=sname)
     return rows
 
 
-def ack_auto(ctx, c, db, wname, row):
+def ack_auto(ctx, c, db, wname, row, sub=None):
+    sname = sub or "default"
     eid, tok = row[0], row[5]
     wtx = f"{wname}-a{eid}-{time.monotonic_ns()}"
+    seq = ctx.tick()
     try:
         ok, xid = c.execute("SELECT s.a, pg_current_xact_id_if_assigned()::text "
                             "FROM (SELECT outbox.ack(%s, %s) AS a OFFSET 0) s", (eid, tok)).fetchone()
     except psycopg.Error as ex:
-        ctx.server_error(ex, "ack", db=db, id=eid, accepted=("55P03",))
+        ctx.server_error(ex, "ack", db=db, id=eid, sub=sname, accepted=("55P03",))
         if is_conn_error(ex):
             with ctx.lock:  # the outcome is unknown
                 ctx.wtx[wtx] = {"db": db, "xid": None, "client": "unknown"}
-                ctx.acks.append((db, eid, wtx, True))
+                ctx.acks.append((db, eid, wtx, True, sname, str(tok), seq))
         raise
     with ctx.lock:
         ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
-        ctx.acks.append((db, eid, wtx, bool(ok)))
-    ctx.inc("acks true" if ok else "acks false")
-    ctx.op(k="ack", db=db, id=eid, ok=ok, wtx=wtx, xid=xid, subj=row[2])
+        ctx.acks.append((db, eid, wtx, bool(ok), sname, str(tok), seq))
+    if sub is None:
+        ctx.inc("acks true" if ok else "acks false")
+    else:
+        ctx.inc("named acks true" if ok else "named acks false")
+    ctx.op(k="ack", db=db, id=eid, ok=ok, wtx=wtx, xid=xid, subj=row[2], sub=sname, tok=str(tok) if sub else None)
     return ok
 
 
-def fail_call(ctx, c, db, row, permanent, wtx):
+def fail_call(ctx, c, db, row, permanent, wtx, sub=None):
+    sname = sub or "default"
     eid, tok = row[0], row[5]
     err = "checker: permanent" if permanent else "checker: transient"
     try:
         res = c.execute("SELECT outbox.fail(%s, %s, %s, NULL, %s)", (eid, tok, err, permanent)).fetchone()[0]
     except psycopg.Error as ex:
-        ctx.server_error(ex, "fail", db=db, id=eid, accepted=("55P03",))
+        ctx.server_error(ex, "fail", db=db, id=eid, sub=sname, accepted=("55P03",))
         raise
     if res == "dead":
         with ctx.lock:
-            ctx.dead_reported.add((db, eid))
-    ctx.inc(f"fails {res}")
-    ctx.op(k="fail", db=db, id=eid, perm=permanent, res=res, wtx=wtx, subj=row[2])
+            ctx.dead_reported[sname].add((db, eid))
+    ctx.inc(f"fails {res}" if sub is None else f"named fails {res}")
+    ctx.op(k="fail", db=db, id=eid, perm=permanent, res=res, wtx=wtx, subj=row[2], sub=sname)
     return res
 
 
@@ -712,6 +799,7 @@ def ack_batch(ctx, c, db, wname, rows, wtx):
     the archive rows it inserted (xmin)."""
     ids = [r[0] for r in rows]
     toks = [r[5] for r in rows]
+    seq = ctx.tick()
     try:
         c.execute("BEGIN")
         cnt = c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", (ids, toks)).fetchone()[0]
@@ -728,8 +816,8 @@ def ack_batch(ctx, c, db, wname, rows, wtx):
         ctx.violation("delivery", f"batch ack returned {cnt} but archived {len(mine)} rows", db=db, ids=ids[:50])
     with ctx.lock:
         ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
-        for i in ids:
-            ctx.acks.append((db, i, wtx, i in mine))
+        for i, tok in zip(ids, toks):
+            ctx.acks.append((db, i, wtx, i in mine, "default", str(tok), seq))
     ctx.inc("batch acks")
     ctx.inc("acks true", len(mine))
     ctx.op(k="ack_batch", db=db, ids=ids if len(ids) <= 50 else f"{len(ids)} ids", acked=len(mine), wtx=wtx, xid=xid)
@@ -739,7 +827,7 @@ def worker_tx(ctx, rnd, c, db, wname, n):
     """Claims inside an explicit transaction that may roll back."""
     wtx = f"{wname}-t{n}"
     iso = rnd.choices(ISOS, weights=[6, 2, 2])[0]
-    rec = {"db": db, "xid": None, "client": None, "iso": iso}
+    rec = {"db": db, "xid": None, "client": None, "iso": iso, "tx": True}
     with ctx.lock:
         ctx.wtx[wtx] = rec
     acks = []
@@ -763,15 +851,16 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                     ok = c.execute("SELECT outbox.cancel(%s)", (eid[0],)).fetchone()[0]
                     if ok:
                         with ctx.lock:
-                            ctx.cancelled.add((db, eid[0]))
+                            ctx.cancelled["default"].add((db, eid[0]))
                     ctx.inc("cancels in worker tx")
                     ctx.op(k="cancel", db=db, id=eid[0], ok=ok, wtx=wtx)
             for row in rows:
                 a = rnd.random()
                 stage = "ack/fail"
                 if a < 0.6:
+                    seq = ctx.tick()
                     ok = c.execute("SELECT outbox.ack(%s, %s)", (row[0], row[5])).fetchone()[0]
-                    acks.append((row[0], bool(ok)))
+                    acks.append((row[0], bool(ok), str(row[5]), seq))
                     ctx.op(k="ack", db=db, id=row[0], ok=ok, wtx=wtx, subj=row[2], intx=True)
                 elif a < 0.72:
                     fail_call(ctx, c, db, row, rnd.random() < 0.15, wtx)
@@ -788,6 +877,7 @@ def worker_tx(ctx, rnd, c, db, wname, n):
             ctx.op(k="wrollback", db=db, wtx=wtx, xid=rec["xid"])
         else:
             c.execute("COMMIT")
+            rec["cseq"] = ctx.tick()
             rec["client"] = "commit"
             ctx.inc("worker commits")
             ctx.op(k="wcommit", db=db, wtx=wtx, xid=rec["xid"])
@@ -802,9 +892,329 @@ def worker_tx(ctx, rnd, c, db, wname, n):
         raise
     finally:
         with ctx.lock:
-            for eid, ok in acks:
-                ctx.acks.append((db, eid, wtx, ok))
-        ctx.inc("acks true (in tx)", sum(1 for _, ok in acks if ok))
+            for eid, ok, tok, seq in acks:
+                ctx.acks.append((db, eid, wtx, ok, "default", tok, seq))
+        ctx.inc("acks true (in tx)", sum(1 for _, ok, _, _ in acks if ok))
+
+
+# ---------------------------------------------------------------------------
+# Named subscriptions: workers and operator
+# ---------------------------------------------------------------------------
+
+def lease_s(sub, lease):
+    if lease is not None:
+        return float(lease.split()[0]) / (1000.0 if lease.endswith("ms") else 1.0)
+    dl = NAMED[sub]["default_lease"]
+    return lease_s(sub, dl) if dl else 1.0   # else outbox.default_lease (SERVER_SETTINGS)
+
+
+def narrowed(rnd):
+    """claim()'s topics for a named subscription: mostly none (the subscription's own
+    filter), sometimes narrowed (what it leaves goes to the exception table)."""
+    r = rnd.random()
+    if r < 0.85:
+        return None
+    if r < 0.88:
+        return ["chk.*"]
+    return rnd.sample(WORK_TOPICS, rnd.randint(1, 3))
+
+
+def ack_array_named(ctx, c, db, rows, wtx, sub):
+    """ack(ids[], tokens[]) for a named subscription, autocommit. The count says which
+    events it acked only when it is 0 or all of them; otherwise the acks are recorded
+    as ambiguous (neither counted as deliveries nor as missing)."""
+    ids = [r[0] for r in rows]
+    toks = [r[5] for r in rows]
+    seq = ctx.tick()
+    try:
+        cnt, xid = c.execute("SELECT s.n, pg_current_xact_id_if_assigned()::text FROM "
+                             "(SELECT outbox.ack(%s::bigint[], %s::uuid[]) AS n OFFSET 0) s", (ids, toks)).fetchone()
+    except psycopg.Error as ex:
+        ctx.server_error(ex, "array ack", db=db, n=len(ids), wtx=wtx, sub=sub, accepted=("55P03",))
+        if is_conn_error(ex):
+            with ctx.lock:
+                ctx.wtx[wtx] = {"db": db, "xid": None, "client": "unknown"}
+                for i, tok in zip(ids, toks):
+                    ctx.acks.append((db, i, wtx, True, sub, str(tok), seq))
+        raise
+    if cnt < 0 or cnt > len(ids):
+        ctx.violation("delivery", f"[{sub}] array ack of {len(ids)} events returned {cnt}", db=db, ids=ids[:50], sub=sub)
+    ok = True if cnt == len(ids) else False if cnt == 0 else None
+    with ctx.lock:
+        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
+        for i, tok in zip(ids, toks):
+            ctx.acks.append((db, i, wtx, ok, sub, str(tok), seq))
+    ctx.inc("named array acks")
+    ctx.inc("named acks true", cnt)
+    if ok is None:
+        ctx.inc("named array acks partial (ambiguous)")
+    ctx.op(k="ack_array", db=db, sub=sub, ids=ids if len(ids) <= 50 else f"{len(ids)} ids", acked=cnt, wtx=wtx, xid=xid)
+    return cnt
+
+
+def sworker(ctx, idx):
+    """A worker of the named subscriptions: autocommit claims (small, narrowed, or bulk
+    with one array ack) and claims in explicit transactions at every isolation level.
+    Tokens of leases left to expire and of claims rolled back are kept and acked again
+    later: a late ack is accepted only while nobody has been handed the event since."""
+    rnd = random.Random(ctx.args.seed * 8009 + idx)
+    wname = f"sw{idx}"
+    s = Session(ctx, f"sworker{idx}", WORKER_SETTINGS)
+    held = []   # (due, db, sub, row)
+    n = 0
+    while not ctx.stop.is_set():
+        db = pick_db(rnd)
+        sub = rnd.choices(list(NAMED), weights=[3, 2])[0]
+        n += 1
+        c = None
+        try:
+            c = s.get(db)
+            now = time.time()
+            due = [h for h in held if h[0] <= now and h[1] == db]
+            held = [h for h in held if not (h[0] <= now and h[1] == db) and h[0] > now - 10]
+            for _, _, hsub, row in due[:8]:
+                ok = ack_auto(ctx, c, db, wname, row, hsub)
+                ctx.inc("named late acks " + ("true" if ok else "false"))
+            if rnd.random() < 0.6:
+                sworker_auto(ctx, rnd, c, db, sub, wname, n, held)
+            else:
+                sworker_tx(ctx, rnd, c, db, sub, wname, n, held)
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "named worker", db=db, sub=sub)
+            if is_conn_error(ex) or c is None:
+                s.drop(db)
+            else:
+                safe_rollback(c)
+            time.sleep(0.05)
+        time.sleep(rnd.uniform(0, 0.03))
+    s.close()
+
+
+def sworker_auto(ctx, rnd, c, db, sub, wname, n, held):
+    wtx = f"{wname}-c{n}"
+    bulk = rnd.random() < 0.25
+    with ctx.lock:
+        ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+    if bulk:
+        # Big claims keep sub_a up with the big batches; one array ack for all of them.
+        rows = claim(ctx, c, db, wname, wtx, rnd.randint(50, 400), "2 s", None, sub)
+        if rows:
+            ack_array_named(ctx, c, db, rows, f"{wname}-b{n}", sub)
+        return
+    lease = rnd.choice([None, None, "300 ms", "500 ms", "1 s"])
+    rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 8), lease, narrowed(rnd), sub)
+    if not rows:
+        time.sleep(rnd.uniform(0.01, 0.05))
+        return
+    rest = []
+    for row in rows:
+        a = rnd.random()
+        if a < 0.50:
+            ack_auto(ctx, c, db, wname, row, sub)
+        elif a < 0.62:
+            fail_call(ctx, c, db, row, False, wtx, sub)
+        elif a < 0.66:
+            fail_call(ctx, c, db, row, True, wtx, sub)
+        elif a < 0.71:
+            try:
+                until = c.execute("SELECT outbox.extend_lease(%s, %s, '1 s')", (row[0], row[5])).fetchone()[0]
+            except psycopg.Error as ex:
+                ctx.server_error(ex, "extend_lease", db=db, id=row[0], sub=sub, accepted=("55P03",))
+                raise
+            ctx.inc("named extend_lease")
+            ctx.op(k="extend", db=db, id=row[0], ok=until is not None, sub=sub)
+            ack_auto(ctx, c, db, wname, row, sub)
+        elif a < 0.78:
+            # Left to expire; its token is tried again after the lease (true only if no
+            # claim has handed the event out again by then).
+            ctx.inc("named leases left to expire")
+            ctx.op(k="expire", db=db, id=row[0], sub=sub)
+            held.append((time.time() + lease_s(sub, lease) + rnd.uniform(0.0, 1.5), db, sub, row))
+        elif a < 0.81:
+            time.sleep(rnd.uniform(0.2, 1.0))  # slow handler: the ack may be stale
+            ack_auto(ctx, c, db, wname, row, sub)
+        else:
+            rest.append(row)
+    if rest:
+        ack_array_named(ctx, c, db, rest, f"{wname}-b{n}", sub)
+
+
+def sworker_tx(ctx, rnd, c, db, sub, wname, n, held):
+    """Claims of a named subscription inside an explicit transaction (any isolation
+    level) that acks, fails, cancels, claims again and commits or rolls back."""
+    wtx = f"{wname}-t{n}"
+    iso = rnd.choices(ISOS, weights=[5, 3, 2])[0]
+    rec = {"db": db, "xid": None, "client": None, "iso": iso, "tx": True}
+    with ctx.lock:
+        ctx.wtx[wtx] = rec
+    acks = []
+    handed = []
+    stage = "begin"
+    try:
+        c.execute(f"BEGIN ISOLATION LEVEL {iso}")
+        ctx.op(k="wbegin", db=db, wtx=wtx, iso=iso, sub=sub)
+        rounds = rnd.choices([1, 2], weights=[6, 4])[0] if not quiet() else 1
+        for r in range(rounds):
+            stage = "claim"
+            rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 6), rnd.choice([None, "500 ms", "1 s"]),
+                         narrowed(rnd), sub)
+            handed += rows
+            if rnd.random() < 0.1:
+                stage = "cancel"
+                row = c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
+                if row:
+                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (row[0], sub)).fetchone()[0]
+                    if ok:
+                        with ctx.lock:
+                            ctx.cancelled[sub].add((db, row[0]))  # conservative: the tx may roll back
+                    ctx.inc("named cancels in worker tx")
+                    ctx.op(k="cancel", db=db, id=row[0], ok=ok, wtx=wtx, sub=sub)
+            for row in rows:
+                a = rnd.random()
+                stage = "ack/fail"
+                if a < 0.6:
+                    seq = ctx.tick()
+                    ok = c.execute("SELECT outbox.ack(%s, %s)", (row[0], row[5])).fetchone()[0]
+                    acks.append((row[0], bool(ok), str(row[5]), seq))
+                    ctx.op(k="ack", db=db, id=row[0], ok=ok, wtx=wtx, subj=row[2], intx=True, sub=sub)
+                elif a < 0.72:
+                    fail_call(ctx, c, db, row, rnd.random() < 0.15, wtx, sub)
+            if r + 1 < rounds:
+                time.sleep(rnd.uniform(0.012, 0.04))
+        if not quiet():
+            time.sleep(rnd.choice([0, 0, rnd.uniform(0.05, 0.4)]))
+        stage = "end"
+        rec["xid"] = c.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+        if rnd.random() < 0.35:
+            c.execute("ROLLBACK")
+            rec["client"] = "rollback"
+            ctx.inc("named worker rollbacks")
+            ctx.op(k="wrollback", db=db, wtx=wtx, xid=rec["xid"], sub=sub)
+            # Every token of a rolled-back claim must be refused (the claim never happened).
+            for row in handed:
+                held.append((time.time() + rnd.uniform(0.05, 1.0), db, sub, row))
+        else:
+            c.execute("COMMIT")
+            rec["cseq"] = ctx.tick()
+            rec["client"] = "commit"
+            ctx.inc("named worker commits")
+            ctx.op(k="wcommit", db=db, wtx=wtx, xid=rec["xid"], sub=sub)
+    except psycopg.Error as ex:
+        rec["client"] = "unknown" if is_conn_error(ex) and rec["xid"] else "error"
+        ctx.server_error(ex, f"named worker transaction ({stage})", db=db, wtx=wtx, sub=sub,
+                         accepted=("55P03",) if stage in ("cancel", "ack/fail") else ())
+        safe_rollback(c)
+        ctx.op(k="wabort", db=db, wtx=wtx, st=getattr(ex, "sqlstate", None), sub=sub)
+        raise
+    finally:
+        with ctx.lock:
+            for eid, ok, tok, seq in acks:
+                ctx.acks.append((db, eid, wtx, ok, sub, tok, seq))
+        ctx.inc("named acks true (in tx)", sum(1 for _, ok, _, _ in acks if ok))
+
+
+def soperator(ctx):
+    """The operator of the named subscriptions: replay(id, sub) of dead letters,
+    replay_dead(pattern, since, until, dry_run, sub), cancel(id, sub) of events held
+    per event (and of ones it does not hold: false), replay of cancelled events,
+    alter_subscription of sub_a's max_attempts. Which events replay_dead replayed is
+    read back from the exception rows its transaction wrote (xmin)."""
+    rnd = random.Random(ctx.args.seed * 9001)
+    s = Session(ctx, "soperator", ["SET statement_timeout = '30s'"])
+    while not ctx.stop.is_set():
+        db = pick_db(rnd)
+        sub = rnd.choice(list(NAMED))
+        c = None
+        try:
+            c = s.get(db)
+            a = rnd.random()
+            if a < 0.25:
+                for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                        "AND state = 'dead' ORDER BY random() LIMIT 3", (sub,)).fetchall():
+                    ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
+                    if ok:
+                        with ctx.lock:
+                            ctx.replayed[sub].add((db, eid))
+                    ctx.inc("named replays")
+                    ctx.op(k="replay", db=db, id=eid, ok=ok, dead=True, sub=sub)
+            elif a < 0.40:
+                pat = rnd.choice([None, "chk.*", "chk.fast", "chk.skip", "chk.slow"])
+                since = rnd.choice([None, None, 5.0, 1.0])
+                until = rnd.choice([None, None, 0.3])
+                dry = rnd.random() < 0.25
+                c.execute("BEGIN")
+                nd = c.execute("SELECT outbox.replay_dead(%s, now() - %s * interval '1 s', now() - %s * interval '1 s', "
+                               "%s, %s)", (pat, since, until, dry, sub)).fetchone()[0]
+                mine = [r[0] for r in c.execute(
+                    "SELECT id FROM outbox.log_exceptions WHERE subscription = %s AND xmin::text = "
+                    "(pg_current_xact_id()::text::bigint %% 4294967296)::text", (sub,)).fetchall()]
+                c.execute("COMMIT")
+                if dry and mine:
+                    ctx.violation("delivery", f"[{sub}] replay_dead(dry_run => true) changed {len(mine)} rows",
+                                  db=db, ids=mine[:20], sub=sub)
+                elif not dry and len(mine) < nd:
+                    ctx.violation("delivery", f"[{sub}] replay_dead returned {nd} but changed {len(mine)} rows",
+                                  db=db, ids=mine[:20], sub=sub)
+                with ctx.lock:
+                    ctx.replayed[sub].update((db, i) for i in mine)
+                ctx.inc("named replay_dead calls")
+                ctx.op(k="replay_dead", db=db, pattern=pat, since=since, until=until, dry=dry, n=nd, ids=mine[:50],
+                       sub=sub)
+            elif a < 0.65:
+                row = c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
+                if row:
+                    eid = row[0]
+                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sub)).fetchone()[0]
+                    ctx.inc("named cancels")
+                    ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub)
+                    if ok:
+                        with ctx.lock:
+                            ctx.cancelled[sub].add((db, eid))
+                        if rnd.random() < 0.5:
+                            time.sleep(rnd.uniform(0, 0.2))
+                            ok2 = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
+                            if ok2:
+                                with ctx.lock:
+                                    ctx.replayed[sub].add((db, eid))
+                            ctx.inc("named replays")
+                            ctx.op(k="replay", db=db, id=eid, ok=ok2, cancelled=True, sub=sub)
+            elif a < 0.75:
+                # cancel of an event the subscription may not hold per event (leased in a
+                # batch, delivered, not read yet): false, and nothing changes
+                with ctx.lock:
+                    recent = [r[1] for r in ctx.claimed[-200:] if r[0] == db and r[4] == sub]
+                if recent:
+                    eid = rnd.choice(recent)
+                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sub)).fetchone()[0]
+                    if ok:
+                        with ctx.lock:
+                            ctx.cancelled[sub].add((db, eid))
+                    ctx.inc("named cancels")
+                    ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub, any=True)
+            elif a < 0.80 and sub == "sub_a":
+                ma = rnd.choice([3, 4, 6])
+                c.execute("SELECT outbox.alter_subscription('sub_a', max_attempts => %s)", (ma,))
+                ctx.inc("alter_subscription")
+                ctx.op(k="alter_subscription", db=db, sub=sub, max_attempts=ma)
+            else:
+                for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                        "AND state = 'cancelled' ORDER BY random() LIMIT 2", (sub,)).fetchall():
+                    ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
+                    if ok:
+                        with ctx.lock:
+                            ctx.replayed[sub].add((db, eid))
+                    ctx.inc("named replays")
+                    ctx.op(k="replay", db=db, id=eid, ok=ok, cancelled=True, sub=sub)
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "named operator", db=db, sub=sub)
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+            else:
+                safe_rollback(c)
+        ctx.stop.wait(rnd.uniform(0.05, 0.25))
+    s.close()
 
 
 # ---------------------------------------------------------------------------
@@ -837,7 +1247,7 @@ def operator(ctx):
                     ctx.op(k="cancel", db=db, id=eid, ok=ok)
                     if ok:
                         with ctx.lock:
-                            ctx.cancelled.add((db, eid))
+                            ctx.cancelled["default"].add((db, eid))
                         if rnd.random() < 0.7:
                             time.sleep(rnd.uniform(0, 0.1))
                             c.execute("BEGIN")
@@ -851,7 +1261,7 @@ def operator(ctx):
                                 c.execute("COMMIT")
                                 if ok2:
                                     with ctx.lock:
-                                        ctx.replayed.add((db, eid))
+                                        ctx.replayed["default"].add((db, eid))
                                 ctx.inc("replays")
                                 ctx.op(k="replay", db=db, id=eid, ok=ok2)
             elif a < 0.45:
@@ -860,7 +1270,7 @@ def operator(ctx):
                     ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
                     if ok:
                         with ctx.lock:
-                            ctx.replayed.add((db, eid))
+                            ctx.replayed["default"].add((db, eid))
                     ctx.inc("replays")
                     ctx.op(k="replay", db=db, id=eid, ok=ok, dead=True)
             elif a < 0.55:
@@ -887,7 +1297,7 @@ def operator(ctx):
                     ok = c.execute("SELECT outbox.cancel(%s)", (row[0],)).fetchone()[0]
                     if ok:
                         with ctx.lock:
-                            ctx.cancelled.add((db, row[0]))
+                            ctx.cancelled["default"].add((db, row[0]))
                     ctx.inc("cancels")
                     ctx.op(k="cancel", db=db, id=row[0], ok=ok)
             else:
@@ -896,7 +1306,7 @@ def operator(ctx):
                     ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
                     if ok:
                         with ctx.lock:
-                            ctx.replayed.add((db, eid))
+                            ctx.replayed["default"].add((db, eid))
                     ctx.inc("replays")
                     ctx.op(k="replay", db=db, id=eid, ok=ok, cancelled=True)
         except psycopg.Error as ex:
@@ -1095,7 +1505,7 @@ def scenario_replay(ctx):
             ctx.op(k="cancel", db=db, id=e2, ok=ok, scenario="rp")
             if ok:
                 with ctx.lock:
-                    ctx.cancelled.add((db, e2))
+                    ctx.cancelled["default"].add((db, e2))
             cb.execute("BEGIN")
             ok2 = cb.execute("SELECT outbox.replay(%s)", (e2,)).fetchone()[0]
             ctx.op(k="replay", db=db, id=e2, ok=ok2, scenario="rp", open=True)
@@ -1105,7 +1515,7 @@ def scenario_replay(ctx):
             cb.execute("COMMIT")
             if ok2:
                 with ctx.lock:
-                    ctx.replayed.add((db, e2))
+                    ctx.replayed["default"].add((db, e2))
             ctx.inc("scenario replay races")
             ctx.op(k="replay_commit", db=db, id=e2, scenario="rp")
         except psycopg.Error as ex:
@@ -1301,82 +1711,123 @@ def quiesce(ctx, threads, resolver_t):
 
 def drain(ctx):
     """Replay every dead and cancelled event, drain with autocommit claim + ack, until every
-    committed event is delivered or nothing moved for --stall seconds."""
+    committed event is delivered or nothing moved for --stall seconds; one session per
+    database and subscription, side by side. For 'default': replay() of the cancelled
+    events, replay_dead(), claims of 500 acked one by one or in one batch. For a named
+    subscription: replay(id, sub) of its dead and cancelled events (outbox.deliveries),
+    claims of 500 with one array ack, until its lag, leases, dead letters and
+    undelivered rows in outbox.deliveries are all zero."""
     t0 = time.time()
+    res = {}
+    ts = [threading.Thread(target=drain_one, args=(ctx, db, sub, t0, res), name=f"drain-{db}-{sub}", daemon=True)
+          for db in DBS for sub in SUBS]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(max(1.0, t0 + ctx.args.drain_max + 15 - time.time()))
+    left = {k: v for k, v in res.items() if v}
+    stuck = [t.name for t in ts if t.is_alive()]
+    if not left and not stuck:
+        log(f"drain: queues empty after {time.time() - t0:.1f}s")
+    else:
+        log(f"drain: gave up after {time.time() - t0:.1f}s: events still queued {left}"
+            + (f"; still running: {stuck}" if stuck else ""))
+    return time.time() - t0
+
+
+def drain_left(c, sub):
+    """How much is left to deliver (0 = all of it)."""
+    if sub == "default":
+        return c.execute("SELECT (SELECT count(*) FROM outbox.event_queue) + "
+                         "(SELECT count(*) FROM outbox.event_archive WHERE state = 'cancelled')").fetchone()[0]
+    return c.execute("SELECT coalesce(lag_events, 0) + coalesce(leases_in_flight, 0) + coalesce(dead_letters, 0) + "
+                     "(SELECT count(*) FROM outbox.deliveries d WHERE d.subscription = s.name "
+                     "AND d.state <> 'delivered') FROM outbox.subscriptions s WHERE s.name = %s", (sub,)).fetchone()[0]
+
+
+def drain_replay(ctx, c, db, sub):
+    if sub == "default":
+        for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled'").fetchall():
+            ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
+            if ok:
+                with ctx.lock:
+                    ctx.replayed["default"].add((db, eid))
+            ctx.inc("drain replays")
+            ctx.op(k="replay", db=db, id=eid, ok=ok, drain=True)
+        nd = c.execute("SELECT outbox.replay_dead()").fetchone()[0]
+        if nd:
+            ctx.inc("drain replay_dead", nd)
+            ctx.op(k="replay_dead", db=db, n=nd, drain=True)
+        return
+    for (eid, st) in c.execute("SELECT event_id, state FROM outbox.deliveries WHERE subscription = %s "
+                               "AND state IN ('dead', 'cancelled')", (sub,)).fetchall():
+        ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
+        if ok:
+            with ctx.lock:
+                ctx.replayed[sub].add((db, eid))
+        ctx.inc("drain named replays")
+        ctx.op(k="replay", db=db, id=eid, ok=ok, drain=True, sub=sub, was=st)
+
+
+def drain_one(ctx, db, sub, t0, res):
     hard = t0 + ctx.args.drain_max
     stall = ctx.args.stall
-    sess = {db: Session(ctx, "drain", WORKER_SETTINGS) for db in DBS}
+    s = Session(ctx, "drain", WORKER_SETTINGS)
     last_progress = time.time()
-    last_delivered = -1
+    last_left = None
     last_replay = 0.0
     rounds = 0
+    left = None
+    c = None
     while True:
         rounds += 1
         now = time.time()
-        if now - last_replay > 1.0:
-            last_replay = now
-            for db in DBS:
-                try:
-                    c = sess[db].get(db)
-                    for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled'").fetchall():
-                        ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
-                        if ok:
-                            with ctx.lock:
-                                ctx.replayed.add((db, eid))
-                        ctx.inc("drain replays")
-                        ctx.op(k="replay", db=db, id=eid, ok=ok, drain=True)
-                    nd = c.execute("SELECT outbox.replay_dead()").fetchone()[0]
-                    if nd:
-                        ctx.inc("drain replay_dead", nd)
-                        ctx.op(k="replay_dead", db=db, n=nd, drain=True)
-                except psycopg.Error as ex:
-                    ctx.server_error(ex, "drain replay", db=db)
-                    sess[db].drop(db)
         got = 0
-        for db in DBS:
-            try:
-                c = sess[db].get(db)
-                rows = claim(ctx, c, db, "drain", f"drain-{db}-{rounds}", 500, "10 s", None)
-                with ctx.lock:
-                    ctx.wtx[f"drain-{db}-{rounds}"] = {"db": db, "xid": None, "client": "commit"}
+        try:
+            c = s.get(db)
+            if now - last_replay > 1.0:
+                last_replay = now
+                drain_replay(ctx, c, db, sub)
+            wtx = f"drain-{db}-{rounds}" if sub == "default" else f"drain-{sub}-{db}-{rounds}"
+            with ctx.lock:
+                ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+            if sub == "default":
+                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None)
                 if len(rows) > 20:
                     ack_batch(ctx, c, db, "drain", rows, f"drain-b-{db}-{rounds}")
                 else:
                     for row in rows:
                         ack_auto(ctx, c, db, "drain", row)
-                got += len(rows)
-            except psycopg.Error as ex:
-                ctx.server_error(ex, "drain", db=db)
-                if is_conn_error(ex):
-                    sess[db].drop(db)
-                else:
-                    safe_rollback(c)
-        # Everything committed is delivered when no live or cancelled event is left.
-        remaining = 0
-        for db in DBS:
-            try:
-                remaining += sess[db].get(db).execute(
-                    "SELECT (SELECT count(*) FROM outbox.event_queue) + "
-                    "(SELECT count(*) FROM outbox.event_archive WHERE state = 'cancelled')").fetchone()[0]
-            except psycopg.Error as ex:
-                ctx.server_error(ex, "drain count", db=db)
-                sess[db].drop(db)
-                remaining += 1
-        if last_delivered < 0 or remaining < last_delivered:
+            else:
+                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None, sub)
+                if rows:
+                    ack_array_named(ctx, c, db, rows, f"drain-b-{sub}-{db}-{rounds}", sub)
+            got = len(rows)
+            if not got:
+                # Polled only when a claim found nothing: outbox.subscriptions is not cheap.
+                left = drain_left(c, sub)
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "drain", db=db, sub=sub)
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+            else:
+                safe_rollback(c)
+            left = None
+        if got:
             last_progress = time.time()
-            last_delivered = remaining
-        if remaining == 0:
-            log(f"drain: queues empty after {time.time() - t0:.1f}s")
+            continue
+        if left == 0:
             break
+        if left is not None and (last_left is None or left < last_left):
+            last_progress = time.time()
+            last_left = left
+            continue   # a named subscription's claim may read past other topics' events only
         if time.time() - last_progress > stall or time.time() > hard:
-            log(f"drain: gave up after {time.time() - t0:.1f}s: {remaining} events still queued "
-                f"(nothing delivered for {time.time() - last_progress:.0f}s)")
             break
-        if not got:
-            time.sleep(0.1)
-    for s in sess.values():
-        s.close()
-    return time.time() - t0
+        time.sleep(0.1)
+    res[(db, sub)] = left
+    ctx.op(k="drained", db=db, sub=sub, left=left, secs=round(time.time() - t0, 1), rounds=rounds)
+    s.close()
 
 
 # ---------------------------------------------------------------------------
@@ -1435,6 +1886,23 @@ class Analysis:
                     "SELECT id, topic, subject, state, payload->>'pk', errors, max_attempts FROM outbox.events").fetchall():
                 rows[(db, eid)] = (topic, subj, state, pk, errors, maxa)
         self.final = rows
+        # Named subscriptions: their per-event rows (outbox.deliveries' source) and the log.
+        self.named_rows = {sub: {} for sub in NAMED}
+        self.log_rows = {}
+        self.named_stats = {}
+        for db in DBS:
+            c = self.c[db]
+            for sub, eid, state, att, topic, subj, pk, err in c.execute(
+                    "SELECT subscription, id, state, attempts, topic, subject, payload->>'pk', last_error "
+                    "FROM outbox.log_exceptions").fetchall():
+                if sub in self.named_rows:
+                    self.named_rows[sub][(db, eid)] = (state, att, topic, subj, pk, err)
+            for eid, pk, txid in c.execute("SELECT id, payload->>'pk', txid::text FROM outbox.log").fetchall():
+                self.log_rows[(db, eid)] = (pk, txid)
+            for name, lag, leases, dead in c.execute(
+                    "SELECT name, lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions "
+                    "WHERE name <> 'default'").fetchall():
+                self.named_stats[(db, name)] = (lag, leases, dead)
         return rows
 
     def pk_status(self, pk):
@@ -1467,77 +1935,140 @@ class Analysis:
             return self.xinfo.get(w["xid"], (None, None))[1]
         return None
 
+    def expected(self, sub):
+        """The committed events the subscription must deliver: all of them for 'default'
+        and sub_a, the ones of its topics for a named subscription with a filter (both
+        named subscriptions exist since before the first publish)."""
+        if sub == "default" or NAMED[sub]["topics"] is None:
+            return self.committed
+        pats = NAMED[sub]["topics"]
+        return {k: t for k, t in self.committed.items()
+                if self.final.get(k) is None or topic_matches(self.final[k][0], pats)}
+
     def run(self):
         ctx = self.ctx
         self.outcomes()
         final = self.load_final()
-        self.check_uncommitted(final)
-        self.check_delivery(final)
-        self.check_order(final)
+        self.claims_by = defaultdict(list)
+        self.acks_by = defaultdict(list)
+        for r in ctx.claimed:
+            self.claims_by[r[4]].append(r)
+        for a in ctx.acks:
+            self.acks_by[a[4]].append(a)
+        self.good_acks, self.unknown_acks, self.stranded, self.order_stats = {}, {}, {}, {}
+        self.check_log(final)
+        for sub in SUBS:
+            self.check_uncommitted(final, sub)
+            self.check_delivery(final, sub)
+            self.check_order(final, sub)
+            self.check_handouts(final, sub)
+            self.check_fencing(sub)
         self.check_keys()
         self.check_lockwaits()
 
-    def check_uncommitted(self, final):
+    def check_log(self, final):
+        """The log (what named subscriptions read) holds exactly the committed events."""
         ctx = self.ctx
         bad = 0
-        for db, eid, pk, wtx in ctx.claimed:
+        for (db, eid), (pk, txid) in self.log_rows.items():
             st = self.pk_status(pk)
             if st in ("aborted", "foreign"):
                 bad += 1
                 if bad <= 20:
-                    ctx.violation("uncommitted", f"claim returned event {db}/{eid} ({pk}) of a {st} publish",
-                                  db=db, id=eid, pk=pk, wtx=wtx)
-        for (db, eid), (topic, subj, state, pk, errors, maxa) in final.items():
+                    ctx.violation("uncommitted", f"outbox.log holds {db}/{eid} ({pk}, txid {txid}) of a {st} publish",
+                                  db=db, id=eid, pk=pk)
+        missing = [k for k in self.committed if k not in self.log_rows]
+        for db, eid in missing[:20]:
+            ctx.violation("delivery", f"committed event {db}/{eid} ({self.committed[(db, eid)]}) is missing from "
+                          f"outbox.log: no named subscription can receive it", db=db, id=eid)
+        if len(missing) > 20:
+            ctx.violation("delivery", f"... {len(missing) - 20} more committed events missing from outbox.log")
+
+    def check_uncommitted(self, final, sub):
+        ctx = self.ctx
+        bad = 0
+        for db, eid, pk, wtx, _s, tok, att, subj, t_end, seq in self.claims_by[sub]:
+            st = self.pk_status(pk)
+            if st in ("aborted", "foreign"):
+                bad += 1
+                if bad <= 20:
+                    ctx.violation("uncommitted", f"[{sub}] claim returned event {db}/{eid} ({pk}) of a {st} publish",
+                                  db=db, id=eid, pk=pk, wtx=wtx, sub=sub)
+        if sub == "default":
+            for (db, eid), (topic, subj, state, pk, errors, maxa) in final.items():
+                st = self.pk_status(pk)
+                if st in ("aborted", "foreign"):
+                    bad += 1
+                    if bad <= 40:
+                        ctx.violation("uncommitted", f"outbox.events holds {db}/{eid} ({pk}, {state}) of a {st} publish",
+                                      db=db, id=eid, pk=pk)
+            return
+        for (db, eid), (state, att, topic, subj, pk, err) in self.named_rows[sub].items():
             st = self.pk_status(pk)
             if st in ("aborted", "foreign"):
                 bad += 1
                 if bad <= 40:
-                    ctx.violation("uncommitted", f"outbox.events holds {db}/{eid} ({pk}, {state}) of a {st} publish",
-                                  db=db, id=eid, pk=pk)
+                    ctx.violation("uncommitted", f"[{sub}] outbox.deliveries holds {db}/{eid} ({pk}, {state}) of a "
+                                  f"{st} publish", db=db, id=eid, pk=pk, sub=sub)
 
-    def check_delivery(self, final):
+    def check_delivery(self, final, sub):
         ctx = self.ctx
         good = defaultdict(list)
         unknown = set()
-        for db, eid, wtx, ok in ctx.acks:
-            if not ok:
+        for db, eid, wtx, ok, _s, tok, seq in self.acks_by[sub]:
+            if ok is False:
                 continue
-            st = self.worker_committed(wtx)
+            st = self.worker_committed(wtx) if ok else "unknown"
             if st == "committed":
                 good[(db, eid)].append(wtx)
             elif st == "unknown":
                 unknown.add((db, eid))
-        self.good_acks = good
-        self.stranded = []
-        for key, tag in sorted(self.committed.items()):
+        self.good_acks[sub] = good
+        self.unknown_acks[sub] = unknown
+        expected = self.expected(sub)
+        stranded = []
+        for key, tag in sorted(expected.items()):
             n = len(good.get(key, []))
             row = final.get(key)
             if n > 1:
-                ctx.violation("delivery", f"event {key[0]}/{key[1]} acked {n} times in committed transactions",
-                              db=key[0], id=key[1], wtx=good[key])
+                ctx.violation("delivery", f"[{sub}] event {key[0]}/{key[1]} acked {n} times in committed transactions",
+                              db=key[0], id=key[1], wtx=good[key], sub=sub)
             if n == 0 and key not in unknown:
-                self.stranded.append(key)
-            elif row is not None and row[2] != "delivered":
-                ctx.violation("delivery", f"event {key[0]}/{key[1]} acked but its state is {row[2]}",
-                              db=key[0], id=key[1])
-            if row is None:
+                stranded.append(key)
+            elif sub == "default":
+                if row is not None and row[2] != "delivered":
+                    ctx.violation("delivery", f"event {key[0]}/{key[1]} acked but its state is {row[2]}",
+                                  db=key[0], id=key[1])
+            elif n:
+                nrow = self.named_rows[sub].get(key)
+                if nrow is not None and nrow[0] != "delivered":
+                    ctx.violation("delivery", f"[{sub}] event {key[0]}/{key[1]} acked but outbox.deliveries says "
+                                  f"{nrow[0]} (attempts {nrow[1]})", db=key[0], id=key[1], sub=sub)
+            if row is None and sub == "default":
                 ctx.violation("delivery", f"committed event {key[0]}/{key[1]} ({tag}) is missing from outbox.events",
                               db=key[0], id=key[1])
-        for (db, eid), r in final.items():
-            if r[2] == "delivered" and (db, eid) not in good and (db, eid) not in unknown and (db, eid) in self.committed:
-                pass  # counted as stranded above only if no ack: delivered without ack is impossible here
-        self.describe_stranded()
+        if sub != "default":
+            for key in good:
+                if key in self.committed and key not in expected:
+                    ctx.violation("delivery", f"[{sub}] acked event {key[0]}/{key[1]} of topic {final[key][0]}, "
+                                  f"outside its topics", db=key[0], id=key[1], sub=sub)
+        self.stranded[sub] = stranded
+        if sub == "default":
+            self.describe_stranded(stranded)
+        else:
+            self.describe_stranded_named(stranded, sub)
 
-    def describe_stranded(self):
+    def describe_stranded(self, stranded):
         """One violation per stranded subject (its first stranded event, in full) and per
         stranded event without a subject."""
         ctx = self.ctx
-        if not self.stranded:
+        if not stranded:
             return
-        lw = {db: self.c[db].execute("SELECT publish_floor::text, low_water_at::text, low_water_id, step_pending, "
-                                      "resets FROM outbox._claim_low_water()").fetchone() for db in DBS}
+        # -infinity (no mark) has no Python datetime: NULL instead.
+        lw = {db: self.c[db].execute("SELECT publish_floor::text, NULLIF(low_water_at, '-infinity'), low_water_id, "
+                                      "step_pending, resets FROM outbox._claim_low_water()").fetchone() for db in DBS}
         groups = defaultdict(list)
-        for db, eid in self.stranded:
+        for db, eid in stranded:
             row = self.final.get((db, eid))
             subj = row[1] if row else None
             groups[(db, subj if subj is not None else f"#{eid}")].append(eid)
@@ -1558,7 +2089,7 @@ class Analysis:
                     hint.append("is_head = false and no earlier live event of its subject: never promoted")
                 elif earlier:
                     hint.append(f"behind {earlier} earlier live events of its subject")
-                if q[2] and lw[db] and (q[3], q[0]) < (lw[db][1], lw[db][2]):
+                if q[2] and lw[db] and lw[db][1] is not None and (q[3], q[0]) < (lw[db][1], lw[db][2]):
                     hint.append("a head below the claim low-water mark")
                 if q[1] == "dead":
                     hint.append("dead after the drain")
@@ -1566,7 +2097,7 @@ class Analysis:
                 hint.append("not in event_queue")
             tag = self.committed.get((db, eid))
             t = ctx.pubtx.get(tag, {})
-            if (db, eid) in ctx.cancelled:
+            if (db, eid) in ctx.cancelled["default"]:
                 hint.append("it was cancelled and replayed")
             hint.append(f"publisher {tag} iso={t.get('iso')} mode={t.get('mode')}")
             more = f"; {len(eids) - 1} later events of this subject stranded too" if len(eids) > 1 else ""
@@ -1574,44 +2105,118 @@ class Analysis:
                           db=db, id=eid, subj=(q[5] if q else (ev[2] if ev else None)),
                           events_row=fmt_row(ev), queue_row=fmt_row(q), low_water=fmt_row(lw[db]))
 
-    def check_order(self, final):
+    def describe_stranded_named(self, stranded, sub):
+        """As describe_stranded, for a named subscription: its row in outbox.deliveries
+        (if any), whether the log holds the event, the subscription's counters."""
+        ctx = self.ctx
+        groups = defaultdict(list)
+        for db, eid in stranded:
+            row = self.final.get((db, eid))
+            subj = row[1] if row else None
+            groups[(db, subj if subj is not None else f"#{eid}")].append(eid)
+        for (db, gkey), eids in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1])))[:40]:
+            eid = min(eids)
+            c = self.c[db]
+            d = c.execute("SELECT event_id, state, attempts, max_attempts, leased_by, lease_expires_at, available_at, "
+                          "last_error, dead_at, cancelled_at FROM outbox.deliveries WHERE subscription = %s "
+                          "AND event_id = %s", (sub, eid)).fetchone()
+            ev = c.execute("SELECT id, topic, subject, state, published_at FROM outbox.events WHERE id = %s",
+                           (eid,)).fetchone()
+            hint = [f"deliveries: {d[1]}, attempts {d[2]}" if d else "no row in outbox.deliveries"]
+            if (db, eid) not in self.log_rows:
+                hint.append("not in outbox.log")
+            if (db, eid) in ctx.cancelled[sub]:
+                hint.append("it was cancelled")
+            if (db, eid) in ctx.replayed[sub]:
+                hint.append("it was replayed")
+            handed = [r for r in self.claims_by[sub] if r[0] == db and r[1] == eid]
+            hint.append(f"handed out {len(handed)} times")
+            tag = self.committed.get((db, eid))
+            t = ctx.pubtx.get(tag, {})
+            hint.append(f"publisher {tag} iso={t.get('iso')} mode={t.get('mode')}")
+            more = f"; {len(eids) - 1} later events of this subject stranded too" if len(eids) > 1 else ""
+            ctx.violation("delivery", f"[{sub}] stranded: committed event {db}/{eid} never acked "
+                          f"({'; '.join(hint)}){more}", db=db, id=eid, subj=(ev[2] if ev else None), sub=sub,
+                          events_row=fmt_row(ev), queue_row=fmt_row(d),
+                          low_water=f"{sub} lag_events, leases_in_flight, dead_letters: "
+                                    f"{self.named_stats.get((db, sub))}")
+        if len(groups) > 40:
+            ctx.violation("delivery", f"[{sub}] ... {len(groups) - 40} more stranded subjects")
+
+    def excluded_from_order(self, key, row, sub):
+        """Why an event is left out of its subject's order: it was cancelled (then
+        replayed out of order), or it went dead where the policy lets its subject go on."""
+        ctx = self.ctx
+        topic, subj, state, pk, errors, maxa = row
+        db = key[0]
+        if key in ctx.cancelled[sub]:
+            return "cancelled"
+        if sub == "default":
+            went_dead = key in ctx.dead_reported[sub] or any(
+                (e.get("error") == "checker: permanent") or (e.get("attempt") or 0) >= maxa for e in (errors or []))
+            skip = (db, topic) in ctx.ever_skip
+        else:
+            # A dead letter is delivered only after a replay (the operator's, or the
+            # drain's), so every event that ever went dead and was acked is in replayed.
+            went_dead = key in ctx.dead_reported[sub] or key in ctx.replayed[sub]
+            pol = NAMED[sub]["dead_letter_policy"]
+            skip = pol == "skip" or (pol is None and (db, topic) in ctx.ever_skip)
+        if went_dead and skip:
+            return "dead under skip"
+        return None
+
+    def chains(self, final, sub):
+        """(db, subject) -> the subject's events the subscription must deliver in commit
+        order: [(commit ts, publisher tag, k, j, id)], sorted (publish order within a
+        transaction); excluded events left out."""
         ctx = self.ctx
         tag_ts = {tag: self.xinfo.get(t["xid"], (None, None))[1] for tag, t in ctx.pubtx.items() if t["xid"]}
         by_subject = defaultdict(list)
         excluded = Counter()
-        for key, tag in self.committed.items():
+        for key, tag in self.expected(sub).items():
             row = final.get(key)
-            if row is None:
+            if row is None or row[1] is None:
                 continue
-            topic, subj, state, pk, errors, maxa = row
-            if subj is None:
+            why = self.excluded_from_order(key, row, sub)
+            if why:
+                excluded[why] += 1
                 continue
-            db = key[0]
-            if key in ctx.cancelled:
-                excluded["cancelled"] += 1
-                continue
-            went_dead = key in ctx.dead_reported or any(
-                (e.get("error") == "checker: permanent") or (e.get("attempt") or 0) >= maxa for e in (errors or []))
-            if went_dead and (db, topic) in ctx.ever_skip:
-                excluded["dead under skip"] += 1
-                continue
-            acks = self.good_acks.get(key)
-            if not acks or len(acks) != 1:
-                continue
-            ats = self.ack_ts(acks[0])
-            if pk not in ctx.pubops or tag_ts.get(self.ctx.pubops[pk][0]) is None or ats is None:
+            pk = row[3]
+            if pk not in ctx.pubops or tag_ts.get(ctx.pubops[pk][0]) is None:
                 excluded["no timestamp"] += 1
                 continue
             ptag, k, j = ctx.pubops[pk]
-            by_subject[(db, subj)].append((tag_ts[ptag], ptag, k, j, ats, key[1]))
-        self.order_stats = {"subjects": len(by_subject), "events": sum(len(v) for v in by_subject.values()),
-                            "excluded": dict(excluded)}
+            by_subject[(key[0], row[1])].append((tag_ts[ptag], ptag, k, j, key[1]))
+        for evs in by_subject.values():
+            evs.sort()
+        return by_subject, excluded
+
+    def check_order(self, final, sub):
+        """Per subject, committed acks follow the publishers' commit order."""
+        ctx = self.ctx
+        good = self.good_acks[sub]
+        chains, excluded = self.chains(final, sub)
+        by_subject = {}
+        for (db, subj), evs in chains.items():
+            lst = []
+            for ts, ptag, k, j, eid in evs:
+                acks = good.get((db, eid))
+                if not acks or len(acks) != 1:
+                    continue
+                ats = self.ack_ts(acks[0])
+                if ats is None:
+                    excluded["no timestamp"] += 1
+                    continue
+                lst.append((ts, ptag, k, j, ats, eid))
+            if lst:
+                by_subject[(db, subj)] = lst
+        self.order_stats[sub] = {"subjects": len(by_subject), "events": sum(len(v) for v in by_subject.values()),
+                                 "excluded": dict(excluded)}
         nviol = 0
         for (db, subj), evs in by_subject.items():
             # (commit ts, publisher tag, k, j, ack ts, id), in publish order. Events of
             # transactions with the same commit timestamp are not ordered against each
             # other; within one transaction publish order counts.
-            evs.sort()
             prev_max = None   # the latest-acked event of all earlier timestamp groups
             i = 0
             while i < len(evs):
@@ -1628,16 +2233,101 @@ class Analysis:
                             if nviol <= 20:
                                 ctx.violation(
                                     "subject_order",
-                                    f"subject {db}/{subj}: event {e[5]} (publisher {e[1]} committed {e[0]}) "
+                                    f"[{sub}] subject {db}/{subj}: event {e[5]} (publisher {e[1]} committed {e[0]}) "
                                     f"acked at {e[4]}, before event {ref[5]} (publisher {ref[1]} committed "
-                                    f"{ref[0]}, acked {ref[4]})", db=db, subj=subj, id=e[5], other=ref[5])
+                                    f"{ref[0]}, acked {ref[4]})", db=db, subj=subj, id=e[5], other=ref[5], sub=sub)
                             break
                     if run_max is None or e[4] > run_max[4]:
                         run_max = e
                 if prev_max is None or run_max[4] > prev_max[4]:
                     prev_max = run_max
         if nviol > 20:
-            ctx.violation("subject_order", f"... {nviol - 20} more order violations")
+            ctx.violation("subject_order", f"[{sub}] ... {nviol - 20} more order violations")
+
+    def check_handouts(self, final, sub):
+        """Per subject, an event is handed out only after the subject's previous event
+        (in commit order) was finished in this subscription: every committed claim that
+        returned it ended after the commit of the previous event's ack, unless its own
+        transaction had acked that event first. (A claim in a transaction that rolled
+        back is not judged: what justified it, such as its own claim moving an expired
+        last attempt to dead under 'skip', was rolled back with it.)"""
+        ctx = self.ctx
+        good, unknown = self.good_acks[sub], self.unknown_acks[sub]
+        chains, _ = self.chains(final, sub)
+        hand = defaultdict(list)
+        for r in self.claims_by[sub]:
+            if self.worker_committed(r[3]) == "committed":
+                hand[(r[0], r[1])].append(r)
+        acked_in = defaultdict(list)   # (db, id) -> [(wtx, tick)] of ack() = true, whatever the outcome
+        for db, eid, wtx, ok, _s, tok, seq in self.acks_by[sub]:
+            if ok:
+                acked_in[(db, eid)].append((wtx, seq))
+        nviol = checked = 0
+        for (db, subj), evs in chains.items():
+            for p, n in zip(evs, evs[1:]):
+                if p[0] == n[0] and p[1] != n[1]:
+                    continue   # one commit timestamp, two transactions: not ordered
+                pkey = (db, p[4])
+                if pkey in unknown or len(good.get(pkey, [])) != 1:
+                    continue
+                ts = self.ack_ts(good[pkey][0])
+                if ts is None:
+                    continue
+                done = ts.timestamp()
+                for h in hand.get((db, n[4]), []):
+                    checked += 1
+                    if h[8] >= done or any(w == h[3] and s < h[9] for w, s in acked_in.get(pkey, [])):
+                        continue
+                    nviol += 1
+                    if nviol <= 20:
+                        ctx.violation(
+                            "subject_order",
+                            f"[{sub}] subject {db}/{subj}: event {n[4]} handed out (claim {h[3]}, attempt {h[6]}, "
+                            f"returned at {time.strftime('%H:%M:%S', time.localtime(h[8]))}"
+                            f"{('%.6f' % (h[8] % 1))[1:]}) before the previous event {p[4]} was finished: its ack "
+                            f"({good[pkey][0]}) committed at {ts}", db=db, subj=subj, id=n[4], other=p[4], sub=sub)
+        self.order_stats[sub]["hand-outs checked"] = checked
+        if nviol > 20:
+            ctx.violation("subject_order", f"[{sub}] ... {nviol - 20} more hand-outs before the previous event "
+                          f"was finished")
+
+    def check_fencing(self, sub):
+        """An ack that returned true (in a committed transaction) used a token handed out
+        for that event by a claim that did not roll back, and no other token was handed
+        out for the event (by a committed claim) between that claim and the ack."""
+        ctx = self.ctx
+        hand = defaultdict(list)   # (db, id) -> [(claim end tick, effective tick or None, outcome, token, wtx)]
+        for r in self.claims_by[sub]:
+            st = self.worker_committed(r[3])
+            w = ctx.wtx.get(r[3]) or {}
+            eff = (w.get("cseq") if w.get("tx") else r[9]) if st == "committed" else None
+            hand[(r[0], r[1])].append((r[9], eff, st, r[5], r[3]))
+        nviol = checked = 0
+        for db, eid, wtx, ok, _s, tok, seq in self.acks_by[sub]:
+            if ok is not True or self.worker_committed(wtx) != "committed":
+                continue
+            checked += 1
+            hs = hand.get((db, eid), [])
+            mine = [h for h in hs if h[3] == tok and h[0] < seq]
+            msg = None
+            if not mine:
+                msg = f"ack of {db}/{eid} returned true with token {tok}, never handed out for it"
+            elif all(h[2] == "aborted" for h in mine):
+                msg = (f"ack of {db}/{eid} returned true with token {tok} of a claim that rolled back "
+                       f"({mine[-1][4]})")
+            else:
+                m = max(h[0] for h in mine)
+                again = [h for h in hs if h[3] != tok and h[1] is not None and m < h[0] and h[1] < seq]
+                if again:
+                    msg = (f"stale ack of {db}/{eid} returned true ({wtx}, token {tok}): the event was handed out "
+                           f"again with token {again[0][3]} ({again[0][4]}) before the ack started")
+            if msg:
+                nviol += 1
+                if nviol <= 20:
+                    ctx.violation("fencing", f"[{sub}] {msg}", db=db, id=eid, wtx=wtx, sub=sub)
+        self.order_stats[sub]["acks fenced"] = checked
+        if nviol > 20:
+            ctx.violation("fencing", f"[{sub}] ... {nviol - 20} more fencing violations")
 
     def check_keys(self):
         ctx = self.ctx
@@ -1694,12 +2384,13 @@ def relevant_ops(ctx, limit=200):
                 hit = True
         if hit:
             out.append(r)
-            if r.get("wtx"):
+            if isinstance(r.get("wtx"), str):
                 wtxs.add(r["wtx"])
     # plus how the transactions that touched them ended
     seen = set(id(r) for r in out)
     for r in ctx.ops:
-        if id(r) not in seen and r.get("wtx") in wtxs and r.get("k") in ("wbegin", "wcommit", "wrollback", "wabort"):
+        if (id(r) not in seen and r.get("k") in ("wbegin", "wcommit", "wrollback", "wabort")
+                and r.get("wtx") in wtxs):
             out.append(r)
     out.sort(key=lambda r: r["n"])
     return out[-limit:]
@@ -1749,8 +2440,15 @@ def setup(ctx):
                           "backoff_max => %s::interval, default_lease => %s::interval, dead_letter_policy => %s)",
                           (t, a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
                            a["dead_letter_policy"]))
+        # Before any load: every event committed from now on belongs to them.
+        for name, a in NAMED.items():
+            c.execute("SELECT outbox.create_subscription(%s, topics => %s, max_attempts => %s, "
+                      "backoff_base => %s::interval, backoff_max => %s::interval, default_lease => %s::interval, "
+                      "dead_letter_policy => %s)",
+                      (name, a["topics"], a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
+                       a["dead_letter_policy"]))
         c.close()
-    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}")
+    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}")
 
 
 def main():
@@ -1759,6 +2457,7 @@ def main():
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--publishers", type=int, default=5)
     ap.add_argument("--workers", type=int, default=5)
+    ap.add_argument("--sworkers", type=int, default=3, help="workers of the named subscriptions")
     ap.add_argument("--stall", type=float, default=25, help="drain gives up after this many seconds without progress")
     ap.add_argument("--drain-max", type=float, default=120, help="longest drain, seconds")
     ap.add_argument("--cluster", default="outbox-checker")
@@ -1793,13 +2492,17 @@ def main():
         ctx = Ctx(args, logdir)
         setup(ctx)
         log(f"checker: {args.duration:.0f}s of load, {args.publishers} publishers, {args.workers} workers, "
-            f"operator, resolver, idler, bigops, sampler; databases {DBS}; log {logdir}/ops.jsonl")
+            f"{args.sworkers} named-subscription workers, operator, named operator, resolver, idler, bigops, "
+            f"sampler; databases {DBS}; log {logdir}/ops.jsonl")
         threads = []
         for i in range(args.publishers):
             threads.append(threading.Thread(target=publisher, args=(ctx, i), name=f"pub{i}", daemon=True))
         for i in range(args.workers):
             threads.append(threading.Thread(target=worker, args=(ctx, i), name=f"worker{i}", daemon=True))
+        for i in range(args.sworkers):
+            threads.append(threading.Thread(target=sworker, args=(ctx, i), name=f"sworker{i}", daemon=True))
         threads.append(threading.Thread(target=operator, args=(ctx,), name="operator", daemon=True))
+        threads.append(threading.Thread(target=soperator, args=(ctx,), name="soperator", daemon=True))
         threads.append(threading.Thread(target=idler, args=(ctx,), name="idler", daemon=True))
         threads.append(threading.Thread(target=bigops, args=(ctx,), name="bigops", daemon=True))
         threads.append(threading.Thread(target=scenario_replay, args=(ctx,), name="scen-replay", daemon=True))
@@ -1816,12 +2519,21 @@ def main():
             el = time.time() - t0
             if int(el) % 15 < 5:
                 log(f"  {el:.0f}s: {ctx.count['publish calls'] + ctx.count['publish_batch calls']} publish calls, "
-                    f"{ctx.count['claimed events']} claimed, {ctx.count['acks true']} acks, "
+                    f"{ctx.count['claimed events']} claimed, {ctx.count['acks true']} acks; named "
+                    f"{ctx.count['named claimed events']} claimed, {ctx.count['named acks true']} acks; "
                     f"errors {dict(ctx.errors)}, violations {sum(len(v) for v in ctx.violations.values())}")
         log("load stopped; quiescing")
         quiesce(ctx, threads, res_t)
         an = Analysis(ctx)
         an.outcomes()
+        backlog = {}
+        for db in DBS:
+            for sub in SUBS:
+                try:
+                    backlog[f"{db}/{sub}"] = drain_left(an.c[db], sub)
+                except psycopg.Error as ex:
+                    ctx.server_error(ex, "backlog", db=db, sub=sub)
+        log(f"backlog to drain: {backlog}")
 
         dt = drain(ctx)
         time.sleep(0.3)
@@ -1877,8 +2589,24 @@ def report(ctx, an, drain_time):
         f"big publish_batch {cnt['big publish_batch']} (refused {cnt['big publish_batch refused (54000)']}), "
         f"big batch acks {cnt['big batch acks']}; drain {drain_time:.1f}s, replays {cnt['drain replays']}, "
         f"replay_dead {cnt['drain replay_dead']}")
+    log(f"named subscriptions: claims {cnt['named claims']} ({cnt['named claimed events']} events), acks true "
+        f"{cnt['named acks true']} (+{cnt['named acks true (in tx)']} in explicit tx), acks false {cnt['named acks false']}, "
+        f"array acks {cnt['named array acks']} (partial: {cnt['named array acks partial (ambiguous)']}), fails pending "
+        f"{cnt['named fails pending']} dead {cnt['named fails dead']} stale {cnt['named fails stale']}, extend_lease "
+        f"{cnt['named extend_lease']}, left to expire {cnt['named leases left to expire']}, late acks true "
+        f"{cnt['named late acks true']} false {cnt['named late acks false']}, worker tx commits "
+        f"{cnt['named worker commits']} rollbacks {cnt['named worker rollbacks']}; operator: replays "
+        f"{cnt['named replays']}, replay_dead {cnt['named replay_dead calls']}, cancels {cnt['named cancels']} "
+        f"(+{cnt['named cancels in worker tx']} in worker tx), alter_subscription {cnt['alter_subscription']}; "
+        f"drain replays {cnt['drain named replays']}")
+    for sub in SUBS:
+        exp = len(an.expected(sub))
+        log(f"  {sub}: {exp} committed events to deliver, {sum(1 for k in an.expected(sub) if len(an.good_acks[sub].get(k, [])) == 1)} "
+            f"acked once, {len(an.stranded[sub])} stranded; "
+            f"{sum(len(v) for k, v in an.good_acks[sub].items())} committed acks")
     log(f"errors by SQLSTATE: {dict(sorted(ctx.errors.items()))}; lock-wait samples {cnt['lock-wait samples']}")
-    log(f"order check: {an.order_stats}")
+    for sub in SUBS:
+        log(f"order check {sub}: {an.order_stats.get(sub)}")
     for inv in INVARIANTS:
         vs = ctx.violations.get(inv, [])
         if not vs:

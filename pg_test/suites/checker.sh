@@ -2,8 +2,12 @@
 # Randomized concurrency checker (pg_test/suites/checker.py), short CI run: 75 s of
 # seeded random load (publishers at every isolation level with savepoints, rollbacks and
 # 2PC; workers claiming in autocommit and in explicit transactions; cancel/replay/
-# alter_topic; big batches) in two databases with maintenance off, then quiesce, drain
-# and check delivery, uncommitted events, per-subject order and claim lock waits.
+# alter_topic; big batches) in two databases with maintenance off, each with `default`
+# and two named subscriptions (sub_a: every topic; sub_b: a topic filter, 2 attempts,
+# 'skip') that have their own workers (narrowed and bulk claims, array acks, late acks
+# with old tokens) and operator (replay, replay_dead, cancel per subscription); then
+# quiesce, drain every subscription and check, for each: delivery exactly once,
+# uncommitted events, per-subject order (acks and hand-outs), fencing, claim lock waits.
 # It starts and stops its own preloaded cluster (outbox-checker, port 5482); about
 # 2.5 minutes in all. CHECKER_SEED=N reproduces a schedule; the long run:
 #   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed N

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Crash and fault tests: pg_test/suites/crash_test.py on a throwaway
 # preloaded cluster of its own (port 5480), because the tests crash and restart the
-# server. The exit code is the verdict; the last line is `N passed, N failed`.
+# server: 1 killed workers (of default and of a named subscription: redelivery after
+# the lease, attempts, fencing), 2 server crashes under load (default and two named
+# subscriptions: nothing committed lost in any of them, nothing uncommitted, acks
+# survive, subject order), 3 background worker crashes, 4 timeouts inside calls.
+# The exit code is the verdict; the last line is `N passed, N failed`.
 #   CRASH_CASES=1,3 pg_test/suites/crash.sh     # a subset (cases 1..4)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."

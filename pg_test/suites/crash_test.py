@@ -3,11 +3,24 @@
 
   1. worker crash     SIGKILL of a client worker holding leases (and one holding an
                       open claim transaction): redelivery after the lease, attempts
-                      counted, fencing of the dead worker's tokens, nothing lost.
-  2. server crash     8 publishers + 3 workers; `pg_ctl stop -m immediate` at random
+                      counted, fencing of the dead worker's tokens, nothing lost. The
+                      same for a worker of a named subscription (c1_sub): its 40
+                      leases come back once each, only after the lease, with attempt
+                      2; its tokens then ack (single and array), fail and extend
+                      nothing; a claim transaction killed open leaves its events
+                      claimable with attempt 1.
+  2. server crash     8 publishers + 3 workers of default + 2 workers each of two
+                      named subscriptions (c2_a: every topic, single acks; c2_b: a
+                      topic filter, array acks); `pg_ctl stop -m immediate` at random
                       moments, 5 times; then drain and check every acknowledged
                       commit is delivered, nothing uncommitted ever appears, every
-                      ack survives.
+                      ack survives, subjects keep their order; and for each named
+                      subscription that it received every acknowledged commit
+                      (nothing lost), never an uncommitted event, never an event
+                      again after a successful ack, each (event, attempt) once, and
+                      subjects in order. Hand-out order is judged by intervals: a
+                      claim hands out between its start (lease_expires_at - lease)
+                      and its return.
   3. bgworker crash   pg_terminate_backend and kill -9 of the outbox background
                       worker: it comes back, wake-ups and maintenance resume,
                       publishers are unaffected (terminate) or recover without
@@ -145,14 +158,16 @@ def consistency_problems(conn, where=""):
 # 1. Worker crash
 # ---------------------------------------------------------------------------
 
-def child_worker(dsn, topic, lease, out, in_tx):
-    """Claims a batch, reports it on stdout-file, then hangs until killed."""
+def child_worker(dsn, topic, lease, out, in_tx, sub=None):
+    """Claims a batch (of the named subscription sub, else of default), reports it in the
+    file out, then hangs until killed."""
     c = psycopg.connect(dsn, autocommit=True)
     if in_tx:
         c.execute("BEGIN")
     rows = c.execute(
         "SELECT id, attempt, lease_token::text, extract(epoch FROM lease_expires_at)::float8 "
-        "FROM outbox.claim('doomed', 40, %s::interval, ARRAY[%s])", (f"{lease} s", topic)).fetchall()
+        "FROM outbox.claim(%s, 40, %s::interval, %s::text[], %s)",
+        ("doomed" if sub is None else f"doomed-{sub}", f"{lease} s", [topic] if sub is None else None, sub)).fetchall()
     with open(out, "w") as f:
         json.dump(rows, f)
         f.flush()
@@ -161,12 +176,12 @@ def child_worker(dsn, topic, lease, out, in_tx):
     time.sleep(120)
 
 
-def spawn_doomed(cl, topic, lease, in_tx):
-    out = f"/tmp/outbox-crash-child-{os.getpid()}-{topic}.json"
+def spawn_doomed(cl, topic, lease, in_tx, sub=None):
+    out = f"/tmp/outbox-crash-child-{os.getpid()}-{topic}-{sub or 'default'}.json"
     if os.path.exists(out):
         os.unlink(out)
     p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child-worker", cl.dsn, topic,
-                          str(lease), out, "1" if in_tx else "0"])
+                          str(lease), out, "1" if in_tx else "0", sub or "-"])
     got = wait_until(lambda: os.path.exists(out) and os.path.getsize(out) > 0 and open(out).read(), 20)
     if not got:
         p.kill()
@@ -181,6 +196,8 @@ def case_worker_sigkill(cl):
     lease = 3
     c = cl.connect()
     c.execute("SELECT outbox.create_topic('c1.jobs', max_attempts => 5)")
+    # A named subscription receives the same events (created before they are published).
+    c.execute("SELECT outbox.create_subscription('c1_sub', topics => ARRAY['c1.jobs'])")
     c.execute("SELECT outbox.publish_batch('c1.jobs', array(SELECT jsonb_build_object('n', g) FROM generate_series(1, 100) g))")
 
     # a) a worker with committed leases dies: its events stay leased until the lease ends.
@@ -231,6 +248,9 @@ def case_worker_sigkill(cl):
     log(f"  1a: 40 leases of a SIGKILLed worker redelivered after "
         f"{min(a for i in doomed for _, a in seen.get(i, [(0, killed_at)])) - killed_at:+.2f}s, 100/100 delivered")
 
+    # a') the same for a worker of the named subscription c1_sub.
+    probs += named_worker_sigkill(cl, c, lease)
+
     # b) a worker killed inside its claim transaction: the claim never happened.
     c.execute("SELECT outbox.publish_batch('c1.jobs', array(SELECT jsonb_build_object('m', g) FROM generate_series(1, 20) g))")
     p, rows = spawn_doomed(cl, "c1.jobs", 30, in_tx=True)
@@ -247,9 +267,96 @@ def case_worker_sigkill(cl):
     n = cl.one("SELECT count(*) FROM outbox.event_queue WHERE topic = 'c1.jobs'")[0]
     if n:
         probs.append(f"{n} c1.jobs events left in the queue")
+
+    # b') a worker of c1_sub killed inside its claim transaction (c1_sub has these 20 too).
+    p, rows = spawn_doomed(cl, "c1.jobs", 30, in_tx=True, sub="c1_sub")
+    if len(rows) != 20:
+        probs.append(f"c1_sub: the doomed claim transaction got {len(rows)} of the 20 new events")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    # The server notices the closed socket at once; the claim rolls back.
+    ok = wait_until(lambda: cl.one("SELECT count(*) = 0 FROM pg_stat_activity WHERE query LIKE '%doomed-c1_sub%' "
+                                   "AND pid <> pg_backend_pid()")[0], 10)
+    if not ok:
+        probs.append("c1_sub: the backend of a worker killed inside its claim transaction is still there")
+    got = c.execute("SELECT id, attempt, lease_token FROM outbox.claim('survivor', 100, '10 s', NULL, "
+                    "'c1_sub')").fetchall()
+    if sorted(g[0] for g in got) != sorted(r[0] for r in rows) or any(a != 1 for _, a, _ in got):
+        probs.append(f"c1_sub: after an uncommitted claim died: {len(got)} claimable (the dead claim had "
+                     f"{len(rows)}), attempts {sorted({a for _, a, _ in got})}")
+    n = c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([g[0] for g in got], [g[2] for g in got])).fetchone()[0]
+    if n != len(got):
+        probs.append(f"c1_sub: {n} of {len(got)} acked")
+    left = named_left(cl, "c1_sub")
+    if left:
+        probs.append(f"c1_sub: {left} events left (lag, leases, dead letters, undelivered rows)")
+    log(f"  1b': a c1_sub worker killed inside its claim transaction: its {len(rows)} events claimable again "
+        f"with attempt 1")
     probs += consistency_problems(c, "1: ")
+    c.execute("SELECT outbox.drop_subscription('c1_sub')")
     c.close()
-    return probs, {"worker_kills": 2}
+    return probs, {"worker_kills": 4}
+
+
+def named_worker_sigkill(cl, c, lease):
+    """A worker of the named subscription c1_sub is SIGKILLed holding 40 leases: nothing
+    of its comes back before its lease ends, each comes back once with attempt 2, the
+    rest go out once with attempt 1, and its tokens ack, fail and extend nothing
+    after the redelivery."""
+    probs = []
+    p, rows = spawn_doomed(cl, "c1.jobs", lease, in_tx=False, sub="c1_sub")
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    killed_at = time.time()
+    doomed = {r[0]: r for r in rows}
+    if len(doomed) != 40 or any(r[1] != 1 for r in rows):
+        probs.append(f"c1_sub: doomed worker claimed {len(doomed)} rows, attempts {sorted({r[1] for r in rows})}")
+    inflight = cl.one("SELECT leases_in_flight FROM outbox.subscriptions WHERE name = 'c1_sub'")[0]
+    if inflight != len(doomed):
+        probs.append(f"c1_sub: after SIGKILL expected {len(doomed)} leases in flight, got {inflight}")
+    seen = defaultdict(list)  # id -> [(attempt, claimed_at_epoch)]
+    acked = set()
+    deadline = time.time() + 30
+    while len(acked) < 100 and time.time() < deadline:
+        got = c.execute(
+            "SELECT id, attempt, lease_token, extract(epoch FROM lease_expires_at)::float8 - 10 "
+            "FROM outbox.claim('survivor', 30, '10 s', NULL, 'c1_sub')").fetchall()
+        for i, att, tok, at in got:
+            seen[i].append((att, at))
+            if c.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0]:
+                acked.add(i)
+            else:
+                probs.append(f"c1_sub: ack of event {i} by the survivor returned false")
+        if not got:
+            time.sleep(0.1)
+    for i, (_, att, _, exp) in doomed.items():
+        claims = seen.get(i, [])
+        if [a for a, _ in claims] != [2]:
+            probs.append(f"c1_sub: event {i} of the dead worker: survivor claims attempts {claims}, expected [2]")
+        elif claims[0][1] < exp - 0.05:
+            probs.append(f"c1_sub: event {i} redelivered {exp - claims[0][1]:.2f}s before its lease ended")
+    others = [i for i in seen if i not in doomed]
+    if len(others) != 60 or any([a for a, _ in seen[i]] != [1] for i in others):
+        probs.append(f"c1_sub: the {len(others)} events the dead worker never held (60 expected) were not "
+                     f"claimed exactly once with attempt 1")
+    # Fencing: the dead worker's tokens hold nothing now.
+    stale_acks = sum(c.execute("SELECT outbox.ack(%s, %s::uuid)", (r[0], r[2])).fetchone()[0] for r in rows)
+    stale_arr = c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])",
+                          ([r[0] for r in rows], [r[2] for r in rows])).fetchone()[0]
+    fails = {c.execute("SELECT outbox.fail(%s, %s::uuid, 'late')", (r[0], r[2])).fetchone()[0] for r in rows[:5]}
+    ext = [c.execute("SELECT outbox.extend_lease(%s, %s::uuid, '1 min')", (r[0], r[2])).fetchone()[0] for r in rows[:5]]
+    if stale_acks or stale_arr:
+        probs.append(f"c1_sub: {stale_acks} single and {stale_arr} array acks with the dead worker's tokens "
+                     f"succeeded after redelivery")
+    if fails != {"stale"} or any(e is not None for e in ext):
+        probs.append(f"c1_sub: fail/extend_lease with the dead worker's tokens returned {fails} / {ext}")
+    left = named_left(cl, "c1_sub")
+    if len(acked) != 100 or left:
+        probs.append(f"c1_sub: {len(acked)}/100 acked, {left} left (lag, leases, dead letters, undelivered rows)")
+    first = min((a for i in doomed for _, a in seen.get(i, [])), default=killed_at)
+    log(f"  1a': c1_sub: 40 leases of a SIGKILLed worker redelivered after {first - killed_at:+.2f}s with attempt 2, "
+        f"its tokens stale; {len(acked)}/100 delivered")
+    return probs
 
 
 # ---------------------------------------------------------------------------
@@ -257,21 +364,31 @@ def case_worker_sigkill(cl):
 # ---------------------------------------------------------------------------
 
 class CrashLoad:
-    """Publishers and workers that survive connection loss and record outcomes."""
+    """Publishers and workers that survive connection loss and record outcomes; workers
+    of the default subscription and of each named subscription in SUBS."""
 
     TOPIC = "c2.load"
+    # Named subscriptions: c2_a takes every topic and acks one by one; c2_b filters on
+    # the topic and acks with ack(ids[], tokens[]). max_attempts is high enough that no
+    # event goes dead over the crashes.
+    SUBS = {"c2_a": dict(topics=None, array=False), "c2_b": dict(topics=["c2.load"], array=True)}
 
-    def __init__(self, cl, seed, npub=8, nwork=3, lease=2):
+    def __init__(self, cl, seed, npub=8, nwork=3, lease=2, nsub_work=2):
         self.cl = cl
         self.seed = seed
-        self.npub, self.nwork, self.lease = npub, nwork, lease
+        self.npub, self.nwork, self.lease, self.nsub_work = npub, nwork, lease, nsub_work
         self.lock = threading.Lock()
         self.must = {}      # (tx, j) -> id      COMMIT returned
         self.never = {}     # (tx, j) -> id      rolled back, or the tx died before COMMIT
         self.unknown = {}   # (tx, j) -> id      COMMIT raised: outcome unknown
         self.acked = {}     # id -> (attempt, (tx, j))
-        self.claims = []    # (id, attempt, claimed_at, (tx, j), subject, seq)
+        # (id, attempt, claim start (lease_expires_at - lease), (tx, j), subject, seq, claim end (client clock))
+        self.claims = []
         self.conn_errors = 0
+        # per named subscription
+        self.sclaims = {s: [] for s in self.SUBS}        # as claims, and the token
+        self.sacked = {s: {} for s in self.SUBS}         # id -> (attempt, (tx, j)): ack returned true
+        self.sack_unknown = {s: set() for s in self.SUBS}  # ids whose ack raised (outcome unknown)
         self.stop_pub = threading.Event()
         self.stop_work = threading.Event()
         self.threads = []
@@ -341,9 +458,10 @@ class CrashLoad:
                     "SELECT id, attempt, lease_token, extract(epoch FROM lease_expires_at)::float8 - %s, payload "
                     "FROM outbox.claim(%s, %s, %s::interval, ARRAY[%s])",
                     (self.lease, f"w{w}", rnd.randint(1, 10), f"{self.lease} s", self.TOPIC)).fetchall()
+                end = time.time()
                 with self.lock:
                     for i, att, _, at, p in rows:
-                        self.claims.append((i, att, at, (p["tx"], p["j"]), p["subj"], p["seq"]))
+                        self.claims.append((i, att, at, (p["tx"], p["j"]), p["subj"], p["seq"], end))
                 if not rows:
                     time.sleep(0.05)
                     continue
@@ -364,11 +482,69 @@ class CrashLoad:
         if conn is not None:
             conn.close()
 
+    def sub_worker(self, sub, w):
+        """A worker of a named subscription: claim, then ack (one by one, or one array
+        ack); an ack that raises leaves its events' outcome unknown."""
+        rnd = random.Random(self.seed * 1000 + 200 + 10 * list(self.SUBS).index(sub) + w)
+        conn = None
+        array = self.SUBS[sub]["array"]
+        while not self.stop_work.is_set():
+            pending = []
+            try:
+                if conn is None:
+                    conn = self._connect()
+                rows = conn.execute(
+                    "SELECT id, attempt, lease_token, extract(epoch FROM lease_expires_at)::float8 - %s, payload "
+                    "FROM outbox.claim(%s, %s, %s::interval, NULL, %s)",
+                    (self.lease, f"{sub}-w{w}", rnd.randint(1, 10), f"{self.lease} s", sub)).fetchall()
+                end = time.time()
+                with self.lock:
+                    for i, att, tok, at, p in rows:
+                        self.sclaims[sub].append((i, att, at, (p["tx"], p["j"]), p["subj"], p["seq"], end, str(tok)))
+                if not rows:
+                    time.sleep(0.05)
+                    continue
+                if array:
+                    pending = [r[0] for r in rows]
+                    n = conn.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])",
+                                     ([r[0] for r in rows], [r[2] for r in rows])).fetchone()[0]
+                    with self.lock:
+                        if n == len(rows):
+                            for i, att, _, _, p in rows:
+                                self.sacked[sub][i] = (att, (p["tx"], p["j"]))
+                        elif n:
+                            # some of them: which ones is not known
+                            self.sack_unknown[sub].update(r[0] for r in rows)
+                    pending = []
+                else:
+                    for i, att, tok, _, p in rows:
+                        pending = [i]
+                        if conn.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0]:
+                            with self.lock:
+                                self.sacked[sub][i] = (att, (p["tx"], p["j"]))
+                        pending = []
+            except psycopg.Error:
+                with self.lock:
+                    self.conn_errors += 1
+                    self.sack_unknown[sub].update(pending)
+                try:
+                    if conn is not None:
+                        conn.close()
+                except Exception:
+                    pass
+                conn = None
+                time.sleep(rnd.uniform(0.05, 0.3))
+        if conn is not None:
+            conn.close()
+
     def start(self):
         for i in range(self.npub):
             self.threads.append(threading.Thread(target=self.publisher, args=(i,), daemon=True))
         for w in range(self.nwork):
             self.threads.append(threading.Thread(target=self.worker, args=(w,), daemon=True))
+        for sub in self.SUBS:
+            for w in range(self.nsub_work):
+                self.threads.append(threading.Thread(target=self.sub_worker, args=(sub, w), daemon=True))
         for t in self.threads:
             t.start()
 
@@ -378,22 +554,54 @@ class CrashLoad:
 
 
 def check_subject_order(claims):
-    """claims: (id, attempt, claimed_at, token, subject, seq). Per subject, by claim time,
-    seq never goes back: seq k may be redelivered only until k+1 was first claimed."""
+    """claims: (id, attempt, claim start, (tx, j), subject, seq, claim end). Per subject,
+    every hand-out of seq k comes before every hand-out of seq k+1 (k is redelivered
+    only until it is acked, and k+1 goes out only after that ack). A claim hands an
+    event out somewhere between its start (lease_expires_at - lease: the clock when
+    the call began) and its end (when it returned, same host clock), so the order is
+    broken for certain when a claim returning seq k started after a claim returning a
+    later seq had already returned."""
     bad = []
     by = defaultdict(list)
-    for i, att, at, _, subj, seq in claims:
+    for i, att, start, _, subj, seq, end in claims:
         if subj:
-            by[subj].append((at, seq, i, att))
+            by[subj].append((seq, start, end, i, att))
     for subj, lst in by.items():
         lst.sort()
-        top = 0
-        for at, seq, i, att in lst:
-            if seq < top:
-                bad.append(f"subject {subj}: seq {seq} (event {i} attempt {att}) claimed after seq {top}")
-                break
-            top = seq
+        # the earliest-returning hand-out of any later seq, scanning seqs downwards
+        first_end = None
+        k = len(lst) - 1
+        found = None
+        while k >= 0 and found is None:
+            seq = lst[k][0]
+            group = []
+            while k >= 0 and lst[k][0] == seq:
+                group.append(lst[k])
+                k -= 1
+            if first_end is not None:
+                late = max(group, key=lambda h: h[1])
+                if late[1] > first_end[2]:
+                    found = (late, first_end)
+            e = min(group, key=lambda h: h[2])
+            if first_end is None or e[2] < first_end[2]:
+                first_end = e
+        if found:
+            (seq, start, _, i, att), (seq2, start2, end2, i2, att2) = found
+            bad.append(f"subject {subj}: seq {seq} (event {i} attempt {att}) was handed out by a claim that began at "
+                       f"{start:.6f}, after a claim that handed out seq {seq2} (event {i2} attempt {att2}, began "
+                       f"{start2:.6f}) had returned at {end2:.6f}")
     return bad
+
+
+NAMED_LEFT_SQL = ("SELECT coalesce(lag_events, 0) + coalesce(leases_in_flight, 0) + coalesce(dead_letters, 0) + "
+                  "(SELECT count(*) FROM outbox.deliveries d WHERE d.subscription = s.name "
+                  "AND d.state <> 'delivered') FROM outbox.subscriptions s WHERE s.name = %s")
+
+
+def named_left(cl, sub):
+    """What a named subscription still has to deliver: lag, leases, dead letters and
+    undelivered per-event rows (0 = everything delivered)."""
+    return cl.one(NAMED_LEFT_SQL, (sub,))[0]
 
 
 def case_server_crash(cl, seed, cycles=5):
@@ -401,6 +609,9 @@ def case_server_crash(cl, seed, cycles=5):
     rnd = random.Random(seed)
     with cl.connect() as c:
         c.execute("SELECT outbox.create_topic('c2.load', max_attempts => 100)")
+        # Before any publisher starts: every c2.load event is theirs.
+        for sub, a in CrashLoad.SUBS.items():
+            c.execute("SELECT outbox.create_subscription(%s, topics => %s, max_attempts => 100)", (sub, a["topics"]))
     load = CrashLoad(cl, seed)
     load.start()
     crashes = 0
@@ -427,11 +638,17 @@ def case_server_crash(cl, seed, cycles=5):
     load.stop_pub.set()
     drained = wait_until(lambda: cl.one(
         "SELECT count(*) = 0 FROM outbox.event_queue WHERE topic = 'c2.load'")[0], 60, step=0.3)
+    t_named = time.time()
+    named_drained = wait_until(lambda: all(named_left(cl, sub) == 0 for sub in load.SUBS), 60, step=0.5)
     load.stop_work.set()
     load.join()
     if not drained:
         left = cl.all("SELECT state, count(*) FROM outbox.event_queue WHERE topic = 'c2.load' GROUP BY 1")
         probs.append(f"queue did not drain within 60 s: {left}")
+    if not named_drained:
+        left = {sub: cl.one("SELECT lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions "
+                            "WHERE name = %s", (sub,)) for sub in load.SUBS}
+        probs.append(f"named subscriptions did not drain within 60 s: (lag, leases, dead letters) {left}")
 
     rows = cl.all("SELECT id, state, attempts, payload->>'tx', (payload->>'j')::int FROM outbox.events "
                   "WHERE topic = 'c2.load'")
@@ -470,13 +687,58 @@ def case_server_crash(cl, seed, cycles=5):
     probs += check_subject_order(load.claims)
     with cl.connect() as c:
         probs += consistency_problems(c, "2: ")
+    named_figs = []
+    for sub in load.SUBS:
+        p, fig = check_named_after_crashes(load, sub, by_tok, by_id)
+        probs += p
+        named_figs.append(fig)
     unknown_in = sum(1 for t in load.unknown if t in by_tok)
     log(f"  2: {crashes} crashes; {len(load.must)} committed (all checked), {len(load.never)} rolled back/aborted, "
         f"{len(load.unknown)} unknown ({unknown_in} of them committed), {len(load.acked)} acks, "
         f"{len(load.claims)} claims, {load.conn_errors} connection errors survived"
         + (f"; {len(reused)} ids of aborted transactions reused after a crash (sequence not flushed: allowed)"
            if reused else ""))
+    log(f"  2: named subscriptions (drained {time.time() - t_named:.1f}s after the default queue): "
+        + "; ".join(named_figs))
     return probs, {"server_crashes": crashes, "events_checked": len(load.must) + len(load.never) + len(load.unknown)}
+
+
+def check_named_after_crashes(load, sub, by_tok, by_id):
+    """After the crashes and the final drain, the named subscription `sub` received every
+    committed event (each acked by one of its workers, or in an ack whose outcome the
+    crash hid), never an uncommitted or unknown one, never an event again after its ack
+    succeeded, each (event, attempt) once, subjects in publish order."""
+    probs = []
+    claims = load.sclaims[sub]
+    acked, unk = load.sacked[sub], load.sack_unknown[sub]
+    lost = [t for t, i in load.must.items() if i not in acked and i not in unk]
+    if lost:
+        probs.append(f"{sub}: {len(lost)} acknowledged commits never acked by its workers (lost), e.g. {lost[:5]}")
+    ghosts = {c[3] for c in claims if c[3] in load.never}
+    if ghosts:
+        probs.append(f"{sub}: {len(ghosts)} uncommitted events were claimed, e.g. {list(ghosts)[:5]}")
+    strays = {c[3] for c in claims if c[3] not in load.must and c[3] not in load.unknown and c[3] not in load.never}
+    if strays:
+        probs.append(f"{sub}: {len(strays)} events nobody published were claimed, e.g. {list(strays)[:5]}")
+    wrong = [(i, att, t) for i, (att, t) in acked.items() if by_id.get(i, (None, None))[1] != t]
+    if wrong:
+        probs.append(f"{sub}: {len(wrong)} acks of ids that are other events, e.g. {wrong[:5]}")
+    late = [(c[0], c[1]) for c in claims if c[0] in acked and c[1] > acked[c[0]][0]]
+    if late:
+        probs.append(f"{sub}: {len(late)} claims after a successful ack (an ack lost in a crash?), e.g. {late[:5]}")
+    seen = defaultdict(set)
+    dup = []
+    for c in claims:
+        if c[1] in seen[c[0]]:
+            dup.append((c[0], c[1]))
+        seen[c[0]].add(c[1])
+    if dup:
+        probs.append(f"{sub}: {len(dup)} (id, attempt) pairs claimed twice, e.g. {dup[:5]}")
+    probs += [f"{sub}: {p}" for p in check_subject_order([c[:7] for c in claims])]
+    redelivered = sum(1 for s in seen.values() if len(s) > 1)
+    fig = (f"{sub}: {len(load.must) - len(lost)}/{len(load.must)} committed received ({len(acked)} acks, "
+           f"{len(unk)} of unknown outcome), {len(claims)} claims, {redelivered} events redelivered")
+    return probs, fig
 
 
 # ---------------------------------------------------------------------------
@@ -822,8 +1084,10 @@ def case_timeouts(cl):
 
 
 CASES = [
-    ("1", "worker SIGKILL: leases redelivered after expiry, attempts counted", case_worker_sigkill),
-    ("2", "server crash (pg_ctl stop -m immediate) during load, 5 cycles", case_server_crash),
+    ("1", "worker SIGKILL (default and a named subscription): leases redelivered after expiry, attempts counted",
+     case_worker_sigkill),
+    ("2", "server crash (pg_ctl stop -m immediate) during load, 5 cycles, default and two named subscriptions",
+     case_server_crash),
     ("3a", "background worker pg_terminate_backend", case_bgworker_terminate),
     ("3b", "background worker kill -9 (cluster crash-restart)", case_bgworker_kill9),
     ("3c", "background worker SIGTERM during a maintenance pass", case_bgworker_sigterm_in_maintenance),
@@ -833,8 +1097,8 @@ CASES = [
 
 def main():
     if len(sys.argv) > 1 and sys.argv[1] == "--child-worker":
-        dsn, topic, lease, out, in_tx = sys.argv[2:7]
-        child_worker(dsn, topic, int(lease), out, in_tx == "1")
+        dsn, topic, lease, out, in_tx, sub = sys.argv[2:8]
+        child_worker(dsn, topic, int(lease), out, in_tx == "1", None if sub == "-" else sub)
         return 0
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", required=True)
