@@ -33,17 +33,24 @@ BEGIN
         RETURN false;
     END IF;
     IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        SELECT x.subject INTO subj FROM outbox.log_exceptions x
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        -- Its subject's events still in the lane's batch now follow it. The lane
+        -- and the batch are locked before the row, as drop_subscription locks them.
+        PERFORM outbox._log_detach_subject(sub, subj);
         UPDATE outbox.log_exceptions x
            SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
                lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
-        RETURNING x.topic, x.subject INTO t, subj;
+        RETURNING x.topic INTO t;
         IF t IS NULL THEN
             RETURN false;
         END IF;
-        -- Its subject's events still in the lane's batch now follow it.
-        PERFORM outbox._log_detach_subject(sub, subj);
         PERFORM outbox._wake(t);
         RETURN true;
     END IF;
@@ -114,7 +121,6 @@ AS $$
 DECLARE
     n bigint;
     sub text;
-    subjects text[];
 BEGIN
     sub := outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
@@ -132,20 +138,25 @@ BEGIN
                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
             RETURN n;
         END IF;
-        WITH replayed AS (
-            UPDATE outbox.log_exceptions x
-               SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-                   lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
-             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)
-            RETURNING x.subject
-        )
-        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT r.subject) FILTER (WHERE r.subject IS NOT NULL)
-          INTO n, subjects FROM replayed r;
-        -- Their subjects' events still in the lanes' batches now follow them.
-        PERFORM outbox._log_detach_subject(sub, s) FROM pg_catalog.unnest(subjects) AS s;
+        -- Their subjects' events still in the lanes' batches now follow them:
+        -- detached first, lanes in one order, before the rows change (the lock
+        -- order of drop_subscription).
+        PERFORM outbox._log_detach_subject(sub, d.subject)
+           FROM (SELECT DISTINCT x.subject FROM outbox.log_exceptions x
+                  WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+                    AND x.subject IS NOT NULL
+                    AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+                    AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+                    AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)) d
+          ORDER BY pg_catalog.hashtext(d.subject) OPERATOR(pg_catalog.&) 15, d.subject;
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+        GET DIAGNOSTICS n = ROW_COUNT;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;

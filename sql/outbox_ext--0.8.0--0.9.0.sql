@@ -112,17 +112,24 @@ BEGIN
         RETURN false;
     END IF;
     IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+        SELECT x.subject INTO subj FROM outbox.log_exceptions x
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
+        IF NOT FOUND THEN
+            RETURN false;
+        END IF;
+        -- Its subject's events still in the lane's batch now follow it. The lane
+        -- and the batch are locked before the row, as drop_subscription locks them.
+        PERFORM outbox._log_detach_subject(sub, subj);
         UPDATE outbox.log_exceptions x
            SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
                lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
-        RETURNING x.topic, x.subject INTO t, subj;
+        RETURNING x.topic INTO t;
         IF t IS NULL THEN
             RETURN false;
         END IF;
-        -- Its subject's events still in the lane's batch now follow it.
-        PERFORM outbox._log_detach_subject(sub, subj);
         PERFORM outbox._wake(t);
         RETURN true;
     END IF;
@@ -186,7 +193,6 @@ AS $$
 DECLARE
     n bigint;
     sub text;
-    subjects text[];
 BEGIN
     sub := outbox._subscription(subscription);
     IF topic_pattern IS NOT NULL THEN
@@ -204,20 +210,25 @@ BEGIN
                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
             RETURN n;
         END IF;
-        WITH replayed AS (
-            UPDATE outbox.log_exceptions x
-               SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-                   lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
-             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)
-            RETURNING x.subject
-        )
-        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT r.subject) FILTER (WHERE r.subject IS NOT NULL)
-          INTO n, subjects FROM replayed r;
-        -- Their subjects' events still in the lanes' batches now follow them.
-        PERFORM outbox._log_detach_subject(sub, s) FROM pg_catalog.unnest(subjects) AS s;
+        -- Their subjects' events still in the lanes' batches now follow them:
+        -- detached first, lanes in one order, before the rows change (the lock
+        -- order of drop_subscription).
+        PERFORM outbox._log_detach_subject(sub, d.subject)
+           FROM (SELECT DISTINCT x.subject FROM outbox.log_exceptions x
+                  WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+                    AND x.subject IS NOT NULL
+                    AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+                    AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+                    AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)) d
+          ORDER BY pg_catalog.hashtext(d.subject) OPERATOR(pg_catalog.&) 15, d.subject;
+        UPDATE outbox.log_exceptions x
+           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+           AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+           AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+           AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
+        GET DIAGNOSTICS n = ROW_COUNT;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;
@@ -429,19 +440,21 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
     END IF;
-    -- Lanes first: a claim writes batches and exception rows only while it holds
-    -- a lane row, so this waits for claims in progress (a claim in an open
-    -- transaction included), and later ones skip the gone lanes. The leases are
-    -- counted after that wait, so they include what such a claim handed out.
+    -- Lanes first: a claim moves a lane only while it holds the lane's row, so
+    -- this waits for those, and later claims skip the gone lanes. Then the
+    -- leases are counted, after waiting for every transaction that holds one
+    -- of the subscription's batches or exception rows (a claim left open
+    -- included): _log_in_flight takes those locks, in the order acks and
+    -- replay take them, and claims only try them.
     DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
             USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
     END IF;
-    -- Batches second: fail() moves a batch's events to exception rows only
-    -- while the batch row exists (key-share locked), so this waits for it. Then
-    -- the exception rows, all of them visible by now.
+    -- Batches next: fail() moves a batch's events to exception rows only while
+    -- the batch row exists (key-share locked). Then the exception rows, all of
+    -- them visible by now.
     DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;

@@ -138,19 +138,21 @@ BEGIN
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
     END IF;
-    -- Lanes first: a claim writes batches and exception rows only while it holds
-    -- a lane row, so this waits for claims in progress (a claim in an open
-    -- transaction included), and later ones skip the gone lanes. The leases are
-    -- counted after that wait, so they include what such a claim handed out.
+    -- Lanes first: a claim moves a lane only while it holds the lane's row, so
+    -- this waits for those, and later claims skip the gone lanes. Then the
+    -- leases are counted, after waiting for every transaction that holds one
+    -- of the subscription's batches or exception rows (a claim left open
+    -- included): _log_in_flight takes those locks, in the order acks and
+    -- replay take them, and claims only try them.
     DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
             USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
     END IF;
-    -- Batches second: fail() moves a batch's events to exception rows only
-    -- while the batch row exists (key-share locked), so this waits for it. Then
-    -- the exception rows, all of them visible by now.
+    -- Batches next: fail() moves a batch's events to exception rows only while
+    -- the batch row exists (key-share locked). Then the exception rows, all of
+    -- them visible by now.
     DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;

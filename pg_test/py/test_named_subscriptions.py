@@ -458,3 +458,75 @@ def test_a_claim_larger_than_a_batch_holds_is_served_in_batches(plain):
     c.execute("SELECT count(*) FROM outbox.publish_batch('big.t', array_fill('{}'::jsonb, ARRAY[10000]))")
     n = c.execute("SELECT count(*) FROM outbox.claim('w', 70000, subscription => 'big')").fetchone()[0]
     assert n == 20000
+
+
+@pytest.mark.parametrize("path", ["batch", "retry"])
+def test_drop_counts_the_leases_of_a_claim_still_open_in_a_transaction(plain, path):
+    """A claim serves a batch in flight (or exception rows) without locking a
+    lane: drop_subscription must still wait for it and refuse (55006)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('dd')")
+    publish(c, subject="S")
+    publish(c, subject="S")
+    (r,) = claim(c, "dd")
+    if path == "batch":
+        assert ack(c, r)                     # the second event waits in the batch
+    else:
+        assert fail(c, r, retry_in="0 s") == "pending"   # both now exception rows
+    x = connect(plain.dsn, autocommit=False)
+    try:
+        (got,) = claim(x, "dd", lease="10 minutes")
+        out = {}
+
+        def drop():
+            try:
+                plain.conn().execute("SELECT outbox.drop_subscription('dd')")
+                out["drop"] = "ok"
+            except psycopg.Error as e:
+                out["drop"] = e.sqlstate
+
+        t = threading.Thread(target=drop)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), "the drop did not wait for the open claim"
+        x.commit()
+        t.join(10)
+        assert out == {"drop": "55006"}
+        assert ack(c, got)
+    finally:
+        x.close()
+
+
+def test_replay_and_drop_take_their_locks_in_one_order(plain):
+    """replay (named) locks the lane and batch before the exception row, as
+    drop_subscription does: the two serialise, never deadlock."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('rd', dead_letter_policy => 'skip', max_attempts => 1)")
+    n1 = publish(c, subject="R")
+    (r,) = claim(c, "rd")
+    assert fail(c, r) == "dead"
+    publish(c, subject="R")
+    publish(c, subject="R")
+    x = connect(plain.dsn, autocommit=False)
+    try:
+        claim(x, "rd")                       # an open claim holds the lane's batch
+        out = {}
+
+        def run(name, sql):
+            try:
+                plain.conn().execute(sql)
+                out[name] = "ok"
+            except psycopg.Error as e:
+                out[name] = e.sqlstate
+
+        ts = [threading.Thread(target=run, args=("drop", "SELECT outbox.drop_subscription('rd', true)")),
+              threading.Thread(target=run, args=("replay", f"SELECT outbox.replay({n1}, 'rd')"))]
+        for t in ts:
+            t.start()
+            time.sleep(0.3)
+        x.commit()
+        for t in ts:
+            t.join(10)
+        assert out["drop"] == "ok" and out["replay"] in ("ok", "42704"), out
+    finally:
+        x.close()

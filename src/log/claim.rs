@@ -63,8 +63,9 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, EXC_STATS, FAIL_INFO, FETCH,
-    LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_IDS, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
+    EXC_STATS, FAIL_INFO, FETCH, LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE,
+    SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -561,11 +562,27 @@ pub fn log_subscribe(subscription: Option<&str>, start: default!(Option<&str>, "
 }
 
 /// `outbox._log_in_flight(subscription text) -> bigint`: the subscription's
-/// leases that have not expired, in its batches and its exception rows.
+/// leases that have not expired, in its batches and its exception rows,
+/// counted once every transaction that is changing them has ended: it takes
+/// each of the subscription's batch locks ([`BATCH_LOCK_KEY`], in batch id
+/// order, as acks do, so the two never wait for each other in a cycle) and
+/// locks its exception rows, waiting. Claims only try those locks, so a claim
+/// never waits for this. For drop_subscription, after it removed the lanes: a
+/// claim left open in a transaction that handed out events of a batch in
+/// flight, or exception rows, is then counted.
 #[pg_extern(name = "_log_in_flight", volatile, parallel_unsafe)]
 pub fn log_in_flight(subscription: Option<&str>) -> i64 {
     let subscription =
         subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let ids: Vec<i64> = plans::run_latest(&BATCH_IDS, &[subscription.into()], |rows| {
+        let mut out = Vec::new();
+        rows.for_each(|r| out.extend(r.i64(0)));
+        out
+    });
+    for id in ids {
+        pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
+    }
+    plans::run_latest(&EXC_LOCK_ALL, &[subscription.into()], |_| ());
     let now = pg::now();
     let in_batches: i64 = plans::run_latest(&BATCH_STATES, &[subscription.into()], |rows| {
         let mut n = 0i64;
@@ -576,7 +593,11 @@ pub fn log_in_flight(subscription: Option<&str>) -> i64 {
         });
         n
     });
-    let in_rows: i64 = plans::one(&EXC_IN_FLIGHT, &[subscription.into(), plans::ts_param(now)]).unwrap_or(0);
+    let in_rows: i64 = plans::run_latest(&EXC_IN_FLIGHT, &[subscription.into(), plans::ts_param(now)], |rows| {
+        let mut n = 0;
+        rows.for_each(|r| n = r.i64(0).unwrap_or(0));
+        n
+    });
     in_batches + in_rows
 }
 

@@ -166,6 +166,15 @@ pub const LANE_PUT: Stmt = Stmt {
 pub const BATCH_GET: Stmt =
     Stmt { sql: "SELECT state, lane, subscription FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
+/// A subscription's batch ids, ascending (`_log_in_flight` locks them in that order).
+pub const BATCH_IDS: Stmt =
+    Stmt { sql: "SELECT id FROM outbox.log_batches WHERE subscription = $1 ORDER BY id", types: &[pg_sys::TEXTOID] };
+
+/// A subscription's exception rows, locked: waits for the transactions
+/// changing them (`_log_in_flight`).
+pub const EXC_LOCK_ALL: Stmt =
+    Stmt { sql: "SELECT 1 FROM outbox.log_exceptions WHERE subscription = $1 FOR UPDATE", types: &[pg_sys::TEXTOID] };
+
 /// The states of a subscription's batches (`_log_in_flight`).
 pub const BATCH_STATES: Stmt =
     Stmt { sql: "SELECT state FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
