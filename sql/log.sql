@@ -1,7 +1,6 @@
--- The event log: the append-only storage that subscriptions will read
--- (docs/design/subscriptions.md). 0.8.0 writes it beside event_queue when
--- outbox.log_write is on, so its cost can be measured; its readers are
--- internal functions (below), and no public claim depends on it.
+-- The event log: the append-only storage that named subscriptions read
+-- (docs/design/subscriptions.md, src/log/). From 0.9.0 publish writes every
+-- event here, beside event_queue (which the 'default' subscription still reads).
 --
 -- A fixed ring of four tables created here, so that each belongs to the
 -- extension (DROP EXTENSION, grants, the upgrade's schema comparison) without

@@ -30,12 +30,11 @@ CREATE TABLE outbox.topics (
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
 
 -- Subscriptions (consumer groups): each receives the events of its topics, with
--- its own leases, retries and dead letters. 0.7.0 stores one, 'default', the group
--- every claim served before subscriptions existed, which receives every topic;
--- its row holds the policy that overrides the per-topic settings (NULL: the
--- topic's, then the GUC), and whether it is paused. Named subscriptions, their
--- topic filters and their own dead-letter policy arrive with the log storage
--- (docs/design/subscriptions.md).
+-- its own leases, retries and dead letters. 'default' is the group every claim
+-- served before subscriptions existed, which receives every topic; named ones
+-- (0.9.0) read the log (sql/log.sql). A row holds the policy that overrides the
+-- per-topic settings (NULL: the topic's, then the GUC), whether it is paused,
+-- and for a named subscription its topic filter and dead-letter policy.
 CREATE TABLE outbox.subscription_catalog (
     name                text PRIMARY KEY,
     max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),

@@ -1,10 +1,10 @@
 -- Subscriptions (consumer groups): their policy, pausing, and where operators
--- look. 0.7.0 stores one subscription, 'default'; every function takes the name,
--- so that named subscriptions (docs/design/subscriptions.md) change no signature.
+-- look. 'default' reads outbox.event_queue; named subscriptions (0.9.0) read
+-- the log (sql/log.sql, src/log/).
 --
--- Precedence of a setting (max_attempts, backoff, default lease): the
--- subscription's, else the topic's (outbox.create_topic), else the GUC
--- (outbox.max_attempts, ...). The dead-letter policy is the topic's.
+-- Precedence of a setting (max_attempts, backoff, default lease, dead-letter
+-- policy): the subscription's, else the topic's (outbox.create_topic), else the
+-- GUC (outbox.max_attempts, ...). 'default' takes the topic's dead-letter policy.
 
 -- The name a subscription argument resolves to (NULL: 'default'), or 42704.
 CREATE FUNCTION outbox._subscription(name text) RETURNS text

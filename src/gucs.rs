@@ -71,9 +71,9 @@ static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::n
 /// or drop them at ack like a plain DELETE-on-ack queue (pgmq's delete, a
 /// hand-rolled outbox's DELETE on success). Off trades the audit trail for a cheaper ack.
 static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
-/// Also append every published event to the log ring (sql/log.sql), the storage
-/// subscriptions will read. In 0.8.0 only internal functions read it: it is
-/// there so its cost can be measured, and off by default.
+/// Also append every published event to the log ring (sql/log.sql) with the SQL
+/// of 0.8.0, where only internal functions read it. From 0.9.0 every event is
+/// logged (named subscriptions read the log) and this setting has no effect.
 static LOG_WRITE: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
@@ -183,7 +183,7 @@ pub fn init(preloaded: bool) {
     GucRegistry::define_bool_guc(
         c"outbox.log_write",
         c"Also append every published event to the log ring (outbox.log_0 .. outbox.log_3).",
-        c"The storage subscriptions will read; in 0.8.0 only internal functions read it. The maintenance run rotates and truncates the ring.",
+        c"Only with the SQL of 0.8.0, whose internal functions read the ring; from 0.9.0 every event is logged (named subscriptions read it) and this has no effect.",
         &LOG_WRITE,
         GucContext::Suset,
         GucFlags::default(),

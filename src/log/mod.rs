@@ -1,11 +1,10 @@
 //! The event log: the append-only ring of `outbox.log_0` .. `outbox.log_3`
-//! (sql/log.sql) that subscriptions will read in commit order
-//! (docs/design/subscriptions.md).
+//! (sql/log.sql) that named subscriptions read in commit order
+//! (docs/design/subscriptions.md; [`claim`], [`exceptions`]).
 //!
-//! In 0.8.0 publish appends every event here when `outbox.log_write` is on,
-//! beside its `outbox.event_queue` row; only internal functions read it
-//! ([`claim`]), so its cost can be measured (`bench/run`, scenarios 1 and 10)
-//! before the public claim path is built on it.
+//! From 0.9.0 publish appends every event here, beside its
+//! `outbox.event_queue` row (which the `default` subscription still reads);
+//! with the SQL of 0.8.0 only when `outbox.log_write` is on.
 //!
 //! # Invariants, and why they hold
 //! 1. **A log row exists iff its publish committed.** It is inserted in the
