@@ -165,21 +165,8 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     } else {
         subscriptions::Settings::default()
     };
-    let max_attempts = sub.max_attempts.unwrap_or(max_attempts);
-    let (base, cap) = (sub.backoff_base.or(base), sub.backoff_max.or(cap));
-    let dead = permanent || attempts >= max_attempts;
-    let delay_us = if dead {
-        0
-    } else {
-        retry_in.unwrap_or_else(|| {
-            let base =
-                base.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(gucs::backoff_base_us);
-            let cap =
-                cap.and_then(|c| validate::interval_us(&c)).map(|c| c as i64).unwrap_or_else(gucs::backoff_max_us);
-            backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
-        })
-    };
-    let state = if dead { "dead" } else { "pending" };
+    let (state, delay_us) = sub.failure(attempts, max_attempts, base, cap, retry_in, permanent);
+    let dead = state == "dead";
     plans::count(
         &FAIL_APPLY,
         &[

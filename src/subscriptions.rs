@@ -24,10 +24,10 @@
 //! Nothing else depends on these values being current: a stale max_attempts or
 //! backoff changes one retry's timing, not which rows other rows depend on.
 
-use crate::errors;
 use crate::pg;
 use crate::pg::plans;
 use crate::sql::claim::{SUBSCRIPTIONS, SUBSCRIPTIONS_090};
+use crate::{backoff, errors, gucs, validate};
 use pgrx::prelude::*;
 use std::collections::HashMap;
 
@@ -84,6 +84,35 @@ fn load() -> HashMap<String, Settings> {
         });
         map
     })
+}
+
+impl Settings {
+    /// The fate of a failure of attempt `attempts` under these settings:
+    /// ('dead' | 'pending', retry delay in µs). The subscription's settings
+    /// first, then the topic's (`base`, `cap`, and `max_attempts` as publish
+    /// recorded it), then the GUCs; `retry_in` (µs) replaces the backoff.
+    pub fn failure(
+        &self,
+        attempts: i32,
+        max_attempts: i32,
+        base: Option<Interval>,
+        cap: Option<Interval>,
+        retry_in: Option<i64>,
+        permanent: bool,
+    ) -> (&'static str, i64) {
+        if permanent || attempts >= self.max_attempts.unwrap_or(max_attempts) {
+            return ("dead", 0);
+        }
+        let delay = retry_in.unwrap_or_else(|| {
+            let us = |iv: Option<Interval>, guc: fn() -> i64| {
+                iv.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(guc)
+            };
+            let base = us(self.backoff_base.or(base), gucs::backoff_base_us);
+            let cap = us(self.backoff_max.or(cap), gucs::backoff_max_us);
+            backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
+        });
+        ("pending", delay)
+    }
 }
 
 /// [`lookup`], raising 42704 when the subscription does not exist.

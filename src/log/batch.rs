@@ -427,17 +427,6 @@ impl Batch {
         self.state.iter().all(|s| matches!(s, State::Done | State::Parked))
     }
 
-    /// The earliest lease expiry among events still out, if any.
-    pub fn next_expiry(&self) -> Option<i64> {
-        self.state
-            .iter()
-            .filter_map(|s| match s {
-                State::Out(r) => Some(self.rounds[*r as usize - 1].expires),
-                _ => None,
-            })
-            .min()
-    }
-
     /// The bytes a batch row keeps: a version byte, the event count, each id as
     /// a varint delta from the previous one (the first from 0), each `prev` as a
     /// varint distance back (0: none), each state as a varint (0 waiting, 1
@@ -615,7 +604,7 @@ mod tests {
         let t3 = b.hand_out(7, &[5], T0, T0 + 30, 1);
         b.ack(15, t3).unwrap();
         assert!(b.finished());
-        assert_eq!(b.next_expiry(), None);
+        assert_eq!(b.out_unexpired(T0), 0);
     }
 
     #[pg_test]
@@ -705,7 +694,7 @@ mod tests {
         let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
         b.extend(10, t, T0 + 100).unwrap();
         b.extend(11, t, T0 + 50).unwrap();
-        assert_eq!(b.next_expiry(), Some(T0 + 100));
+        assert_eq!(b.round_expiry(t.round), Some(T0 + 100));
         assert!(b.expire(T0 + 99).is_empty());
     }
 

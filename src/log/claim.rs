@@ -247,16 +247,16 @@ impl Claim<'_> {
                 vec![]
             };
         for (i, round) in released {
-            rows.push(match round.and_then(|r| b.round_expiry(r).map(|e| (r, e))) {
+            rows.push(match round.and_then(|r| b.round_expiry(r)) {
                 // Still leased to its holder, with the same token and expiry.
-                Some((_, expires)) => Moved {
+                Some(expires) => Moved {
                     id: b.ids()[i],
                     kind: Kind::Leased,
                     visible_at: expires,
                     token: token_of(b, i),
                     error: None,
                 },
-                None => Moved { id: b.ids()[i], kind: Kind::Parked, visible_at: self.now, token: None, error: None },
+                None => Moved::parked(b.ids()[i], self.now),
             });
         }
         if rows.is_empty() {
@@ -293,13 +293,7 @@ impl Claim<'_> {
             let passes_narrow = topics.get(&b.ids()[i]).is_some_and(|t| passes(&self.req.narrow, t));
             if !passes_narrow && b.state(i) == super::batch::State::Waiting {
                 for j in b.divert(i) {
-                    rows.push(Moved {
-                        id: b.ids()[j],
-                        kind: Kind::Parked,
-                        visible_at: self.now,
-                        token: None,
-                        error: None,
-                    });
+                    rows.push(Moved::parked(b.ids()[j], self.now));
                 }
             }
         }
@@ -330,13 +324,7 @@ impl Claim<'_> {
             let delayed = e.deliver_at.is_some_and(|d| d > self.now);
             if held || delayed || !passes(&self.req.narrow, &e.topic) {
                 for j in b.divert(i) {
-                    moved.push(Moved {
-                        id: b.ids()[j],
-                        kind: Kind::Parked,
-                        visible_at: self.now,
-                        token: None,
-                        error: None,
-                    });
+                    moved.push(Moved::parked(b.ids()[j], self.now));
                 }
             }
         }
@@ -716,7 +704,7 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
                 token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
                 error: None,
             },
-            None => Moved { id: b.ids()[i], kind: Kind::Parked, visible_at: now, token: None, error: None },
+            None => Moved::parked(b.ids()[i], now),
         })
         .collect();
     rows.sort_unstable_by_key(|m| m.id);
@@ -783,7 +771,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                     rows.for_each(|r| out = (r.i32(0).unwrap_or(1), r.interval(1), r.interval(2)));
                     out
                 });
-                let (state, delay) = exceptions::decide(&settings, 1, max_attempts, base, cap, retry_in, permanent);
+                let (state, delay) = settings.failure(1, max_attempts, base, cap, retry_in, permanent);
                 let now = pg::now();
                 let mut moved: Vec<Moved> = parked
                     .iter()
@@ -797,7 +785,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                                 error: Some(error.to_string()),
                             }
                         } else {
-                            Moved { id: b.ids()[p], kind: Kind::Parked, visible_at: now, token: None, error: None }
+                            Moved::parked(b.ids()[p], now)
                         }
                     })
                     .collect();

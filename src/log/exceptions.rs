@@ -36,7 +36,7 @@ use crate::sql::log::{
     EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS,
 };
 use crate::subscriptions::Settings;
-use crate::{backoff, errors, gucs, pg, validate};
+use crate::{errors, gucs, pg};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use std::collections::HashSet;
 
@@ -79,6 +79,14 @@ pub struct Moved {
     pub token: Option<pgrx::Uuid>,
     /// The failure, for `Retry` and `Dead`.
     pub error: Option<String>,
+}
+
+impl Moved {
+    /// An event parked behind another of its subject (or delayed, or outside
+    /// the claim's topics): claimable from `now`, no attempt yet.
+    pub fn parked(id: i64, now: i64) -> Moved {
+        Moved { id, kind: Kind::Parked, visible_at: now, token: None, error: None }
+    }
 }
 
 /// Copy the events `moved` of lane `lane` from the log into subscription
@@ -215,7 +223,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     })?;
     let (attempts, max_attempts, base, cap, sub) = row;
     let settings = crate::subscriptions::lookup(&sub).unwrap_or_default();
-    let (state, delay) = decide(&settings, attempts, max_attempts, base, cap, retry_in, permanent);
+    let (state, delay) = settings.failure(attempts, max_attempts, base, cap, retry_in, permanent);
     let args: [DatumWithOid<'_>; 6] = [
         id.into(),
         token.into(),
@@ -226,33 +234,6 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     ];
     plans::run_latest(&EXC_FAIL_APPLY, &args, |_| ());
     Some(state)
-}
-
-/// The fate of a failure of attempt `attempts`: ('dead' | 'pending', delay in
-/// µs). The subscription's settings first, then the topic's (`base`, `cap`,
-/// `max_attempts` from publish), then the GUCs.
-pub fn decide(
-    settings: &Settings,
-    attempts: i32,
-    max_attempts: i32,
-    base: Option<Interval>,
-    cap: Option<Interval>,
-    retry_in: Option<i64>,
-    permanent: bool,
-) -> (&'static str, i64) {
-    let max_attempts = settings.max_attempts.unwrap_or(max_attempts);
-    if permanent || attempts >= max_attempts {
-        return ("dead", 0);
-    }
-    let delay = retry_in.unwrap_or_else(|| {
-        let us = |iv: Option<Interval>, guc: fn() -> i64| {
-            iv.and_then(|b| validate::interval_us(&b)).map(|b| b as i64).unwrap_or_else(guc)
-        };
-        let base = us(settings.backoff_base.or(base), gucs::backoff_base_us);
-        let cap = us(settings.backoff_max.or(cap), gucs::backoff_max_us);
-        backoff::jittered_delay_us(attempts, base, cap, backoff::unit_random())
-    });
-    ("pending", delay)
 }
 
 /// extend_lease on the exception row `id` that `token` holds: the new expiry.
