@@ -26,13 +26,13 @@ DECLARE
     subj text;
     sub text;
 BEGIN
-    -- 'default' is event_queue's; a named subscription's dead and cancelled
-    -- events are its exception rows (src/log/exceptions.rs).
+    -- The install's 'default' is event_queue's; a subscription of the log has
+    -- its dead and cancelled events in its exception rows (src/log/exceptions.rs).
     sub := outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
     END IF;
-    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
         SELECT x.subject INTO subj FROM outbox.log_exceptions x
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
@@ -129,7 +129,7 @@ BEGIN
     IF dry_run IS NULL THEN
         RAISE EXCEPTION 'outbox: dry_run must not be NULL' USING ERRCODE = '22004';
     END IF;
-    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
         IF dry_run THEN
             SELECT pg_catalog.count(*) INTO n FROM outbox.log_exceptions x
              WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
@@ -205,7 +205,7 @@ BEGIN
     IF id IS NULL THEN
         RETURN false;
     END IF;
-    IF sub OPERATOR(pg_catalog.<>) 'default' THEN
+    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
         -- Only events the subscription holds per event can be cancelled: not
         -- leased ones, and not those its lanes have not read yet.
         UPDATE outbox.log_exceptions x

@@ -1,6 +1,7 @@
--- The event log: the append-only storage that named subscriptions read
+-- The event log: the append-only storage that subscriptions read
 -- (docs/design/subscriptions.md, src/log/). From 0.9.0 publish writes every
--- event here, beside event_queue (which the 'default' subscription still reads).
+-- event here; beside event_queue only while the install's 'default'
+-- subscription, which reads the queue, exists (0.10.0, src/publish.rs).
 --
 -- A fixed ring of four tables created here, so that each belongs to the
 -- extension (DROP EXTENSION, grants, the upgrade's schema comparison) without
@@ -99,6 +100,10 @@ CREATE TABLE outbox.log_lanes (
     hi_xn        xid8,
     pos          bigint,
     batch        bigint,
+    -- 0.10.0: the subscription's first cursor (create_subscription): an event
+    -- visible in it was committed before the subscription and is not its own
+    -- (outbox._log_deliveries). NULL for lanes made before 0.10.0 or lazily.
+    start_snap   pg_snapshot,
     PRIMARY KEY (subscription, lane)
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
 

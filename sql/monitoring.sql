@@ -178,20 +178,20 @@ BEGIN
     -- 8. Each subscription: paused, or not claimed from while its events wait.
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
-    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at, s.storage
                FROM outbox.subscriptions s ORDER BY s.name LOOP
         check_name := 'subscription'; value := r.lag_events;
         IF r.paused THEN
             status := 'warn';
             message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
                               date_trunc('second', r.paused_at), r.lag_events);
-        ELSIF r.name = 'default' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+        ELSIF r.storage = 'queue' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
             status := 'warn';
             message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
                               COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
-        ELSIF r.name <> 'default' AND r.lag > backlog_age
+        ELSIF r.storage = 'log' AND r.lag > backlog_age
               AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
-            -- A named subscription holds the log's retention while it lags.
+            -- A subscription of the log holds the log's retention while it lags.
             status := 'warn';
             message := format('subscription %L has %s undelivered events, the oldest published %s ago, and no claim since %s; '
                               'it holds the log''s retention (drop it if it is gone for good)', r.name, r.lag_events,

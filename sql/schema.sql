@@ -1,12 +1,14 @@
 -- outbox_ext storage.
 --
--- Two relations hold events:
+-- The 'default' subscription made at install keeps its events in two relations
+-- (every subscription of the log reads the ring of sql/log.sql instead):
 --   outbox.event_queue   the hot relation: pending, leased and dead events only.
 --                        Every claim touches it, so it stays small: an ack moves the
 --                        row out, and retention removes dead rows.
 --   outbox.event_archive delivered and cancelled events, kept for audit and for the
 --                        dispatch-key window until outbox.purge() removes them.
--- outbox.events is the UNION ALL of both, the one place operators read.
+-- outbox.events is the UNION ALL of both while that subscription exists, the one
+-- place operators read; publish stops writing them once it is dropped.
 --
 -- Why the split: a SKIP LOCKED queue that keeps delivered rows in its claim index
 -- slows down as history grows and as a held xmin keeps dead tuples (the reason
@@ -31,10 +33,12 @@ CREATE TABLE outbox.topics (
 
 -- Subscriptions (consumer groups): each receives the events of its topics, with
 -- its own leases, retries and dead letters. 'default' is the group every claim
--- served before subscriptions existed, which receives every topic; named ones
--- (0.9.0) read the log (sql/log.sql). A row holds the policy that overrides the
+-- without a subscription serves; the one made at install reads
+-- outbox.event_queue (storage 'queue') until it is dropped. Every other
+-- subscription, a 'default' created again included (0.10.0), reads the log
+-- (storage 'log', sql/log.sql). A row holds the policy that overrides the
 -- per-topic settings (NULL: the topic's, then the GUC), whether it is paused,
--- and for a named subscription its topic filter and dead-letter policy.
+-- and for a subscription of the log its topic filter and dead-letter policy.
 CREATE TABLE outbox.subscription_catalog (
     name                text PRIMARY KEY,
     max_attempts        integer CHECK (max_attempts BETWEEN 1 AND 1000000),
@@ -48,9 +52,13 @@ CREATE TABLE outbox.subscription_catalog (
     -- 0.9.0: the topic filter (claim's patterns; NULL: every topic) and the
     -- dead-letter policy (NULL: the topic's) of a named subscription.
     topics              text[],
-    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip'))
+    dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
+    -- 0.10.0: which storage the subscription reads. Only the install's
+    -- 'default' reads the queue, and no function makes another one: once it is
+    -- dropped, publish writes the log alone (src/publish.rs).
+    storage             text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log'))
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
-INSERT INTO outbox.subscription_catalog (name) VALUES ('default');
+INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue');
 
 -- When each subscription was last claimed from. Kept apart from the catalog so
 -- that a claim's write (at most once a second per session, and only when no other
@@ -195,30 +203,8 @@ SELECT pg_catalog.pg_extension_config_dump('outbox.subject_repairs', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.event_id_seq', '');
 SELECT pg_catalog.pg_extension_config_dump('outbox.maintenance_run_seq', '');
 
-CREATE VIEW outbox.events AS
-SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,
-       q.state, q.attempts, q.max_attempts,
-       CASE WHEN q.state = 'pending' THEN q.visible_at END AS available_at,
-       CASE WHEN q.state = 'leased' THEN q.visible_at END AS lease_expires_at,
-       q.leased_by, q.last_error, q.errors, q.published_at,
-       NULL::timestamptz AS delivered_at,
-       q.dead_at,
-       NULL::timestamptz AS cancelled_at
-  FROM outbox.event_queue q
-UNION ALL
-SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
-       a.state, a.attempts, a.max_attempts,
-       NULL::timestamptz, NULL::timestamptz,
-       a.leased_by, a.last_error, a.errors, a.published_at,
-       CASE WHEN a.state = 'delivered' THEN a.finished_at END,
-       NULL::timestamptz,
-       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
-  FROM outbox.event_archive a;
-
-COMMENT ON VIEW outbox.events IS
-'Every retained event, one row each: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled). '
-'Columns: id, topic, subject, dispatch_key, payload, headers, state, attempts, max_attempts, available_at (pending only), '
-'lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), published_at, delivered_at, dead_at, cancelled_at.';
+-- outbox.events is defined with the subscriptions (sql/subscriptions.sql): from
+-- 0.10.0 it reads the log once the queue's 'default' subscription is dropped.
 
 CREATE VIEW outbox.maintenance_log AS
 SELECT run_id, started_at, finished_at, purged_delivered, purged_dead, purged_keys, error

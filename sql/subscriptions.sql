@@ -1,6 +1,8 @@
 -- Subscriptions (consumer groups): their policy, pausing, and where operators
--- look. 'default' reads outbox.event_queue; named subscriptions (0.9.0) read
--- the log (sql/log.sql, src/log/).
+-- look. The 'default' made at install reads outbox.event_queue (storage
+-- 'queue'); every other subscription reads the log (sql/log.sql, src/log/):
+-- named ones (0.9.0), and a 'default' created again after that one was dropped
+-- (0.10.0).
 --
 -- Precedence of a setting (max_attempts, backoff, default lease, dead-letter
 -- policy): the subscription's, else the topic's (outbox.create_topic), else the
@@ -23,6 +25,13 @@ BEGIN
 END
 $$;
 
+-- Which storage subscription `name` reads ('queue' or 'log'), NULL when it
+-- does not exist.
+CREATE FUNCTION outbox._storage(name text) RETURNS text
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$ SELECT c.storage FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) _storage.name $$;
+
 -- pg_dump dumps the catalog's rows (pg_extension_config_dump), and CREATE
 -- EXTENSION on the restoring side has already made 'default': a dumped row whose
 -- name exists updates that row instead of failing the restore's COPY.
@@ -36,7 +45,8 @@ BEGIN
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
            paused = NEW.paused, paused_at = NEW.paused_at,
            created_at = NEW.created_at, updated_at = NEW.updated_at,
-           topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy
+           topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy,
+           storage = NEW.storage
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
         RETURN NULL;
@@ -55,10 +65,12 @@ CREATE TRIGGER subscriptions_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCAT
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.subscription_catalog ENABLE ALWAYS TRIGGER subscriptions_changed;
 
--- Named subscriptions (0.9.0) read the event log (sql/log.sql, src/log/):
+-- Subscriptions created here read the event log (sql/log.sql, src/log/):
 -- each has its own lanes, batches and exception rows, so it receives every
 -- matching event whatever the others do, and publish writes nothing per
--- subscription. 'default' still reads outbox.event_queue.
+-- subscription. 'default' can be created too, once the install's one (which
+-- reads outbox.event_queue) has been dropped; claims without a subscription
+-- then read the log.
 CREATE FUNCTION outbox.create_subscription(
     name               text,
     topics             text[]   DEFAULT NULL,
@@ -103,6 +115,9 @@ BEGIN
     -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
     -- whose transaction commits after this one took it, whenever it was published.
     PERFORM outbox._log_subscribe(resolved, start);
+    -- What it starts from, for outbox._log_deliveries: events visible here
+    -- were committed before it and are not its own.
+    UPDATE outbox.log_lanes l SET start_snap = l.lo_snap WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
 END
 $$;
 
@@ -110,6 +125,7 @@ COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, inte
 'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
 '(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
 'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
+'name may be ''default'' once the install''s default subscription (which reads outbox.event_queue) has been dropped: claims without a subscription then read this one. '
 'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
 'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs. Returns void. '
@@ -122,21 +138,40 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     resolved text;
+    kind text;
     in_flight bigint;
 BEGIN
     IF name IS NULL OR force IS NULL THEN
         RAISE EXCEPTION 'outbox: name and force must not be NULL' USING ERRCODE = '22004';
     END IF;
     resolved := outbox._subscription(name);
-    IF resolved OPERATOR(pg_catalog.=) 'default' THEN
-        RAISE EXCEPTION 'outbox: the default subscription cannot be dropped yet'
-            USING ERRCODE = '0A000',
-                  DETAIL = 'In 0.9.0 it is the events of outbox.event_queue; it moves onto the log in a later release.';
-    END IF;
     -- Two drops of one subscription: the second waits, then finds it gone.
-    PERFORM 1 FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
+    SELECT c.storage INTO kind FROM outbox.subscription_catalog c
+     WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
+    END IF;
+    IF kind OPERATOR(pg_catalog.=) 'queue' THEN
+        -- The install's 'default': its state is the queue. The lock conflicts
+        -- with every publish, claim, ack and fail that writes the queue, and
+        -- each of them takes its own lock before it reads the catalog
+        -- (src/publish.rs): those running now finish first, and those that
+        -- wait read the catalog without this subscription, so that after the
+        -- commit no publish writes the queue again and nothing is left in it.
+        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+        SELECT pg_catalog.count(*) INTO in_flight FROM outbox.event_queue q
+         WHERE q.state OPERATOR(pg_catalog.=) 'leased' AND q.visible_at OPERATOR(pg_catalog.>) pg_catalog.now();
+        IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
+            RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
+                USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
+        END IF;
+        -- Every event stays in the log for the other subscriptions. Delivered
+        -- and cancelled history (outbox.event_archive) ages out by retention.
+        DELETE FROM outbox.event_queue;
+        DELETE FROM outbox.subject_repairs;
+        DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+        DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
+        RETURN;
     END IF;
     -- Lanes first: a claim moves a lane only while it holds the lane's row, so
     -- this waits for those, and later claims skip the gone lanes. Then the
@@ -161,9 +196,12 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
-'Drop a named subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
+'Drop a subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
+'Dropping the install''s ''default'' (which reads outbox.event_queue) empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
+'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
+'Claims without a subscription then raise 42704 until ''default'' is created again with create_subscription, over the log. '
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
-'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; 0A000 ''default'' (it still lives in outbox.event_queue); '
+'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
 '55006 leases in flight without force. Nothing is dropped on error.';
 
 CREATE FUNCTION outbox.alter_subscription(
@@ -265,8 +303,8 @@ WITH q AS (
            pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
       FROM outbox.event_queue e
 )
--- 'default' is the queue's; a named subscription's numbers come from the log
--- (src/log/claim.rs, outbox._log_subscription_stats).
+-- The install's 'default' is the queue's; a subscription of the log has its
+-- numbers from the log (src/log/claim.rs, outbox._log_subscription_stats).
 SELECT c.name, c.topics, c.paused, c.paused_at,
        COALESCE(l.lag_events, q.undelivered) AS lag_events,
        pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
@@ -277,19 +315,117 @@ SELECT c.name, c.topics, c.paused, c.paused_at,
        COALESCE(l.dead_letters, q.dead) AS dead_letters,
        a.last_claim_at,
        c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
-       c.created_at, c.updated_at, c.dead_letter_policy
+       c.created_at, c.updated_at, c.dead_letter_policy, c.storage
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
   LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
-                      WHERE c.name OPERATOR(pg_catalog.<>) 'default') l ON true
-  LEFT JOIN q ON c.name OPERATOR(pg_catalog.=) 'default';
+                      WHERE c.storage OPERATOR(pg_catalog.=) 'log') l ON true
+  LEFT JOIN q ON c.storage OPERATOR(pg_catalog.=) 'queue';
 
 COMMENT ON VIEW outbox.subscriptions IS
-'One row per subscription: name, topics (its topic filter; NULL = every topic, as for ''default''), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'One row per subscription: name, topics (its topic filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (the queue''s ''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
-'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, and dead_letter_policy (NULL: the topic''s). '
-'''default'' reads the hot queue; a named subscription reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
+'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
+'and storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0). '
+'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
+
+-- Each subscription of the log, and each event it receives: the event's
+-- delivery state there (src/log/views.rs). It is the exception row when there
+-- is one (src/log/exceptions.rs); else its state in a batch in flight
+-- (outbox._log_batch_states); else the lane's cursor tells: an event visible
+-- in the cursor's snapshot, or in the window being read and at or below its
+-- position, has been read, and is not in a batch any more, so it was acked
+-- from its batch on the first try ('delivered'); any other is not read yet
+-- ('pending'). Events outside the subscription's topics, and events visible
+-- in its first cursor (committed before it was created), are not its own.
+-- Events acked from a batch have no delivery time (none is written for them).
+CREATE VIEW outbox._log_deliveries AS
+WITH subs AS MATERIALIZED (
+    SELECT c.name, c.topics, c.max_attempts FROM outbox.subscription_catalog c
+     WHERE c.storage OPERATOR(pg_catalog.=) 'log'
+), b AS MATERIALIZED (
+    SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
+      FROM subs s, LATERAL outbox._log_batch_states(s.name) st
+)
+SELECT x.subscription, x.id AS event_id, x.lane, x.topic, x.subject, x.dispatch_key, x.payload, x.headers, x.published_at,
+       x.state, x.attempts, COALESCE(s.max_attempts, x.max_attempts) AS max_attempts, x.leased_by,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END AS lease_expires_at,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END AS available_at,
+       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+  JOIN subs s ON s.name = x.subscription
+UNION ALL
+SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.published_at,
+       COALESCE(b.state, CASE WHEN r.seen THEN 'delivered' ELSE 'pending' END),
+       COALESCE(b.attempts, CASE WHEN r.seen THEN 1 ELSE 0 END),
+       COALESCE(s.max_attempts, l.max_attempts), NULL::text,
+       b.lease_expires_at,
+       CASE WHEN b.state = 'pending' OR (b.state IS NULL AND NOT r.seen)
+            THEN GREATEST(l.published_at, l.deliver_at) END,
+       NULL::text, NULL::jsonb, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
+  FROM subs s
+  JOIN outbox.log l
+    ON s.topics IS NULL
+       OR EXISTS (SELECT 1 FROM pg_catalog.unnest(s.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
+  LEFT JOIN outbox.log_lanes n ON n.subscription = s.name AND n.lane = l.lane
+  LEFT JOIN b ON b.name = s.name AND b.id = l.id
+  CROSS JOIN LATERAL (
+      SELECT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.lo_snap)
+                      OR (pg_catalog.pg_visible_in_snapshot(l.txid, n.hi_snap) AND l.id <= n.pos), false) AS seen
+  ) r
+ WHERE NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false)
+   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id);
+
+CREATE VIEW outbox.events AS
+-- The install's 'default' reads the queue: the hot queue and the archive.
+SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,
+       q.state, q.attempts, q.max_attempts,
+       CASE WHEN q.state = 'pending' THEN q.visible_at END AS available_at,
+       CASE WHEN q.state = 'leased' THEN q.visible_at END AS lease_expires_at,
+       q.leased_by, q.last_error, q.errors, q.published_at,
+       NULL::timestamptz AS delivered_at,
+       q.dead_at,
+       NULL::timestamptz AS cancelled_at
+  FROM outbox.event_queue q
+ WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       a.state, a.attempts, a.max_attempts,
+       NULL::timestamptz, NULL::timestamptz,
+       a.leased_by, a.last_error, a.errors, a.published_at,
+       CASE WHEN a.state = 'delivered' THEN a.finished_at END,
+       NULL::timestamptz,
+       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
+  FROM outbox.event_archive a
+ WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+-- Once it is dropped: every event of the log, with the state of a 'default'
+-- of the log where there is one and the event is its own.
+SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
+       d.state, d.attempts, l.max_attempts, d.available_at, d.lease_expires_at,
+       d.leased_by, d.last_error, d.errors, l.published_at, d.delivered_at, d.dead_at, d.cancelled_at
+  FROM outbox.log l
+  LEFT JOIN outbox._log_deliveries d ON d.subscription = 'default' AND d.event_id = l.id
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+-- ... and the events whose ring table retention has emptied while 'default'
+-- still keeps a row for them (a dead letter, say).
+SELECT x.id, x.topic, x.subject, x.dispatch_key, x.payload, x.headers,
+       x.state, x.attempts, x.max_attempts,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END,
+       x.leased_by, x.last_error, x.errors, x.published_at, x.delivered_at, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+ WHERE x.subscription = 'default'
+   AND NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id);
+
+COMMENT ON VIEW outbox.events IS
+'Every retained event, one row each. Columns: id, topic, subject, dispatch_key, payload, headers, then the state of the default subscription (NULL when there is none, '
+'or the event is not its own): state, attempts, max_attempts (the event''s), available_at (pending only), lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), '
+'published_at, delivered_at, dead_at, cancelled_at. While the ''default'' made at install exists: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled). '
+'Once it is dropped (0.10.0): the events of the log, with the state of a ''default'' created over the log (outbox.deliveries explains its states; an event acked on its first try has no delivered_at).';
 
 CREATE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
@@ -297,20 +433,16 @@ SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
        e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
   FROM outbox.events e
  CROSS JOIN outbox.subscription_catalog c
- WHERE c.name = 'default'
+ WHERE c.storage = 'queue'
 UNION ALL
--- A named subscription's events that have per-event state (src/log/exceptions.rs).
-SELECT x.id, x.subscription, x.topic, x.subject,
-       x.state,
-       x.attempts, COALESCE(c.max_attempts, x.max_attempts), x.leased_by,
-       CASE WHEN x.state = 'leased' THEN x.visible_at END,
-       CASE WHEN x.state = 'pending' THEN x.visible_at END,
-       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
-  FROM outbox.log_exceptions x
-  JOIN outbox.subscription_catalog c ON c.name = x.subscription;
+SELECT d.event_id, d.subscription, d.topic, d.subject, d.state, d.attempts, d.max_attempts, d.leased_by,
+       d.lease_expires_at, d.available_at, d.last_error, d.errors, d.delivered_at, d.dead_at, d.cancelled_at
+  FROM outbox._log_deliveries d;
 
 COMMENT ON VIEW outbox.deliveries IS
-'One row per event and subscription with a delivery state: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
+'One row per event and subscription that receives it: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
-'''default'': every event of outbox.events. A named subscription (0.9.0): its events that failed or whose lease expired (delivered ones too, with their history, for retention_delivered), that are delayed or wait behind such an event of their subject, its dead letters and the events cancelled for it; '
-'events it received on the first try and those it has not read yet have no row here (outbox.subscriptions gives its lag).';
+'The ''default'' made at install: every event of outbox.events. A subscription of the log (0.9.0; from 0.10.0 every retained event it receives): an event it has not read yet is pending; '
+'one in a batch in flight is pending, leased or delivered there (leased_by NULL: a batch keeps no worker name; attempts 1); '
+'one acked from its batch on the first try is delivered, with no delivered_at (none is written for it); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
+'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';

@@ -103,9 +103,15 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         name
     });
 
-    // A named subscription reads the log (src/log/claim.rs); `default` the queue.
-    if let Some(name) = subscription.as_deref().filter(|n| *n != validate::DEFAULT_SUBSCRIPTION) {
+    // A subscription of the log (src/log/claim.rs), or the `default` made at
+    // install, which reads the queue. The catalog comes from the per-backend
+    // cache: reading it writes nothing, so the low-water steps below still
+    // start in a transaction that has written nothing.
+    let on_log = subscription.as_deref().and_then(|name| {
         let settings = subscriptions::require(name);
+        (!settings.queue).then_some((name, settings))
+    });
+    if let Some((name, settings)) = on_log {
         note_claim(name, now);
         if settings.paused {
             SetResult::begin(&call);

@@ -13,6 +13,10 @@
 //! locks) before it draws any event id, so that every transaction that drew an
 //! id had its id before the id was drawn (src/log/mod.rs, invariant 2).
 //!
+//! Which storage: every event goes to the log (src/log/mod.rs), and to
+//! `outbox.event_queue` too while the `default` subscription made at install,
+//! which reads it, exists ([`queue_default`]).
+//!
 //! Idempotency: a dispatch key is inserted into `outbox.dispatch_keys` with
 //! ON CONFLICT DO NOTHING. A concurrent publisher of the same key waits for the
 //! first transaction; if it commits, the second gets the first id back, if it
@@ -26,7 +30,7 @@ use crate::pg::plans;
 use crate::sql::publish::{
     CHECK_HEADERS, INSERT_MANY, INSERT_ONE, INSERT_ONE_SUBJECT, KEY_CLAIM, KEY_LOOKUP, NEXT_IDS,
 };
-use crate::{gucs, log, lowwater, subject, topics, validate, wakeup};
+use crate::{gucs, log, lowwater, subject, subscriptions, topics, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
@@ -139,11 +143,52 @@ struct LogEvent<'a> {
     deliver_at: Option<Value>,
 }
 
+/// True while the `default` subscription made at install exists: publish then
+/// writes the queue it reads, beside the log.
+///
+/// Dropping that subscription (sql/subscriptions.sql) takes a lock on the
+/// queue that conflicts with this function's, empties the queue and deletes
+/// the catalog row, all in one transaction. Here the lock is taken before the
+/// catalog is read, so either this publish runs first (the drop waits for its
+/// transaction and then deletes what it wrote), or the drop has committed when
+/// the lock is granted and the catalog read here no longer has the
+/// subscription: the queue never keeps an event after the drop. The cache is
+/// checked first without the lock: once it has no such subscription, none comes
+/// back (no function makes a subscription of the queue; pg_restore's rows come
+/// before any publish), so later publishes take no lock on the queue at all.
+/// With SQL older than 0.10.0, `default` reads the queue, and before 0.7.0
+/// there is no catalog: the queue always.
+fn queue_default() -> bool {
+    if pg::catalog::outbox_relid(c"subscription_catalog").is_none() {
+        return true;
+    }
+    let cached = || subscriptions::lookup(validate::DEFAULT_SUBSCRIPTION).is_some_and(|s| s.queue);
+    if !cached() {
+        return false;
+    }
+    let Some(queue) = pg::catalog::outbox_relid(c"event_queue") else { return false };
+    pg::lock_for_write(queue);
+    cached()
+}
+
+/// A new event's id: drawn, or reserved with its dispatch key. Err(id) when the
+/// key already names an event (nothing to insert).
+fn new_id(key: Option<&str>) -> Result<i64, i64> {
+    match key {
+        Some(k) => reserve_key(k),
+        None => Ok(heap::next_event_id()),
+    }
+}
+
 /// Insert one validated event (subject lock already taken, transaction id
-/// assigned), into the queue and, when on, the log. Returns its id and whether
-/// a row was inserted.
-fn insert_one(e: &One<'_>) -> (i64, bool) {
-    let (id, inserted) = insert_queue(e);
+/// assigned) into the log and, when `queue`, the queue. Returns its id and
+/// whether a row was inserted.
+fn insert_one(e: &One<'_>, queue: bool) -> (i64, bool) {
+    let (id, inserted) = if queue {
+        insert_queue(e)
+    } else {
+        new_id(e.key).map_or_else(|existing| (existing, false), |id| (id, true))
+    };
     if inserted {
         let event = LogEvent {
             id,
@@ -160,12 +205,9 @@ fn insert_one(e: &One<'_>) -> (i64, bool) {
 
 /// The queue part of [`insert_one`].
 fn insert_queue(e: &One<'_>) -> (i64, bool) {
-    let id = match e.key {
-        Some(k) => match reserve_key(k) {
-            Ok(id) => id,
-            Err(existing) => return (existing, false),
-        },
-        None => heap::next_event_id(),
+    let id = match new_id(e.key) {
+        Ok(id) => id,
+        Err(existing) => return (existing, false),
     };
     let key = pgrx::datum::DatumWithOid::from(e.key);
     let tail = [
@@ -245,7 +287,9 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         subject::lock(s);
     }
     let txid = pg::xid_for_insert();
-    let (id, inserted) = insert_one(&One {
+    let queue = queue_default();
+    let (id, inserted) = insert_one(
+        &One {
         txid,
         topic: &topic,
         max_attempts,
@@ -254,7 +298,9 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         payload,
         headers,
         deliver_at,
-    });
+        },
+        queue,
+    );
     if inserted {
         wakeup::note_publish(&topic, deliver_at.map(|d| d.datum()));
     }
@@ -322,12 +368,14 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         subject::lock_many(&list);
     }
     let txid = pg::xid_for_insert();
+    let queue = queue_default();
     let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
     let mut inserted = 0usize;
     if any_key {
         // Keys need per-event dedupe; take the single-event path for each.
         for (i, p) in payloads.iter().enumerate() {
-            let (id, ins) = insert_one(&One {
+            let (id, ins) = insert_one(
+                &One {
                 txid,
                 topic: &topic,
                 max_attempts,
@@ -336,7 +384,9 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
                 payload: p.unwrap(),
                 headers: prepare_headers(None),
                 deliver_at: None,
-            });
+                },
+                queue,
+            );
             inserted += ins as usize;
             out.put_i64(id);
         }
@@ -347,7 +397,8 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let subjects_d = call.value(2, pg_sys::TEXTARRAYOID);
         let headers = prepare_headers(None);
         // Headship from a snapshot taken after the subject locks (src/subject.rs).
-        plans::run_latest(
+        if queue {
+            plans::run_latest(
             &INSERT_MANY,
             &[
                 topic.as_str().into(),
@@ -360,6 +411,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             ],
             |_| (),
         );
+        }
         let events = ids.iter().zip(&payloads).enumerate().map(|(i, (id, p))| LogEvent {
             id: *id,
             subject: subjects.as_ref().and_then(|s| s[i].as_deref()),

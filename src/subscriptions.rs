@@ -26,7 +26,7 @@
 
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::claim::{SUBSCRIPTIONS, SUBSCRIPTIONS_090};
+use crate::sql::claim::{SUBSCRIPTIONS, SUBSCRIPTIONS_0100, SUBSCRIPTIONS_090};
 use crate::{backoff, errors, gucs, validate};
 use pgrx::prelude::*;
 use std::collections::HashMap;
@@ -48,6 +48,10 @@ pub struct Settings {
     pub topics: Option<Vec<String>>,
     /// 'block' or 'skip' (None: the topic's policy).
     pub dead_letter_policy: Option<String>,
+    /// True for the `default` made at install, which reads `outbox.event_queue`
+    /// (and for `default` under SQL older than 0.10.0); false for a
+    /// subscription of the log.
+    pub queue: bool,
 }
 
 thread_local! {
@@ -64,9 +68,15 @@ pub fn lookup(name: &str) -> Option<Settings> {
 }
 
 fn load() -> HashMap<String, Settings> {
-    // The SQL of 0.9.0 adds the named subscriptions' filter and policy.
+    // The SQL of 0.9.0 adds the named subscriptions' filter and policy, 0.10.0
+    // the storage (before it, only `default` reads the queue).
     let named = pg::catalog::outbox_relid(c"log_exceptions").is_some();
-    let stmt = if named { &SUBSCRIPTIONS_090 } else { &SUBSCRIPTIONS };
+    let storage = named && pg::catalog::outbox_column(c"subscription_catalog", c"storage");
+    let stmt = match (named, storage) {
+        (_, true) => &SUBSCRIPTIONS_0100,
+        (true, false) => &SUBSCRIPTIONS_090,
+        _ => &SUBSCRIPTIONS,
+    };
     plans::run_latest(stmt, &[], |rows| {
         let mut map = HashMap::new();
         rows.for_each(|row| {
@@ -79,6 +89,7 @@ fn load() -> HashMap<String, Settings> {
                 default_lease: row.interval(5),
                 topics: if named { row.text_array(6) } else { None },
                 dead_letter_policy: if named { row.text(7) } else { None },
+                queue: if storage { row.bool(8).unwrap_or(false) } else { n == validate::DEFAULT_SUBSCRIPTION },
             };
             map.insert(n, s);
         });

@@ -71,9 +71,14 @@ class DB:
             # A leftover lock would make TRUNCATE hang: fail loudly instead.
             c.execute("SET lock_timeout = '10s'")
             c.execute(f"TRUNCATE {', '.join([TABLES, *READER_TABLES, *extra])}")
-            # Named subscriptions (0.9.0) go; 'default' stays.
-            c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default'")
-            c.execute("DELETE FROM outbox.subscription_activity WHERE name <> 'default'")
+            # Subscriptions of the log go, a 'default' of the log (0.10.0) too;
+            # the install's 'default', which reads the queue, stays or comes back.
+            c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default' OR storage = 'log'")
+            c.execute("DELETE FROM outbox.subscription_activity a WHERE NOT EXISTS "
+                      "(SELECT 1 FROM outbox.subscription_catalog s WHERE s.name = a.name)")
+            c.execute("INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') "
+                      "ON CONFLICT DO NOTHING")
+            c.execute("INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING")
             # The default subscription back to its install state.
             c.execute("UPDATE outbox.subscription_catalog SET max_attempts = NULL, backoff_base = NULL, "
                       "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL "

@@ -80,6 +80,7 @@
 pub mod batch;
 pub mod claim;
 pub mod exceptions;
+pub mod views;
 
 use crate::errors;
 use crate::pg;

@@ -17,6 +17,14 @@ pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
     }
 }
 
+/// True when relation `rel` of schema outbox has a column `col` (syscache
+/// lookups): which SQL version is installed, where a version added a column.
+pub fn outbox_column(rel: &std::ffi::CStr, col: &std::ffi::CStr) -> bool {
+    let Some(relid) = outbox_relid(rel) else { return false };
+    // SAFETY: a syscache lookup by relation oid and a C string name.
+    unsafe { pg_sys::get_attnum(relid, col.as_ptr()) != pg_sys::InvalidAttrNumber as i16 }
+}
+
 /// True when the installed SQL has `outbox._lock_row(oid, tid)` (0.5.0 on). A
 /// library newer than the installed SQL (before `ALTER EXTENSION outbox_ext
 /// UPDATE`) uses the statements of 0.4.0, so workers keep running through an

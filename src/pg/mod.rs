@@ -70,6 +70,15 @@ pub fn advisory_xact_lock(k1: i32, k2: i32) {
     }
 }
 
+/// Take RowExclusiveLock on relation `relid` (as an INSERT, UPDATE or DELETE
+/// does), kept until transaction end. Waits for a conflicting lock; once the lock
+/// is granted, the invalidations of every transaction that held it have been
+/// read, so a cache checked after this call reflects their commits.
+pub fn lock_for_write(relid: pg_sys::Oid) {
+    // SAFETY: a lock manager call with a valid relation oid and a lock mode.
+    unsafe { pg_sys::LockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
+}
+
 /// `pg_try_advisory_xact_lock(k1, k2)`: take the lock if it is free, never wait.
 pub fn try_advisory_xact_lock(k1: i32, k2: i32) -> bool {
     // SAFETY: a plain V1 function call with two int4 arguments; returns bool.

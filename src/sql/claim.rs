@@ -142,6 +142,14 @@ pub const SUBSCRIPTIONS_090: Stmt = Stmt {
     types: &[],
 };
 
+/// [`SUBSCRIPTIONS_090`] with the storage each subscription reads (0.10.0).
+pub const SUBSCRIPTIONS_0100: Stmt = Stmt {
+    sql: "SELECT c.name, c.paused, c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease, \
+                 c.topics, c.dead_letter_policy, c.storage = 'queue' \
+            FROM outbox.subscription_catalog c",
+    types: &[],
+};
+
 /// Note when the subscription was last claimed from, only if no other
 /// transaction holds or changed its activity row (`_lock_row`): a claim never
 /// waits for this, and under REPEATABLE READ a row changed since the snapshot is

@@ -1,0 +1,206 @@
+"""The default subscription moves onto the log (0.10.0): the install's
+'default', which reads outbox.event_queue, can be dropped; publish then writes
+the log alone; 'default' created again reads the log, and every call that
+names no subscription (claim, replay, replay_dead, cancel) goes there, with
+the claim contract of any subscription of the log. outbox.events then reads
+the log, with the default subscription's state."""
+
+import threading
+import time
+
+import psycopg
+import pytest
+
+from conftest import connect, sqlstate
+
+CLAIM = "SELECT id, subject, lease_token, attempt, topic FROM outbox.claim('w', %s, '30 s')"
+
+
+def publish(c, topic="t.a", subject=None, deliver_at=None):
+    return c.execute("SELECT outbox.publish(%s, '{}', %s, deliver_at => %s)",
+                     (topic, subject, deliver_at)).fetchone()[0]
+
+
+def claim(c, n=10):
+    return c.execute(CLAIM, (n,)).fetchall()
+
+
+def ack(c, row):
+    return c.execute("SELECT outbox.ack(%s::bigint, %s::uuid)", (row[0], row[2])).fetchone()[0]
+
+
+def fail(c, row, permanent=False):
+    return c.execute("SELECT outbox.fail(%s, %s, 'boom', '0 s'::interval, %s)",
+                     (row[0], row[2], permanent)).fetchone()[0]
+
+
+def queue_rows(db):
+    return db.one("SELECT count(*) FROM outbox.event_queue")[0]
+
+
+def states(db, ids):
+    rows = db.all("SELECT id, state FROM outbox.events WHERE id = ANY(%s) ORDER BY id", (ids,))
+    return [r[1] for r in rows]
+
+
+def test_drop_default_empties_the_queue_and_publish_writes_the_log_alone(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('mail')")
+    before = [publish(c, subject="s") for _ in range(3)]
+    assert queue_rows(logdb) == 3
+    leased = claim(c, 1)                          # a lease, then let it expire
+    c.execute("UPDATE outbox.event_queue SET visible_at = now() - interval '1 s' WHERE state = 'leased'")
+    c.execute("SELECT outbox.drop_subscription('default')")
+    assert queue_rows(logdb) == 0
+    after = publish(c, subject="s")
+    assert queue_rows(logdb) == 0, "publish wrote the queue after the drop"
+    # The old holder's token is stale; claims without a subscription have none.
+    assert ack(c, leased[0]) is False
+    assert sqlstate(c, CLAIM, (1,)) == "42704"
+    # Every event is still one row of outbox.events, with no default state.
+    rows = logdb.all("SELECT id, state, attempts FROM outbox.events ORDER BY id")
+    assert [r[0] for r in rows] == before + [after]
+    assert all(r[1] is None and r[2] is None for r in rows)
+    # ... and the other subscription receives them all, in order.
+    got = []
+    while rows := c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => 'mail')").fetchall():
+        for r in rows:
+            assert ack(c, r)
+            got.append(r[0])
+    assert got == before + [after]
+    s = logdb.all("SELECT name, storage FROM outbox.subscriptions ORDER BY name")
+    assert s == [("mail", "log")]
+
+
+def test_drop_default_with_leases_in_flight_needs_force(plain):
+    c = plain.conn()
+    publish(c)
+    row = claim(c, 1)[0]
+    assert sqlstate(c, "SELECT outbox.drop_subscription('default')") == "55006"
+    assert queue_rows(plain) == 1                 # nothing half-applied
+    c.execute("SELECT outbox.drop_subscription('default', force => true)")
+    assert ack(c, row) is False
+    assert fail(c, row) == "stale"
+
+
+def test_default_created_again_reads_the_log_with_the_whole_contract(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.drop_subscription('default')")
+    old = publish(c)                              # committed before: not its own
+    c.execute("SELECT outbox.create_subscription('default')")
+    assert logdb.one("SELECT storage FROM outbox.subscriptions WHERE name = 'default'")[0] == "log"
+    ids = [publish(c, subject="k") for _ in range(3)] + [publish(c)]
+    assert queue_rows(logdb) == 0
+    assert states(logdb, [old]) == [None]
+    assert states(logdb, ids) == ["pending"] * 4
+    rows = claim(c)
+    # One event per subject per claim: k's first, and the one without subject.
+    assert sorted(r[0] for r in rows) == [ids[0], ids[3]]
+    assert all(r[2].version == 8 for r in rows)   # log tokens
+    assert states(logdb, ids) == ["leased", "pending", "pending", "leased"]
+    assert ack(c, rows[0]) and ack(c, rows[1])
+    assert states(logdb, [ids[0], ids[3]]) == ["delivered", "delivered"]
+    # A failure: retried, then dead, then replayed and cancelled by id alone.
+    c.execute("SELECT outbox.alter_subscription('default', max_attempts => 2)")
+    r = claim(c)[0]
+    assert r[0] == ids[1]
+    assert fail(c, r) == "pending"
+    r = claim(c)[0]
+    assert (r[0], r[3]) == (ids[1], 2)
+    assert fail(c, r) == "dead"
+    assert logdb.one("SELECT state, attempts, last_error FROM outbox.events WHERE id = %s", (ids[1],)) == ("dead", 2, "boom")
+    assert claim(c) == []                         # the dead letter holds its subject
+    assert c.execute("SELECT outbox.replay(%s)", (ids[1],)).fetchone()[0] is True
+    r = claim(c)[0]
+    assert r[0] == ids[1]
+    assert ack(c, r)
+    r = claim(c)[0]
+    assert r[0] == ids[2]
+    assert fail(c, r, permanent=True) == "dead"
+    assert c.execute("SELECT outbox.replay_dead('t.*')").fetchone()[0] == 1
+    assert c.execute("SELECT outbox.cancel(%s)", (ids[2],)).fetchone()[0] is True
+    assert states(logdb, ids) == ["delivered", "delivered", "cancelled", "delivered"]
+    d = logdb.all("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'default' ORDER BY event_id")
+    assert d == list(zip(ids, ["delivered", "delivered", "cancelled", "delivered"]))
+    # It can be dropped like any subscription of the log.
+    c.execute("SELECT outbox.drop_subscription('default')")
+    assert logdb.one("SELECT count(*) FROM outbox.log_lanes")[0] == 0
+    assert states(logdb, ids) == [None] * 4
+
+
+def test_a_publisher_running_during_the_drop_leaves_nothing_in_the_queue(logdb):
+    """The drop waits for a publisher of the queue that is running; a publisher
+    that read the catalog before the drop committed, and then waited for the
+    drop's lock, reads it again and writes the log alone."""
+    first, dropper, second = logdb.conn(), logdb.conn(), logdb.conn()
+    warm = publish(second)                        # its catalog copy: 'default' reads the queue
+    first.execute("BEGIN")
+    a = publish(first)                            # holds its lock on the queue
+    done = threading.Event()
+
+    def drop():
+        dropper.execute("SELECT outbox.drop_subscription('default')")
+        done.set()
+    t = threading.Thread(target=drop)
+    t.start()
+    time.sleep(0.5)
+    assert not done.is_set(), "the drop did not wait for the running publisher"
+    second.execute("BEGIN")
+    result = {}
+
+    def publish_second():
+        result["id"] = publish(second)
+    p = threading.Thread(target=publish_second)
+    p.start()
+    time.sleep(0.5)
+    assert "id" not in result, "the second publisher did not wait for the drop"
+    first.execute("COMMIT")
+    t.join(10)
+    p.join(10)
+    assert done.is_set() and "id" in result
+    second.execute("COMMIT")
+    assert queue_rows(logdb) == 0
+    ids = [r[0] for r in logdb.all("SELECT id FROM outbox.log ORDER BY id")]
+    assert ids == [warm, a, result["id"]]
+
+
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
+def test_publish_in_a_transaction_begun_before_the_drop(logdb, isolation):
+    """A transaction whose snapshot predates the drop still learns of it: the
+    catalog copy is read after the queue's lock, from a fresh snapshot."""
+    c, pub = logdb.conn(), logdb.conn()
+    pub.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    pub.execute("SELECT count(*) FROM outbox.subscription_catalog")
+    c.execute("SELECT outbox.drop_subscription('default')")
+    e = publish(pub)
+    pub.execute("COMMIT")
+    assert queue_rows(logdb) == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log WHERE id = %s", (e,))[0] == 1
+
+
+def test_rolled_back_drop_changes_nothing(plain):
+    c = plain.conn()
+    e = publish(c)
+    c.execute("BEGIN")
+    c.execute("SELECT outbox.drop_subscription('default')")
+    c.execute("ROLLBACK")
+    assert queue_rows(plain) == 1
+    f = publish(c)
+    assert queue_rows(plain) == 2
+    assert sorted(r[0] for r in claim(c)) == [e, f]
+
+
+def test_create_default_while_the_queue_default_exists_is_refused(plain):
+    c = plain.conn()
+    assert sqlstate(c, "SELECT outbox.create_subscription('default')") == "42710"
+    assert plain.one("SELECT storage FROM outbox.subscription_catalog WHERE name = 'default'")[0] == "queue"
+
+
+def test_health_watches_a_default_of_the_log(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.drop_subscription('default')")
+    c.execute("SELECT outbox.create_subscription('default')")
+    publish(c)
+    c.execute("SELECT outbox.pause_subscription('default')")
+    rows = logdb.all("SELECT status, message FROM outbox.health() WHERE check_name = 'subscription'")
+    assert len(rows) == 1 and rows[0][0] == "warn" and "paused" in rows[0][1]

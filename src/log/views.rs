@@ -1,0 +1,60 @@
+//! What operators read of a subscription of the log, per event: the part of
+//! `outbox._log_deliveries` (sql/subscriptions.sql) that only the batch
+//! encoding knows.
+//!
+//! An event a subscription receives is, at any moment, in exactly one of three
+//! places (src/log/claim.rs, src/log/exceptions.rs): an exception row, a batch
+//! in flight (not parked there), or neither, when the lane's cursor has either
+//! passed it (it was acked from a batch that has finished) or not read it yet.
+//! The view takes the first two from their rows and the third from the lane's
+//! snapshots; this module decodes the second.
+
+use super::batch::{Batch, State};
+use crate::errors;
+use crate::pg;
+use crate::pg::plans;
+use crate::sql::log::BATCH_STATES;
+use pgrx::datum::TimestampWithTimeZone;
+use pgrx::prelude::*;
+
+/// `outbox._log_batch_states(subscription text)`: one row per event of the
+/// subscription's batches in flight that has not left its batch: `id`,
+/// `state` ('pending': waiting behind an earlier event of its subject, or not
+/// handed out yet; 'leased': out, `lease_expires_at` its round's expiry, past
+/// when the lease expired and no claim has moved it yet; 'delivered': acked),
+/// `attempts` (0 or 1: later attempts are counted in the exception row).
+/// Events parked in the exception table are left out (their row says more).
+#[pg_extern(name = "_log_batch_states", stable, parallel_safe)]
+#[allow(clippy::type_complexity)] // pgrx reads the row's columns from this tuple
+pub fn log_batch_states(
+    subscription: Option<&str>,
+) -> TableIterator<
+    'static,
+    (
+        name!(id, i64),
+        name!(state, &'static str),
+        name!(attempts, i32),
+        name!(lease_expires_at, Option<TimestampWithTimeZone>),
+    ),
+> {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let mut out = Vec::new();
+    plans::run_rows(&BATCH_STATES, &[subscription.into()], |rows| {
+        rows.for_each(|r| {
+            let Some(b) = r.bytes(0).and_then(|bytes| Batch::decode(&bytes).ok()) else {
+                return;
+            };
+            for (i, id) in b.ids().iter().enumerate() {
+                let row = match b.state(i) {
+                    State::Waiting => ("pending", 0, None),
+                    State::Out(round) => ("leased", 1, b.round_expiry(round).map(pg::timestamptz)),
+                    State::Done => ("delivered", 1, None),
+                    State::Parked => continue,
+                };
+                out.push((*id, row.0, row.1, row.2));
+            }
+        });
+    });
+    TableIterator::new(out)
+}
