@@ -57,7 +57,19 @@ COMMENT ON FUNCTION outbox._topics_changed() IS
 
 COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
-'holds nothing a reader still needs (three index probes per lane). Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
+'holds nothing a reader still needs (three index probes per lane). Lanes of subscriptions that no longer hold the table (outbox._log_let_go: past their max_lag) do not count. '
+'Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
+
+COMMENT ON FUNCTION outbox._log_let_go(smallint) IS
+'Internal (outbox._log_readers_passed): the subscriptions (text[]) whose max_lag is shorter than the time since ring table outbox.log_<n> was sealed: they no longer hold its retention. '
+'Empty for a table that is not sealed. No errors.';
+
+COMMENT ON FUNCTION outbox._log_note_losses(smallint) IS
+'Internal (outbox._log_rotate, before it truncates ring table outbox.log_<n>): for each subscription of outbox._log_let_go(n), count the events of its topics there that its lanes'' cursors have not passed, '
+'and add them to its lost_events (outbox.subscription_activity, with lost_at = now()). Returns the total (bigint). Errors: 42P01 for n outside 0..3.';
+
+COMMENT ON FUNCTION outbox._check_max_lag(interval) IS
+'Internal (create_subscription, alter_subscription): raise 22023 unless max_lag is NULL or > 0 and <= 100 years. Returns void.';
 
 COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
 'Internal: whether ring table outbox.log_<n> (n 0..3) holds an event of a transaction not visible in snapshot s, i.e. running when s was taken or begun after (boolean): '
@@ -65,7 +77,8 @@ COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
 
 COMMENT ON FUNCTION outbox._log_rotate() IS
 'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has read past and that nobody '
-'has written to for outbox.retention_delivered (a row written after its seal restarts that), then, when the open table has been open for half that and the next one '
+'has written to for outbox.retention_delivered (a row written after its seal restarts that; a subscription past its max_lag does not hold a table, and loses what it had not read there: '
+'outbox._log_note_losses), then, when the open table has been open for half that and the next one '
 'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
 'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
 'Only at READ COMMITTED (its checks must see every committed row): in a REPEATABLE READ or SERIALIZABLE transaction it does nothing and returns 0; '
@@ -131,6 +144,20 @@ COMMENT ON FUNCTION outbox._log_in_flight(text) IS
 COMMENT ON FUNCTION outbox._log_subscription_stats(text) IS
 'Internal (the view outbox.subscriptions): one row for a named subscription: lag_events (bigint: events not yet delivered, read from the log or not), oldest_id and oldest_at (the oldest of them), '
 'leases_in_flight (bigint, unexpired), dead_letters (bigint). Reads each lane''s window up to a cursor taken now; an event of a transaction that committed late, below a lane''s position, counts from that lane''s next read. Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._log_batch_states(text) IS
+'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events): one row per event of the subscription''s batches in flight that has not left its batch: id, '
+'state (''pending'': not handed out yet; ''leased'': out, lease_expires_at its claim''s expiry; ''delivered'': acked), attempts (0 or 1). Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
+'Internal (outbox._log_deliveries): one row per event acked from one of the subscription''s finished batches (outbox.log_delivered) that finished at or after since (NULL: every one kept): '
+'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._storage(text) IS
+'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''queue'' for the ''default'' made at install, ''log'' for every other; NULL when it does not exist.';
+
+COMMENT ON VIEW outbox._log_deliveries IS
+'Internal (outbox.deliveries, outbox.events): one row per subscription of the log and event it receives, with its delivery state (see outbox.deliveries), and the event''s lane, dispatch_key, payload, headers and published_at.';
 
 COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
 'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '

@@ -57,7 +57,8 @@ UNION ALL SELECT 2::smallint, l.* FROM outbox.log_2 l
 UNION ALL SELECT 3::smallint, l.* FROM outbox.log_3 l;
 COMMENT ON VIEW outbox.log IS
 'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
-'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Written only while outbox.log_write is on (0.8.0).';
+'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Every event published since 0.9.0 (with the SQL of 0.8.0, only while outbox.log_write is on), '
+'until retention empties its ring table.';
 
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
@@ -119,6 +120,23 @@ CREATE TABLE outbox.log_batches (
     state        bytea       NOT NULL,
     created_at   timestamptz NOT NULL DEFAULT now()
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
+
+-- Finished batches that acked something (0.10.0): the batch's encoding when
+-- it finished (which events were acked from it: src/log/batch.rs) and when.
+-- An event acked on its first try has no row of its own anywhere, so this is
+-- its delivery time, at batch precision (src/log/views.rs), for
+-- outbox.deliveries, outbox.events and outbox.stats: one small row per batch,
+-- about a byte and a half per event. Written by the ack (or claim) that
+-- finishes the batch, in the same statement that deletes it; removed by
+-- retention after outbox.retention_delivered, and by drop_subscription.
+-- Not dumped, like the log.
+CREATE TABLE outbox.log_delivered (
+    subscription text        NOT NULL,
+    lane         smallint    NOT NULL,
+    finished_at  timestamptz NOT NULL,
+    state        bytea       NOT NULL
+) WITH (vacuum_truncate = false);
+CREATE INDEX log_delivered_finished ON outbox.log_delivered (finished_at);
 
 -- Per-event state of the log's subscriptions, only for the events that need
 -- one (src/log/exceptions.rs): an event that failed or whose lease expired,
@@ -190,15 +208,65 @@ DECLARE
     behind boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE'
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE l.subscription <> ALL (outbox._log_let_go($1)) AND ('
         '    EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = l.lane AND e.id > l.lo_m)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
-        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m))', 'log_' || n)
-    INTO behind;
+        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))', 'log_' || n)
+    INTO behind USING n;
     RETURN NOT behind;
+END
+$$;
+
+-- The subscriptions that no longer hold ring table log_<n> (0.10.0): those
+-- with a max_lag shorter than the time since the table was sealed. Every
+-- event of a sealed table was written before its seal (a later write
+-- restarts its retention: outbox._log_rotate), so each is older than their
+-- max_lag. Empty for a table that is not sealed.
+CREATE FUNCTION outbox._log_let_go(n smallint) RETURNS text[]
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT COALESCE(pg_catalog.array_agg(c.name), '{}')
+      FROM outbox.subscription_catalog c
+      JOIN outbox.log_state s ON s.n OPERATOR(pg_catalog.=) _log_let_go.n
+     WHERE c.max_lag IS NOT NULL AND s.sealed_at OPERATOR(pg_catalog.<) (pg_catalog.now() OPERATOR(pg_catalog.-) c.max_lag)
+$$;
+
+-- Before ring table log_<n> is truncated: count, for each subscription that
+-- no longer holds it (outbox._log_let_go), the events of its topics there
+-- that its lanes' cursors have not passed (unread, or in a batch in flight),
+-- and add them to its lost_events. Counted before the truncation's lock is
+-- taken (the count reads the whole table, and the lock would hold claims
+-- meanwhile): an event read in between is counted too.
+CREATE FUNCTION outbox._log_note_losses(n smallint) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    sub text;
+    lost bigint;
+    total bigint := 0;
+BEGIN
+    FOREACH sub IN ARRAY outbox._log_let_go(n) LOOP
+        EXECUTE format(
+            'SELECT count(*) FROM outbox.%1$I e'
+            '  JOIN outbox.log_lanes l ON l.subscription = $1 AND l.lane = e.lane'
+            '  JOIN outbox.subscription_catalog c ON c.name = $1'
+            ' WHERE NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
+            '   AND (c.topics IS NULL OR EXISTS (SELECT 1 FROM unnest(c.topics) AS p(pattern)'
+            '                                    WHERE outbox._topic_matches(e.topic, p.pattern)))', 'log_' || n)
+        INTO lost USING sub;
+        IF lost > 0 THEN
+            UPDATE outbox.subscription_activity a
+               SET lost_events = a.lost_events + lost, lost_at = now()
+             WHERE a.name = sub;
+            total := total + lost;
+        END IF;
+    END LOOP;
+    RETURN total;
 END
 $$;
 
@@ -267,16 +335,21 @@ BEGIN
              WHERE n = r.n;
             CONTINUE;
         END IF;
+        -- Subscriptions past their max_lag lose what they have not read there;
+        -- the count is undone with the subtransaction when nothing is truncated.
         BEGIN
+            PERFORM outbox._log_note_losses(r.n);
             EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || r.n);
             -- Again under the lock: nobody can add an event meanwhile.
             IF outbox._log_readers_passed(r.n) AND NOT outbox._log_written_since(r.n, r.sealed_snap) THEN
                 EXECUTE format('TRUNCATE outbox.%I', 'log_' || r.n);
                 DELETE FROM outbox.log_state WHERE n = r.n;
                 truncated := truncated + 1;
+            ELSE
+                RAISE EXCEPTION 'not truncated' USING ERRCODE = 'lock_not_available';
             END IF;
         EXCEPTION WHEN lock_not_available THEN
-            NULL;  -- in use: the next run tries again
+            NULL;  -- in use, or changed meanwhile: the next run tries again
         END;
     END LOOP;
 

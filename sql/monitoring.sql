@@ -2,7 +2,10 @@
 -- exporter can poll, built into the database so no sidecar is needed.
 
 CREATE VIEW outbox.stats AS
-WITH q AS (
+WITH queue AS (
+    -- The install's 'default' reads the queue and the archive.
+    SELECT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue') AS present
+), q AS (
     SELECT e.topic,
            pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS ready,
            pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at > pg_catalog.now()) AS scheduled,
@@ -13,6 +16,7 @@ WITH q AS (
            pg_catalog.max(pg_catalog.now() - e.visible_at) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS oldest_ready_age,
            pg_catalog.max(pg_catalog.now() - e.leased_at) FILTER (WHERE e.state = 'leased') AS oldest_lease_age
       FROM outbox.event_queue e
+     WHERE (SELECT present FROM queue)
      GROUP BY e.topic
 ), a AS (
     SELECT e.topic,
@@ -21,6 +25,7 @@ WITH q AS (
            pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 minute') AS delivered_last_minute,
            pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 hour') AS delivered_last_hour
       FROM outbox.event_archive e
+     WHERE (SELECT present FROM queue)
      GROUP BY e.topic
 )
 SELECT COALESCE(q.topic, a.topic) AS topic,
@@ -35,13 +40,34 @@ SELECT COALESCE(q.topic, a.topic) AS topic,
        q.oldest_lease_age,
        COALESCE(q.dead_last_hour, 0) AS dead_last_hour,
        COALESCE(a.delivered_last_minute, 0) AS delivered_last_minute,
-       COALESCE(a.delivered_last_hour, 0) AS delivered_last_hour
-  FROM q FULL JOIN a ON a.topic = q.topic;
+       COALESCE(a.delivered_last_hour, 0) AS delivered_last_hour,
+       'default'::text AS subscription
+  FROM q FULL JOIN a ON a.topic = q.topic
+UNION ALL
+-- Every subscription of the log (0.10.0), from its deliveries: events acked
+-- from a batch count from the time the batch finished (batch precision).
+SELECT d.topic,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at > pg_catalog.now()),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'leased'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'leased' AND d.lease_expires_at <= pg_catalog.now()),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'dead'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'cancelled'),
+       pg_catalog.max(pg_catalog.now() - d.available_at) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()),
+       NULL::interval,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'dead' AND d.dead_at > pg_catalog.now() - interval '1 hour'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 minute'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 hour'),
+       d.subscription
+  FROM outbox._log_deliveries d
+ GROUP BY d.subscription, d.topic;
 
 COMMENT ON VIEW outbox.stats IS
-'Per topic: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
-'oldest_ready_age and oldest_lease_age (interval), dead_last_hour, delivered_last_minute, delivered_last_hour. '
-'Reads the whole hot queue and archive: poll it every 15 s or slower on large archives.';
+'Per topic and subscription: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
+'oldest_ready_age and oldest_lease_age (interval; the lease age only for the queue''s ''default''), dead_last_hour, delivered_last_minute, delivered_last_hour, and subscription (0.10.0). '
+'The ''default'' made at install counts its queue and archive; a subscription of the log counts its retained events (outbox.deliveries), and an event acked from a batch on the first try '
+'counts as delivered when its batch finished (batch precision). Reads the whole queue, archive and log: poll it every 15 s or slower on large archives.';
 
 -- Thresholds are arguments so operators can tune alerts without a new version.
 CREATE FUNCTION outbox.health(
@@ -178,13 +204,19 @@ BEGIN
     -- 8. Each subscription: paused, or not claimed from while its events wait.
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
-    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at, s.storage
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at, s.storage,
+                    s.max_lag, s.lost_events, s.lost_at
                FROM outbox.subscriptions s ORDER BY s.name LOOP
         check_name := 'subscription'; value := r.lag_events;
         IF r.paused THEN
             status := 'warn';
             message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
                               date_trunc('second', r.paused_at), r.lag_events);
+        ELSIF r.lost_at > now() - interval '1 day' THEN
+            -- Its max_lag let retention remove events it had not read.
+            status := 'warn';
+            message := format('subscription %L lagged past its max_lag (%s): retention removed %s events it had not read, the last at %s',
+                              r.name, r.max_lag, r.lost_events, date_trunc('second', r.lost_at));
         ELSIF r.storage = 'queue' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
             status := 'warn';
             message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
@@ -235,6 +267,6 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
 'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
-'subscription (one row per subscription, value = its undelivered events: warn when paused, or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
+'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
 'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -73,6 +73,21 @@ BEGIN
             GET DIAGNOSTICS more = ROW_COUNT;
             n := n + more;
         END IF;
+        -- The finished batches' delivery record (0.10.0), by the GUC alone (a
+        -- batch spans topics); each row counts as one, so that the caller's
+        -- loop goes on while some are due.
+        IF n < batch_size THEN
+            DELETE FROM outbox.log_delivered d
+             WHERE d.ctid = ANY (ARRAY(
+                   SELECT r.ctid FROM outbox.log_delivered r
+                    WHERE r.finished_at < pg_catalog.clock_timestamp()
+                          - COALESCE(older_than, outbox._retention_guc('outbox.retention_delivered'))
+                    ORDER BY r.finished_at
+                    LIMIT batch_size - n
+                      FOR UPDATE SKIP LOCKED));
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
     ELSIF kind = 'dead' THEN
         WITH victims AS (
             SELECT q.id FROM outbox.event_queue q

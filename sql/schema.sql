@@ -56,7 +56,10 @@ CREATE TABLE outbox.subscription_catalog (
     -- 0.10.0: which storage the subscription reads. Only the install's
     -- 'default' reads the queue, and no function makes another one: once it is
     -- dropped, publish writes the log alone (src/publish.rs).
-    storage             text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log'))
+    storage             text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log')),
+    -- 0.10.0: the age past which a subscription of the log no longer holds
+    -- the log's retention (NULL: it holds it until it has read every event).
+    max_lag             interval CHECK (max_lag > interval '0')
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
 INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue');
 
@@ -66,7 +69,11 @@ INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queu
 -- the policy it reads. Not dumped: it describes this server's workers.
 CREATE TABLE outbox.subscription_activity (
     name           text PRIMARY KEY,
-    last_claim_at  timestamptz
+    last_claim_at  timestamptz,
+    -- 0.10.0: events retention removed before the subscription read them,
+    -- because it lagged past its max_lag (outbox._log_rotate), and when.
+    lost_events    bigint NOT NULL DEFAULT 0,
+    lost_at        timestamptz
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates from claims
 INSERT INTO outbox.subscription_activity (name) VALUES ('default');
 

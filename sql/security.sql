@@ -50,7 +50,7 @@ GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, bool
 ALTER FUNCTION outbox.replay(bigint, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.cancel(bigint, text) SECURITY DEFINER;
-ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) SECURITY DEFINER;
+ALTER FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.pause_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.resume_subscription(text) SECURITY DEFINER;
 ALTER FUNCTION outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval) SECURITY DEFINER;
@@ -66,25 +66,27 @@ ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_
 ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_batch_states(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) SECURITY DEFINER;
+ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_subscription(text, boolean) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
     outbox.cancel(bigint, text),
-    outbox.alter_subscription(text, integer, interval, interval, interval),
+    outbox.alter_subscription(text, integer, interval, interval, interval, interval),
     outbox.pause_subscription(text), outbox.resume_subscription(text),
-    outbox._subscription(text), outbox._check_subscription(text),
+    outbox._subscription(text), outbox._check_subscription(text), outbox._storage(text), outbox._check_max_lag(interval),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.drop_topic(text, boolean),
     outbox._purge_step(text, interval, integer), outbox._log_maintenance(timestamptz, jsonb),
     outbox._maintenance_steps(), outbox._maintenance_step(text),
-    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint), outbox._log_written_since(smallint, pg_snapshot),
+    outbox._purge_pause(), outbox._log_rotate(), outbox._log_readers_passed(smallint), outbox._log_let_go(smallint), outbox._log_note_losses(smallint), outbox._log_written_since(smallint, pg_snapshot),
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
-    outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text), outbox.drop_subscription(text, boolean),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
+    outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()

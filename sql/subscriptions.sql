@@ -25,6 +25,18 @@ BEGIN
 END
 $$;
 
+-- A subscription's max_lag, or 22023.
+CREATE FUNCTION outbox._check_max_lag(max_lag interval) RETURNS void
+LANGUAGE plpgsql IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF max_lag OPERATOR(pg_catalog.<=) interval '0' OR max_lag OPERATOR(pg_catalog.>) interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: max_lag must be > 0 and <= 100 years, got %', max_lag USING ERRCODE = '22023';
+    END IF;
+END
+$$;
+
 -- Which storage subscription `name` reads ('queue' or 'log'), NULL when it
 -- does not exist.
 CREATE FUNCTION outbox._storage(name text) RETURNS text
@@ -46,7 +58,7 @@ BEGIN
            paused = NEW.paused, paused_at = NEW.paused_at,
            created_at = NEW.created_at, updated_at = NEW.updated_at,
            topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy,
-           storage = NEW.storage
+           storage = NEW.storage, max_lag = NEW.max_lag
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
         RETURN NULL;
@@ -79,7 +91,8 @@ CREATE FUNCTION outbox.create_subscription(
     backoff_base       interval DEFAULT NULL,
     backoff_max        interval DEFAULT NULL,
     default_lease      interval DEFAULT NULL,
-    dead_letter_policy text     DEFAULT NULL
+    dead_letter_policy text     DEFAULT NULL,
+    max_lag            interval DEFAULT NULL
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -103,9 +116,10 @@ BEGIN
     END IF;
     PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease,
                                  COALESCE(dead_letter_policy, 'block'), NULL, NULL);
+    PERFORM outbox._check_max_lag(max_lag);
     INSERT INTO outbox.subscription_catalog AS c
-           (name, max_attempts, backoff_base, backoff_max, default_lease, topics, dead_letter_policy)
-    VALUES (resolved, max_attempts, backoff_base, backoff_max, default_lease, patterns, dead_letter_policy)
+           (name, max_attempts, backoff_base, backoff_max, default_lease, topics, dead_letter_policy, max_lag)
+    VALUES (resolved, max_attempts, backoff_base, backoff_max, default_lease, patterns, dead_letter_policy, max_lag)
     ON CONFLICT DO NOTHING;
     IF NOT FOUND THEN
         RAISE EXCEPTION 'outbox: subscription % already exists', pg_catalog.quote_literal(resolved)
@@ -121,15 +135,18 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text) IS
+COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) IS
 'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
 '(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
 'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
 'name may be ''default'' once the install''s default subscription (which reads outbox.event_queue) has been dropped: claims without a subscription then read this one. '
 'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
-'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs. Returns void. '
-'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting, empty or multi-dimensional topics array; 42710 the subscription exists. '
+'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs; max_lag (interval > 0, <= 100 years; NULL, the default: none): '
+'the age past which the subscription no longer holds the log''s retention, trading its completeness for storage as max_slot_wal_keep_size does for a replication slot: '
+'a ring table sealed longer ago than max_lag (and than outbox.retention_delivered) is truncated even if the subscription has not read it, and the events it had not read are lost to it '
+'(counted in outbox.subscriptions.lost_events; health() warns). Returns void. '
+'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting (max_lag included), empty or multi-dimensional topics array; 42710 the subscription exists. '
 'Nothing is created on error. As PgQ''s register_consumer, with per-event leases.';
 
 CREATE FUNCTION outbox.drop_subscription(name text, force boolean DEFAULT false) RETURNS void
@@ -190,6 +207,7 @@ BEGIN
     -- them visible by now.
     DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
+    DELETE FROM outbox.log_delivered d WHERE d.subscription OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
     DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
 END
@@ -209,7 +227,8 @@ CREATE FUNCTION outbox.alter_subscription(
     max_attempts  integer  DEFAULT NULL,
     backoff_base  interval DEFAULT NULL,
     backoff_max   interval DEFAULT NULL,
-    default_lease interval DEFAULT NULL
+    default_lease interval DEFAULT NULL,
+    max_lag       interval DEFAULT NULL
 ) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -221,6 +240,11 @@ BEGIN
         RAISE EXCEPTION 'outbox: subscription name must not be NULL' USING ERRCODE = '22004';
     END IF;
     PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
+    PERFORM outbox._check_max_lag(max_lag);
+    IF max_lag IS NOT NULL AND outbox._storage(resolved) OPERATOR(pg_catalog.=) 'queue' THEN
+        RAISE EXCEPTION 'outbox: max_lag applies to subscriptions of the log, not to the queue''s default'
+            USING ERRCODE = '22023', HINT = 'The queue keeps its events until they are delivered or purged.';
+    END IF;
     -- No event row changes: claim() and fail() read these settings when they act
     -- (from their per-backend cache, src/subscriptions.rs), so a change applies
     -- to calls that start after its commit and never waits for, or stalls, a worker.
@@ -229,6 +253,7 @@ BEGIN
         backoff_base  = COALESCE(alter_subscription.backoff_base, c.backoff_base),
         backoff_max   = COALESCE(alter_subscription.backoff_max, c.backoff_max),
         default_lease = COALESCE(alter_subscription.default_lease, c.default_lease),
+        max_lag       = COALESCE(alter_subscription.max_lag, c.max_lag),
         updated_at    = pg_catalog.now()
      WHERE c.name OPERATOR(pg_catalog.=) resolved;
     IF NOT FOUND THEN
@@ -237,13 +262,14 @@ BEGIN
 END
 $$;
 
-COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) IS
+COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval, interval) IS
 'Change a subscription''s policy, which overrides the per-topic settings (which override the GUCs). NULL arguments leave that setting unchanged; to reset one to the topic''s, '
 'UPDATE outbox.subscription_catalog SET ... = NULL as the owner. '
 'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: attempts a claim may start; an event that has used them goes dead at its next failure, lease expiry or claim), '
-'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none). '
+'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none), '
+'max_lag (interval > 0, <= 100 years: see create_subscription; subscriptions of the log only). '
 'Applies from its commit; changes no event and never waits for workers. The dead-letter policy stays per topic (create_topic). Returns void. '
-'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription.';
+'Errors: 22004 NULL name; 22023 malformed name or invalid setting, or max_lag for the queue''s default; 42704 unknown subscription.';
 
 -- Pausing: a paused subscription keeps its events and hands out none; events
 -- already leased stay leased and can still be acked, failed or extended (fail()
@@ -315,7 +341,8 @@ SELECT c.name, c.topics, c.paused, c.paused_at,
        COALESCE(l.dead_letters, q.dead) AS dead_letters,
        a.last_claim_at,
        c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
-       c.created_at, c.updated_at, c.dead_letter_policy, c.storage
+       c.created_at, c.updated_at, c.dead_letter_policy, c.storage,
+       c.max_lag, COALESCE(a.lost_events, 0) AS lost_events, a.lost_at
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
   LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
@@ -327,7 +354,8 @@ COMMENT ON VIEW outbox.subscriptions IS
 'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (the queue''s ''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
 'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
-'and storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0). '
+'storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0), '
+'max_lag (NULL: none; see create_subscription), lost_events and lost_at (events retention removed before the subscription read them because it lagged past max_lag, and the last time; 0 and NULL when none). '
 'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
 
 -- Each subscription of the log, and each event it receives: the event's
@@ -339,7 +367,9 @@ COMMENT ON VIEW outbox.subscriptions IS
 -- from its batch on the first try ('delivered'); any other is not read yet
 -- ('pending'). Events outside the subscription's topics, and events visible
 -- in its first cursor (committed before it was created), are not its own.
--- Events acked from a batch have no delivery time (none is written for them).
+-- An event acked from its batch was delivered when the batch finished
+-- (outbox.log_delivered, outbox._log_delivered): batch precision, and none
+-- while its batch is still in flight or once retention removed the record.
 CREATE VIEW outbox._log_deliveries AS
 WITH subs AS MATERIALIZED (
     SELECT c.name, c.topics, c.max_attempts FROM outbox.subscription_catalog c
@@ -347,6 +377,10 @@ WITH subs AS MATERIALIZED (
 ), b AS MATERIALIZED (
     SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
       FROM subs s, LATERAL outbox._log_batch_states(s.name) st
+), f AS MATERIALIZED (
+    SELECT s.name, fd.id, pg_catalog.min(fd.delivered_at) AS delivered_at
+      FROM subs s, LATERAL outbox._log_delivered(s.name, NULL) fd
+     GROUP BY s.name, fd.id
 )
 SELECT x.subscription, x.id AS event_id, x.lane, x.topic, x.subject, x.dispatch_key, x.payload, x.headers, x.published_at,
        x.state, x.attempts, COALESCE(s.max_attempts, x.max_attempts) AS max_attempts, x.leased_by,
@@ -363,13 +397,14 @@ SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.he
        b.lease_expires_at,
        CASE WHEN b.state = 'pending' OR (b.state IS NULL AND NOT r.seen)
             THEN GREATEST(l.published_at, l.deliver_at) END,
-       NULL::text, NULL::jsonb, NULL::timestamptz, NULL::timestamptz, NULL::timestamptz
+       NULL::text, NULL::jsonb, f.delivered_at, NULL::timestamptz, NULL::timestamptz
   FROM subs s
   JOIN outbox.log l
     ON s.topics IS NULL
        OR EXISTS (SELECT 1 FROM pg_catalog.unnest(s.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
   LEFT JOIN outbox.log_lanes n ON n.subscription = s.name AND n.lane = l.lane
   LEFT JOIN b ON b.name = s.name AND b.id = l.id
+  LEFT JOIN f ON f.name = s.name AND f.id = l.id AND b.id IS NULL
   CROSS JOIN LATERAL (
       SELECT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.lo_snap)
                       OR (pg_catalog.pg_visible_in_snapshot(l.txid, n.hi_snap) AND l.id <= n.pos), false) AS seen
@@ -425,7 +460,7 @@ COMMENT ON VIEW outbox.events IS
 'Every retained event, one row each. Columns: id, topic, subject, dispatch_key, payload, headers, then the state of the default subscription (NULL when there is none, '
 'or the event is not its own): state, attempts, max_attempts (the event''s), available_at (pending only), lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), '
 'published_at, delivered_at, dead_at, cancelled_at. While the ''default'' made at install exists: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled). '
-'Once it is dropped (0.10.0): the events of the log, with the state of a ''default'' created over the log (outbox.deliveries explains its states; an event acked on its first try has no delivered_at).';
+'Once it is dropped (0.10.0): the events of the log, with the state of a ''default'' created over the log (outbox.deliveries explains its states; an event acked on its first try has its batch''s delivered_at).';
 
 CREATE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
@@ -444,5 +479,5 @@ COMMENT ON VIEW outbox.deliveries IS
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
 'The ''default'' made at install: every event of outbox.events. A subscription of the log (0.9.0; from 0.10.0 every retained event it receives): an event it has not read yet is pending; '
 'one in a batch in flight is pending, leased or delivered there (leased_by NULL: a batch keeps no worker name; attempts 1); '
-'one acked from its batch on the first try is delivered, with no delivered_at (none is written for it); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
+'one acked from its batch on the first try is delivered, delivered_at the time its batch finished (batch precision: no row is written per event; NULL while the batch is in flight or after outbox.retention_delivered); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
 'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';

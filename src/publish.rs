@@ -184,11 +184,8 @@ fn new_id(key: Option<&str>) -> Result<i64, i64> {
 /// assigned) into the log and, when `queue`, the queue. Returns its id and
 /// whether a row was inserted.
 fn insert_one(e: &One<'_>, queue: bool) -> (i64, bool) {
-    let (id, inserted) = if queue {
-        insert_queue(e)
-    } else {
-        new_id(e.key).map_or_else(|existing| (existing, false), |id| (id, true))
-    };
+    let (id, inserted) =
+        if queue { insert_queue(e) } else { new_id(e.key).map_or_else(|existing| (existing, false), |id| (id, true)) };
     if inserted {
         let event = LogEvent {
             id,
@@ -290,14 +287,14 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let queue = queue_default();
     let (id, inserted) = insert_one(
         &One {
-        txid,
-        topic: &topic,
-        max_attempts,
-        subject: subject.as_deref(),
-        key: key.as_deref(),
-        payload,
-        headers,
-        deliver_at,
+            txid,
+            topic: &topic,
+            max_attempts,
+            subject: subject.as_deref(),
+            key: key.as_deref(),
+            payload,
+            headers,
+            deliver_at,
         },
         queue,
     );
@@ -376,14 +373,14 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         for (i, p) in payloads.iter().enumerate() {
             let (id, ins) = insert_one(
                 &One {
-                txid,
-                topic: &topic,
-                max_attempts,
-                subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
-                key: keys.as_ref().and_then(|k| k[i].as_deref()),
-                payload: p.unwrap(),
-                headers: prepare_headers(None),
-                deliver_at: None,
+                    txid,
+                    topic: &topic,
+                    max_attempts,
+                    subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
+                    key: keys.as_ref().and_then(|k| k[i].as_deref()),
+                    payload: p.unwrap(),
+                    headers: prepare_headers(None),
+                    deliver_at: None,
                 },
                 queue,
             );
@@ -399,18 +396,18 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         // Headship from a snapshot taken after the subject locks (src/subject.rs).
         if queue {
             plans::run_latest(
-            &INSERT_MANY,
-            &[
-                topic.as_str().into(),
-                ids.clone().into(),
-                payloads_d.param(),
-                param(subjects_d, pg_sys::TEXTARRAYOID),
-                max_attempts.into(),
-                param(headers, pg_sys::JSONBOID),
-                plans::ts_param(lowwater::floor_after_xid()),
-            ],
-            |_| (),
-        );
+                &INSERT_MANY,
+                &[
+                    topic.as_str().into(),
+                    ids.clone().into(),
+                    payloads_d.param(),
+                    param(subjects_d, pg_sys::TEXTARRAYOID),
+                    max_attempts.into(),
+                    param(headers, pg_sys::JSONBOID),
+                    plans::ts_param(lowwater::floor_after_xid()),
+                ],
+                |_| (),
+            );
         }
         let events = ids.iter().zip(&payloads).enumerate().map(|(i, (id, p))| LogEvent {
             id: *id,

@@ -89,6 +89,20 @@ SUBSCRIPTIONS_NAMED = "SELECT name FROM outbox.subscription_catalog WHERE name <
 SUBSCRIPTION_CREATE = "SELECT outbox.create_subscription(%(name)s)"
 SUBSCRIPTION_DROP = "SELECT outbox.drop_subscription(%(name)s, force => true)"
 
+# 0.10.0: the install's 'default' (which reads outbox.event_queue) can be
+# dropped; publish then writes the log alone. Scenario 1 measures publish so
+# ('outbox_log_only'), then puts the queue's 'default' back as a fresh install
+# makes it (no function makes a subscription of the queue).
+HAS_STORAGE = (
+    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('outbox.subscription_catalog')"
+    " AND attname = 'storage' AND NOT attisdropped)"
+)
+QUEUE_DEFAULT_DROP = "SELECT outbox.drop_subscription('default', force => true)"
+QUEUE_DEFAULT_RESTORE = (
+    "INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') ON CONFLICT DO NOTHING;"
+    " INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING"
+)
+
 # ---------------------------------------------------------------------------
 # Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
 # statement = one transaction; %s is a jsonb[] literal of 1,000 payloads)

@@ -104,7 +104,7 @@ def sqlstate(conn, sql, params=None):
 
 
 # The log's readers (src/log/claim.rs): emptied by every clean().
-READER_TABLES = ("outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions")
+READER_TABLES = ("outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions", "outbox.log_delivered")
 # The log ring itself (0.8.0, src/log/).
 LOG_TABLES = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state")
 

@@ -204,3 +204,138 @@ def test_health_watches_a_default_of_the_log(logdb):
     c.execute("SELECT outbox.pause_subscription('default')")
     rows = logdb.all("SELECT status, message FROM outbox.health() WHERE check_name = 'subscription'")
     assert len(rows) == 1 and rows[0][0] == "warn" and "paused" in rows[0][1]
+
+
+def test_delivery_time_at_batch_precision_and_stats_per_subscription(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('audit')")
+    ids = [publish(c, topic="t.a") for _ in range(4)] + [publish(c, topic="t.b")]
+    rows = c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => 'audit')").fetchall()
+    assert sorted(r[0] for r in rows) == ids
+    # In flight: acked events are delivered with no time yet; the others leased.
+    assert ack(c, rows[0])
+    d = dict(logdb.all("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'audit'"))
+    assert d[rows[0][0]] == "delivered" and sorted(d.values()).count("leased") == 4
+    assert logdb.one("SELECT count(*) FROM outbox.log_delivered")[0] == 0
+    t0 = logdb.one("SELECT clock_timestamp()")[0]
+    for r in rows[1:]:
+        assert ack(c, r)
+    t1 = logdb.one("SELECT clock_timestamp()")[0]
+    # The batch finished: one record row, every event delivered at its time.
+    assert logdb.one("SELECT count(*) FROM outbox.log_delivered WHERE subscription = 'audit'")[0] == 1
+    got = logdb.all("SELECT event_id, state, attempts, delivered_at FROM outbox.deliveries "
+                    "WHERE subscription = 'audit' ORDER BY event_id")
+    assert [g[0] for g in got] == ids
+    assert all(g[1] == "delivered" and g[2] == 1 for g in got)
+    assert all(t0 <= g[3] <= t1 for g in got)
+    s = dict((r[0], r[1:]) for r in logdb.all(
+        "SELECT topic, delivered, delivered_last_minute, delivered_last_hour, ready, leased "
+        "FROM outbox.stats WHERE subscription = 'audit'"))
+    assert s == {"t.a": (4, 4, 4, 0, 0), "t.b": (1, 1, 1, 0, 0)}
+    # The queue's default has its own rows, unchanged by the subscription's acks.
+    q = dict((r[0], r[1:]) for r in logdb.all("SELECT topic, ready, delivered FROM outbox.stats WHERE subscription = 'default'"))
+    assert q == {"t.a": (4, 0), "t.b": (1, 0)}
+    # Retention removes the record (each batch row counts as one row).
+    removed = c.execute("CALL outbox.purge(older_than => '0 s')").fetchone()[0]
+    assert removed == 1
+    assert logdb.one("SELECT count(*) FROM outbox.log_delivered")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'audit' "
+                     "AND state = 'delivered' AND delivered_at IS NULL")[0] == 5
+
+
+def test_drop_subscription_removes_its_delivery_record(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('audit')")
+    c.execute("SELECT outbox.create_subscription('keep')")
+    publish(c)
+    for sub in ("audit", "keep"):
+        for r in c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => %s)", (sub,)).fetchall():
+            assert ack(c, r)
+    assert logdb.one("SELECT count(*) FROM outbox.log_delivered")[0] == 2
+    c.execute("SELECT outbox.drop_subscription('audit')")
+    assert logdb.all("SELECT subscription FROM outbox.log_delivered") == [("keep",)]
+
+
+def test_events_of_a_failed_batch_keep_their_own_times(logdb):
+    """An event that left its batch (a failure) is not in the record: its row
+    has its own history; the batch's record holds only what it acked."""
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('audit')")
+    a, b = publish(c), publish(c)
+    rows = {r[0]: r for r in c.execute(
+        "SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => 'audit')").fetchall()}
+    assert fail(c, rows[a]) == "pending"
+    assert ack(c, rows[b])
+    d = dict((r[0], r[1:]) for r in logdb.all(
+        "SELECT event_id, state, attempts, delivered_at IS NOT NULL FROM outbox.deliveries WHERE subscription = 'audit'"))
+    assert d == {a: ("pending", 1, False), b: ("delivered", 1, True)}
+    r = c.execute("SELECT id, subject, lease_token, attempt FROM outbox.claim('w', 10, subscription => 'audit')").fetchall()
+    assert [(x[0], x[3]) for x in r] == [(a, 2)]
+    assert ack(c, r[0])
+    d = dict((r[0], r[1:]) for r in logdb.all(
+        "SELECT event_id, state, attempts, delivered_at IS NOT NULL FROM outbox.deliveries WHERE subscription = 'audit'"))
+    assert d == {a: ("delivered", 2, True), b: ("delivered", 1, True)}
+
+
+def _drain(c, sub):
+    got = []
+    while rows := c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 50, subscription => %s)",
+                            (sub,)).fetchall():
+        for r in rows:
+            assert ack(c, r)
+            got.append(r[0])
+    return got
+
+
+def test_max_lag_lets_retention_pass_a_lagging_subscription_and_counts_its_loss(logdb):
+    c, admin = logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.create_subscription('capped', topics => ARRAY['t.*'], max_lag => '1 s')")
+    c.execute("SELECT outbox.create_subscription('full')")
+    admin.execute("SELECT outbox._log_rotate()")                 # log_0 open
+    ids = [publish(c) for _ in range(5)] + [publish(c, topic="u.x")]
+    admin.execute("SELECT outbox._log_rotate()")                 # log_0 sealed, log_1 open
+    assert _drain(c, "full") == ids
+    # The seal is younger than the cap: the capped subscription still holds it.
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 6
+    time.sleep(1.2)
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1   # log_0, and the empty log_1 sealed since
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    # Its five events of t.* are lost to it (u.x was never its own), and said so.
+    lost, at, max_lag = logdb.one("SELECT lost_events, lost_at IS NOT NULL, max_lag FROM outbox.subscriptions WHERE name = 'capped'")
+    assert (lost, at) == (5, True) and max_lag.total_seconds() == 1
+    assert logdb.one("SELECT lost_events FROM outbox.subscriptions WHERE name = 'full'")[0] == 0
+    h = logdb.all("SELECT status, message FROM outbox.health() WHERE check_name = 'subscription' AND message LIKE '%capped%'")
+    assert h[0][0] == "warn" and "max_lag" in h[0][1] and " 5 events" in h[0][1]
+    # It goes on with what comes next.
+    later = publish(c)
+    assert _drain(c, "capped") == [later]
+
+
+def test_without_max_lag_a_lagging_subscription_holds_the_log(logdb):
+    c, admin = logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.create_subscription('slow')")
+    c.execute("SELECT outbox.create_subscription('capped', max_lag => '1 s')")
+    admin.execute("SELECT outbox._log_rotate()")
+    ids = [publish(c) for _ in range(3)]
+    admin.execute("SELECT outbox._log_rotate()")
+    time.sleep(1.2)
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 3
+    assert _drain(c, "slow") == ids
+    # Nothing is counted lost while another subscription holds the table.
+    assert logdb.one("SELECT lost_events FROM outbox.subscriptions WHERE name = 'capped'")[0] == 0
+
+
+def test_max_lag_input(plain):
+    c = plain.conn()
+    for bad in ("0 s", "-1 s", "101 years"):
+        assert sqlstate(c, "SELECT outbox.create_subscription('x', max_lag => %s::interval)", (bad,)) == "22023"
+    assert plain.one("SELECT count(*) FROM outbox.subscription_catalog WHERE name = 'x'")[0] == 0
+    assert sqlstate(c, "SELECT outbox.alter_subscription('default', max_lag => '1 h')") == "22023"
+    c.execute("SELECT outbox.create_subscription('x')")
+    c.execute("SELECT outbox.alter_subscription('x', max_lag => '2 h')")
+    assert plain.one("SELECT max_lag FROM outbox.subscriptions WHERE name = 'x'")[0].total_seconds() == 7200
+    assert sqlstate(c, "SELECT outbox.alter_subscription('x', max_lag => '0 s')") == "22023"

@@ -147,16 +147,18 @@ def test_a_read_only_transaction_gets_25006_and_writes_nothing(logdb):
 
 
 def test_publish_has_its_transaction_id_before_it_draws_an_event_id(logdb):
-    """Invariant 2 of src/log.rs. A session holding the queue's table lock makes
-    a publisher wait where it opens the table to insert, after it drew its
+    """Invariant 2 of src/log/mod.rs. A session holding the log table's lock
+    makes a publisher wait where it opens the table to insert, after it drew its
     event id: it must already have its transaction id (the insert alone would
-    assign it only after the wait)."""
+    assign it only after the wait). Without the queue's 'default' (0.10.0), so
+    that no insert into the queue gives the transaction its id first."""
     locker, pub, watch = logdb.conn(), logging_conn(logdb), logdb.conn()
+    watch.execute("SELECT outbox.drop_subscription('default')")
     pub.execute("SELECT outbox.publish('log.order', '{}')")  # caches warm: no statement runs below
     pid = pub.execute("SELECT pg_backend_pid()").fetchone()[0]
     before = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]
     locker.execute("BEGIN")
-    locker.execute("LOCK TABLE outbox.event_queue IN ACCESS EXCLUSIVE MODE")
+    locker.execute("LOCK TABLE outbox.log_0 IN ACCESS EXCLUSIVE MODE")
     result = []
     t = threading.Thread(target=lambda: result.append(
         pub.execute("SELECT outbox.publish('log.order', '{}')").fetchone()[0]))

@@ -215,7 +215,6 @@ def test_bad_arguments_get_documented_errors_and_change_nothing(logdb):
         ("SELECT outbox.drop_subscription('nope')", "42704"),
         ("SELECT outbox.drop_subscription(NULL)", "22004"),
         ("SELECT outbox.drop_subscription('s', NULL)", "22004"),
-        ("SELECT outbox.drop_subscription('default')", "0A000"),
     ]
     for sql, state in cases:
         with pytest.raises(psycopg.Error) as e:

@@ -310,7 +310,8 @@ def test_a_pause_committed_while_a_session_reloads_its_cache_is_not_lost(plain):
 
 def test_a_catalog_truncated_and_refilled_while_a_session_reloads_is_read_again(plain):
     a, errs = _cold_cache_claim_blocked_behind(
-        plain, "TRUNCATE outbox.subscription_catalog; INSERT INTO outbox.subscription_catalog (name) VALUES ('default')")
+        plain, "TRUNCATE outbox.subscription_catalog; "
+        "INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue')")
     # The waiting claim itself read the catalog across the TRUNCATE: a stale empty copy raised 42704.
     assert errs == [], f"the claim that waited for the TRUNCATE raised {errs}"
     assert len(claim(a, n=1)) == 1  # 'default' exists: no 42704 from a stale empty copy

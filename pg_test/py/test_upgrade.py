@@ -334,3 +334,33 @@ def test_update_to_subscriptions_keeps_the_grants_of_replaced_functions(scratch_
         == [ids[1]]
     assert c.execute("SELECT outbox.replay(%s, 'default')", (i,)).fetchone()[0] is True
     c.close()
+
+
+def test_update_to_0_10_keeps_the_grants_of_create_and_alter_subscription(scratch_db):
+    """0.10.0 replaces create_subscription and alter_subscription (a trailing
+    max_lag argument); grants made on the old signatures carry over, and the
+    existing 'default' reads the queue while named subscriptions read the log."""
+    c = connect(scratch_db("outbox_upg_grants_010"))
+    install_fixture(c, "0.9.0")
+    c.execute("CREATE EXTENSION outbox_ext VERSION '0.9.0'")
+    c.execute("DO $$ BEGIN IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'upg_custom') THEN "
+              "CREATE ROLE upg_custom NOLOGIN; END IF; END $$")
+    c.execute("GRANT EXECUTE ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, "
+              "interval, text) TO upg_custom WITH GRANT OPTION")
+    c.execute("GRANT EXECUTE ON FUNCTION outbox.alter_subscription(text, integer, interval, interval, interval) "
+              "TO upg_custom")
+    c.execute("SELECT outbox.create_subscription('named')")
+    c.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.10.0'")
+
+    def can(role, fn, grant_option=False):
+        priv = "EXECUTE WITH GRANT OPTION" if grant_option else "EXECUTE"
+        return c.execute("SELECT has_function_privilege(%s, %s, %s)", (role, fn, priv)).fetchone()[0]
+
+    assert can("upg_custom", "outbox.create_subscription(text, text[], text, integer, interval, interval, interval, "
+               "text, interval)", grant_option=True)
+    assert can("upg_custom", "outbox.alter_subscription(text, integer, interval, interval, interval, interval)")
+    assert not can("upg_custom", "outbox.alter_subscription(text, integer, interval, interval, interval, interval)",
+                   grant_option=True)
+    assert c.execute("SELECT name, storage FROM outbox.subscriptions ORDER BY name").fetchall() == \
+        [("default", "queue"), ("named", "log")]
+    c.close()

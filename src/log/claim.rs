@@ -63,9 +63,9 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_GET, BATCH_ID, BATCH_IDS, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
-    EXC_STATS, FAIL_INFO, FETCH, LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE,
-    SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_ID, BATCH_IDS, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT,
+    EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
+    SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -172,11 +172,18 @@ fn load_batch(id: i64) -> Option<Loaded> {
     Some(Loaded { batch, lane, subscription })
 }
 
-/// Write batch `id` (delete it when finished); false when its row is gone
-/// (drop_subscription removed it).
+/// Write batch `id`; false when its row is gone (drop_subscription removed
+/// it). A finished batch is deleted, and from 0.10.0 its encoding is kept in
+/// `outbox.log_delivered` with the time it finished, when an event was acked
+/// from it: the delivery time of those events, at batch precision, with no
+/// write per event (src/log/views.rs).
 fn store_batch(id: i64, b: &Batch) -> bool {
     if b.finished() {
-        plans::run_latest(&BATCH_DELETE, &[id.into()], |rows| rows.len()) > 0
+        if outbox_relid(c"log_delivered").is_none() {
+            return plans::run_latest(&BATCH_DELETE, &[id.into()], |rows| rows.len()) > 0;
+        }
+        let acked = (0..b.len()).any(|i| b.state(i) == super::batch::State::Done);
+        plans::run_latest(&BATCH_FINISH, &[id.into(), b.encode().into(), acked.into()], |rows| rows.len()) > 0
     } else {
         plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |rows| rows.len()) > 0
     }

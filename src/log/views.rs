@@ -8,12 +8,22 @@
 //! passed it (it was acked from a batch that has finished) or not read it yet.
 //! The view takes the first two from their rows and the third from the lane's
 //! snapshots; this module decodes the second.
+//!
+//! **Delivery times at batch precision.** An event acked from its batch has no
+//! row of its own, by design (publish and the common ack write nothing per
+//! event). The statement that deletes a finished batch keeps its encoding in
+//! `outbox.log_delivered` with the time (src/log/claim.rs, `store_batch`), so
+//! an event acked from it was delivered at the latest then, and at the
+//! earliest when its round was handed out: [`log_delivered`] reports the
+//! first. An event is in at most one finished batch: it goes out of a batch
+//! at most once (src/log/batch.rs), and a lane's windows never overlap
+//! (src/log/mod.rs).
 
 use super::batch::{Batch, State};
 use crate::errors;
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::log::BATCH_STATES;
+use crate::sql::log::{BATCH_STATES, DELIVERED_BATCHES};
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::prelude::*;
 
@@ -53,6 +63,38 @@ pub fn log_batch_states(
                     State::Parked => continue,
                 };
                 out.push((*id, row.0, row.1, row.2));
+            }
+        });
+    });
+    TableIterator::new(out)
+}
+
+/// `outbox._log_delivered(subscription text, since timestamptz)`: one row per
+/// event acked from one of the subscription's finished batches
+/// (`outbox.log_delivered`, written when a batch finishes, src/log/claim.rs)
+/// that finished at or after `since` (NULL: every one kept): `id` and
+/// `delivered_at`, the time its batch finished (batch precision: no per-event
+/// time is written for an event acked on its first try). Events that left
+/// their batch are not here (their exception row has their own time).
+#[pg_extern(name = "_log_delivered", stable, parallel_safe)]
+pub fn log_delivered(
+    subscription: Option<&str>,
+    since: Option<TimestampWithTimeZone>,
+) -> TableIterator<'static, (name!(id, i64), name!(delivered_at, TimestampWithTimeZone))> {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let mut out = Vec::new();
+    plans::run_rows(&DELIVERED_BATCHES, &[subscription.into(), since.into()], |rows| {
+        rows.for_each(|r| {
+            let (Some(at), Some(b)) = (r.timestamptz(0), r.bytes(1).and_then(|bytes| Batch::decode(&bytes).ok()))
+            else {
+                return;
+            };
+            let at = pg::timestamptz(at);
+            for (i, id) in b.ids().iter().enumerate() {
+                if b.state(i) == State::Done {
+                    out.push((*id, at));
+                }
             }
         });
     });

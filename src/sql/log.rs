@@ -194,6 +194,24 @@ pub const BATCH_PUT: Stmt = Stmt {
 pub const BATCH_DELETE: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
 
+/// [`BATCH_DELETE`] that keeps the finished batch's encoding $2 in
+/// `outbox.log_delivered` (0.10.0) when $3 (some event was acked from it).
+pub const BATCH_FINISH: Stmt = Stmt {
+    sql: "WITH b AS (DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane), \
+               d AS (INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
+                     SELECT b.subscription, b.lane, statement_timestamp(), $2 FROM b WHERE $3) \
+          SELECT 1 FROM b",
+    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::BOOLOID],
+};
+
+/// The finished batches of subscription $1 since $2 (NULL: all), for
+/// delivery times (`outbox._log_delivered`).
+pub const DELIVERED_BATCHES: Stmt = Stmt {
+    sql: "SELECT finished_at, state FROM outbox.log_delivered \
+           WHERE subscription = $1 AND ($2::timestamptz IS NULL OR finished_at >= $2)",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
 /// The claimed events' rows, with the round's token and lease expiry, as
 /// `outbox.claim` returns them (attempt 1: an event goes out of a batch once).
 pub const FETCH: Stmt = Stmt {
