@@ -25,6 +25,7 @@ DECLARE
     t text;
     subj text;
     sub text;
+    ln smallint;
 BEGIN
     -- The install's 'default' is event_queue's; a subscription of the log has
     -- its dead and cancelled events in its exception rows (src/log/exceptions.rs).
@@ -33,6 +34,28 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
+        -- Cancelled before its lane read it (src/log/cancel.rs): the row and
+        -- the lane's skip go, under the lane's lock, and the lane delivers it
+        -- in its place. If a claim has read it meanwhile, it is replayed from
+        -- its row below.
+        SELECT x.lane, x.topic INTO ln, t FROM outbox.log_exceptions x
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) 'cancelled';
+        IF FOUND THEN
+            PERFORM 1 FROM outbox.log_lanes l
+             WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln
+               AND replay.id OPERATOR(pg_catalog.=) ANY (l.skips)
+               FOR UPDATE;
+            IF FOUND THEN
+                UPDATE outbox.log_lanes l SET skips = pg_catalog.array_remove(l.skips, replay.id)
+                 WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln;
+                DELETE FROM outbox.log_exceptions x
+                 WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id;
+                PERFORM outbox._wake(t);
+                RETURN true;
+            END IF;
+            t := NULL;
+        END IF;
         SELECT x.subject INTO subj FROM outbox.log_exceptions x
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
@@ -106,7 +129,8 @@ COMMENT ON FUNCTION outbox.replay(bigint, text) IS
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
 'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
 'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them. '
-'For a named subscription (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there.';
+'For a subscription of the log (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there; '
+'an event cancelled before its lane read it (0.10.0) goes back to the lane, which delivers it in its place.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
@@ -206,13 +230,17 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
-        -- Only events the subscription holds per event can be cancelled: not
-        -- leased ones, and not those its lanes have not read yet.
+        -- A pending or dead row of its own; else an event its lane has not
+        -- read yet, or one waiting in the lane's batch (src/log/cancel.rs).
+        -- Not a leased one, as for the queue.
         UPDATE outbox.log_exceptions x
-           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL
+           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL, dead_at = NULL
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
         GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.=) 0 AND outbox._log_cancel(sub, cancel.id) THEN
+            n := 1;
+        END IF;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;
@@ -254,8 +282,9 @@ COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
 'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
 'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
 'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. '
-'For a named subscription (0.9.0) it cancels an event that subscription holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead) and takes no subject lock; '
-'an event its lanes have not read yet, or one in a batch, cannot be cancelled there (false).';
+'For a subscription of the log (0.9.0) it takes no subject lock and cancels a pending or dead event: one it holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead), '
+'one its lane has not read yet, and (0.10.0) one waiting in its lane''s batch in flight; not one out under a lease, nor one committed before the subscription or outside its topics (false). '
+'It waits for a claim that is moving that lane (src/log/cancel.rs).';
 
 -- The topic registry.
 

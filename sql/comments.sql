@@ -153,6 +153,24 @@ COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
 'Internal (outbox._log_deliveries): one row per event acked from one of the subscription''s finished batches (outbox.log_delivered) that finished at or after since (NULL: every one kept): '
 'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';
 
+COMMENT ON FUNCTION outbox._log_cancel(text, bigint) IS
+'Internal (outbox.cancel of a subscription of the log): cancel event id, which the subscription holds no row for: not read by its lane yet (a cancelled row, and the id in the lane''s skips, '
+'which the claim that reads it leaves out), or waiting in the lane''s batch in flight (moved to a row with its subject''s events in the batch, then cancelled). '
+'Returns false when the event is not in the log, not the subscription''s, out under a lease, delivered, or has a row of its own; false for NULL arguments. Waits for a claim moving that lane. No errors of its own.';
+
+COMMENT ON FUNCTION outbox._log_forget(text, boolean) IS
+'Internal (drop_subscription of a subscription of the log): delete its lanes (lanes = true: first, waiting for a claim that moves one), or the rest of its state '
+'(lanes = false: batches, then exception rows, delivery record and activity, once its leases are counted), each under a snapshot taken when it runs, at every isolation level. '
+'Returns void. Errors: 22004 NULL argument.';
+
+COMMENT ON FUNCTION outbox._queue_clear(boolean) IS
+'Internal (drop_subscription of the ''default'' made at install, under its lock on outbox.event_queue): raise 55006 when a lease of the queue has not expired and force is false, '
+'else empty outbox.event_queue and outbox.subject_repairs under a snapshot taken now (at every isolation level). Returns the events removed (bigint). Errors: 22004 NULL force; 55006.';
+
+COMMENT ON FUNCTION outbox._log_retains(bigint) IS
+'Internal (retention of dispatch keys): whether a subscription of the log exists and event id is in the log or in a subscription''s row of its own (boolean). '
+'A key stays while its event is retained there, in the queue or in the archive. One index probe per lane. No errors.';
+
 COMMENT ON FUNCTION outbox._storage(text) IS
 'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''queue'' for the ''default'' made at install, ''log'' for every other; NULL when it does not exist.';
 

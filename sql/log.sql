@@ -105,6 +105,10 @@ CREATE TABLE outbox.log_lanes (
     -- visible in it was committed before the subscription and is not its own
     -- (outbox._log_deliveries). NULL for lanes made before 0.10.0 or lazily.
     start_snap   pg_snapshot,
+    -- 0.10.0: events of the lane cancelled before the lane read them
+    -- (outbox.cancel, src/log/cancel.rs): the claim that reads one leaves it out
+    -- of its batch and drops it from here.
+    skips        bigint[],
     PRIMARY KEY (subscription, lane)
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every claim
 
@@ -237,10 +241,14 @@ $$;
 
 -- Before ring table log_<n> is truncated: count, for each subscription that
 -- no longer holds it (outbox._log_let_go), the events of its topics there
--- that its lanes' cursors have not passed (unread, or in a batch in flight),
--- and add them to its lost_events. Counted before the truncation's lock is
--- taken (the count reads the whole table, and the lock would hold claims
--- meanwhile): an event read in between is counted too.
+-- that it loses: not read by its lane yet (neither visible in the lane's
+-- cursor nor in the window read up to its position), or read into its batch
+-- in flight but not handed out yet (a hand-out reads the event's row), and
+-- without a row of its own (those keep a copy); and add them to its
+-- lost_events. An event acked, or out under a lease (its holder can still
+-- ack it), is not lost. Counted before the truncation's lock is taken (the
+-- count reads the whole table, and the lock would hold claims meanwhile): an
+-- event read in between is counted too.
 CREATE FUNCTION outbox._log_note_losses(n smallint) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -256,6 +264,9 @@ BEGIN
             '  JOIN outbox.log_lanes l ON l.subscription = $1 AND l.lane = e.lane'
             '  JOIN outbox.subscription_catalog c ON c.name = $1'
             ' WHERE NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
+            '   AND (NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false)'
+            '        OR e.id IN (SELECT b.id FROM outbox._log_batch_states($1) b WHERE b.state = ''pending''))'
+            '   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = $1 AND x.id = e.id)'
             '   AND (c.topics IS NULL OR EXISTS (SELECT 1 FROM unnest(c.topics) AS p(pattern)'
             '                                    WHERE outbox._topic_matches(e.topic, p.pattern)))', 'log_' || n)
         INTO lost USING sub;

@@ -15,7 +15,7 @@ ALTER TABLE outbox.subscription_catalog
     ADD COLUMN storage text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log'));
 UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default';
 
-ALTER TABLE outbox.log_lanes ADD COLUMN start_snap pg_snapshot;
+ALTER TABLE outbox.log_lanes ADD COLUMN start_snap pg_snapshot, ADD COLUMN skips bigint[];
 
 ALTER TABLE outbox.subscription_catalog ADD COLUMN max_lag interval CHECK (max_lag > interval '0');
 ALTER TABLE outbox.subscription_activity
@@ -59,6 +59,14 @@ STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_batch_states_wrapper';
 
+CREATE OR REPLACE FUNCTION "_log_cancel"(
+	"subscription" TEXT, /* Option < & str > */
+	"id" bigint /* Option < i64 > */
+) RETURNS bool /* bool */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_cancel_wrapper';
+
 CREATE OR REPLACE FUNCTION "_log_delivered"(
 	"subscription" TEXT, /* Option < & str > */
 	"since" timestamp with time zone /* Option < TimestampWithTimeZone > */
@@ -70,6 +78,21 @@ STABLE PARALLEL SAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_delivered_wrapper';
 
+CREATE OR REPLACE FUNCTION "_log_forget"(
+	"subscription" TEXT, /* Option < & str > */
+	"lanes" bool /* Option < bool > */
+) RETURNS void
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_forget_wrapper';
+
+CREATE OR REPLACE FUNCTION "_queue_clear"(
+	"force" bool /* Option < bool > */
+) RETURNS bigint /* i64 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'queue_clear_wrapper';
+
 CREATE OR REPLACE FUNCTION outbox.replay(id bigint, subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -78,6 +101,7 @@ DECLARE
     t text;
     subj text;
     sub text;
+    ln smallint;
 BEGIN
     -- The install's 'default' is event_queue's; a subscription of the log has
     -- its dead and cancelled events in its exception rows (src/log/exceptions.rs).
@@ -86,6 +110,28 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
+        -- Cancelled before its lane read it (src/log/cancel.rs): the row and
+        -- the lane's skip go, under the lane's lock, and the lane delivers it
+        -- in its place. If a claim has read it meanwhile, it is replayed from
+        -- its row below.
+        SELECT x.lane, x.topic INTO ln, t FROM outbox.log_exceptions x
+         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+           AND x.state OPERATOR(pg_catalog.=) 'cancelled';
+        IF FOUND THEN
+            PERFORM 1 FROM outbox.log_lanes l
+             WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln
+               AND replay.id OPERATOR(pg_catalog.=) ANY (l.skips)
+               FOR UPDATE;
+            IF FOUND THEN
+                UPDATE outbox.log_lanes l SET skips = pg_catalog.array_remove(l.skips, replay.id)
+                 WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln;
+                DELETE FROM outbox.log_exceptions x
+                 WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id;
+                PERFORM outbox._wake(t);
+                RETURN true;
+            END IF;
+            t := NULL;
+        END IF;
         SELECT x.subject INTO subj FROM outbox.log_exceptions x
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
@@ -247,13 +293,17 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
-        -- Only events the subscription holds per event can be cancelled: not
-        -- leased ones, and not those its lanes have not read yet.
+        -- A pending or dead row of its own; else an event its lane has not
+        -- read yet, or one waiting in the lane's batch (src/log/cancel.rs).
+        -- Not a leased one, as for the queue.
         UPDATE outbox.log_exceptions x
-           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL
+           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL, dead_at = NULL
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
            AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
         GET DIAGNOSTICS n = ROW_COUNT;
+        IF n OPERATOR(pg_catalog.=) 0 AND outbox._log_cancel(sub, cancel.id) THEN
+            n := 1;
+        END IF;
         IF n OPERATOR(pg_catalog.>) 0 THEN
             PERFORM outbox._wake(NULL);
         END IF;
@@ -335,6 +385,9 @@ BEGIN
             '  JOIN outbox.log_lanes l ON l.subscription = $1 AND l.lane = e.lane'
             '  JOIN outbox.subscription_catalog c ON c.name = $1'
             ' WHERE NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
+            '   AND (NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false)'
+            '        OR e.id IN (SELECT b.id FROM outbox._log_batch_states($1) b WHERE b.state = ''pending''))'
+            '   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = $1 AND x.id = e.id)'
             '   AND (c.topics IS NULL OR EXISTS (SELECT 1 FROM unnest(c.topics) AS p(pattern)'
             '                                    WHERE outbox._topic_matches(e.topic, p.pattern)))', 'log_' || n)
         INTO lost USING sub;
@@ -527,9 +580,6 @@ BEGIN
     -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
     -- whose transaction commits after this one took it, whenever it was published.
     PERFORM outbox._log_subscribe(resolved, start);
-    -- What it starts from, for outbox._log_deliveries: events visible here
-    -- were committed before it and are not its own.
-    UPDATE outbox.log_lanes l SET start_snap = l.lo_snap WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
 END
 $$;
 
@@ -559,18 +609,16 @@ BEGIN
         -- (src/publish.rs): those running now finish first, and those that
         -- wait read the catalog without this subscription, so that after the
         -- commit no publish writes the queue again and nothing is left in it.
+        -- Its activity row first, before the lock: a claim notes its call
+        -- there before it writes the queue, so the drop waits for that claim
+        -- here rather than holding the queue while the claim waits for it.
+        PERFORM outbox._log_forget(resolved, false);
         LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-        SELECT pg_catalog.count(*) INTO in_flight FROM outbox.event_queue q
-         WHERE q.state OPERATOR(pg_catalog.=) 'leased' AND q.visible_at OPERATOR(pg_catalog.>) pg_catalog.now();
-        IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
-            RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
-                USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
-        END IF;
-        -- Every event stays in the log for the other subscriptions. Delivered
-        -- and cancelled history (outbox.event_archive) ages out by retention.
-        DELETE FROM outbox.event_queue;
-        DELETE FROM outbox.subject_repairs;
-        DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+        -- Counted and emptied under a snapshot taken after the lock, at every
+        -- isolation level (55006 with leases in flight, unless force). Every
+        -- event stays in the log for the other subscriptions. Delivered and
+        -- cancelled history (outbox.event_archive) ages out by retention.
+        PERFORM outbox._queue_clear(force);
         DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
         RETURN;
     END IF;
@@ -579,8 +627,10 @@ BEGIN
     -- leases are counted, after waiting for every transaction that holds one
     -- of the subscription's batches or exception rows (a claim left open
     -- included): _log_in_flight takes those locks, in the order acks and
-    -- replay take them, and claims only try them.
-    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
+    -- replay take them, and claims only try them. Every delete reads a
+    -- snapshot taken when it runs (outbox._log_forget), at every isolation
+    -- level.
+    PERFORM outbox._log_forget(resolved, true);
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
@@ -588,11 +638,8 @@ BEGIN
     END IF;
     -- Batches next: fail() moves a batch's events to exception rows only while
     -- the batch row exists (key-share locked). Then the exception rows, all of
-    -- them visible by now.
-    DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_delivered d WHERE d.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+    -- them committed by now, the delivery record and the activity.
+    PERFORM outbox._log_forget(resolved, false);
     DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
 END
 $$;
@@ -637,6 +684,17 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox._log_retains(id bigint) RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage OPERATOR(pg_catalog.=) 'log')
+       AND (EXISTS (SELECT 1 FROM outbox.log l
+                     WHERE l.lane OPERATOR(pg_catalog.=) ANY ('{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}'::smallint[])
+                       AND l.id OPERATOR(pg_catalog.=) _log_retains.id)
+            OR EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id OPERATOR(pg_catalog.=) _log_retains.id))
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -677,6 +735,7 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
@@ -729,6 +788,7 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
@@ -769,12 +829,15 @@ BEGIN
             n := outbox._promote_heads(blocked, false);
         END IF;
     ELSE
-        -- Keys whose events are gone, once they are older than the key window.
+        -- Keys whose events are gone, once they are older than the key window:
+        -- from the queue and the archive, and (0.10.0) from what the
+        -- subscriptions of the log retain (outbox._log_retains).
         WITH victims AS (
             SELECT k.dispatch_key FROM outbox.dispatch_keys k
              WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
                AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+               AND NOT outbox._log_retains(k.event_id)
              LIMIT batch_size
                FOR UPDATE OF k SKIP LOCKED
         ), gone AS (
@@ -1175,6 +1238,23 @@ SELECT d.topic,
 
 -- Comments, new or changed
 
+COMMENT ON FUNCTION outbox.replay(bigint, text) IS
+'Move a dead or cancelled event of a subscription (NULL = ''default'') back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
+'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them. '
+'For a subscription of the log (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there; '
+'an event cancelled before its lane read it (0.10.0) goes back to the lane, which delivers it in its place.';
+
+COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
+'Cancel, for a subscription (NULL = ''default''), an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
+'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
+'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. '
+'For a subscription of the log (0.9.0) it takes no subject lock and cancels a pending or dead event: one it holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead), '
+'one its lane has not read yet, and (0.10.0) one waiting in its lane''s batch in flight; not one out under a lease, nor one committed before the subscription or outside its topics (false). '
+'It waits for a claim that is moving that lane (src/log/cancel.rs).';
+
 COMMENT ON VIEW outbox.log IS
 'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
 'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Every event published since 0.9.0 (with the SQL of 0.8.0, only while outbox.log_write is on), '
@@ -1199,6 +1279,7 @@ COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
 'Dropping the install''s ''default'' (which reads outbox.event_queue) empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
 'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
 'Claims without a subscription then raise 42704 until ''default'' is created again with create_subscription, over the log. '
+'pg_dump keeps the queue but not the log (0.10.0): after this drop a logical dump keeps no undelivered event. '
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
 'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
 '55006 leases in flight without force. Nothing is dropped on error.';
@@ -1283,6 +1364,24 @@ COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
 'Internal (outbox._log_deliveries): one row per event acked from one of the subscription''s finished batches (outbox.log_delivered) that finished at or after since (NULL: every one kept): '
 'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';
 
+COMMENT ON FUNCTION outbox._log_cancel(text, bigint) IS
+'Internal (outbox.cancel of a subscription of the log): cancel event id, which the subscription holds no row for: not read by its lane yet (a cancelled row, and the id in the lane''s skips, '
+'which the claim that reads it leaves out), or waiting in the lane''s batch in flight (moved to a row with its subject''s events in the batch, then cancelled). '
+'Returns false when the event is not in the log, not the subscription''s, out under a lease, delivered, or has a row of its own; false for NULL arguments. Waits for a claim moving that lane. No errors of its own.';
+
+COMMENT ON FUNCTION outbox._log_forget(text, boolean) IS
+'Internal (drop_subscription of a subscription of the log): delete its lanes (lanes = true: first, waiting for a claim that moves one), or the rest of its state '
+'(lanes = false: batches, then exception rows, delivery record and activity, once its leases are counted), each under a snapshot taken when it runs, at every isolation level. '
+'Returns void. Errors: 22004 NULL argument.';
+
+COMMENT ON FUNCTION outbox._queue_clear(boolean) IS
+'Internal (drop_subscription of the ''default'' made at install, under its lock on outbox.event_queue): raise 55006 when a lease of the queue has not expired and force is false, '
+'else empty outbox.event_queue and outbox.subject_repairs under a snapshot taken now (at every isolation level). Returns the events removed (bigint). Errors: 22004 NULL force; 55006.';
+
+COMMENT ON FUNCTION outbox._log_retains(bigint) IS
+'Internal (retention of dispatch keys): whether a subscription of the log exists and event id is in the log or in a subscription''s row of its own (boolean). '
+'A key stays while its event is retained there, in the queue or in the archive. One index probe per lane. No errors.';
+
 COMMENT ON FUNCTION outbox._storage(text) IS
 'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''queue'' for the ''default'' made at install, ''log'' for every other; NULL when it does not exist.';
 
@@ -1361,6 +1460,9 @@ ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_batch_states(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._queue_clear(boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_subscription(text, boolean) SECURITY DEFINER;
@@ -1378,9 +1480,9 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
-    outbox._retention_guc(text), outbox._pattern_kind(text), outbox._topic_matches(text, text),
+    outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()
     TO outbox_admin;

@@ -13,6 +13,22 @@ LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._setting(name)::interval $$;
 
+-- Whether a subscription of the log still retains event `id` (0.10.0): one
+-- exists, and the event is in the log or in a row of one's own. A dispatch
+-- key stays while its event is retained anywhere (the queue, the archive, or
+-- here), so a publish with the key gets the same event back. The log has no
+-- index on id alone: one probe of each lane's (lane, id) index.
+CREATE FUNCTION outbox._log_retains(id bigint) RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage OPERATOR(pg_catalog.=) 'log')
+       AND (EXISTS (SELECT 1 FROM outbox.log l
+                     WHERE l.lane OPERATOR(pg_catalog.=) ANY ('{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}'::smallint[])
+                       AND l.id OPERATOR(pg_catalog.=) _log_retains.id)
+            OR EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id OPERATOR(pg_catalog.=) _log_retains.id))
+$$;
+
 CREATE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -53,6 +69,7 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
@@ -105,6 +122,7 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
@@ -145,12 +163,15 @@ BEGIN
             n := outbox._promote_heads(blocked, false);
         END IF;
     ELSE
-        -- Keys whose events are gone, once they are older than the key window.
+        -- Keys whose events are gone, once they are older than the key window:
+        -- from the queue and the archive, and (0.10.0) from what the
+        -- subscriptions of the log retain (outbox._log_retains).
         WITH victims AS (
             SELECT k.dispatch_key FROM outbox.dispatch_keys k
              WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
                AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+               AND NOT outbox._log_retains(k.event_id)
              LIMIT batch_size
                FOR UPDATE OF k SKIP LOCKED
         ), gone AS (

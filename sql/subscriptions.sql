@@ -129,9 +129,6 @@ BEGIN
     -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
     -- whose transaction commits after this one took it, whenever it was published.
     PERFORM outbox._log_subscribe(resolved, start);
-    -- What it starts from, for outbox._log_deliveries: events visible here
-    -- were committed before it and are not its own.
-    UPDATE outbox.log_lanes l SET start_snap = l.lo_snap WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
 END
 $$;
 
@@ -175,18 +172,16 @@ BEGIN
         -- (src/publish.rs): those running now finish first, and those that
         -- wait read the catalog without this subscription, so that after the
         -- commit no publish writes the queue again and nothing is left in it.
+        -- Its activity row first, before the lock: a claim notes its call
+        -- there before it writes the queue, so the drop waits for that claim
+        -- here rather than holding the queue while the claim waits for it.
+        PERFORM outbox._log_forget(resolved, false);
         LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-        SELECT pg_catalog.count(*) INTO in_flight FROM outbox.event_queue q
-         WHERE q.state OPERATOR(pg_catalog.=) 'leased' AND q.visible_at OPERATOR(pg_catalog.>) pg_catalog.now();
-        IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
-            RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
-                USING ERRCODE = '55006', HINT = 'Wait for the workers to finish, or pass force => true (their acks then change nothing).';
-        END IF;
-        -- Every event stays in the log for the other subscriptions. Delivered
-        -- and cancelled history (outbox.event_archive) ages out by retention.
-        DELETE FROM outbox.event_queue;
-        DELETE FROM outbox.subject_repairs;
-        DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+        -- Counted and emptied under a snapshot taken after the lock, at every
+        -- isolation level (55006 with leases in flight, unless force). Every
+        -- event stays in the log for the other subscriptions. Delivered and
+        -- cancelled history (outbox.event_archive) ages out by retention.
+        PERFORM outbox._queue_clear(force);
         DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
         RETURN;
     END IF;
@@ -195,8 +190,10 @@ BEGIN
     -- leases are counted, after waiting for every transaction that holds one
     -- of the subscription's batches or exception rows (a claim left open
     -- included): _log_in_flight takes those locks, in the order acks and
-    -- replay take them, and claims only try them.
-    DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) resolved;
+    -- replay take them, and claims only try them. Every delete reads a
+    -- snapshot taken when it runs (outbox._log_forget), at every isolation
+    -- level.
+    PERFORM outbox._log_forget(resolved, true);
     in_flight := outbox._log_in_flight(resolved);
     IF in_flight OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: subscription % has % leases in flight', pg_catalog.quote_literal(resolved), in_flight
@@ -204,11 +201,8 @@ BEGIN
     END IF;
     -- Batches next: fail() moves a batch's events to exception rows only while
     -- the batch row exists (key-share locked). Then the exception rows, all of
-    -- them visible by now.
-    DELETE FROM outbox.log_batches b WHERE b.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_exceptions e WHERE e.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.log_delivered d WHERE d.subscription OPERATOR(pg_catalog.=) resolved;
-    DELETE FROM outbox.subscription_activity a WHERE a.name OPERATOR(pg_catalog.=) resolved;
+    -- them committed by now, the delivery record and the activity.
+    PERFORM outbox._log_forget(resolved, false);
     DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
 END
 $$;
@@ -218,6 +212,7 @@ COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
 'Dropping the install''s ''default'' (which reads outbox.event_queue) empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
 'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
 'Claims without a subscription then raise 42704 until ''default'' is created again with create_subscription, over the log. '
+'pg_dump keeps the queue but not the log (0.10.0): after this drop a logical dump keeps no undelivered event. '
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
 'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
 '55006 leases in flight without force. Nothing is dropped on error.';

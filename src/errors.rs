@@ -25,6 +25,8 @@ pub const UNDEFINED_TABLE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_TA
 pub const UNDEFINED_OBJECT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_OBJECT;
 /// SQLSTATE 53400: a fixed shared-memory list is full.
 pub const CONFIGURATION_LIMIT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED;
+/// SQLSTATE 55006: an object in use (a subscription with leases in flight).
+pub const OBJECT_IN_USE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_OBJECT_IN_USE;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
 pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
 

@@ -26,7 +26,10 @@
 
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::claim::{SUBSCRIPTIONS, SUBSCRIPTIONS_0100, SUBSCRIPTIONS_090};
+use crate::sql::claim::{
+    FORGET_BATCHES, FORGET_LANES, FORGET_REST, QUEUE_CLEAR, QUEUE_LEASED, SUBSCRIPTIONS, SUBSCRIPTIONS_0100,
+    SUBSCRIPTIONS_090,
+};
 use crate::{backoff, errors, gucs, validate};
 use pgrx::prelude::*;
 use std::collections::HashMap;
@@ -135,4 +138,51 @@ pub fn require(name: &str) -> Settings {
             "List them in outbox.subscriptions.",
         )
     })
+}
+
+/// `outbox._queue_clear(force boolean) -> bigint`: for drop_subscription of
+/// the `default` made at install, which holds SHARE ROW EXCLUSIVE on the queue
+/// (so every writer of it has finished): raise 55006 when a lease it handed
+/// out has not expired and `force` is false, else empty the queue and
+/// `outbox.subject_repairs`; returns the events removed. Both statements read
+/// a snapshot taken now, not the transaction's: at REPEATABLE READ or
+/// SERIALIZABLE the transaction's snapshot can predate the lock, and would
+/// neither count nor delete rows that publishers committed before it.
+#[pg_extern(name = "_queue_clear", volatile, parallel_unsafe)]
+pub fn queue_clear(force: Option<bool>) -> i64 {
+    let force = force.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "force must not be NULL"));
+    let count = |rows: &plans::Rows| {
+        let mut n = 0;
+        rows.for_each(|r| n = r.i64(0).unwrap_or(0));
+        n
+    };
+    let leased: i64 = plans::run_latest(&QUEUE_LEASED, &[], count);
+    if leased > 0 && !force {
+        errors::raise_hint(
+            errors::OBJECT_IN_USE,
+            format!("subscription 'default' has {leased} leases in flight"),
+            "Wait for the workers to finish, or pass force => true (their acks then change nothing).",
+        );
+    }
+    plans::run_latest(&QUEUE_CLEAR, &[], count)
+}
+
+/// `outbox._log_forget(subscription text, lanes boolean)`: for
+/// drop_subscription of a subscription of the log, delete its lanes
+/// (`lanes`: first, waiting for a claim that moves one), or the rest of its
+/// state (batches, exception rows, delivery record, activity: once its leases
+/// are counted). Under a snapshot taken now, as [`queue_clear`]: at
+/// REPEATABLE READ or SERIALIZABLE the transaction's snapshot would miss rows
+/// written after it (left behind) or find rows changed since (40001).
+#[pg_extern(name = "_log_forget", volatile, parallel_unsafe)]
+pub fn log_forget(subscription: Option<&str>, lanes: Option<bool>) {
+    let (Some(subscription), Some(lanes)) = (subscription, lanes) else {
+        errors::raise(errors::NULL_VALUE, "subscription and lanes must not be NULL")
+    };
+    if lanes {
+        plans::run_latest(&FORGET_LANES, &[subscription.into()], |_| ());
+        return;
+    }
+    plans::run_latest(&FORGET_BATCHES, &[subscription.into()], |_| ());
+    plans::run_latest(&FORGET_REST, &[subscription.into()], |_| ());
 }

@@ -340,7 +340,7 @@ LOG_LEFT = "SELECT (SELECT count(*) FROM outbox.log_batches), (SELECT count(*) F
 # lane's batch round may share a token). The payload is selected as text.
 LOG_DRAIN = {
     "claim": (
-        "SELECT id, topic, subject, payload::text, headers, lease_token, lease_expires_at\n"
+        "SELECT id, topic, subject, payload::text, headers, lease_token\n"
         "  FROM outbox.claim(%(worker)s, %(batch)s::int, interval '30 seconds', subscription => %(reader)s)"
     ),
     "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",

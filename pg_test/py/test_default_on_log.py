@@ -34,6 +34,21 @@ def fail(c, row, permanent=False):
                      (row[0], row[2], permanent)).fetchone()[0]
 
 
+def start_waiting(fn, what):
+    """Run fn in a thread and check that it is still waiting half a second
+    later; returns the thread and the event it sets when fn returns."""
+    done = threading.Event()
+
+    def run():
+        fn()
+        done.set()
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    assert not done.is_set(), f"the {what} did not wait"
+    return t, done
+
+
 def queue_rows(db):
     return db.one("SELECT count(*) FROM outbox.event_queue")[0]
 
@@ -136,28 +151,15 @@ def test_a_publisher_running_during_the_drop_leaves_nothing_in_the_queue(logdb):
     warm = publish(second)                        # its catalog copy: 'default' reads the queue
     first.execute("BEGIN")
     a = publish(first)                            # holds its lock on the queue
-    done = threading.Event()
-
-    def drop():
-        dropper.execute("SELECT outbox.drop_subscription('default')")
-        done.set()
-    t = threading.Thread(target=drop)
-    t.start()
-    time.sleep(0.5)
-    assert not done.is_set(), "the drop did not wait for the running publisher"
+    t, done = start_waiting(lambda: dropper.execute("SELECT outbox.drop_subscription('default')"),
+                            "drop, behind the running publisher,")
     second.execute("BEGIN")
     result = {}
-
-    def publish_second():
-        result["id"] = publish(second)
-    p = threading.Thread(target=publish_second)
-    p.start()
-    time.sleep(0.5)
-    assert "id" not in result, "the second publisher did not wait for the drop"
+    p, published = start_waiting(lambda: result.update(id=publish(second)), "second publisher, behind the drop,")
     first.execute("COMMIT")
     t.join(10)
     p.join(10)
-    assert done.is_set() and "id" in result
+    assert done.is_set() and published.is_set()
     second.execute("COMMIT")
     assert queue_rows(logdb) == 0
     ids = [r[0] for r in logdb.all("SELECT id FROM outbox.log ORDER BY id")]
@@ -339,3 +341,188 @@ def test_max_lag_input(plain):
     c.execute("SELECT outbox.alter_subscription('x', max_lag => '2 h')")
     assert plain.one("SELECT max_lag FROM outbox.subscriptions WHERE name = 'x'")[0].total_seconds() == 7200
     assert sqlstate(c, "SELECT outbox.alter_subscription('x', max_lag => '0 s')") == "22023"
+
+
+def _claim_sub(c, sub, n=10):
+    return c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', %s, subscription => %s)",
+                     (n, sub)).fetchall()
+
+
+def _cancel(c, id_, sub):
+    return c.execute("SELECT outbox.cancel(%s, %s)", (id_, sub)).fetchone()[0]
+
+
+def test_cancel_an_event_the_subscription_has_not_read(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('c')")
+    a, b, x = publish(c, subject="s"), publish(c, subject="s"), publish(c)
+    assert _cancel(c, a, "c") is True
+    assert logdb.one("SELECT skips FROM outbox.log_lanes WHERE subscription = 'c' AND skips IS NOT NULL")[0] == [a]
+    assert _cancel(c, a, "c") is False            # already cancelled
+    rows = _claim_sub(c, "c")
+    # a is finished for its subject: b goes out at once, with x.
+    assert sorted(r[0] for r in rows) == [b, x]
+    assert logdb.one("SELECT count(*) FROM outbox.log_lanes WHERE subscription = 'c' AND skips IS NOT NULL")[0] == 0
+    for r in rows:
+        assert ack(c, r)
+    assert _claim_sub(c, "c") == []
+    d = dict(logdb.all("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'c'"))
+    assert d == {a: "cancelled", b: "delivered", x: "delivered"}
+    # Another subscription is not affected.
+    assert c.execute("SELECT outbox.cancel(%s)", (a,)).fetchone()[0] is True     # the queue's default: its own cancel
+
+
+def test_replay_of_an_event_cancelled_before_it_was_read_puts_it_back_in_order(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('c')")
+    a, b = publish(c, subject="s"), publish(c, subject="s")
+    assert _cancel(c, a, "c") is True
+    assert c.execute("SELECT outbox.replay(%s, 'c')", (a,)).fetchone()[0] is True
+    assert logdb.one("SELECT count(*) FROM outbox.log_exceptions WHERE subscription = 'c'")[0] == 0
+    got = []
+    while rows := _claim_sub(c, "c"):
+        assert len(rows) == 1                     # one subject: one at a time, in order
+        assert ack(c, rows[0])
+        got.append(rows[0][0])
+    assert got == [a, b]
+
+
+def test_cancel_an_event_waiting_in_its_batch(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('c')")
+    a, b, z = publish(c, subject="s"), publish(c, subject="s"), publish(c, subject="s")
+    rows = _claim_sub(c, "c")
+    assert [r[0] for r in rows] == [a]            # b and z wait behind a in the batch
+    assert _cancel(c, a, "c") is False            # out under a lease
+    assert _cancel(c, b, "c") is True
+    # a's holder still acks it; then z, not b.
+    assert ack(c, rows[0])
+    rows = _claim_sub(c, "c")
+    assert [r[0] for r in rows] == [z]
+    assert ack(c, rows[0])
+    assert _claim_sub(c, "c") == []
+    d = dict(logdb.all("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'c'"))
+    assert d == {a: "delivered", b: "cancelled", z: "delivered"}
+    assert _cancel(c, z, "c") is False            # delivered
+
+
+def test_cancel_refuses_what_is_not_the_subscriptions_own(logdb):
+    c = logdb.conn()
+    before = publish(c, topic="t.a")
+    c.execute("SELECT outbox.create_subscription('c', topics => ARRAY['t.a'])")
+    other = publish(c, topic="u.b")
+    assert _cancel(c, before, "c") is False       # committed before it was created
+    assert _cancel(c, other, "c") is False        # outside its topics
+    assert _cancel(c, 10 ** 15, "c") is False     # no such event
+    assert logdb.one("SELECT count(*) FROM outbox.log_exceptions")[0] == 0
+
+
+def test_cancel_waits_for_a_claim_moving_the_lane(logdb):
+    claimer, canceller, pub = logdb.conn(), logdb.conn(), logdb.conn()
+    claimer.execute("SELECT outbox.create_subscription('c')")
+    first = publish(pub, subject="s")
+    claimer.execute("BEGIN")
+    got = [r[0] for r in _claim_sub(claimer, "c")]
+    assert got == [first]                         # the lane row is held until commit
+    later = publish(pub, subject="s")
+    result = {}
+    t, _ = start_waiting(lambda: result.update(ok=_cancel(canceller, later, "c")),
+                         "cancel, behind the claim holding the lane,")
+    claimer.execute("COMMIT")
+    t.join(10)
+    assert result == {"ok": True}
+    rows = claimer.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => 'c')").fetchall()
+    # first is still leased to its holder; later is cancelled: nothing to hand out.
+    assert rows == []
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_drop_whose_snapshot_predates_a_publish_still_empties_the_queue(logdb, isolation):
+    dropper, pub = logdb.conn(), logdb.conn()
+    dropper.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    dropper.execute("SELECT 1")                      # its snapshot, before the publish
+    e = publish(pub)
+    dropper.execute("SELECT outbox.drop_subscription('default')")
+    dropper.execute("COMMIT")
+    assert queue_rows(logdb) == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log WHERE id = %s", (e,))[0] == 1
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+def test_a_drop_of_a_log_subscription_whose_snapshot_predates_its_claims_leaves_nothing(logdb, isolation):
+    dropper, w = logdb.conn(), logdb.conn()
+    w.execute("SELECT outbox.create_subscription('s')")
+    dropper.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    dropper.execute("SELECT 1")
+    publish(w, subject="k")
+    publish(w, subject="k")
+    row = _claim_sub(w, "s")[0]                       # a lane moved, a batch, after the snapshot
+    assert fail(w, row) == "pending"                  # an exception row too
+    dropper.execute("SELECT outbox.drop_subscription('s', force => true)")
+    dropper.execute("COMMIT")
+    for t in ("log_lanes", "log_batches", "log_exceptions", "log_delivered"):
+        assert logdb.one(f"SELECT count(*) FROM outbox.{t} WHERE subscription = 's'")[0] == 0, t
+
+
+def test_dispatch_keys_keep_deduplicating_once_the_queue_default_is_dropped(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.drop_subscription('default')")
+    c.execute("SELECT outbox.create_subscription('ledger')")
+    first = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'order-42')").fetchone()[0]
+    c.execute("CALL outbox.run_maintenance()")
+    again = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'order-42')").fetchone()[0]
+    assert again == first
+    assert [r[0] for r in _claim_sub(c, "ledger")] == [first]
+    # Gone from the log and from every row of its own: the key goes too.
+    c.execute("TRUNCATE outbox.log_0, outbox.log_1, outbox.log_2, outbox.log_3")
+    c.execute("CALL outbox.run_maintenance()")
+    assert logdb.one("SELECT count(*) FROM outbox.dispatch_keys")[0] == 0
+
+
+def test_a_cancelled_dead_letter_of_the_log_has_no_dead_at(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('c')")
+    e = publish(c)
+    row = _claim_sub(c, "c")[0]
+    assert fail(c, row, permanent=True) == "dead"
+    assert _cancel(c, e, "c") is True
+    assert logdb.one("SELECT state, dead_at, cancelled_at IS NOT NULL FROM outbox.deliveries "
+                     "WHERE subscription = 'c' AND event_id = %s", (e,)) == ("cancelled", None, True)
+
+
+def test_max_lag_counts_only_what_is_lost(logdb):
+    """Acked events, events out under a lease and events with rows of their own
+    are not lost when retention passes a capped subscription; unread ones are."""
+    c, admin = logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.drop_subscription('default')")
+    c.execute("SELECT outbox.create_subscription('cap', max_lag => '1 s')")
+    admin.execute("SELECT outbox._log_rotate()")
+    acked = [publish(c, subject=f"a{i}") for i in range(3)]
+    failed = publish(c, subject="f")
+    out = publish(c, subject="o")
+    rows = {r[0]: r for r in _claim_sub(c, "cap")}
+    for i in acked:
+        assert ack(c, rows[i])
+    assert fail(c, rows[failed], permanent=True) == "dead"
+    unread = [publish(c, subject="u") for _ in range(2)]   # after the claim's cursor
+    admin.execute("SELECT outbox._log_rotate()")            # all of them in the sealed log_0
+    time.sleep(1.2)
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
+    assert logdb.one("SELECT lost_events FROM outbox.subscriptions WHERE name = 'cap'")[0] == len(unread)
+    # The one out under a lease is still acked by its holder; the dead letter is kept.
+    assert ack(c, rows[out])
+    assert logdb.one("SELECT state FROM outbox.deliveries WHERE subscription = 'cap' AND event_id = %s",
+                     (failed,))[0] == "dead"
+
+
+def test_purging_the_archive_keeps_a_key_whose_event_the_log_still_holds(logdb):
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('l1')")
+    first = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'KA')").fetchone()[0]
+    row = claim(c)[0]                                      # the queue's default delivers it
+    assert ack(c, row)
+    c.execute("SELECT outbox._purge_step('delivered', '0 s', 1000)")
+    again = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'KA')").fetchone()[0]
+    assert again == first                                  # l1 has not read it: still retained
+    assert [r[0] for r in _claim_sub(c, "l1")] == [first]

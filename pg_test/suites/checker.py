@@ -46,6 +46,21 @@ dead letters under 'skip'):
   sampler     pg_stat_activity every 50 ms: any backend running outbox.claim that
               waits on a Lock (with its blockers and the lock it waits for)
 
+--default-on-log [DB] (0.10.0; DB `other` unless given, `all` for both): at setup,
+drop_subscription('default') then create_subscription('default') in DB, so that
+claim, replay, replay_dead and cancel without a subscription read the log there.
+The workers' claims, acks (a batch ack becomes one ack(ids[], tokens[]), counted as
+for a named subscription), fails and cancels in transactions then use it; the
+operator runs the named operator's actions for it (with NULL as subscription; its
+alter_topic sets its policy); the named workers claim it too; bigops and the
+scenarios run against it (the replay race then cancels an event waiting in its
+head's batch). The option also adds, for every subscription of the log, operator
+cancels of events not read yet (the newest published) or waiting in a batch (a
+later event of a subject just handed out), sometimes replayed (in autocommit, or
+in a transaction held open, sometimes rolled back); and the check queue_empty:
+outbox.event_queue and outbox.event_archive stay empty in DB (sampled during the
+load, and after the drain).
+
 Every CYCLE (12 s) the load calms down for CALM (3.5 s): no long transaction holds an
 xid (so the claim low-water mark can step), and one database is left to the low-water
 race.
@@ -89,6 +104,12 @@ checked for `default`, sub_a and sub_b alike:
                     token handed out for that event by a claim that did not roll
                     back, and no committed claim handed the event out again between
                     that claim and the ack
+  cancel            a cancel() that returned true holds from its commit until a
+                    replay: no claim that started after the commit (whatever its
+                    transaction did) returns the event, and no ack started then
+                    returns true in a committed transaction, unless a replay() of
+                    it that returned true overlapped (conservative: one rolled back
+                    counts); the drain's replays then deliver it exactly once
   claim_no_wait     no claim waited on a lock (sampled) or hit lock_timeout
   dispatch_keys     re-publishing a committed dispatch key returns its event id
 
@@ -156,6 +177,21 @@ NAMED = {
                   backoff_base="10 ms", backoff_max="100 ms", default_lease="400 ms", dead_letter_policy="skip"),
 }
 SUBS = ["default"] + list(NAMED)
+# --default-on-log (0.10.0): in these databases 'default' is dropped at setup and
+# created again over the log, so claim, replay, replay_dead and cancel without a
+# subscription read the log there (as sub_a does: every topic, the topics' and the
+# GUCs' policy), and outbox.event_queue must stay empty. Filled in by main().
+LOG_DEFAULT = set()
+
+
+def on_log(db, sub):
+    """Whether the subscription reads the log in that database."""
+    return sub != "default" or db in LOG_DEFAULT
+
+
+def subarg(sub):
+    """The subscription argument of claim/cancel/replay: NULL for 'default'."""
+    return None if sub in (None, "default") else sub
 
 
 def topic_matches(topic, patterns):
@@ -217,8 +253,8 @@ SERVER_SETTINGS = {
     "outbox.backoff_max": "200ms",
     "outbox.max_attempts": "4",
 }
-INVARIANTS = ["server_errors", "delivery", "uncommitted", "subject_order", "fencing", "claim_no_wait",
-              "dispatch_keys"]
+INVARIANTS = ["server_errors", "delivery", "uncommitted", "subject_order", "fencing", "cancel", "claim_no_wait",
+              "dispatch_keys"]   # + "queue_empty" with --default-on-log
 RETRY = {"40001", "40P01"}
 APP = "chk"
 
@@ -262,6 +298,15 @@ class Ctx:
         self.cancelled = defaultdict(set)      # cancel() returned true (any outcome)
         self.replayed = defaultdict(set)       # replay() returned true, or replay_dead() replayed it
         self.dead_reported = defaultdict(set)  # fail() returned 'dead'
+        # cancel() = true: (db, sub, id, wtx of its transaction or None (autocommit),
+        # tick before the call, tick after it returned); replay() = true, whatever its
+        # transaction did: (db, sub, id, tick before, tick after its transaction ended)
+        self.cancel_log = []
+        self.replay_log = []
+        self.recent_pub = {db: [] for db in DBS}   # (id, topic, subject) as publish returned them
+        self.pub_by_subject = {db: defaultdict(list) for db in DBS}   # subject -> ids, publish order
+        self.big_out = Counter()
+        self.queue_seen = {}      # db -> the queue_empty violation was recorded  # big events committed in a log-default database, not yet acked
         self.ever_skip = set((db, t) for db in DBS for t, a in TOPICS.items()
                              if a and a["dead_letter_policy"] == "skip")
         self.committed_keys = {db: [] for db in DBS}   # (key, id) of committed events
@@ -291,6 +336,29 @@ class Ctx:
         with self.lock:
             self.clock += 1
             return self.clock
+
+    def note_cancel(self, db, sub, eid, t0, wtx=None):
+        """cancel() returned true (in wtx's transaction, or in autocommit when None)."""
+        t1 = self.tick()
+        with self.lock:
+            self.cancelled[sub].add((db, eid))   # conservative: the transaction may roll back
+            self.cancel_log.append((db, sub, eid, wtx, t0, t1))
+
+    def note_replay_try(self, db, sub, eid, t0):
+        """replay() returned true; called once its transaction ended (either way)."""
+        t1 = self.tick()
+        with self.lock:
+            self.replay_log.append((db, sub, eid, t0, t1))
+
+    def note_pub(self, db, ids, topic, subjects):
+        with self.lock:
+            for i, eid in enumerate(ids):
+                subj = subjects[i] if subjects else None
+                self.recent_pub[db].append((eid, topic, subj))
+                if subj is not None:
+                    self.pub_by_subject[db][subj].append(eid)
+            if len(self.recent_pub[db]) > 2000:
+                del self.recent_pub[db][:1000]
 
     def violation(self, inv, msg, **ctx):
         with self.lock:
@@ -449,10 +517,16 @@ def pub_tx(ctx, rnd, c, db, tag):
             # Read first (the snapshot), publish later: the subject's head, leased now,
             # may be acked in between.
             pool = subjects_now()
-            row = c.execute("SELECT q.subject FROM outbox.event_queue q WHERE q.is_head AND q.state = 'leased' "
-                            "AND q.subject = ANY(%s) AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p "
-                            "WHERE p.subject = q.subject AND p.id > q.id) ORDER BY random() LIMIT 1",
-                            (pool,)).fetchone()
+            if db in LOG_DEFAULT:
+                # no queue to read: a subject a claim handed out lately
+                with ctx.lock:
+                    hot = sorted(set(r[7] for r in ctx.claimed[-300:] if r[0] == db and r[7] in pool))
+                row = (rnd.choice(hot),) if hot else None
+            else:
+                row = c.execute("SELECT q.subject FROM outbox.event_queue q WHERE q.is_head AND q.state = 'leased' "
+                                "AND q.subject = ANY(%s) AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p "
+                                "WHERE p.subject = q.subject AND p.id > q.id) ORDER BY random() LIMIT 1",
+                                (pool,)).fetchone()
             first_subject = row[0] if row else rnd.choice(pool)
             ctx.op(k="pub_snapshot", db=db, tag=tag, subj=first_subject, iso=iso)
             time.sleep(rnd.uniform(0.05, 0.6))
@@ -569,6 +643,7 @@ def publish_one(ctx, rnd, c, db, tag, k, op, subject=None):
         (topic, payload(pk, rnd), subject, key, delay, delay)).fetchone()[0]
     op["ids"].append(eid)
     op.setdefault("keys", []).append((key, eid))
+    ctx.note_pub(db, [eid], topic, [subject])
     ctx.inc("publish calls")
     ctx.op(k="published", db=db, tag=tag, pk=pk, id=eid, subj=subject, topic=topic)
     if want is not None:
@@ -592,6 +667,7 @@ def publish_many(ctx, rnd, c, db, tag, k, op):
         (topic, [payload(pk, rnd) for pk in pks], subjects, keys)).fetchall()]
     op["ids"].extend(ids)
     op.setdefault("keys", []).extend(zip(keys or [None] * m, ids))
+    ctx.note_pub(db, ids, topic, subjects)
     ctx.inc("publish_batch calls")
     ctx.op(k="published_batch", db=db, tag=tag, ids=ids, subjs=subjects, topic=topic)
 
@@ -637,6 +713,7 @@ def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
     token, attempt, and when the call returned (wall clock and journal tick)."""
     sname = sub or "default"
     ctx.inc("claims" if sub is None else "named claims")
+    t_start = ctx.tick()
     try:
         rows = c.execute(CLAIM_SQL, (wname, batch, lease, topics, sub)).fetchall()
     except psycopg.Error as ex:
@@ -657,7 +734,7 @@ def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
     ids = [r[0] for r in rows]
     with ctx.lock:
         for r in rows:
-            ctx.claimed.append((db, r[0], r[3], wtx, sname, str(r[5]), r[4], r[2], t_end, seq))
+            ctx.claimed.append((db, r[0], r[3], wtx, sname, str(r[5]), r[4], r[2], t_end, seq, t_start))
     ctx.inc("claimed events" if sub is None else "named claimed events", len(rows))
     if rows:
         ctx.op(k="claim", db=db, wtx=wtx, sub=sname, ids=ids, subjs=[r[2] for r in rows], att=[r[4] for r in rows],
@@ -690,8 +767,9 @@ def ack_auto(ctx, c, db, wname, row, sub=None):
                 ctx.wtx[wtx] = {"db": db, "xid": None, "client": "unknown"}
                 ctx.acks.append((db, eid, wtx, True, sname, str(tok), seq))
         raise
+    end = ctx.tick()
     with ctx.lock:
-        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
+        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit", "end": end}
         ctx.acks.append((db, eid, wtx, bool(ok), sname, str(tok), seq))
     if sub is None:
         ctx.inc("acks true" if ok else "acks false")
@@ -796,7 +874,10 @@ def worker_auto(ctx, rnd, c, db, wname, n):
 
 def ack_batch(ctx, c, db, wname, rows, wtx):
     """Batch ack in its own transaction; which ids this transaction acked comes from
-    the archive rows it inserted (xmin)."""
+    the archive rows it inserted (xmin). Where 'default' reads the log there is no
+    archive: one ack(ids[], tokens[]) as for a named subscription."""
+    if db in LOG_DEFAULT:
+        return ack_array_named(ctx, c, db, rows, wtx, "default")
     ids = [r[0] for r in rows]
     toks = [r[5] for r in rows]
     seq = ctx.tick()
@@ -811,11 +892,12 @@ def ack_batch(ctx, c, db, wname, rows, wtx):
         ctx.server_error(ex, "batch ack", db=db, n=len(ids), wtx=wtx, accepted=("55P03",))
         safe_rollback(c)
         raise
+    end = ctx.tick()
     mine = set(mine)
     if cnt != len(mine):
         ctx.violation("delivery", f"batch ack returned {cnt} but archived {len(mine)} rows", db=db, ids=ids[:50])
     with ctx.lock:
-        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
+        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit", "end": end}
         for i, tok in zip(ids, toks):
             ctx.acks.append((db, i, wtx, i in mine, "default", str(tok), seq))
     ctx.inc("batch acks")
@@ -845,13 +927,19 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                 # (often the newest claimable one).
                 stage = "cancel"
                 order = "id DESC" if rnd.random() < 0.6 else "random()"
-                eid = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND is_head "
-                                f"AND topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') ORDER BY {order} LIMIT 1").fetchone()
+                if db in LOG_DEFAULT:
+                    # 'default' reads the log: a recent event, often not read yet or
+                    # waiting in a batch (0.10.0)
+                    eid = pick_fresh(ctx, rnd, db, "default")
+                    eid = (eid,) if eid else None
+                else:
+                    eid = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND is_head "
+                                    f"AND topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') ORDER BY {order} LIMIT 1").fetchone()
                 if eid:
+                    t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.cancel(%s)", (eid[0],)).fetchone()[0]
                     if ok:
-                        with ctx.lock:
-                            ctx.cancelled["default"].add((db, eid[0]))
+                        ctx.note_cancel(db, "default", eid[0], t0, wtx)
                     ctx.inc("cancels in worker tx")
                     ctx.op(k="cancel", db=db, id=eid[0], ok=ok, wtx=wtx)
             for row in rows:
@@ -904,7 +992,7 @@ def worker_tx(ctx, rnd, c, db, wname, n):
 def lease_s(sub, lease):
     if lease is not None:
         return float(lease.split()[0]) / (1000.0 if lease.endswith("ms") else 1.0)
-    dl = NAMED[sub]["default_lease"]
+    dl = NAMED[sub]["default_lease"] if sub in NAMED else None
     return lease_s(sub, dl) if dl else 1.0   # else outbox.default_lease (SERVER_SETTINGS)
 
 
@@ -940,8 +1028,9 @@ def ack_array_named(ctx, c, db, rows, wtx, sub):
     if cnt < 0 or cnt > len(ids):
         ctx.violation("delivery", f"[{sub}] array ack of {len(ids)} events returned {cnt}", db=db, ids=ids[:50], sub=sub)
     ok = True if cnt == len(ids) else False if cnt == 0 else None
+    end = ctx.tick()
     with ctx.lock:
-        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit"}
+        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit", "end": end}
         for i, tok in zip(ids, toks):
             ctx.acks.append((db, i, wtx, ok, sub, str(tok), seq))
     ctx.inc("named array acks")
@@ -964,7 +1053,11 @@ def sworker(ctx, idx):
     n = 0
     while not ctx.stop.is_set():
         db = pick_db(rnd)
-        sub = rnd.choices(list(NAMED), weights=[3, 2])[0]
+        if db in LOG_DEFAULT:
+            # 'default' over the log gets these workers' claims too (late acks, bulk)
+            sub = rnd.choices(list(NAMED) + ["default"], weights=[3, 2, 2])[0]
+        else:
+            sub = rnd.choices(list(NAMED), weights=[3, 2])[0]
         n += 1
         c = None
         try:
@@ -997,12 +1090,12 @@ def sworker_auto(ctx, rnd, c, db, sub, wname, n, held):
         ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
     if bulk:
         # Big claims keep sub_a up with the big batches; one array ack for all of them.
-        rows = claim(ctx, c, db, wname, wtx, rnd.randint(50, 400), "2 s", None, sub)
+        rows = claim(ctx, c, db, wname, wtx, rnd.randint(50, 400), "2 s", None, subarg(sub))
         if rows:
             ack_array_named(ctx, c, db, rows, f"{wname}-b{n}", sub)
         return
     lease = rnd.choice([None, None, "300 ms", "500 ms", "1 s"])
-    rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 8), lease, narrowed(rnd), sub)
+    rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 8), lease, narrowed(rnd), subarg(sub))
     if not rows:
         time.sleep(rnd.uniform(0.01, 0.05))
         return
@@ -1057,17 +1150,26 @@ def sworker_tx(ctx, rnd, c, db, sub, wname, n, held):
         for r in range(rounds):
             stage = "claim"
             rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 6), rnd.choice([None, "500 ms", "1 s"]),
-                         narrowed(rnd), sub)
+                         narrowed(rnd), subarg(sub))
             handed += rows
             if rnd.random() < 0.1:
-                stage = "cancel"
-                row = c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
-                                "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
+                stage = "cancel: pick"
+                # Not outbox.deliveries: it reads the whole log, which can outlast the
+                # worker's statement_timeout (57014) while this transaction holds its
+                # batches. One of the subscription's own rows (a retry, a delay, a parked
+                # or dead event), or a recent event: often not read yet, or in a batch.
+                if rnd.random() < 0.5:
+                    row = c.execute("SELECT id FROM outbox.log_exceptions WHERE subscription = %s "
+                                    "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
+                else:
+                    eid = pick_fresh(ctx, rnd, db, sub)
+                    row = (eid,) if eid else None
                 if row:
-                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (row[0], sub)).fetchone()[0]
+                    stage = "cancel"
+                    t0 = ctx.tick()
+                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (row[0], subarg(sub))).fetchone()[0]
                     if ok:
-                        with ctx.lock:
-                            ctx.cancelled[sub].add((db, row[0]))  # conservative: the tx may roll back
+                        ctx.note_cancel(db, sub, row[0], t0, wtx)   # conservative: the tx may roll back
                     ctx.inc("named cancels in worker tx")
                     ctx.op(k="cancel", db=db, id=row[0], ok=ok, wtx=wtx, sub=sub)
             for row in rows:
@@ -1118,8 +1220,9 @@ def soperator(ctx):
     """The operator of the named subscriptions: replay(id, sub) of dead letters,
     replay_dead(pattern, since, until, dry_run, sub), cancel(id, sub) of events held
     per event (and of ones it does not hold: false), replay of cancelled events,
-    alter_subscription of sub_a's max_attempts. Which events replay_dead replayed is
-    read back from the exception rows its transaction wrote (xmin)."""
+    alter_subscription of sub_a's max_attempts; with --default-on-log also cancels of
+    events not read yet or waiting in a batch (cancel_fresh). Which events replay_dead
+    replayed is read back from the exception rows its transaction wrote (xmin)."""
     rnd = random.Random(ctx.args.seed * 9001)
     s = Session(ctx, "soperator", ["SET statement_timeout = '30s'"])
     while not ctx.stop.is_set():
@@ -1128,85 +1231,7 @@ def soperator(ctx):
         c = None
         try:
             c = s.get(db)
-            a = rnd.random()
-            if a < 0.25:
-                for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
-                                        "AND state = 'dead' ORDER BY random() LIMIT 3", (sub,)).fetchall():
-                    ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
-                    if ok:
-                        with ctx.lock:
-                            ctx.replayed[sub].add((db, eid))
-                    ctx.inc("named replays")
-                    ctx.op(k="replay", db=db, id=eid, ok=ok, dead=True, sub=sub)
-            elif a < 0.40:
-                pat = rnd.choice([None, "chk.*", "chk.fast", "chk.skip", "chk.slow"])
-                since = rnd.choice([None, None, 5.0, 1.0])
-                until = rnd.choice([None, None, 0.3])
-                dry = rnd.random() < 0.25
-                c.execute("BEGIN")
-                nd = c.execute("SELECT outbox.replay_dead(%s, now() - %s * interval '1 s', now() - %s * interval '1 s', "
-                               "%s, %s)", (pat, since, until, dry, sub)).fetchone()[0]
-                mine = [r[0] for r in c.execute(
-                    "SELECT id FROM outbox.log_exceptions WHERE subscription = %s AND xmin::text = "
-                    "(pg_current_xact_id()::text::bigint %% 4294967296)::text", (sub,)).fetchall()]
-                c.execute("COMMIT")
-                if dry and mine:
-                    ctx.violation("delivery", f"[{sub}] replay_dead(dry_run => true) changed {len(mine)} rows",
-                                  db=db, ids=mine[:20], sub=sub)
-                elif not dry and len(mine) < nd:
-                    ctx.violation("delivery", f"[{sub}] replay_dead returned {nd} but changed {len(mine)} rows",
-                                  db=db, ids=mine[:20], sub=sub)
-                with ctx.lock:
-                    ctx.replayed[sub].update((db, i) for i in mine)
-                ctx.inc("named replay_dead calls")
-                ctx.op(k="replay_dead", db=db, pattern=pat, since=since, until=until, dry=dry, n=nd, ids=mine[:50],
-                       sub=sub)
-            elif a < 0.65:
-                row = c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
-                                "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
-                if row:
-                    eid = row[0]
-                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sub)).fetchone()[0]
-                    ctx.inc("named cancels")
-                    ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub)
-                    if ok:
-                        with ctx.lock:
-                            ctx.cancelled[sub].add((db, eid))
-                        if rnd.random() < 0.5:
-                            time.sleep(rnd.uniform(0, 0.2))
-                            ok2 = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
-                            if ok2:
-                                with ctx.lock:
-                                    ctx.replayed[sub].add((db, eid))
-                            ctx.inc("named replays")
-                            ctx.op(k="replay", db=db, id=eid, ok=ok2, cancelled=True, sub=sub)
-            elif a < 0.75:
-                # cancel of an event the subscription may not hold per event (leased in a
-                # batch, delivered, not read yet): false, and nothing changes
-                with ctx.lock:
-                    recent = [r[1] for r in ctx.claimed[-200:] if r[0] == db and r[4] == sub]
-                if recent:
-                    eid = rnd.choice(recent)
-                    ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sub)).fetchone()[0]
-                    if ok:
-                        with ctx.lock:
-                            ctx.cancelled[sub].add((db, eid))
-                    ctx.inc("named cancels")
-                    ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub, any=True)
-            elif a < 0.80 and sub == "sub_a":
-                ma = rnd.choice([3, 4, 6])
-                c.execute("SELECT outbox.alter_subscription('sub_a', max_attempts => %s)", (ma,))
-                ctx.inc("alter_subscription")
-                ctx.op(k="alter_subscription", db=db, sub=sub, max_attempts=ma)
-            else:
-                for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
-                                        "AND state = 'cancelled' ORDER BY random() LIMIT 2", (sub,)).fetchall():
-                    ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
-                    if ok:
-                        with ctx.lock:
-                            ctx.replayed[sub].add((db, eid))
-                    ctx.inc("named replays")
-                    ctx.op(k="replay", db=db, id=eid, ok=ok, cancelled=True, sub=sub)
+            soperator_step(ctx, rnd, c, db, sub)
         except psycopg.Error as ex:
             ctx.server_error(ex, "named operator", db=db, sub=sub)
             if c is None or is_conn_error(ex):
@@ -1215,6 +1240,167 @@ def soperator(ctx):
                 safe_rollback(c)
         ctx.stop.wait(rnd.uniform(0.05, 0.25))
     s.close()
+
+
+def soperator_step(ctx, rnd, c, db, sub):
+    """One action of the operator of a subscription of the log (a named one, or
+    'default' where it reads the log: then every call passes NULL as subscription)."""
+    sa = subarg(sub)
+    if ctx.args.default_on_log and rnd.random() < 0.3:
+        cancel_fresh(ctx, rnd, c, db, sub)
+        return
+    a = rnd.random()
+    if a < 0.25:
+        for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                "AND state = 'dead' ORDER BY random() LIMIT 3", (sub,)).fetchall():
+            t0 = ctx.tick()
+            ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sa)).fetchone()[0]
+            if ok:
+                ctx.note_replay_try(db, sub, eid, t0)
+                with ctx.lock:
+                    ctx.replayed[sub].add((db, eid))
+            ctx.inc("named replays")
+            ctx.op(k="replay", db=db, id=eid, ok=ok, dead=True, sub=sub)
+    elif a < 0.40:
+        pat = rnd.choice([None, "chk.*", "chk.fast", "chk.skip", "chk.slow"])
+        since = rnd.choice([None, None, 5.0, 1.0])
+        until = rnd.choice([None, None, 0.3])
+        dry = rnd.random() < 0.25
+        c.execute("BEGIN")
+        nd = c.execute("SELECT outbox.replay_dead(%s, now() - %s * interval '1 s', now() - %s * interval '1 s', "
+                       "%s, %s)", (pat, since, until, dry, sa)).fetchone()[0]
+        mine = [r[0] for r in c.execute(
+            "SELECT id FROM outbox.log_exceptions WHERE subscription = %s AND xmin::text = "
+            "(pg_current_xact_id()::text::bigint %% 4294967296)::text", (sub,)).fetchall()]
+        c.execute("COMMIT")
+        if dry and mine:
+            ctx.violation("delivery", f"[{sub}] replay_dead(dry_run => true) changed {len(mine)} rows",
+                          db=db, ids=mine[:20], sub=sub)
+        elif not dry and len(mine) < nd:
+            ctx.violation("delivery", f"[{sub}] replay_dead returned {nd} but changed {len(mine)} rows",
+                          db=db, ids=mine[:20], sub=sub)
+        with ctx.lock:
+            ctx.replayed[sub].update((db, i) for i in mine)
+        ctx.inc("named replay_dead calls")
+        ctx.op(k="replay_dead", db=db, pattern=pat, since=since, until=until, dry=dry, n=nd, ids=mine[:50],
+               sub=sub)
+    elif a < 0.65:
+        row = c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                        "AND state IN ('pending', 'dead') ORDER BY random() LIMIT 1", (sub,)).fetchone()
+        if row:
+            eid = row[0]
+            t0 = ctx.tick()
+            ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sa)).fetchone()[0]
+            ctx.inc("named cancels")
+            ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub)
+            if ok:
+                ctx.note_cancel(db, sub, eid, t0)
+                if rnd.random() < 0.5:
+                    time.sleep(rnd.uniform(0, 0.2))
+                    t0 = ctx.tick()
+                    ok2 = c.execute("SELECT outbox.replay(%s, %s)", (eid, sa)).fetchone()[0]
+                    if ok2:
+                        ctx.note_replay_try(db, sub, eid, t0)
+                        with ctx.lock:
+                            ctx.replayed[sub].add((db, eid))
+                    ctx.inc("named replays")
+                    ctx.op(k="replay", db=db, id=eid, ok=ok2, cancelled=True, sub=sub)
+    elif a < 0.75:
+        # cancel of an event the subscription may not hold per event (leased in a
+        # batch, delivered, not read yet, waiting in a batch): false for the first two
+        with ctx.lock:
+            recent = [r[1] for r in ctx.claimed[-200:] if r[0] == db and r[4] == sub]
+        if recent:
+            eid = rnd.choice(recent)
+            t0 = ctx.tick()
+            ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sa)).fetchone()[0]
+            if ok:
+                ctx.note_cancel(db, sub, eid, t0)
+            ctx.inc("named cancels")
+            ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub, any=True)
+    elif a < 0.80 and sub == "sub_a":
+        ma = rnd.choice([3, 4, 6])
+        c.execute("SELECT outbox.alter_subscription('sub_a', max_attempts => %s)", (ma,))
+        ctx.inc("alter_subscription")
+        ctx.op(k="alter_subscription", db=db, sub=sub, max_attempts=ma)
+    else:
+        for (eid,) in c.execute("SELECT event_id FROM outbox.deliveries WHERE subscription = %s "
+                                "AND state = 'cancelled' ORDER BY random() LIMIT 2", (sub,)).fetchall():
+            t0 = ctx.tick()
+            ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sa)).fetchone()[0]
+            if ok:
+                ctx.note_replay_try(db, sub, eid, t0)
+                with ctx.lock:
+                    ctx.replayed[sub].add((db, eid))
+            ctx.inc("named replays")
+            ctx.op(k="replay", db=db, id=eid, ok=ok, cancelled=True, sub=sub)
+
+
+def pick_fresh(ctx, rnd, db, sub, batch=None):
+    """An event for a cancel of 0.10.0 (--default-on-log), from what publishers and
+    claims returned lately (no query: outbox.deliveries reads the whole log). batch
+    False: one of the newest events of the subscription's topics, often not read yet
+    by it; True: a later event of the subject of an event a claim of the subscription
+    handed out lately, often waiting in that claim's batch; None: either."""
+    if batch is None:
+        batch = rnd.random() < 0.5
+    pats = NAMED[sub]["topics"] if sub in NAMED else None
+    with ctx.lock:
+        if not batch:
+            cand = [e for e, t, _ in ctx.recent_pub[db][-60:] if topic_matches(t, pats)]
+            return rnd.choice(cand) if cand else None
+        recent = [(r[1], r[7]) for r in ctx.claimed[-300:] if r[0] == db and r[4] == sub and r[7] is not None]
+        if not recent:
+            return None
+        eid, subj = rnd.choice(recent)
+        later = [i for i in ctx.pub_by_subject[db].get(subj, []) if i > eid][:3]
+    if not later:
+        return None
+    return later[0] if rnd.random() < 0.6 else rnd.choice(later)
+
+
+def cancel_fresh(ctx, rnd, c, db, sub):
+    """cancel(id, sub) of an event the subscription has not read yet, or that waits in
+    its lane's batch (0.10.0), and sometimes a replay of it: after a moment, in
+    autocommit or in a transaction held open a moment (and then rolled back at times).
+    The cancel must hold from its commit until a replay commits (check_cancels)."""
+    batch = rnd.random() < 0.5
+    eid = pick_fresh(ctx, rnd, db, sub, batch)
+    if eid is None:
+        return
+    sa = subarg(sub)
+    kind = "batch" if batch else "unread"
+    t0 = ctx.tick()
+    ok = c.execute("SELECT outbox.cancel(%s, %s)", (eid, sa)).fetchone()[0]
+    ctx.inc(f"fresh cancels ({kind}) {'true' if ok else 'false'}")
+    ctx.op(k="cancel", db=db, id=eid, ok=ok, sub=sub, fresh=kind)
+    if not ok:
+        return
+    ctx.note_cancel(db, sub, eid, t0)
+    if rnd.random() >= 0.4:
+        return
+    time.sleep(rnd.uniform(0, 0.15))
+    held = rnd.random() < 0.5 and not quiet()
+    t0 = ctx.tick()
+    if held:
+        c.execute("BEGIN")
+    try:
+        ok2 = c.execute("SELECT outbox.replay(%s, %s)", (eid, sa)).fetchone()[0]
+        rolled = False
+        if held:
+            time.sleep(rnd.uniform(0.05, 0.4))
+            rolled = rnd.random() < 0.15
+            c.execute("ROLLBACK" if rolled else "COMMIT")
+    finally:
+        if held and c.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+            safe_rollback(c)
+    if ok2:
+        ctx.note_replay_try(db, sub, eid, t0)
+        if not rolled:
+            with ctx.lock:
+                ctx.replayed[sub].add((db, eid))
+    ctx.inc("fresh cancel replays" + (" (rolled back)" if rolled else ""))
+    ctx.op(k="replay", db=db, id=eid, ok=ok2, cancelled=True, sub=sub, fresh=kind, held=held, rolledback=rolled)
 
 
 # ---------------------------------------------------------------------------
@@ -1229,7 +1415,11 @@ def operator(ctx):
         try:
             c = s.get(db)
             a = rnd.random()
-            if a < 0.30:
+            if db in LOG_DEFAULT and not 0.55 <= a < 0.70:
+                # 'default' reads the log here: the named operator's actions, for it
+                # (alter_topic below sets its dead-letter policy and max_attempts)
+                soperator_step(ctx, rnd, c, db, "default")
+            elif a < 0.30:
                 # Cancel a queued event behind a leased head, then replay it in a
                 # transaction held open while the head may be acked (defect 5).
                 row = c.execute(
@@ -1242,24 +1432,28 @@ def operator(ctx):
                                     "AND topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') ORDER BY random() LIMIT 1").fetchone()
                 if row:
                     eid = row[0]
+                    t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.cancel(%s)", (eid,)).fetchone()[0]
                     ctx.inc("cancels")
                     ctx.op(k="cancel", db=db, id=eid, ok=ok)
                     if ok:
-                        with ctx.lock:
-                            ctx.cancelled["default"].add((db, eid))
+                        ctx.note_cancel(db, "default", eid, t0)
                         if rnd.random() < 0.7:
                             time.sleep(rnd.uniform(0, 0.1))
+                            t0 = ctx.tick()
                             c.execute("BEGIN")
                             ok2 = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
                             if not quiet():
                                 time.sleep(rnd.uniform(0.05, 0.4))
                             if rnd.random() < 0.1:
                                 c.execute("ROLLBACK")
+                                if ok2:
+                                    ctx.note_replay_try(db, "default", eid, t0)
                                 ctx.op(k="replay", db=db, id=eid, ok=ok2, rolledback=True)
                             else:
                                 c.execute("COMMIT")
                                 if ok2:
+                                    ctx.note_replay_try(db, "default", eid, t0)
                                     with ctx.lock:
                                         ctx.replayed["default"].add((db, eid))
                                 ctx.inc("replays")
@@ -1267,8 +1461,10 @@ def operator(ctx):
             elif a < 0.45:
                 for (eid,) in c.execute("SELECT id FROM outbox.event_queue WHERE state = 'dead' "
                                         "ORDER BY random() LIMIT 3").fetchall():
+                    t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
                     if ok:
+                        ctx.note_replay_try(db, "default", eid, t0)
                         with ctx.lock:
                             ctx.replayed["default"].add((db, eid))
                     ctx.inc("replays")
@@ -1294,17 +1490,19 @@ def operator(ctx):
                 row = c.execute("SELECT id FROM outbox.event_queue WHERE topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') "
                                 "ORDER BY random() LIMIT 1").fetchone()
                 if row:
+                    t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.cancel(%s)", (row[0],)).fetchone()[0]
                     if ok:
-                        with ctx.lock:
-                            ctx.cancelled["default"].add((db, row[0]))
+                        ctx.note_cancel(db, "default", row[0], t0)
                     ctx.inc("cancels")
                     ctx.op(k="cancel", db=db, id=row[0], ok=ok)
             else:
                 for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled' "
                                         "AND topic NOT IN ('chk.lw', 'chk.rp') ORDER BY random() LIMIT 2").fetchall():
+                    t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
                     if ok:
+                        ctx.note_replay_try(db, "default", eid, t0)
                         with ctx.lock:
                             ctx.replayed["default"].add((db, eid))
                     ctx.inc("replays")
@@ -1357,7 +1555,10 @@ def bigops(ctx):
         ctx.big_db = db
         try:
             c = s.get(db)
-            out = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
+            if db in LOG_DEFAULT:
+                out = ctx.big_out[db]   # no queue to count: what this thread committed
+            else:
+                out = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
             if out < ctx.args.big_ack:
                 m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(700, 1000)
                 big_publish(ctx, rnd, c, db, f"b-{n}", m)
@@ -1366,17 +1567,21 @@ def bigops(ctx):
             # clean up (expired leases of a failed batch become claimable after 5 s)
             t_end = time.time() + 12
             while time.time() < t_end and not ctx.stop.is_set() and not quiet():
-                left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
-                if not left:
-                    break
+                if db not in LOG_DEFAULT:
+                    left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
+                    if not left:
+                        break
                 cw = f"big-cl{n}-{time.monotonic_ns()}"
                 with ctx.lock:
                     ctx.wtx[cw] = {"db": db, "xid": None, "client": "commit"}
                 rows = claim(ctx, c, db, "bigw", cw, 500, "5 s", ["chk.big"])
                 if rows:
                     ack_batch(ctx, c, db, "bigw", rows, f"big-clb{n}-{time.monotonic_ns()}")
+                elif db in LOG_DEFAULT:
+                    break   # the rest (leases of a failed batch) goes to the drain
                 else:
                     time.sleep(0.5)
+            ctx.big_out[db] = 0
             bphase += 1
         except psycopg.Error as ex:
             if is_conn_error(ex):
@@ -1409,6 +1614,7 @@ def big_publish(ctx, rnd, c, db, tag, m):
         tx["xid"] = c.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
         c.execute("COMMIT")
         tx["client"] = "commit"
+        ctx.big_out[db] += len(ids)
         ctx.inc("big publish_batch")
         ctx.inc("publisher commits")
         ctx.op(k="pub_commit", db=db, tag=tag, n=len(ids), big=True)
@@ -1501,11 +1707,13 @@ def scenario_replay(ctx):
             with ctx.lock:
                 ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
             rows = [r for r in claim(ctx, ca, db, "rp", wtx, 5, "2 s", ["chk.rp"]) if r[0] == e1]
+            # (where 'default' reads the log, E2 waits in E1's batch: a cancel of 0.10.0)
+            t0 = ctx.tick()
             ok = cb.execute("SELECT outbox.cancel(%s)", (e2,)).fetchone()[0]
             ctx.op(k="cancel", db=db, id=e2, ok=ok, scenario="rp")
             if ok:
-                with ctx.lock:
-                    ctx.cancelled["default"].add((db, e2))
+                ctx.note_cancel(db, "default", e2, t0)
+            t0 = ctx.tick()
             cb.execute("BEGIN")
             ok2 = cb.execute("SELECT outbox.replay(%s)", (e2,)).fetchone()[0]
             ctx.op(k="replay", db=db, id=e2, ok=ok2, scenario="rp", open=True)
@@ -1514,6 +1722,7 @@ def scenario_replay(ctx):
             time.sleep(rnd.uniform(0.0, 0.05))
             cb.execute("COMMIT")
             if ok2:
+                ctx.note_replay_try(db, "default", e2, t0)
                 with ctx.lock:
                     ctx.replayed["default"].add((db, e2))
             ctx.inc("scenario replay races")
@@ -1593,7 +1802,7 @@ def scenario_lowwater(ctx):
             # Claim again until a step of the mark has happened inside T (at most ~0.4 s;
             # only S and T claim in this database during the calm window).
             moved = False
-            for _ in range(60):
+            for _ in range(60 if key0 else 3):   # no queue row: 'default' reads the log here
                 time.sleep(0.0105)
                 claim(ctx, ct, db, "lw", wtx, 1, "2 s", ["chk.lw"])
                 # -infinity (no mark) has no Python datetime: NULL instead.
@@ -1620,6 +1829,18 @@ def scenario_lowwater(ctx):
         sess.close()
 
 
+def check_queue_empty(ctx, c, db, when):
+    """Where 'default' reads the log, nothing is ever written to the queue's tables."""
+    nq, na = c.execute("SELECT (SELECT count(*) FROM outbox.event_queue), "
+                       "(SELECT count(*) FROM outbox.event_archive)").fetchone()
+    if (nq or na) and not ctx.queue_seen.get(db):
+        ctx.queue_seen[db] = True
+        ids = [r[0] for r in c.execute("SELECT id FROM outbox.event_queue UNION ALL "
+                                       "SELECT id FROM outbox.event_archive ORDER BY 1 LIMIT 20").fetchall()]
+        ctx.violation("queue_empty", f"{db}: 'default' reads the log, yet outbox.event_queue holds {nq} rows and "
+                      f"outbox.event_archive {na} ({when}; ids {ids})", db=db, ids=ids)
+
+
 def sampler(ctx, done, db):
     s = Session(ctx, "sampler", ["SET statement_timeout = '5s'"])
     seen = set()
@@ -1637,9 +1858,13 @@ def sampler(ctx, done, db):
          "AND a.wait_event NOT IN ('extend', 'page') "
          "AND a.datname = current_database() "
          "AND a.query LIKE '%outbox.claim(%' AND a.pid <> pg_backend_pid()")
+    k = 0
     while not done.is_set():
         try:
             c = s.get(db)
+            k += 1
+            if db in LOG_DEFAULT and k % 20 == 0:
+                check_queue_empty(ctx, c, db, "during the load")
             for pid, dat, wt, we, query, blockers, app, binfo, waiting in c.execute(q).fetchall():
                 ctx.inc("lock-wait samples")
                 key = (pid, tuple(blockers or []))
@@ -1735,9 +1960,9 @@ def drain(ctx):
     return time.time() - t0
 
 
-def drain_left(c, sub):
+def drain_left(c, sub, db):
     """How much is left to deliver (0 = all of it)."""
-    if sub == "default":
+    if not on_log(db, sub):
         return c.execute("SELECT (SELECT count(*) FROM outbox.event_queue) + "
                          "(SELECT count(*) FROM outbox.event_archive WHERE state = 'cancelled')").fetchone()[0]
     return c.execute("SELECT coalesce(lag_events, 0) + coalesce(leases_in_flight, 0) + coalesce(dead_letters, 0) + "
@@ -1746,10 +1971,12 @@ def drain_left(c, sub):
 
 
 def drain_replay(ctx, c, db, sub):
-    if sub == "default":
+    if not on_log(db, sub):
         for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled'").fetchall():
+            t0 = ctx.tick()
             ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
             if ok:
+                ctx.note_replay_try(db, sub, eid, t0)
                 with ctx.lock:
                     ctx.replayed["default"].add((db, eid))
             ctx.inc("drain replays")
@@ -1761,8 +1988,10 @@ def drain_replay(ctx, c, db, sub):
         return
     for (eid, st) in c.execute("SELECT event_id, state FROM outbox.deliveries WHERE subscription = %s "
                                "AND state IN ('dead', 'cancelled')", (sub,)).fetchall():
-        ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, sub)).fetchone()[0]
+        t0 = ctx.tick()
+        ok = c.execute("SELECT outbox.replay(%s, %s)", (eid, subarg(sub))).fetchone()[0]
         if ok:
+            ctx.note_replay_try(db, sub, eid, t0)
             with ctx.lock:
                 ctx.replayed[sub].add((db, eid))
         ctx.inc("drain named replays")
@@ -1791,7 +2020,7 @@ def drain_one(ctx, db, sub, t0, res):
             wtx = f"drain-{db}-{rounds}" if sub == "default" else f"drain-{sub}-{db}-{rounds}"
             with ctx.lock:
                 ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
-            if sub == "default":
+            if not on_log(db, sub):
                 rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None)
                 if len(rows) > 20:
                     ack_batch(ctx, c, db, "drain", rows, f"drain-b-{db}-{rounds}")
@@ -1799,13 +2028,13 @@ def drain_one(ctx, db, sub, t0, res):
                     for row in rows:
                         ack_auto(ctx, c, db, "drain", row)
             else:
-                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None, sub)
+                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None, subarg(sub))
                 if rows:
                     ack_array_named(ctx, c, db, rows, f"drain-b-{sub}-{db}-{rounds}", sub)
             got = len(rows)
             if not got:
                 # Polled only when a claim found nothing: outbox.subscriptions is not cheap.
-                left = drain_left(c, sub)
+                left = drain_left(c, sub, db)
         except psycopg.Error as ex:
             ctx.server_error(ex, "drain", db=db, sub=sub)
             if c is None or is_conn_error(ex):
@@ -1880,14 +2109,17 @@ class Analysis:
 
     def load_final(self, sess=None):
         rows = {}
+        self.load_times = Counter()   # (db, relation) -> seconds
         for db in DBS:
             c = self.c[db]
+            t0 = time.time()
             for eid, topic, subj, state, pk, errors, maxa in c.execute(
                     "SELECT id, topic, subject, state, payload->>'pk', errors, max_attempts FROM outbox.events").fetchall():
                 rows[(db, eid)] = (topic, subj, state, pk, errors, maxa)
+            self.load_times[f"{db}/events"] += time.time() - t0
         self.final = rows
-        # Named subscriptions: their per-event rows (outbox.deliveries' source) and the log.
-        self.named_rows = {sub: {} for sub in NAMED}
+        # Subscriptions of the log: their per-event rows (outbox.deliveries' source) and the log.
+        self.named_rows = {sub: {} for sub in SUBS}
         self.log_rows = {}
         self.named_stats = {}
         for db in DBS:
@@ -1895,14 +2127,18 @@ class Analysis:
             for sub, eid, state, att, topic, subj, pk, err in c.execute(
                     "SELECT subscription, id, state, attempts, topic, subject, payload->>'pk', last_error "
                     "FROM outbox.log_exceptions").fetchall():
-                if sub in self.named_rows:
+                if sub in self.named_rows and on_log(db, sub):
                     self.named_rows[sub][(db, eid)] = (state, att, topic, subj, pk, err)
+            t0 = time.time()
             for eid, pk, txid in c.execute("SELECT id, payload->>'pk', txid::text FROM outbox.log").fetchall():
                 self.log_rows[(db, eid)] = (pk, txid)
+            t1 = time.time()
             for name, lag, leases, dead in c.execute(
                     "SELECT name, lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions "
-                    "WHERE name <> 'default'").fetchall():
+                    "WHERE storage = 'log'").fetchall():
                 self.named_stats[(db, name)] = (lag, leases, dead)
+            self.load_times[f"{db}/log"] += t1 - t0
+            self.load_times[f"{db}/subscriptions"] += time.time() - t1
         return rows
 
     def pk_status(self, pk):
@@ -1948,7 +2184,9 @@ class Analysis:
     def run(self):
         ctx = self.ctx
         self.outcomes()
+        t0 = time.time()
         final = self.load_final()
+        self.load_secs = time.time() - t0
         self.claims_by = defaultdict(list)
         self.acks_by = defaultdict(list)
         for r in ctx.claimed:
@@ -1963,6 +2201,9 @@ class Analysis:
             self.check_order(final, sub)
             self.check_handouts(final, sub)
             self.check_fencing(sub)
+            self.check_cancels(sub)
+        for db in sorted(LOG_DEFAULT):
+            check_queue_empty(ctx, self.c[db], db, "after the drain")
         self.check_keys()
         self.check_lockwaits()
 
@@ -1987,7 +2228,7 @@ class Analysis:
     def check_uncommitted(self, final, sub):
         ctx = self.ctx
         bad = 0
-        for db, eid, pk, wtx, _s, tok, att, subj, t_end, seq in self.claims_by[sub]:
+        for db, eid, pk, wtx, _s, tok, att, subj, t_end, seq, _t0 in self.claims_by[sub]:
             st = self.pk_status(pk)
             if st in ("aborted", "foreign"):
                 bad += 1
@@ -2002,7 +2243,6 @@ class Analysis:
                     if bad <= 40:
                         ctx.violation("uncommitted", f"outbox.events holds {db}/{eid} ({pk}, {state}) of a {st} publish",
                                       db=db, id=eid, pk=pk)
-            return
         for (db, eid), (state, att, topic, subj, pk, err) in self.named_rows[sub].items():
             st = self.pk_status(pk)
             if st in ("aborted", "foreign"):
@@ -2035,11 +2275,12 @@ class Analysis:
                               db=key[0], id=key[1], wtx=good[key], sub=sub)
             if n == 0 and key not in unknown:
                 stranded.append(key)
-            elif sub == "default":
+            elif sub == "default" and (not on_log(key[0], sub) or n):
+                # (outbox.events shows the state of a 'default' over the log too)
                 if row is not None and row[2] != "delivered":
                     ctx.violation("delivery", f"event {key[0]}/{key[1]} acked but its state is {row[2]}",
                                   db=key[0], id=key[1])
-            elif n:
+            if n and on_log(key[0], sub):
                 nrow = self.named_rows[sub].get(key)
                 if nrow is not None and nrow[0] != "delivered":
                     ctx.violation("delivery", f"[{sub}] event {key[0]}/{key[1]} acked but outbox.deliveries says "
@@ -2053,10 +2294,8 @@ class Analysis:
                     ctx.violation("delivery", f"[{sub}] acked event {key[0]}/{key[1]} of topic {final[key][0]}, "
                                   f"outside its topics", db=key[0], id=key[1], sub=sub)
         self.stranded[sub] = stranded
-        if sub == "default":
-            self.describe_stranded(stranded)
-        else:
-            self.describe_stranded_named(stranded, sub)
+        self.describe_stranded([k for k in stranded if not on_log(k[0], sub)])
+        self.describe_stranded_named([k for k in stranded if on_log(k[0], sub)], sub)
 
     def describe_stranded(self, stranded):
         """One violation per stranded subject (its first stranded event, in full) and per
@@ -2151,7 +2390,7 @@ class Analysis:
         db = key[0]
         if key in ctx.cancelled[sub]:
             return "cancelled"
-        if sub == "default":
+        if not on_log(db, sub):
             went_dead = key in ctx.dead_reported[sub] or any(
                 (e.get("error") == "checker: permanent") or (e.get("attempt") or 0) >= maxa for e in (errors or []))
             skip = (db, topic) in ctx.ever_skip
@@ -2159,7 +2398,7 @@ class Analysis:
             # A dead letter is delivered only after a replay (the operator's, or the
             # drain's), so every event that ever went dead and was acked is in replayed.
             went_dead = key in ctx.dead_reported[sub] or key in ctx.replayed[sub]
-            pol = NAMED[sub]["dead_letter_policy"]
+            pol = NAMED[sub]["dead_letter_policy"] if sub in NAMED else None
             skip = pol == "skip" or (pol is None and (db, topic) in ctx.ever_skip)
         if went_dead and skip:
             return "dead under skip"
@@ -2329,6 +2568,70 @@ class Analysis:
         if nviol > 20:
             ctx.violation("fencing", f"[{sub}] ... {nviol - 20} more fencing violations")
 
+    def check_cancels(self, sub):
+        """A cancel that returned true is kept from its commit until a replay: no claim
+        that started after the cancel committed returns the event, and no ack that
+        started then returns true (in a committed transaction), unless a replay of it
+        that returned true (committed or not: conservative) ran after the cancel began
+        and began before that claim or ack ended. Claims are judged whatever their
+        transaction did: a hand-out is one. A cancel in a transaction counts from that
+        transaction's commit."""
+        ctx = self.ctx
+        cancels = defaultdict(list)   # (db, id) -> [(cancel start tick, commit tick)]
+        for db, s, eid, wtx, t0, t1 in ctx.cancel_log:
+            if s != sub:
+                continue
+            if wtx is not None:
+                w = ctx.wtx.get(wtx) or {}
+                if self.worker_committed(wtx) != "committed" or w.get("cseq") is None:
+                    continue
+                t1 = w["cseq"]
+            cancels[(db, eid)].append((t0, t1))
+        replays = defaultdict(list)   # (db, id) -> [(start tick, end tick)]
+        for db, s, eid, r0, r1 in ctx.replay_log:
+            if s == sub:
+                replays[(db, eid)].append((r0, r1))
+
+        def kept(key, start, end):
+            """The cancel in force over [start, end], if any."""
+            for c0, c1 in cancels.get(key, []):
+                if c1 < start and not any(r1 > c0 and r0 < end for r0, r1 in replays.get(key, [])):
+                    return c0, c1
+            return None
+
+        nviol = handouts = acks = 0
+        for r in self.claims_by[sub]:
+            key = (r[0], r[1])
+            if key not in cancels:
+                continue
+            handouts += 1
+            k = kept(key, r[10], r[9])
+            if k:
+                nviol += 1
+                if nviol <= 20:
+                    ctx.violation("cancel", f"[{sub}] cancelled event {key[0]}/{key[1]} handed out (claim {r[3]}, "
+                                  f"{self.worker_committed(r[3])}, attempt {r[6]}, ticks {r[10]}-{r[9]}) after the "
+                                  f"cancel committed (tick {k[1]}) with no replay since", db=key[0], id=key[1],
+                                  wtx=r[3], subj=r[7], sub=sub)
+        for db, eid, wtx, ok, _s, tok, seq in self.acks_by[sub]:
+            key = (db, eid)
+            if ok is not True or key not in cancels or self.worker_committed(wtx) != "committed":
+                continue
+            acks += 1
+            w = ctx.wtx.get(wtx) or {}
+            end = w.get("cseq") if w.get("tx") else w.get("end")
+            k = kept(key, seq, end if end is not None else float("inf"))
+            if k:
+                nviol += 1
+                if nviol <= 20:
+                    ctx.violation("cancel", f"[{sub}] ack of cancelled event {db}/{eid} returned true ({wtx}, token "
+                                  f"{tok}, tick {seq}) after the cancel committed (tick {k[1]}) with no replay since",
+                                  db=db, id=eid, wtx=wtx, sub=sub)
+        self.order_stats[sub]["cancelled: hand-outs checked"] = handouts
+        self.order_stats[sub]["cancelled: acks checked"] = acks
+        if nviol > 20:
+            ctx.violation("cancel", f"[{sub}] ... {nviol - 20} more hand-outs or acks of cancelled events")
+
     def check_keys(self):
         ctx = self.ctx
         for db, key, want, got, tag in ctx.key_checks:
@@ -2447,8 +2750,16 @@ def setup(ctx):
                       "dead_letter_policy => %s)",
                       (name, a["topics"], a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
                        a["dead_letter_policy"]))
+        if db in LOG_DEFAULT:
+            # 0.10.0: the queue's 'default' dropped, and created again over the log
+            c.execute("SELECT outbox.drop_subscription('default')")
+            c.execute("SELECT outbox.create_subscription('default')")
+            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
+            if not st or st[0] != "log":
+                raise RuntimeError(f"{db}: 'default' re-created over the log has storage {st}")
         c.close()
-    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}")
+    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}"
+        + (f"; 'default' over the log in {', '.join(sorted(LOG_DEFAULT))}" if LOG_DEFAULT else ""))
 
 
 def main():
@@ -2470,7 +2781,14 @@ def main():
                     help="hard limit for the whole run in seconds (default: duration + drain-max + 180)")
     ap.add_argument("--big-ack", type=int, default=5000,
                     help="bigops acks one database's big events in one batch once it has this many")
+    ap.add_argument("--default-on-log", nargs="?", const="other", default=None, choices=DBS + ["all"],
+                    help="0.10.0: drop 'default' in this database (default: other; all: both) at setup and create "
+                         "it again over the log; adds cancels of events not read yet or waiting in a batch "
+                         "(+ replays) for every subscription of the log, and the queue_empty check")
     args = ap.parse_args()
+    if args.default_on_log:
+        LOG_DEFAULT.update(DBS if args.default_on_log == "all" else [args.default_on_log])
+        INVARIANTS.append("queue_empty")
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     print(f"seed {args.seed}", flush=True)
@@ -2530,7 +2848,7 @@ def main():
         for db in DBS:
             for sub in SUBS:
                 try:
-                    backlog[f"{db}/{sub}"] = drain_left(an.c[db], sub)
+                    backlog[f"{db}/{sub}"] = drain_left(an.c[db], sub, db)
                 except psycopg.Error as ex:
                     ctx.server_error(ex, "backlog", db=db, sub=sub)
         log(f"backlog to drain: {backlog}")
@@ -2540,7 +2858,10 @@ def main():
         samp_done.set()
         for t in samp_ts:
             t.join(5)
+        ta = time.time()
         an.run()
+        log(f"analysis: {time.time() - ta:.1f}s (final state read in {an.load_secs:.1f}s: "
+            f"{ {k: round(v, 1) for k, v in an.load_times.items() if v >= 0.5} })")
         report(ctx, an, dt)
         failed = sum(1 for inv in INVARIANTS if ctx.violations.get(inv))
         print(f"{len(INVARIANTS) - failed} passed, {failed} failed", flush=True)
@@ -2599,6 +2920,10 @@ def report(ctx, an, drain_time):
         f"{cnt['named replays']}, replay_dead {cnt['named replay_dead calls']}, cancels {cnt['named cancels']} "
         f"(+{cnt['named cancels in worker tx']} in worker tx), alter_subscription {cnt['alter_subscription']}; "
         f"drain replays {cnt['drain named replays']}")
+    if ctx.args.default_on_log:
+        fresh = {k[len("fresh cancel"):].strip(): v for k, v in sorted(cnt.items()) if k.startswith("fresh cancel")}
+        log(f"default over the log in {sorted(LOG_DEFAULT)}; cancels of events not read yet / waiting in a batch "
+            f"and their replays: {fresh}")
     for sub in SUBS:
         exp = len(an.expected(sub))
         log(f"  {sub}: {exp} committed events to deliver, {sum(1 for k in an.expected(sub) if len(an.good_acks[sub].get(k, [])) == 1)} "

@@ -7,7 +7,11 @@
 # 'skip') that have their own workers (narrowed and bulk claims, array acks, late acks
 # with old tokens) and operator (replay, replay_dead, cancel per subscription); then
 # quiesce, drain every subscription and check, for each: delivery exactly once,
-# uncommitted events, per-subject order (acks and hand-outs), fencing, claim lock waits.
+# uncommitted events, per-subject order (acks and hand-outs), fencing, cancels kept until
+# a replay, claim lock waits. In database `other`, `default` is dropped and created again
+# over the log (0.10.0, --default-on-log; CHECKER_DEFAULT_ON_LOG=0 keeps the queue's in
+# both), with cancels of events not read yet or waiting in a batch, and its queue must
+# stay empty.
 # It starts and stops its own preloaded cluster (outbox-checker, port 5482); about
 # 2.5 minutes in all. CHECKER_SEED=N reproduces a schedule; the long run:
 #   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed N
@@ -25,6 +29,13 @@ trap cleanup EXIT
 args=(--duration "${CHECKER_DURATION:-75}" --stall 15 --drain-max 40 --deadline 170
       --cluster "$NAME" --port "$PORT")
 [ -n "${CHECKER_SEED:-}" ] && args+=(--seed "$CHECKER_SEED")
+# 0.10.0's 'default' over the log, in database `other` (CHECKER_DEFAULT_ON_LOG=0: the
+# queue's 'default' in both; =postgres or =all: there instead).
+case "${CHECKER_DEFAULT_ON_LOG:-1}" in
+  0|"") ;;
+  1) args+=(--default-on-log other) ;;
+  *) args+=(--default-on-log "$CHECKER_DEFAULT_ON_LOG") ;;
+esac
 "$PY" pg_test/suites/checker.py "${args[@]}" &
 child=$!
 # Forward a runner's timeout to python so it can clean up, then stop the cluster.

@@ -10,7 +10,7 @@ ALTER TABLE outbox.subscription_catalog
     ADD COLUMN storage text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log'));
 UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default';
 
-ALTER TABLE outbox.log_lanes ADD COLUMN start_snap pg_snapshot;
+ALTER TABLE outbox.log_lanes ADD COLUMN start_snap pg_snapshot, ADD COLUMN skips bigint[];
 
 ALTER TABLE outbox.subscription_catalog ADD COLUMN max_lag interval CHECK (max_lag > interval '0');
 ALTER TABLE outbox.subscription_activity

@@ -63,9 +63,9 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_ID, BATCH_IDS, BATCH_NEW, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT,
-    EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
-    SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT,
+    EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100,
+    OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -91,7 +91,7 @@ pub const LANE_HOLD_US: i64 = 1_000_000;
 /// nothing out, and a claim must still end.
 const MAX_PIECES: usize = 8;
 
-fn batch_lock_key(id: i64) -> i32 {
+pub(super) fn batch_lock_key(id: i64) -> i32 {
     id as i32
 }
 
@@ -103,6 +103,15 @@ struct Lane {
     hi: Option<Cursor>,
     pos: Option<i64>,
     batch: Option<i64>,
+    /// Events cancelled before the lane read them (src/log/cancel.rs): the
+    /// claim that reads one leaves it out of its batch and drops it from here.
+    /// None with the SQL of 0.9.0 (no such column).
+    skips: Option<Vec<i64>>,
+}
+
+/// True when the installed SQL keeps the lanes' skips and first cursor (0.10.0 on).
+fn lanes_have_skips() -> bool {
+    pg::catalog::outbox_column(c"log_lanes", c"skips")
 }
 
 fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option<Cursor> {
@@ -110,7 +119,8 @@ fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option
 }
 
 fn lanes(subscription: &str) -> Vec<Lane> {
-    plans::run_latest(&LANES, &[subscription.into()], |rows| {
+    let skips = lanes_have_skips();
+    plans::run_latest(if skips { &LANES_0100 } else { &LANES }, &[subscription.into()], |rows| {
         let mut out = Vec::with_capacity(rows.len());
         rows.for_each(|r| {
             let (Some(tid), Some(lane), Some(lo)) = (r.tid(0), r.i16(1), cursor_at(r.text(2), r.i64(3), r.text(4)))
@@ -124,6 +134,7 @@ fn lanes(subscription: &str) -> Vec<Lane> {
                 hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
                 pos: r.i64(8),
                 batch: r.i64(9),
+                skips: skips.then(|| r.i64_array(10).unwrap_or_default()),
             });
         });
         out
@@ -133,7 +144,7 @@ fn lanes(subscription: &str) -> Vec<Lane> {
 fn put_lane(subscription: &str, l: &Lane) {
     let xn = |c: &Cursor| c.xn.to_string();
     let (lo_xn, hi_xn) = (xn(&l.lo), l.hi.as_ref().map(xn));
-    let args: [DatumWithOid<'_>; 10] = [
+    let mut args: Vec<DatumWithOid<'_>> = vec![
         subscription.into(),
         l.lane.into(),
         l.lo.snapshot.as_str().into(),
@@ -145,19 +156,26 @@ fn put_lane(subscription: &str, l: &Lane) {
         l.pos.into(),
         l.batch.into(),
     ];
-    plans::run_latest(&LANE_PUT, &args, |_| ());
+    let stmt = match &l.skips {
+        Some(skips) => {
+            args.push(if skips.is_empty() { None } else { Some(skips.clone()) }.into());
+            &LANE_PUT_0100
+        }
+        None => &LANE_PUT,
+    };
+    plans::run_latest(stmt, &args, |_| ());
 }
 
 /// A batch row: its state, lane and subscription.
-struct Loaded {
-    batch: Batch,
+pub(super) struct Loaded {
+    pub(super) batch: Batch,
     lane: i16,
     subscription: String,
 }
 
 /// The batch `id`, read after its lock was taken; None when it is finished
 /// (deleted) or its subscription was dropped.
-fn load_batch(id: i64) -> Option<Loaded> {
+pub(super) fn load_batch(id: i64) -> Option<Loaded> {
     let (bytes, lane, subscription) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
         let mut out = None;
         rows.for_each(|r| out = Some((r.bytes(0), r.i16(1), r.text(2))));
@@ -312,11 +330,13 @@ impl Claim<'_> {
     /// Make `events` (the next piece of lane `lane`'s window) a batch: skip
     /// what the subscription does not take, send to the exception table what
     /// must continue there, and return the batch.
-    fn build(&self, lane: i16, events: &[WindowEvent]) -> Batch {
+    fn build(&self, lane: i16, events: &[WindowEvent], skips: &[i64]) -> Batch {
         // Only the events the subscription takes are in the batch: one outside
         // its topics is owed nothing, and must not link its subject's events
-        // (a later one would go out while an earlier one is still out).
-        let owed: Vec<&WindowEvent> = events.iter().filter(|e| passes(&self.own, &e.topic)).collect();
+        // (a later one would go out while an earlier one is still out); one
+        // cancelled before it was read is finished already.
+        let owed: Vec<&WindowEvent> =
+            events.iter().filter(|e| passes(&self.own, &e.topic) && !skips.contains(&e.id)).collect();
         let mut b = Batch::new(&owed.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
         let mut subjects: Vec<String> = owed.iter().filter_map(|e| e.subject.clone()).collect();
         subjects.sort_unstable();
@@ -413,7 +433,12 @@ impl Claim<'_> {
                 dirty = true;
                 continue;
             }
-            let mut b = self.build(l.lane, &events);
+            let mut b = self.build(l.lane, &events, l.skips.as_deref().unwrap_or(&[]));
+            // Every event of the piece is read now: a skip among them is done
+            // with (each event is in exactly one window, src/log/mod.rs).
+            if let Some(skips) = l.skips.as_mut() {
+                skips.retain(|id| !events.iter().any(|e| e.id == *id));
+            }
             l.pos = events.last().map(|e| e.id);
             l.hi = Some(hi);
             dirty = true;
@@ -421,13 +446,19 @@ impl Claim<'_> {
                 continue; // every event done or moved: nothing to lease here
             }
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
-            let id = plans::one::<i64>(&BATCH_ID, &[])
-                .unwrap_or_else(|| errors::raise(errors::INTERNAL, "nextval returned no batch id"));
-            // A new batch id: nobody else can hold its lock.
+            // The state does not depend on the batch id, which the insert draws:
+            // the token gets it after.
+            let token = b.hand_out(0, &picks, self.now, self.expires, pg::strong_random());
+            let args = [self.req.subscription.into(), l.lane.into(), b.encode().into()];
+            let id = plans::run_latest(&BATCH_INSERT, &args, |rows| {
+                let mut id = None;
+                rows.for_each(|r| id = r.i64(0));
+                id
+            })
+            .unwrap_or_else(|| errors::raise(errors::INTERNAL, "the batch insert returned no id"));
+            let token = Token { batch: id, ..token };
+            // A new batch id, known to nobody else yet: nobody holds its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
-            let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
-            let args = [id.into(), self.req.subscription.into(), l.lane.into(), b.encode().into()];
-            plans::run_latest(&BATCH_NEW, &args, |_| ());
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
             self.emit(l.lane, &b, &picks, token);
@@ -502,7 +533,8 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             let xn = c.xn.to_string();
             let args: [DatumWithOid<'_>; 4] =
                 [req.subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
-            plans::run_latest(&SUBSCRIBE_LISTED, &args, |_| ());
+            let stmt = if lanes_have_skips() { &SUBSCRIBE_LISTED_0100 } else { &SUBSCRIBE_LISTED };
+            plans::run_latest(stmt, &args, |_| ());
             all = lanes(req.subscription);
         }
         let claim = Claim {
@@ -532,7 +564,8 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
 fn subscribe(subscription: &str, c: Cursor) -> bool {
     let xn = c.xn.to_string();
     let args: [DatumWithOid<'_>; 4] = [subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
-    plans::run_latest(&SUBSCRIBE, &args, |rows| rows.len()) > 0
+    let stmt = if lanes_have_skips() { &SUBSCRIBE_0100 } else { &SUBSCRIBE };
+    plans::run_latest(stmt, &args, |rows| rows.len()) > 0
 }
 
 /// `outbox._log_subscribe(subscription text, start text DEFAULT 'now') -> boolean`:
@@ -684,7 +717,7 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
         return 0;
     };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-    let Some(Loaded { batch: mut b, .. }) = load_batch(batch) else { return 0 };
+    let Some(Loaded { batch: b, .. }) = load_batch(batch) else { return 0 };
     let mine: Vec<i64> =
         plans::run_latest(&OF_SUBJECT, &[lane.into(), b.ids().to_vec().into(), subject.into()], |rows| {
             let mut out = Vec::new();
@@ -692,8 +725,16 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
             out
         });
     let positions: Vec<usize> = mine.iter().filter_map(|id| b.position(*id)).collect();
+    detach_positions(subscription, lane, batch, b, &positions)
+}
+
+/// Take the events at `positions` out of batch `batch` (`b`, lane `lane`,
+/// its advisory lock held) into the exception table: waiting ones parked,
+/// ones out still leased to their holder with the same token and expiry.
+/// Returns how many moved.
+pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, mut b: Batch, positions: &[usize]) -> i32 {
     let rounds: Vec<(usize, Option<(Token, i64)>)> = b
-        .detach(&positions)
+        .detach(positions)
         .into_iter()
         .map(|(i, r)| (i, r.and_then(|r| Some((b.token(batch, r)?, b.round_expiry(r)?)))))
         .collect();

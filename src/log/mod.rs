@@ -78,6 +78,7 @@
 //! read all four tables.
 
 pub mod batch;
+pub mod cancel;
 pub mod claim;
 pub mod exceptions;
 pub mod views;

@@ -224,14 +224,21 @@ pub fn run_latest<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(&Row
     })
 }
 
+/// The comment that makes [`run_latest`] plan a statement generically.
+pub const GENERIC_PLAN: &str = "/* generic plan */";
+
 fn raw_plan(stmt: &Stmt) -> pg_sys::SPIPlanPtr {
     if let Some(p) = RAW_PLANS.with(|m| m.borrow().get(stmt.sql).copied()) {
         return p as pg_sys::SPIPlanPtr;
     }
     let sql = std::ffi::CString::new(stmt.sql).expect("statement text has no NUL");
     let mut types: Vec<pg_sys::Oid> = stmt.types.to_vec();
-    // SAFETY: SPI is connected by the caller; SPI_prepare copies the text.
-    let plan = unsafe { pg_sys::SPI_prepare(sql.as_ptr(), types.len() as i32, types.as_mut_ptr()) };
+    // A statement that starts with this comment is always planned generically:
+    // a plan made for one set of parameter values (a LIMIT, say) can be the
+    // wrong shape for the next, and the plan cache would keep re-planning it.
+    let options = if stmt.sql.starts_with(GENERIC_PLAN) { pg_sys::CURSOR_OPT_GENERIC_PLAN as i32 } else { 0 };
+    // SAFETY: SPI is connected by the caller; SPI_prepare_cursor copies the text.
+    let plan = unsafe { pg_sys::SPI_prepare_cursor(sql.as_ptr(), types.len() as i32, types.as_mut_ptr(), options) };
     if plan.is_null() {
         // SAFETY: SPI_prepare has just set the backend-local SPI_result.
         errors::raise(errors::INTERNAL, format!("SPI_prepare failed: {}", unsafe { pg_sys::SPI_result }));
@@ -308,6 +315,16 @@ impl Row {
         }
         // SAFETY: a text[] datum of the live tuple table (or NULL).
         let elems = unsafe { Vec::<Option<String>>::from_datum(self.values[i], self.nulls[i]) }?;
+        Some(elems.into_iter().flatten().collect())
+    }
+
+    /// bigint[] column `i` (0-based), NULL elements dropped; None when NULL or of another type.
+    pub fn i64_array(&self, i: usize) -> Option<Vec<i64>> {
+        if self.types[i] != pg_sys::INT8ARRAYOID {
+            return None;
+        }
+        // SAFETY: a bigint[] datum of the live tuple table (or NULL).
+        let elems = unsafe { Vec::<Option<i64>>::from_datum(self.values[i], self.nulls[i]) }?;
         Some(elems.into_iter().flatten().collect())
     }
 

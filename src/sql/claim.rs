@@ -150,6 +150,38 @@ pub const SUBSCRIPTIONS_0100: Stmt = Stmt {
     types: &[],
 };
 
+/// The queue's unexpired leases (drop_subscription of the install's `default`).
+pub const QUEUE_LEASED: Stmt = Stmt {
+    sql: "SELECT count(*) FROM outbox.event_queue q WHERE q.state = 'leased' AND q.visible_at > now()",
+    types: &[],
+};
+
+/// Empty the queue and its subject repairs; the number of events removed.
+pub const QUEUE_CLEAR: Stmt = Stmt {
+    sql: "WITH r AS (DELETE FROM outbox.subject_repairs), q AS (DELETE FROM outbox.event_queue RETURNING 1) \
+          SELECT count(*) FROM q",
+    types: &[],
+};
+
+/// A dropped subscription's lanes (drop_subscription, first).
+pub const FORGET_LANES: Stmt =
+    Stmt { sql: "DELETE FROM outbox.log_lanes WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
+
+/// A dropped subscription's batches (drop_subscription, once its leases are
+/// counted): before its exception rows, in a statement of its own, so that
+/// the next one's snapshot sees what a fail() holding a batch row wrote.
+pub const FORGET_BATCHES: Stmt =
+    Stmt { sql: "DELETE FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
+
+/// The rest of a dropped subscription's state: exception rows, delivery
+/// record, activity.
+pub const FORGET_REST: Stmt = Stmt {
+    sql: "WITH x AS (DELETE FROM outbox.log_exceptions WHERE subscription = $1), \
+               d AS (DELETE FROM outbox.log_delivered WHERE subscription = $1) \
+          DELETE FROM outbox.subscription_activity WHERE name = $1",
+    types: &[pg_sys::TEXTOID],
+};
+
 /// Note when the subscription was last claimed from, only if no other
 /// transaction holds or changed its activity row (`_lock_row`): a claim never
 /// waits for this, and under REPEATABLE READ a row changed since the snapshot is

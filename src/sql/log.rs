@@ -59,21 +59,27 @@ pub const CURSOR: Stmt = Stmt {
 macro_rules! window_sql {
     ($cols:literal, $tail:literal) => {
         concat!(
-            "WITH s AS MATERIALIZED (SELECT $2::pg_snapshot AS lo, $5::pg_snapshot AS hi) SELECT ",
+            "/* generic plan */ SELECT ",
             $cols,
-            " FROM s, LATERAL ( \
-               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
-                WHERE e.lane = $1 AND e.id > greatest($3, $6) \
+            " FROM ( \
+               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+                 WHERE e.lane = $1 AND e.id > greatest($3, $6) \
+                   AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
+                   AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot)) \
+                 ORDER BY e.id LIMIT $7) \
                UNION ALL \
-               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
-                WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(s.lo))) AND e.lane = $1 \
-                  AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+                 WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) AND e.lane = $1 \
+                   AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+                   AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
+                   AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot))) \
                UNION ALL \
-               SELECT e.id, e.txid, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
-                WHERE e.txid >= pg_snapshot_xmax(s.lo) AND e.txid < $4::xid8 AND e.lane = $1 \
-                  AND e.id + 0 > $6 AND e.id + 0 <= $3 \
-             ) w \
-             WHERE pg_visible_in_snapshot(w.txid, s.hi) AND NOT pg_visible_in_snapshot(w.txid, s.lo) ",
+               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+                 WHERE e.txid >= pg_snapshot_xmax((SELECT $2::pg_snapshot)) AND e.txid < $4::xid8 AND e.lane = $1 \
+                   AND e.id + 0 > $6 AND e.id + 0 <= $3 \
+                   AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
+                   AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot))) \
+             ) w ",
             $tail
         )
     };
@@ -84,14 +90,18 @@ macro_rules! window_sql {
 /// branches are the access paths: ids drawn after m (the `(lane, id)` index);
 /// transactions running at the cursor, and those begun after it with an id
 /// below xn (the `(txid, lane)` index: `id + 0` keeps the planner from reading
-/// the lane's whole history through `(lane, id)` instead). The outer filter is
-/// the definition (visible in $5, not in $2); src/log/mod.rs proves the branches
-/// find every event it accepts. The snapshots are cast once (`s`), not per row.
+/// the lane's whole history through `(lane, id)` instead). Each branch applies
+/// the definition (visible in $5, not in $2); src/log/mod.rs proves the
+/// branches find every event it accepts. The first branch, the one that grows
+/// with a lane's backlog, is read in id order through the index and stops at
+/// $7 rows (the first $7 of a union are among the first $7 of each branch);
+/// the snapshots are cast once (InitPlans), not per row; and the plan is
+/// generic (`/* generic plan */`, src/pg/plans.rs): a plan made for a
+/// particular limit sorted the whole backlog instead.
 pub const WINDOW: Stmt =
     Stmt { sql: window_sql!("w.id, w.subject, w.topic, w.deliver_at", "ORDER BY w.id LIMIT $7"), types: WINDOW_TYPES };
 
-/// [`WINDOW`] counted: how many events, the smallest id and the earliest
-/// publish time ($7 is ignored).
+/// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id.
 pub const WINDOW_COUNT: Stmt = Stmt { sql: window_sql!("count(*), min(w.id)", ""), types: WINDOW_TYPES };
 
 const WINDOW_TYPES: &[pg_sys::Oid] = &[
@@ -123,6 +133,24 @@ pub const SUBSCRIBE_LISTED: Stmt = Stmt {
     types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
 };
 
+/// [`SUBSCRIBE`] that also keeps the first cursor's snapshot as the lanes'
+/// `start_snap` (0.10.0: events visible in it are not the subscription's).
+pub const SUBSCRIBE_0100: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn, start_snap) \
+          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8, $2::pg_snapshot FROM generate_series(0, 15) AS g \
+          ON CONFLICT DO NOTHING RETURNING lane",
+    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
+};
+
+/// [`SUBSCRIBE_LISTED`] with `start_snap`, as [`SUBSCRIBE_0100`].
+pub const SUBSCRIBE_LISTED_0100: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn, start_snap) \
+          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8, $2::pg_snapshot FROM generate_series(0, 15) AS g \
+           WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = $1 FOR KEY SHARE) \
+          ON CONFLICT DO NOTHING RETURNING lane",
+    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
+};
+
 /// Whether lane $1 holds an event above id $2 (a batch's slow events would
 /// hold it back).
 pub const LANE_HAS_MORE: Stmt = Stmt {
@@ -138,29 +166,53 @@ pub const TOPICS_OF: Stmt = Stmt {
 
 /// A subscription's lanes, with each row's ctid for `_lock_row`.
 pub const LANES: Stmt = Stmt {
-    sql: "SELECT ctid, lane, lo_snap::text, lo_m, lo_xn::text, hi_snap::text, hi_m, hi_xn::text, pos, batch \
-          FROM outbox.log_lanes WHERE subscription = $1",
+    sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
+                 n.pos, b.id \
+            FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
+           WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
 };
 
-/// Write a lane's cursor, window and batch (the caller holds its row).
-pub const LANE_PUT: Stmt = Stmt {
-    sql: "UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
-                 hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = $10 \
-           WHERE subscription = $1 AND lane = $2",
-    types: &[
-        pg_sys::TEXTOID,
-        pg_sys::INT2OID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTOID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::INT8OID,
-    ],
+/// [`LANES`] with the events cancelled before the lane read them (0.10.0).
+pub const LANES_0100: Stmt = Stmt {
+    sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
+                 n.pos, b.id, n.skips \
+            FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
+           WHERE n.subscription = $1",
+    types: &[pg_sys::TEXTOID],
 };
+
+/// The UPDATE of a lane's cursor, window and batch, with `$extra` columns.
+macro_rules! lane_put {
+    ($extra:literal) => {
+        concat!(
+            "UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
+             hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = $10",
+            $extra,
+            " WHERE subscription = $1 AND lane = $2"
+        )
+    };
+}
+
+const LANE_PUT_TYPES: [pg_sys::Oid; 11] = [
+    pg_sys::TEXTOID,
+    pg_sys::INT2OID,
+    pg_sys::TEXTOID,
+    pg_sys::INT8OID,
+    pg_sys::TEXTOID,
+    pg_sys::TEXTOID,
+    pg_sys::INT8OID,
+    pg_sys::TEXTOID,
+    pg_sys::INT8OID,
+    pg_sys::INT8OID,
+    pg_sys::INT8ARRAYOID,
+];
+
+/// Write a lane's cursor, window and batch (the caller holds its row).
+pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(""), types: LANE_PUT_TYPES.split_at(10).0 };
+
+/// [`LANE_PUT`] that also writes the lane's skips ($11, 0.10.0).
+pub const LANE_PUT_0100: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_PUT_TYPES };
 
 /// A batch's state, lane and subscription (read under the batch's advisory lock).
 pub const BATCH_GET: Stmt =
@@ -179,12 +231,12 @@ pub const EXC_LOCK_ALL: Stmt =
 pub const BATCH_STATES: Stmt =
     Stmt { sql: "SELECT state FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
 
-pub const BATCH_NEW: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) VALUES ($1, $2, $3, $4)",
-    types: &[pg_sys::INT8OID, pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
+/// A new batch of subscription $1, lane $2, state $3, with a fresh id (returned).
+pub const BATCH_INSERT: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) \
+          VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3) RETURNING id",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
 };
-
-pub const BATCH_ID: Stmt = Stmt { sql: "SELECT nextval('outbox.log_batch_seq')", types: &[] };
 
 pub const BATCH_PUT: Stmt = Stmt {
     sql: "UPDATE outbox.log_batches SET state = $2 WHERE id = $1 RETURNING id",
@@ -495,4 +547,49 @@ pub const LANE_LOCK: Stmt = Stmt {
 pub const OF_SUBJECT: Stmt = Stmt {
     sql: "SELECT l.id FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) AND l.subject = $3",
     types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::TEXTOID],
+};
+
+/// Event $1 in the log (its lane unknown: a subject's hash, or the run of
+/// ids; one probe of each lane's (lane, id) index), for `outbox.cancel`.
+pub const EVENT_BY_ID: Stmt = Stmt {
+    sql: "SELECT l.lane, l.txid::text, l.topic, l.subject FROM outbox.log l \
+           WHERE l.lane = ANY ('{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}'::smallint[]) AND l.id = $1",
+    types: &[pg_sys::INT8OID],
+};
+
+/// Lock lane $2 of subscription $1 and say where transaction $3's event $4
+/// stands in it: committed before the subscription (visible in its first
+/// cursor), passed by the cursor, or in the window read so far; and the
+/// lane's batch in flight.
+pub const LANE_FOR_CANCEL: Stmt = Stmt {
+    sql: "SELECT COALESCE(pg_visible_in_snapshot($3::xid8, n.start_snap), false), \
+                 pg_visible_in_snapshot($3::xid8, n.lo_snap), \
+                 COALESCE(pg_visible_in_snapshot($3::xid8, n.hi_snap) AND $4 <= n.pos, false), \
+                 n.batch \
+            FROM outbox.log_lanes n WHERE n.subscription = $1 AND n.lane = $2 FOR UPDATE",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::TEXTOID, pg_sys::INT8OID],
+};
+
+/// A cancelled row for event $3 of lane $2, which subscription $1's lane has
+/// not read, and its skip in the lane (whose row the caller holds).
+pub const CANCEL_UNREAD: Stmt = Stmt {
+    sql: "WITH x AS ( \
+              INSERT INTO outbox.log_exceptions (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
+                                                 max_attempts, published_at, state, attempts, visible_at, cancelled_at) \
+              SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, \
+                     l.published_at, 'cancelled', 0, clock_timestamp(), clock_timestamp() \
+                FROM outbox.log l WHERE l.lane = $2 AND l.id = $3 \
+              ON CONFLICT DO NOTHING RETURNING id) \
+          UPDATE outbox.log_lanes n SET skips = array_append(COALESCE(n.skips, '{}'), x.id) \
+            FROM x WHERE n.subscription = $1 AND n.lane = $2 RETURNING 1",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::INT8OID],
+};
+
+/// Cancel subscription $1's row of event $2 when it is pending (a row just
+/// detached from its batch).
+pub const CANCEL_ROW: Stmt = Stmt {
+    sql:
+        "UPDATE outbox.log_exceptions x SET state = 'cancelled', cancelled_at = clock_timestamp(), lease_token = NULL \
+           WHERE x.subscription = $1 AND x.id = $2 AND x.state = 'pending' RETURNING 1",
+    types: &[pg_sys::TEXTOID, pg_sys::INT8OID],
 };
