@@ -55,7 +55,7 @@ CREATE OR REPLACE FUNCTION "_log_batch_states"(
 	"attempts" INT,  /* i32 */
 	"lease_expires_at" timestamp with time zone  /* Option < TimestampWithTimeZone > */
 )
-STABLE PARALLEL SAFE 
+STABLE PARALLEL UNSAFE 
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_batch_states_wrapper';
 
@@ -74,7 +74,7 @@ CREATE OR REPLACE FUNCTION "_log_delivered"(
 	"id" bigint,  /* i64 */
 	"delivered_at" timestamp with time zone  /* TimestampWithTimeZone */
 )
-STABLE PARALLEL SAFE 
+STABLE PARALLEL UNSAFE 
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_delivered_wrapper';
 

@@ -99,8 +99,8 @@ HAS_STORAGE = (
 )
 QUEUE_DEFAULT_DROP = "SELECT outbox.drop_subscription('default', force => true)"
 QUEUE_DEFAULT_RESTORE = (
-    "INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') ON CONFLICT DO NOTHING;"
-    " INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING"
+    "WITH a AS (INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING)"
+    " INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') ON CONFLICT DO NOTHING"
 )
 
 # ---------------------------------------------------------------------------

@@ -526,3 +526,25 @@ def test_purging_the_archive_keeps_a_key_whose_event_the_log_still_holds(logdb):
     again = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'KA')").fetchone()[0]
     assert again == first                                  # l1 has not read it: still retained
     assert [r[0] for r in _claim_sub(c, "l1")] == [first]
+
+
+def test_the_views_of_the_log_never_run_in_a_parallel_plan(logdb):
+    """_log_batch_states and _log_delivered read through SPI, which gives the
+    transaction an id: a parallel plan would fail (XX000). They are declared
+    PARALLEL UNSAFE, so the planner never makes one for these views."""
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('p')")
+    for _ in range(3):
+        c.execute("SELECT count(*) FROM outbox.publish_batch('t.a', (SELECT array_agg('{}'::jsonb) FROM generate_series(1, 500)))")
+    rows = _claim_sub(c, "p", 100)
+    for r in rows[:50]:
+        assert ack(c, r)
+    c.execute("BEGIN")
+    for setting in ("parallel_setup_cost = 0", "parallel_tuple_cost = 0", "min_parallel_table_scan_size = 0",
+                    "max_parallel_workers_per_gather = 2"):
+        c.execute(f"SET LOCAL {setting}")
+    assert c.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'p'").fetchone()[0] == 1500
+    assert c.execute("SELECT sum(leased) FROM outbox.stats WHERE subscription = 'p'").fetchone()[0] == 50
+    plan = "\n".join(r[0] for r in c.execute("EXPLAIN SELECT * FROM outbox.deliveries WHERE subscription = 'p'"))
+    assert "Gather" not in plan
+    c.execute("COMMIT")

@@ -34,7 +34,7 @@ use pgrx::prelude::*;
 /// when the lease expired and no claim has moved it yet; 'delivered': acked),
 /// `attempts` (0 or 1: later attempts are counted in the exception row).
 /// Events parked in the exception table are left out (their row says more).
-#[pg_extern(name = "_log_batch_states", stable, parallel_safe)]
+#[pg_extern(name = "_log_batch_states", stable, parallel_unsafe)]
 #[allow(clippy::type_complexity)] // pgrx reads the row's columns from this tuple
 pub fn log_batch_states(
     subscription: Option<&str>,
@@ -76,7 +76,7 @@ pub fn log_batch_states(
 /// `delivered_at`, the time its batch finished (batch precision: no per-event
 /// time is written for an event acked on its first try). Events that left
 /// their batch are not here (their exception row has their own time).
-#[pg_extern(name = "_log_delivered", stable, parallel_safe)]
+#[pg_extern(name = "_log_delivered", stable, parallel_unsafe)]
 pub fn log_delivered(
     subscription: Option<&str>,
     since: Option<TimestampWithTimeZone>,

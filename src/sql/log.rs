@@ -114,42 +114,47 @@ const WINDOW_TYPES: &[pg_sys::Oid] = &[
     pg_sys::INT4OID,
 ];
 
+/// The insert of a subscription's 16 lanes at one cursor ($2 snapshot, $3 m,
+/// $4 xn), with `$cols`/`$vals` more columns and a `$cond` on inserting.
+macro_rules! subscribe_sql {
+    ($cols:literal, $vals:literal, $cond:expr) => {
+        concat!(
+            "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn",
+            $cols,
+            ") SELECT $1, g, $2::pg_snapshot, $3, $4::xid8",
+            $vals,
+            " FROM generate_series(0, 15) AS g ",
+            $cond,
+            " ON CONFLICT DO NOTHING RETURNING lane"
+        )
+    };
+}
+
+const SUBSCRIBE_TYPES: &[pg_sys::Oid] = &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID];
+
 /// A subscription's lanes, starting at one cursor (`_log_subscribe`).
-pub const SUBSCRIBE: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn) \
-          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8 FROM generate_series(0, 15) AS g \
-          ON CONFLICT DO NOTHING RETURNING lane",
-    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
-};
+pub const SUBSCRIBE: Stmt = Stmt { sql: subscribe_sql!("", "", ""), types: SUBSCRIBE_TYPES };
+
+/// The condition of [`SUBSCRIBE_LISTED`].
+macro_rules! listed {
+    () => {
+        "WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = $1 FOR KEY SHARE)"
+    };
+}
 
 /// [`SUBSCRIBE`] for a subscription still in the catalog, whose row is
 /// key-share locked (a drop_subscription in progress is waited for, and then
 /// nothing is inserted).
-pub const SUBSCRIBE_LISTED: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn) \
-          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8 FROM generate_series(0, 15) AS g \
-           WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = $1 FOR KEY SHARE) \
-          ON CONFLICT DO NOTHING RETURNING lane",
-    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
-};
+pub const SUBSCRIBE_LISTED: Stmt = Stmt { sql: subscribe_sql!("", "", listed!()), types: SUBSCRIBE_TYPES };
 
 /// [`SUBSCRIBE`] that also keeps the first cursor's snapshot as the lanes'
 /// `start_snap` (0.10.0: events visible in it are not the subscription's).
-pub const SUBSCRIBE_0100: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn, start_snap) \
-          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8, $2::pg_snapshot FROM generate_series(0, 15) AS g \
-          ON CONFLICT DO NOTHING RETURNING lane",
-    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
-};
+pub const SUBSCRIBE_0100: Stmt =
+    Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", ""), types: SUBSCRIBE_TYPES };
 
 /// [`SUBSCRIBE_LISTED`] with `start_snap`, as [`SUBSCRIBE_0100`].
-pub const SUBSCRIBE_LISTED_0100: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn, start_snap) \
-          SELECT $1, g, $2::pg_snapshot, $3, $4::xid8, $2::pg_snapshot FROM generate_series(0, 15) AS g \
-           WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.name = $1 FOR KEY SHARE) \
-          ON CONFLICT DO NOTHING RETURNING lane",
-    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID],
-};
+pub const SUBSCRIBE_LISTED_0100: Stmt =
+    Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", listed!()), types: SUBSCRIBE_TYPES };
 
 /// Whether lane $1 holds an event above id $2 (a batch's slow events would
 /// hold it back).
