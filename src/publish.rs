@@ -162,7 +162,7 @@ fn queue_default() -> bool {
     if pg::catalog::outbox_relid(c"subscription_catalog").is_none() {
         return true;
     }
-    let cached = || subscriptions::lookup(validate::DEFAULT_SUBSCRIPTION).is_some_and(|s| s.queue);
+    let cached = || subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION);
     if !cached() {
         return false;
     }

@@ -129,6 +129,13 @@ impl Settings {
     }
 }
 
+/// True when subscription `name` exists and reads `outbox.event_queue`: the
+/// [`lookup`] that publish makes on every call, without copying the settings.
+pub fn reads_queue(name: &str) -> bool {
+    pg::accept_invalidations();
+    CACHE.with(|c| c.with(load, |m| m.get(name).is_some_and(|s| s.queue)))
+}
+
 /// [`lookup`], raising 42704 when the subscription does not exist.
 pub fn require(name: &str) -> Settings {
     lookup(name).unwrap_or_else(|| {

@@ -19,9 +19,8 @@
 //!      still there, as a replay moves them (ones out stay leased to their
 //!      holders from rows of their own, so none of the subject is handed out
 //!      ahead of an earlier one), and that row is cancelled in the same
-//!      transaction. An event out (leased), done or
-//!      already moved is not cancelled: cancel takes pending or dead events
-//!      only, as for the queue.
+//!      transaction. An event out (leased), done or already moved is not
+//!      cancelled: cancel takes pending or dead events only, as for the queue.
 //! 2. **The subject goes on.** A cancelled row does not hold its subject
 //!    (only pending, leased, and dead rows under `block` do), so later events
 //!    follow as if it had been delivered; earlier ones are unaffected.
@@ -32,11 +31,11 @@
 //!    from its row like any cancelled event.
 
 use super::batch::State;
-use super::claim::{batch_lock_key, detach_positions, load_batch, Loaded, BATCH_LOCK_KEY};
+use super::claim::{batch_lock_key, detach_positions, load_batch, own_filter, passes, Loaded, BATCH_LOCK_KEY};
 use crate::pg;
 use crate::pg::plans;
 use crate::sql::log::{CANCEL_ROW, CANCEL_UNREAD, EVENT_BY_ID, LANE_FOR_CANCEL};
-use crate::{subscriptions, validate};
+use crate::subscriptions;
 use pgrx::prelude::*;
 
 /// `outbox._log_cancel(subscription text, id bigint) -> boolean`: cancel, for
@@ -61,13 +60,7 @@ pub fn log_cancel(subscription: Option<&str>, id: Option<i64>) -> bool {
     }) else {
         return false;
     };
-    let own =
-        settings.topics.as_ref().and_then(|t| validate::topic_filter(Some(t.iter().cloned().map(Some).collect())));
-    let passes = match &own {
-        None => true,
-        Some((exact, prefixes)) => exact.contains(&topic) || prefixes.iter().any(|p| topic.starts_with(p.as_str())),
-    };
-    if !passes {
+    if !passes(&own_filter(&settings), &topic) {
         return false;
     }
     let args = [subscription.into(), lane.into(), txid.as_str().into(), id.into()];

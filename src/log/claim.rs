@@ -208,7 +208,7 @@ fn store_batch(id: i64, b: &Batch) -> bool {
 }
 
 /// Whether `topic` passes a filter (exact names, prefixes); None passes all.
-fn passes(filter: &Option<(Vec<String>, Vec<String>)>, topic: &str) -> bool {
+pub(super) fn passes(filter: &Option<(Vec<String>, Vec<String>)>, topic: &str) -> bool {
     match filter {
         None => true,
         Some((exact, prefixes)) => exact.iter().any(|e| e == topic) || prefixes.iter().any(|p| topic.starts_with(p)),
@@ -216,7 +216,7 @@ fn passes(filter: &Option<(Vec<String>, Vec<String>)>, topic: &str) -> bool {
 }
 
 /// The subscription's own topic filter, from its catalog row's patterns.
-fn own_filter(settings: &Settings) -> Option<(Vec<String>, Vec<String>)> {
+pub(super) fn own_filter(settings: &Settings) -> Option<(Vec<String>, Vec<String>)> {
     settings.topics.as_ref().and_then(|t| validate::topic_filter(Some(t.iter().cloned().map(Some).collect())))
 }
 

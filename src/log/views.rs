@@ -13,9 +13,9 @@
 //! row of its own, by design (publish and the common ack write nothing per
 //! event). The statement that deletes a finished batch keeps its encoding in
 //! `outbox.log_delivered` with the time (src/log/claim.rs, `store_batch`), so
-//! an event acked from it was delivered at the latest then, and at the
-//! earliest when its round was handed out: [`log_delivered`] reports the
-//! first. An event is in at most one finished batch: it goes out of a batch
+//! an event acked from it was delivered at the latest then (and at the
+//! earliest when its round was handed out): [`log_delivered`] reports the
+//! batch's finish time. An event is in at most one finished batch: it goes out of a batch
 //! at most once (src/log/batch.rs), and a lane's windows never overlap
 //! (src/log/mod.rs).
 
