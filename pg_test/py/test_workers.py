@@ -381,6 +381,11 @@ def test_killed_worker_events_redelivered_after_lease(lang, db, spawn):
             f"events never delivered: {sorted(unlogged)}; in the outbox: {found}"
     for eid, expiry in held.items():
         redo = [r for r in rows if r["id"] == eid and r["worker"] != a.name]
+        if not redo and eid in unlogged:
+            # SIGKILL ends the worker, not its server session: an ack already
+            # sent can still commit after `held` was read. Then the event was
+            # delivered once, by the killed worker (checked just above).
+            continue
         assert redo, f"event {eid} leased by the killed worker was not redelivered"
         # Not before the lease the killed worker held ran out (50 ms clock slack).
         assert min(r["started"] for r in redo) >= expiry - 0.05, (eid, expiry, redo)
