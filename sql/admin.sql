@@ -34,6 +34,7 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
+        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
         -- Cancelled before its lane read it (src/log/cancel.rs): the row and
         -- the lane's skip go, under the lane's lock, and the lane delivers it
         -- in its place. If a claim has read it meanwhile, it is replayed from
@@ -162,6 +163,7 @@ BEGIN
                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
             RETURN n;
         END IF;
+        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
         -- Their subjects' events still in the lanes' batches now follow them:
         -- detached first, lanes in one order, before the rows change (the lock
         -- order of drop_subscription).
@@ -230,6 +232,7 @@ BEGIN
         RETURN false;
     END IF;
     IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
+        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
         -- A pending or dead row of its own; else an event its lane has not
         -- read yet, or one waiting in the lane's batch (src/log/cancel.rs).
         -- Not a leased one, as for the queue.

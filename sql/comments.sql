@@ -112,6 +112,27 @@ COMMENT ON FUNCTION outbox._subscription(text) IS
 COMMENT ON FUNCTION outbox._subscription_restore() IS
 'Internal trigger function on outbox.subscription_catalog: an inserted row whose name exists updates that row instead (pg_restore of a dump into a database whose CREATE EXTENSION already made ''default'').';
 
+COMMENT ON FUNCTION outbox._log_restored() IS
+'Internal statement trigger function (AFTER INSERT, transition table new_rows) on the ring tables outbox.log_0 .. outbox.log_3: a SQL insert of rows of other transactions is a restore '
+'of a dump; it records the largest restored id in outbox.log_restore (sql/restore.sql). publish''s own inserts do not fire it. '
+'Errors: 55000 when the first restored table finds the log holding other events (restore the log into a database whose log is empty).';
+
+COMMENT ON FUNCTION outbox._log_state_restore() IS
+'Internal trigger function on outbox.log_state: an inserted row replaces the row of the same ring table (pg_restore into a database whose maintenance already wrote the ring''s state).';
+
+COMMENT ON FUNCTION outbox._identity_restore() IS
+'Internal trigger function on outbox.identity: an inserted row (a restored dump''s) replaces the one CREATE EXTENSION made, so the restored outbox keeps its outbox_id.';
+
+COMMENT ON FUNCTION outbox._log_restore_quiet() IS
+'Internal (outbox._log_rotate): whether a restored log may be rebased by the background worker: no ring table restored for a minute and no other session of this database is '
+'a pg_restore or last ran a COPY into an outbox table. Returns boolean. No errors.';
+
+COMMENT ON FUNCTION outbox._log_rebase() IS
+'Internal: rebase a log restored from a dump into this cluster''s transaction ids (sql/restore.sql, src/log/restore.rs): every event a subscription of the log had not finished '
+'(unread, or in a batch and not acked) gets a row of its own, ''pending''; then restored log rows get txid 2, every lane a new cursor, and batches in flight are deleted. '
+'Run by the first claim, cancel, replay, replay_dead or create_subscription after a restore, or by the log maintenance step once the restore looks finished (outbox._log_restore_quiet). Returns the events given a row (bigint), NULL when nothing waited. '
+'Errors: 40001 at REPEATABLE READ or SERIALIZABLE when another transaction rebased after the snapshot.';
+
 COMMENT ON FUNCTION outbox._set_paused(text, boolean) IS
 'Internal: pause_subscription and resume_subscription. Returns true when the state changed. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription.';
 

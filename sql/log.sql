@@ -10,13 +10,12 @@
 -- most 20 ms (src/log/mod.rs, invariant 4), so a held xmin leaves no dead
 -- tuple in the log and nobody queues behind its cleanup for longer.
 --
--- Not dumped (no pg_extension_config_dump, here or for the readers' tables
--- below): a row's txid names a transaction of this cluster, and restored into
--- another it could name an unrelated one there. The queue, which is dumped,
--- holds every event; the slice that makes the log the storage rebases txids
--- at restore.
+-- Dumped (0.11.0), with the readers' tables below: a row's txid names a
+-- transaction of this cluster, so a restore is rebased into the restoring
+-- cluster's ids before anyone reads it (sql/restore.sql, src/log/restore.rs).
 --
--- A row is written once, by publish, and never updated or deleted:
+-- A row is written once, by publish, and never updated or deleted (but a
+-- restored row's txid, once, by the rebase: sql/restore.sql):
 --   txid  the publishing transaction's id, assigned before the event's id is
 --         drawn (src/publish.rs), so that a reader can find late committers
 --         by transaction;
@@ -133,7 +132,7 @@ CREATE TABLE outbox.log_batches (
 -- about a byte and a half per event. Written by the ack (or claim) that
 -- finishes the batch, in the same statement that deletes it; removed by
 -- retention after outbox.retention_delivered, and by drop_subscription.
--- Not dumped, like the log.
+-- Dumped, like the log (sql/restore.sql).
 CREATE TABLE outbox.log_delivered (
     subscription text        NOT NULL,
     lane         smallint    NOT NULL,
@@ -161,7 +160,7 @@ CREATE INDEX log_delivered_finished ON outbox.log_delivered (finished_at);
 --               still ack it until a claim hands it out again;
 --   blocks      a dead letter holds its subject's later events (the
 --               dead-letter policy 'block'), or lets them go on ('skip').
--- Not dumped, like the log (above).
+-- Dumped, like the log (sql/restore.sql).
 CREATE TABLE outbox.log_exceptions (
     subscription text        NOT NULL,
     id           bigint      NOT NULL,
@@ -337,6 +336,20 @@ BEGIN
     EXCEPTION WHEN lock_not_available THEN
         RETURN 0;
     END;
+    -- A restored log is not rebased yet (sql/restore.sql): its cursors and
+    -- txids are another cluster's. Rebased here once the restore looks
+    -- finished (for a database no consumer claims from yet), else left to
+    -- the first claim; nothing rotates before.
+    IF EXISTS (SELECT 1 FROM outbox.log_restore) THEN
+        IF NOT outbox._log_restore_quiet() THEN
+            RETURN 0;
+        END IF;
+        BEGIN
+            PERFORM outbox._log_rebase();
+        EXCEPTION WHEN lock_not_available THEN
+            RETURN 0;  -- readers hold the lanes: the next run, or their claim
+        END;
+    END IF;
     FOR r IN SELECT s.n, s.sealed_snap FROM outbox.log_state s
               WHERE s.sealed_at < now() - keep ORDER BY s.sealed_at LOOP
         CONTINUE WHEN NOT outbox._log_readers_passed(r.n);

@@ -257,6 +257,14 @@ BEGIN
         value := value + 1;
         status := 'warn';
     END LOOP;
+    -- A log restored from a dump waits for its rebase (0.11.0, sql/restore.sql)
+    -- and its retention with it.
+    FOR r IN SELECT x.restored_at FROM outbox.log_restore x LOOP
+        message := concat_ws('; ', message, format('the log was restored from a dump at %s and waits for its rebase (the first claim of a subscription of the log, '
+                                                   'or maintenance once the restore is over); its retention waits too', date_trunc('second', r.restored_at)));
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
     message := COALESCE(message, 'the log ring rotates and truncates on time');
     RETURN NEXT;
 END
@@ -269,4 +277,4 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
-'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';

@@ -39,7 +39,7 @@ DECLARE
     blocked text[];
     key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
 BEGIN
-    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads']) THEN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads', 'inbox']) THEN
         RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
     END IF;
     IF older_than < interval '0' THEN
@@ -74,7 +74,10 @@ BEGIN
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
         -- Named subscriptions' delivered exception rows (events that needed a
-        -- retry: their attempt history), in what is left of the batch.
+        -- retry: their attempt history), in what is left of the batch. Kept
+        -- while the log still holds the event (0.11.0): outbox.deliveries
+        -- would otherwise show it as acked from its batch on the first try.
+        -- One probe of the (lane, id) index per ring table.
         IF n < batch_size THEN
             WITH victims AS (
                 SELECT x.subscription, x.id FROM outbox.log_exceptions x
@@ -82,6 +85,7 @@ BEGIN
                  WHERE x.state = 'delivered'
                    AND x.delivered_at < pg_catalog.clock_timestamp()
                        - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
                  LIMIT batch_size - n
                    FOR UPDATE OF x SKIP LOCKED
             )
@@ -149,6 +153,18 @@ BEGIN
             GET DIAGNOSTICS more = ROW_COUNT;
             n := n + more;
         END IF;
+    ELSIF kind = 'inbox' THEN
+        -- The inbox's records (0.11.0, sql/inbox.sql), oldest first, after
+        -- outbox.retention_inbox; a record some transaction holds is skipped.
+        DELETE FROM outbox.inbox i
+         WHERE i.ctid = ANY (ARRAY(
+               SELECT r.ctid FROM outbox.inbox r
+                WHERE r.received_at < pg_catalog.clock_timestamp()
+                      - COALESCE(older_than, outbox._retention_guc('outbox.retention_inbox'))
+                ORDER BY r.received_at
+                LIMIT batch_size
+                  FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS n = ROW_COUNT;
     ELSIF kind = 'heads' THEN
         -- Repair of heads that writes around the outbox functions left unset (a
         -- manual INSERT, a data-only restore); the functions themselves keep heads
@@ -185,7 +201,7 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox._purge_step(text, interval, integer) IS
-'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events), ''keys'' (orphaned dispatch keys) or ''heads'' (repair of subject heads). '
+'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events), ''keys'' (orphaned dispatch keys), ''heads'' (repair of subject heads) or ''inbox'' (inbox records older than outbox.retention_inbox). '
 'Returns rows removed (bigint). Used by outbox.purge(), outbox.purge_dead() and the background worker. Errors: 22023 bad kind, negative older_than or batch_size < 1; 54000 batch_size over outbox.max_batch_size.';
 
 -- Between two committed batches: wait outbox.purge_delay, so that a large purge
@@ -225,6 +241,7 @@ $$;
 COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
 'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
 'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 20) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
+'A subscription of the log keeps the row (attempt history) of an event it delivered after a retry while the log still holds the event. '
 'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
 'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Batched, committed deletes as in PgQ''s and pg_partman''s maintenance procedures.';
 

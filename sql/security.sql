@@ -46,6 +46,12 @@ GRANT EXECUTE ON FUNCTION outbox.ack(bigint[], uuid[]) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.extend_lease(bigint, uuid, interval) TO outbox_worker;
 GRANT EXECUTE ON FUNCTION outbox.backoff_delay(integer, interval, interval, boolean) TO outbox_worker, outbox_admin, outbox_publisher;
+-- 0.11.0: the outbox's identity (the relay) and the inbox (consumers that
+-- write to PostgreSQL, the relay's workers among them).
+ALTER FUNCTION outbox.outbox_id() SECURITY DEFINER;
+ALTER FUNCTION outbox.inbox_receive(text, text) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox.outbox_id() TO outbox_worker, outbox_admin, outbox_publisher;
+GRANT EXECUTE ON FUNCTION outbox.inbox_receive(text, text) TO outbox_worker, outbox_admin;
 
 ALTER FUNCTION outbox.replay(bigint, text) SECURITY DEFINER;
 ALTER FUNCTION outbox.replay_dead(text, timestamptz, timestamptz, boolean, text) SECURITY DEFINER;
@@ -72,6 +78,7 @@ ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path
 ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._queue_clear(boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_rebase() SECURITY DEFINER;
 ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) SECURITY DEFINER;
 ALTER FUNCTION outbox.drop_subscription(text, boolean) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, timestamptz, timestamptz, boolean, text),
@@ -92,7 +99,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
-    outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status()
+    outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(), outbox._log_rebase(), outbox._log_restore_quiet()
     TO outbox_admin;
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),
     outbox.run_maintenance() TO outbox_admin;

@@ -128,6 +128,9 @@ BEGIN
     INSERT INTO outbox.subscription_activity (name) VALUES (resolved) ON CONFLICT DO NOTHING;
     -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
     -- whose transaction commits after this one took it, whenever it was published.
+    -- A restored log is rebased first (sql/restore.sql): the new lanes are
+    -- this cluster's, and the rebase would replace them.
+    PERFORM outbox._log_rebase();
     PERFORM outbox._log_subscribe(resolved, start);
 END
 $$;

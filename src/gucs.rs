@@ -54,6 +54,8 @@ static NOTIFY_PLAIN: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(Noti
 static RETENTION_DELIVERED_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86400);
 /// Dead events are kept this long for audit (s): 30 days.
 static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
+/// Inbox records are kept this long (s): 7 days (the maintenance step `inbox`).
+static RETENTION_INBOX_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86400);
 /// Dispatch keys are kept at least this long (s), even after their event is purged.
 /// 0 = exactly as long as the event.
 static RETENTION_DISPATCH_KEYS_S: GucSetting<i32> = GucSetting::<i32>::new(0);
@@ -228,6 +230,16 @@ pub fn init(preloaded: bool) {
         c"Default age after which outbox.purge_dead() removes dead events.",
         c"",
         &RETENTION_DEAD_S,
+        0,
+        i32::MAX,
+        GucContext::Userset,
+        GucFlags::UNIT_S,
+    );
+    GucRegistry::define_int_guc(
+        c"outbox.retention_inbox",
+        c"Age after which maintenance removes inbox records (outbox.inbox_receive).",
+        c"A duplicate that arrives later is received again: keep it longer than any redelivery can take.",
+        &RETENTION_INBOX_S,
         0,
         i32::MAX,
         GucContext::Userset,

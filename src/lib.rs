@@ -75,11 +75,12 @@ pgrx::extension_sql_file!(
     name = "subscriptions",
     requires = ["log", validate::check_subscription, validate::check_topic_patterns]
 );
+pgrx::extension_sql_file!("../sql/restore.sql", name = "restore", requires = ["subscriptions"]);
+pgrx::extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["restore"]);
 pgrx::extension_sql_file!(
     "../sql/retention.sql",
     name = "retention",
-    requires =
-        ["subscriptions", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
+    requires = ["inbox", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
 );
 pgrx::extension_sql_file!(
     "../sql/monitoring.sql",

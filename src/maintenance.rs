@@ -20,14 +20,16 @@ pub fn batch() -> i64 {
 /// - `audit`: look for rows below the claim low-water mark (written around the API);
 /// - `delivered`, `dead`, `keys`: retention of the archive, dead letters, orphaned keys;
 /// - `heads`: promote subject heads a bypassing write may have left unset;
-/// - `log`: truncate and rotate the log ring (src/log/mod.rs).
-pub const STEPS: [(&str, Option<&str>); 6] = [
+/// - `log`: truncate and rotate the log ring (src/log/mod.rs);
+/// - `inbox`: retention of the inbox's records (sql/inbox.sql).
+pub const STEPS: [(&str, Option<&str>); 7] = [
     ("audit", None),
     ("delivered", Some("purged_delivered")),
     ("dead", Some("purged_dead")),
     ("keys", Some("purged_keys")),
     ("heads", None),
     ("log", None),
+    ("inbox", None),
 ];
 
 /// Run one batch of `step` in the current transaction; returns rows affected (a

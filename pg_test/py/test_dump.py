@@ -87,6 +87,7 @@ def build_source(dsn):
         c.execute("SELECT outbox.publish_batch('d.bulk', array_agg(jsonb_build_object('g', g) ORDER BY g), "
                   "array_agg('b-' || g % 5 ORDER BY g), array_agg('dk-bulk-' || g ORDER BY g)) FROM generate_series(1, 50) g")
         c.execute("CALL outbox.run_maintenance()")
+        assert one(c, "SELECT outbox.inbox_receive('dump-consumer', 'm-1')")
         # the default subscription's own policy (the restore's CREATE EXTENSION
         # makes 'default' again: the dumped row must update it, not collide)
         c.execute("SELECT outbox.alter_subscription('default', max_attempts => 7, backoff_base => '2 seconds')")
@@ -107,11 +108,11 @@ SNAPSHOT = {
     "sequence": "SELECT last_value, is_called FROM outbox.event_id_seq",
     "log": " UNION ALL ".join(f"SELECT {n} AS t, * FROM outbox.log_{n}" for n in range(4)) + " ORDER BY id",
     "log_state": "SELECT * FROM outbox.log_state ORDER BY n",
+    "identity": "SELECT * FROM outbox.identity",
+    "inbox": "SELECT * FROM outbox.inbox ORDER BY consumer, message_id",
 }
 
 
-# The log ring is not dumped (sql/log.sql says why).
-NOT_DUMPED = ("log", "log_state")
 
 
 def snapshot(dsn):
@@ -148,7 +149,7 @@ def test_source_has_every_state(dumped):
     states = Counter(r[6] for r in dumped["snap"]["events"])
     assert set(states) == {"pending", "leased", "dead", "delivered", "cancelled"}
     # The source's log ring holds every event once, and maintenance recorded its
-    # open table (neither is dumped).
+    # open table.
     assert sorted(r[1] for r in dumped["snap"]["log"]) == sorted(r[0] for r in dumped["snap"]["events"])
     assert [r[0] for r in dumped["snap"]["log_state"]] == [0]
 
@@ -161,12 +162,9 @@ def test_dump_restore_round_trip_and_drain(plain_dsn, dumped, fmt):
         dst = restore(plain_dsn, dumped, fmt, name)
         got = snapshot(dst)
         for k in SNAPSHOT:
-            if k in NOT_DUMPED:
-                # Transaction ids do not survive a restore (sql/log.sql): the log
-                # and its state start empty; the queue holds every event.
-                assert got[k] == [], f"{k} was restored"
-            else:
-                assert got[k] == dumped["snap"][k], f"{k} differs after restore"
+            # The log too (0.11.0), as dumped until its rebase (no subscription
+            # of the log claims here; test_log_subscriptions_survive_... below).
+            assert got[k] == dumped["snap"][k], f"{k} differs after restore"
 
         c = connect(dst)
         try:
@@ -389,3 +387,209 @@ def test_plain_drop_succeeds_without_undelivered_events(guard_db):
         assert states == {"delivered": 2, "cancelled": 1}
     assert drop_error(guard_db, "DROP EXTENSION outbox_ext") is None
     assert extension_state(guard_db) is None
+
+
+# ---------------------------------------------------------------------------
+# The log and its subscriptions through a dump (0.11.0, sql/restore.sql):
+# restored into the other cluster, whose transaction ids are far behind the
+# source's, so every dumped txid is in the restoring cluster's future.
+# ---------------------------------------------------------------------------
+LOG_SRC = "outbox_t_dump_log_src"
+LOG_DST = "outbox_t_dump_log_dst"
+
+
+def next_xid(dsn):
+    with connect(dsn) as c:
+        return int(one(c, "SELECT pg_current_xact_id()::text"))
+
+
+def burn_xids(dsn, n):
+    with connect(dsn) as c:
+        c.execute(f"DO $$ BEGIN FOR i IN 1..{int(n)} LOOP PERFORM pg_current_xact_id(); COMMIT; END LOOP; END $$")
+
+
+def claim_sub(c, sub, n=100, lease="1 min", topics=None):
+    return c.execute("SELECT id, lease_token, subject, attempt FROM outbox.claim('w', %s, %s::interval, %s, %s)",
+                     (n, lease, topics, sub)).fetchall()
+
+
+def build_log_source(dsn):
+    """Two subscriptions of the log ('a': every topic, 'b': l.x only) with
+    events in every state. Returns (ids, expected): expected[sub] = the ids
+    each must still receive after a restore."""
+    ids = {}
+    with connect(dsn) as c:
+        c.execute("SELECT outbox.backoff_delay(1)")
+        # One event before 'b' exists: not b's.
+        ids["before_b"] = one(c, "SELECT outbox.publish('l.x', '{\"n\": 0}', 'early')")
+        c.execute("SELECT outbox.create_subscription('a')")
+        c.execute("SELECT outbox.create_subscription('b', ARRAY['l.x'], max_attempts => 3)")
+        for s in ("s1", "s2", "s3"):
+            for k in range(4):
+                ids[f"{s}-{k}"] = one(c, "SELECT outbox.publish('l.x', %s::jsonb, %s)", (f'{{"k": {k}}}', s))
+        for k in range(6):
+            ids[f"y-{k}"] = one(c, "SELECT outbox.publish('l.y', %s::jsonb)", (f'{{"k": {k}}}',))
+        ids["delayed"] = one(c, "SELECT outbox.publish('l.x', '{}', deliver_at => clock_timestamp() + interval '3 s')")
+        ids["cancel_me"] = one(c, "SELECT outbox.publish('l.y', '{\"c\": 1}')")
+        ids["dk"] = one(c, "SELECT outbox.publish('l.y', '{}', dispatch_key => 'dk-log')")
+        # a: cancel one unread event; a claim takes one per subject plus the
+        # subjectless ones; ack some, fail one (retry), kill one (dead, blocks s3),
+        # leave the rest leased.
+        assert one(c, "SELECT outbox.cancel(%s, 'a')", (ids["cancel_me"],))
+        got = {r[0]: r for r in claim_sub(c, "a", 50)}
+        assert ids["s1-0"] in got and ids["s2-0"] in got and ids["s3-0"] in got, got
+        assert one(c, "SELECT outbox.ack(%s, %s)", (ids["s1-0"], got[ids["s1-0"]][1]))
+        assert one(c, "SELECT outbox.fail(%s, %s, 'flaky', '0')", (ids["s2-0"], got[ids["s2-0"]][1])) == "pending"
+        assert one(c, "SELECT outbox.fail(%s, %s, 'broken', permanent => true)", (ids["s3-0"], got[ids["s3-0"]][1])) == "dead"
+        acked_a = {ids["s1-0"]}
+        for i, (eid, tok, _, _) in enumerate(sorted(v for k, v in got.items() if k not in (ids["s1-0"], ids["s2-0"], ids["s3-0"]))):
+            if i % 2 == 0:
+                assert one(c, "SELECT outbox.ack(%s, %s)", (eid, tok))
+                acked_a.add(eid)
+        # b: ack everything of its first claim.
+        acked_b = set()
+        for eid, tok, _, _ in claim_sub(c, "b", 10):
+            assert one(c, "SELECT outbox.ack(%s, %s)", (eid, tok))
+            acked_b.add(eid)
+        all_x = {v for k, v in ids.items() if k.startswith("s") or k == "delayed"}
+        all_y = {v for k, v in ids.items() if k.startswith("y-") or k in ("cancel_me", "dk")}
+        expected = {
+            # every own event neither acked, cancelled nor dead
+            "a": (all_x | all_y) - acked_a - {ids["cancel_me"], ids["s3-0"]},
+            "b": all_x - acked_b,
+        }
+    return ids, expected
+
+
+@pytest.fixture
+def log_restored(plain_dsn, preload_dsn, tmp_path):
+    src = create_db(plain_dsn, LOG_SRC)
+    dst_admin = preload_dsn
+    # The source's ids far ahead of the restoring cluster's.
+    gap = next_xid(dst_admin) - next_xid(plain_dsn) + 3000
+    if gap > 0:
+        burn_xids(src, gap)
+    ids, expected = build_log_source(src)
+    with connect(src) as c:
+        src_view = c.execute("SELECT subscription, event_id, state, attempts FROM outbox.deliveries "
+                             "WHERE subscription <> 'default' ORDER BY 1, 2").fetchall()
+        src_id = one(c, "SELECT outbox.outbox_id()")
+    f = tmp_path / "log.dump"
+    run([f"{PG_BIN}/pg_dump", "-Fc", "-d", src, "-f", str(f)])
+    dst = create_db(dst_admin, LOG_DST, extension=False)
+    run([f"{PG_BIN}/pg_restore", "--exit-on-error", "-d", dst, str(f)])
+    yield {"src": src, "dst": dst, "ids": ids, "expected": expected, "src_view": src_view, "src_id": src_id}
+    drop_db(plain_dsn, LOG_SRC)
+    drop_db(dst_admin, LOG_DST)
+
+
+def drain_sub(c, sub, seconds=20, blocked=()):
+    """Claim and ack until nothing is ready and nothing pending remains but
+    the events in `blocked` (behind a dead letter); the order of claims."""
+    order = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        rows = claim_sub(c, sub)
+        for eid, tok, _, _ in rows:
+            assert one(c, "SELECT outbox.ack(%s, %s)", (eid, tok)), f"{sub}: ack of {eid} refused"
+            order.append(eid)
+        if not rows:
+            left = one(c, "SELECT count(*) FROM outbox.deliveries WHERE subscription = %s AND state IN ('pending', 'leased') "
+                          "AND event_id <> ALL (%s)", (sub, list(blocked)))
+            if left == 0:
+                return order
+            time.sleep(0.2)
+    raise AssertionError(f"{sub} did not drain: {order}")
+
+
+def test_log_subscriptions_survive_dump_and_restore(log_restored):
+    r = log_restored
+    ids = r["ids"]
+    with connect(r["dst"]) as c:
+        # Restored as dumped, waiting for its rebase; the identity is the source's.
+        assert one(c, "SELECT outbox.outbox_id()") == r["src_id"]
+        assert one(c, "SELECT count(*) FROM outbox.log_restore") == 1
+        assert c.execute("SELECT subscription, event_id, state, attempts FROM outbox.deliveries "
+                         "WHERE subscription <> 'default' ORDER BY 1, 2").fetchall() == r["src_view"]
+        health = dict((n, (s, m)) for n, s, _, m in c.execute("SELECT * FROM outbox.health()").fetchall())
+        assert health["log_ring"][0] == "warn" and "restored from a dump" in health["log_ring"][1]
+        # Published here before any claim: committed, and one still open across the rebase.
+        native = one(c, "SELECT outbox.publish('l.x', '{\"native\": 1}', 's1')")
+        late = connect(r["dst"], autocommit=False)
+        try:
+            late_id = one(late, "SELECT outbox.publish('l.y', '{\"native\": 2}')")
+            # The first claim rebases.
+            first = claim_sub(c, "b", 1)
+            assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+            assert one(c, "SELECT count(*) FROM outbox.log WHERE id <= %s AND txid <> '2'", (ids["dk"],)) == 0
+            late.commit()
+        finally:
+            late.close()
+        # Dispatch keys still dedupe against restored log events.
+        assert one(c, "SELECT outbox.publish('l.y', '{}', dispatch_key => 'dk-log')") == ids["dk"]
+        for eid, tok, _, _ in first:
+            assert one(c, "SELECT outbox.ack(%s, %s)", (eid, tok))
+        behind_dead = [ids[f"s3-{k}"] for k in (1, 2, 3)]
+        order = {"a": drain_sub(c, "a", blocked=behind_dead), "b": [e for e, _, _, _ in first] + drain_sub(c, "b")}
+        want = {"a": r["expected"]["a"] - set(behind_dead) | {native, late_id}, "b": r["expected"]["b"] | {native}}
+        for sub in ("a", "b"):
+            dup = [i for i, n in Counter(order[sub]).items() if n > 1]
+            assert not dup, f"{sub} delivered twice: {dup}"
+            assert set(order[sub]) == want[sub], (sub, sorted(set(order[sub]) ^ want[sub]))
+            # Per-subject order: each subject's events in id (= commit) order.
+            subj = dict(c.execute("SELECT id, subject FROM outbox.log WHERE subject IS NOT NULL").fetchall())
+            for s in {subj[i] for i in order[sub] if i in subj}:
+                seq = [i for i in order[sub] if subj.get(i) == s]
+                assert seq == sorted(seq), (sub, s, seq)
+        # Not b's: committed before it existed. The dead letter stays dead and
+        # holds its subject; the cancelled event stays cancelled.
+        assert ids["before_b"] not in order["b"]
+        states = dict(c.execute("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'a'").fetchall())
+        assert states[ids["s3-0"]] == "dead" and states[ids["cancel_me"]] == "cancelled"
+        assert states[ids["s3-1"]] == "pending" and ids["s3-1"] not in order["a"]
+        # The retry kept its history: its second delivery was attempt 2.
+        assert one(c, "SELECT attempts FROM outbox.deliveries WHERE subscription = 'a' AND event_id = %s",
+                   (ids["s2-0"],)) == 2
+        # Nothing waits any more, and the log's maintenance runs again.
+        c.execute("CALL outbox.run_maintenance()")
+        assert one(c, "SELECT status FROM outbox.health() WHERE check_name = 'log_ring'") == "ok"
+
+
+def test_maintenance_rebases_a_restore_once_it_is_over(log_restored):
+    r = log_restored
+    with connect(r["dst"]) as c:
+        c.execute("SELECT outbox.backoff_delay(1)")
+        # Just restored: the worker's log step leaves it alone.
+        assert one(c, "SELECT outbox._log_restore_quiet()") is False
+        c.execute("UPDATE outbox.log_restore SET restored_at = now() - interval '2 minutes'")
+        # A pg_restore still connected keeps it waiting.
+        other = psycopg.connect(r["dst"], autocommit=True, application_name="pg_restore")
+        try:
+            assert one(c, "SELECT outbox._log_restore_quiet()") is False
+        finally:
+            other.close()
+        time.sleep(0.3)
+        assert one(c, "SELECT outbox._log_restore_quiet()") is True
+        c.execute("CALL outbox.run_maintenance()")
+        assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+        order = drain_sub(c, "b")
+        assert set(order) == r["expected"]["b"]
+
+
+def test_restore_into_a_log_with_events_is_refused(plain_dsn):
+    dsn = create_db(plain_dsn, LOG_DST + "_x")
+    try:
+        with connect(dsn) as c:
+            c.execute("SELECT outbox.publish('t', '{}')")
+            before = one(c, "SELECT count(*) FROM outbox.log")
+            with pytest.raises(psycopg.errors.ObjectNotInPrerequisiteState):
+                c.execute("INSERT INTO outbox.log_1 (id, txid, lane, topic, payload, max_attempts, published_at) "
+                          "VALUES (1000, '5', 0, 't', '{}', 5, now())")
+            assert one(c, "SELECT count(*) FROM outbox.log") == before
+            assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+            # publish's own rows are not a restore (its heap path fires nothing;
+            # the trigger ignores rows of the inserting transaction).
+            c.execute("SELECT outbox.publish_batch('t', ARRAY['1', '2']::jsonb[])")
+            assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+    finally:
+        drop_db(plain_dsn, LOG_DST + "_x")

@@ -236,6 +236,29 @@ def test_dead_letters_of_named_subscriptions_age_out_with_retention_dead(plain):
     assert plain.one("SELECT count(*) FROM outbox.log_exceptions")[0] == 0
 
 
+def test_a_retried_delivery_keeps_its_history_while_the_log_holds_the_event(plain):
+    """purge() leaves a delivered row of its own while the log still holds the
+    event: outbox.deliveries would otherwise show it as acked on the first try
+    (found by the soak, 0.11.0)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('h')")
+    eid = publish(c)
+    (r,) = claim(c, "h")
+    assert fail(c, r) == "pending"
+    (r,) = claim(c, "h")
+    assert ack(c, r)
+    view = "SELECT state, attempts, last_error FROM outbox.deliveries WHERE subscription = 'h' AND event_id = %s"
+    assert plain.one(view, (eid,)) == ("delivered", 2, "boom")
+    time.sleep(0.05)
+    c.execute("CALL outbox.purge(interval '0')")
+    assert plain.one(view, (eid,)) == ("delivered", 2, "boom")
+    # Once the log no longer holds it, the row goes too.
+    for n in range(4):
+        c.execute(f"TRUNCATE outbox.log_{n}")
+    c.execute("CALL outbox.purge(interval '0')")
+    assert plain.one("SELECT count(*) FROM outbox.log_exceptions WHERE subscription = 'h'")[0] == 0
+
+
 def test_workers_of_one_subscription_share_the_work_and_each_event_goes_out_once(plain):
     c = plain.conn()
     c.execute("SELECT outbox.create_subscription('share')")

@@ -537,3 +537,245 @@ def test_stdout_handler(lang, db, spawn):
         text = texts[ids.index(x["id"])]
         assert x["topic"] == "wk.print" and x["attempt"] == 1
         assert x["payload"] == json.loads(text)
+
+
+# ---------------------------------------------------------------- the inbox: exactly-once effects
+
+# The consumer's database: a database of its own, not the outbox's (the inbox
+# lives with the effect, so it has outbox_ext too).
+INBOX_DB = "outbox_t_workers_inbox"
+EFFECTS_DDL = """CREATE TABLE outbox_effects (message_id text NOT NULL, event_id bigint, topic text,
+    subject text, attempt int, payload jsonb, applied_at timestamptz NOT NULL DEFAULT now())"""
+
+
+@pytest.fixture(scope="module")
+def _inbox_db_once():
+    from scratch_db import create_db, drop_db
+    admin = os.environ.get("OUTBOX_TEST_DSN_PRELOAD")
+    if not admin:
+        pytest.skip("OUTBOX_TEST_DSN_PRELOAD is not set (run through scripts/test.sh)")
+    url = create_db(admin, INBOX_DB)
+    with psycopg.connect(url, autocommit=True) as c:
+        c.execute(EFFECTS_DDL)
+    yield url
+    drop_db(admin, INBOX_DB)
+
+
+@pytest.fixture
+def inbox_db(_inbox_db_once):
+    with psycopg.connect(_inbox_db_once, autocommit=True) as c:
+        c.execute("TRUNCATE outbox_effects, outbox.inbox")
+    return _inbox_db_once
+
+
+@pytest.mark.parametrize("lang", ["python", "node", "rust"])
+def test_inbox_handler_applies_effects_exactly_once(lang, db, spawn, inbox_db):
+    """OUTBOX_HANDLER=inbox writes one row per message into another database
+    through the language's process_once. Redeliveries after a committed effect,
+    effects that roll back, and the same message id in 3 events at once (the
+    copies run concurrently): every message's effect exactly once. One worker's
+    consumer connection is at SERIALIZABLE, where a concurrent duplicate gets
+    40001: the wrapper retries it, so no event needs a second attempt for it."""
+    topic = "wk.inbox"
+    consumer = "wk-inbox"
+    oid = str(fetch(db, "SELECT outbox.outbox_id()")[0][0])
+    kinds, payloads, subjects = [], [], []
+    for i in range(120):
+        kind = {3: "after", 6: "rollback"}.get(i % 10, "plain")
+        p = {"seq": i}
+        if kind == "after":    # fails after its effect committed: redelivered, a duplicate
+            p.update(fail="transient", error="failed after the commit")
+        elif kind == "rollback":  # fails inside the transaction: nothing kept
+            p.update(effect_fail=True)
+        kinds.append(kind)
+        payloads.append(json.dumps(p))
+        subjects.append(f"s{i % 8}")
+    for k in range(12):  # 12 messages published 3 times each, adjacent, no subject
+        for j in range(3):
+            kinds.append(f"dup-{k}")
+            payloads.append(json.dumps({"message_id": f"dup-{k}", "copy": j, "effect_sleep_ms": 300}))
+            subjects.append(None)
+    ids = publish_batch(db, topic, payloads, subjects)
+    kind_of = dict(zip(ids, kinds))
+
+    serializable = psycopg.conninfo.make_conninfo(
+        inbox_db, options="-c default_transaction_isolation=serializable")
+    common = dict(OUTBOX_HANDLER="inbox", OUTBOX_INBOX_CONSUMER=consumer, OUTBOX_TOPICS=topic,
+                  OUTBOX_BATCH_SIZE=6, OUTBOX_CONCURRENCY=3, OUTBOX_POLL_INTERVAL=0.5)
+    a = spawn(lang, sid(lang, "inbox-a"), OUTBOX_INBOX_DSN=inbox_db, **common)
+    b = spawn(lang, sid(lang, "inbox-b"), OUTBOX_INBOX_DSN=serializable, **common)
+    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s", topic)[0][0] == 0,
+               40, "the inbox events to drain", (a, b))
+    assert [a.terminate(), b.terminate()] == [0, 0]
+    ctx = a.tail() + "\n" + b.tail()
+
+    with psycopg.connect(inbox_db, autocommit=True) as c:
+        effects = fetch(c, "SELECT message_id, event_id, attempt FROM outbox_effects")
+        receipts = [r[0] for r in fetch(c, "SELECT message_id FROM outbox.inbox WHERE consumer = %s", consumer)]
+        assert str(fetch(c, "SELECT outbox.outbox_id()")[0][0]) != oid
+    expected = {f"{oid}:{i}" for i in ids if not kind_of[i].startswith("dup-")} | {f"dup-{k}" for k in range(12)}
+    counts = {}
+    for mid, _, _ in effects:
+        counts[mid] = counts.get(mid, 0) + 1
+    doubled = {m: n for m, n in counts.items() if n > 1}
+    assert not doubled, f"effects applied more than once: {sorted(doubled.items())[:10]}\n{ctx}"
+    assert set(counts) == expected, f"missing: {sorted(expected - set(counts))[:10]}, " \
+                                    f"unexpected: {sorted(set(counts) - expected)[:10]}\n{ctx}"
+    assert sorted(receipts) == sorted(expected)
+
+    state = {r[0]: r[1:] for r in fetch(
+        db, "SELECT id, state, attempts, errors FROM outbox.events WHERE topic = %s", topic)}
+    for mid, eid, attempt in effects:
+        kind = kind_of[eid]
+        if kind.startswith("dup-"):
+            assert mid == kind
+            continue
+        assert mid == f"{oid}:{eid}"
+        st, attempts, errors = state[eid]
+        # "after": the effect of attempt 1 stayed, the redelivery did nothing.
+        # "rollback": attempt 1 left nothing, attempt 2 applied it.
+        want = {"plain": (1, 1), "after": (1, 2), "rollback": (2, 2)}[kind]
+        assert (attempt, attempts) == want, (kind, eid, attempt, attempts, errors)
+        if kind == "rollback":
+            assert [e["error"] for e in errors] == ["effect failed, rolled back"], errors
+    # Every event delivered; the concurrent duplicates needed no second attempt
+    # (a 40001 is retried inside the wrapper).
+    for i in ids:
+        st, attempts, errors = state[i]
+        assert st == "delivered", (i, kind_of[i], st, errors)
+        if kind_of[i] == "plain" or kind_of[i].startswith("dup-"):
+            assert (attempts, errors) == (1, None), (i, kind_of[i], attempts, errors, ctx)
+
+
+def _import_python_worker():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("outbox_worker", WORKERS_DIR / "python" / "outbox_worker.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _effects(url, consumer):
+    with psycopg.connect(url, autocommit=True) as c:
+        return (sorted(r[0] for r in fetch(c, "SELECT message_id FROM outbox_effects")),
+                sorted(r[0] for r in fetch(c, "SELECT message_id FROM outbox.inbox WHERE consumer = %s", consumer)))
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_python_process_once(inbox_db, isolation):
+    ow = _import_python_worker()
+    assert ow.message_id("f8bc", 42) == "f8bc:42"
+    level = psycopg.IsolationLevel.REPEATABLE_READ if isolation == "repeatable read" else None
+
+    def insert(mid):
+        return lambda cur: cur.execute("INSERT INTO outbox_effects (message_id) VALUES (%s)", (mid,))
+
+    with psycopg.connect(inbox_db, autocommit=True) as c, psycopg.connect(inbox_db) as c2:
+        c2.isolation_level = level
+        # First time applied, then a duplicate (also on another connection).
+        assert ow.process_once(c, "unit", "m1", insert("m1")) is True
+        assert ow.process_once(c2, "unit", "m1", insert("m1")) is False
+        assert ow.process_once(c, "other", "m1", lambda cur: None) is True  # ids are per consumer
+        # An exception in fn rolls back the receipt too: received again later.
+        with pytest.raises(ZeroDivisionError):
+            ow.process_once(c2, "unit", "m2", lambda cur: (insert("m2")(cur), 1 / 0))
+        assert ow.process_once(c2, "unit", "m2", insert("m2")) is True
+
+        # An SQL error swallowed by fn: not reported as applied.
+        def swallow(cur):
+            insert("m3")(cur)
+            try:
+                cur.execute("SELECT 1 / 0")
+            except psycopg.errors.DivisionByZero:
+                pass
+        with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+            ow.process_once(c, "unit", "m3", swallow)
+        # Inside a transaction already: refused (it commits).
+        c2.execute("SELECT 1")
+        with pytest.raises(psycopg.ProgrammingError):
+            ow.process_once(c2, "unit", "m4", insert("m4"))
+        c2.rollback()
+        assert c.info.transaction_status == c2.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert _effects(inbox_db, "unit") == (["m1", "m2"], ["m1", "m2"])
+
+    # A concurrent duplicate waits for the first and gets False; at REPEATABLE
+    # READ it got 40001 first, which the wrapper retried.
+    entered, release, got, ran = threading.Event(), threading.Event(), {}, []
+
+    def slow(cur):
+        insert("c1")(cur)
+        entered.set()
+        release.wait(10)
+
+    def second():
+        with psycopg.connect(inbox_db) as c2:
+            c2.isolation_level = level
+            got["second"] = ow.process_once(c2, "unit", "c1", lambda cur: ran.append(1))
+
+    with psycopg.connect(inbox_db) as c1:
+        t1 = threading.Thread(target=lambda: got.setdefault("first", ow.process_once(c1, "unit", "c1", slow)))
+        t1.start()
+        assert entered.wait(10)
+        t2 = threading.Thread(target=second)
+        t2.start()
+        time.sleep(0.4)
+        assert t2.is_alive(), "the duplicate did not wait for the first transaction"
+        release.set()
+        t1.join(10)
+        t2.join(10)
+    assert got == {"first": True, "second": False} and ran == [], (got, ran)
+    assert _effects(inbox_db, "unit") == (["c1", "m1", "m2"], ["c1", "m1", "m2"])
+
+
+NODE_PROCESS_ONCE = r"""
+const { Client } = require('pg');
+const { processOnce, messageId, parseDsn } = require('./worker.js');
+const cfg = parseDsn(process.env.INBOX_DSN);
+const insert = (mid) => (c) => c.query('INSERT INTO outbox_effects (message_id) VALUES ($1)', [mid]);
+const out = {};
+(async () => {
+  const [c1, c2, c3] = [new Client(cfg), new Client(cfg), new Client(cfg)];
+  for (const c of [c1, c2, c3]) await c.connect();
+  await c3.query('SET SESSION CHARACTERISTICS AS TRANSACTION ISOLATION LEVEL ' + process.env.ISOLATION);
+  out.messageId = messageId('f8bc', '42');
+  out.first = await processOnce(c1, 'unit', 'm1', insert('m1'));
+  out.dup = await processOnce(c3, 'unit', 'm1', insert('m1'));
+  try {
+    await processOnce(c1, 'unit', 'm2', async (c) => { await insert('m2')(c); throw new Error('boom'); });
+  } catch (e) { out.rollbackError = e.message; }
+  out.again = await processOnce(c1, 'unit', 'm2', insert('m2'));
+  try {
+    await processOnce(c1, 'unit', 'm3', async (c) => { await insert('m3')(c); await c.query('SELECT 1/0').catch(() => {}); });
+  } catch (e) { out.swallowedError = e.message; }
+  // A concurrent duplicate: the second waits for the first, then false.
+  let release;
+  const held = new Promise((r) => { release = r; });
+  let entered;
+  const inside = new Promise((r) => { entered = r; });
+  let secondRan = false;
+  const p1 = processOnce(c2, 'unit', 'c1', async (c) => { await insert('c1')(c); entered(); await held; });
+  await inside;
+  let secondDone = false;
+  const p2 = processOnce(c3, 'unit', 'c1', async () => { secondRan = true; }).finally(() => { secondDone = true; });
+  await new Promise((r) => setTimeout(r, 400));
+  out.secondWaited = !secondDone;
+  release();
+  out.concurrent = [await p1, await p2, secondRan];
+  for (const c of [c1, c2, c3]) await c.end();
+  process.stdout.write(JSON.stringify(out));
+})().catch((e) => { process.stderr.write(String(e && e.stack || e)); process.exit(1); });
+"""
+
+
+@pytest.mark.parametrize("isolation", ["read committed", "repeatable read"])
+def test_node_process_once(inbox_db, isolation):
+    worker_command("node")  # npm ci
+    env = dict(os.environ, INBOX_DSN=inbox_db, ISOLATION=isolation)
+    r = subprocess.run([_which("node"), "-e", NODE_PROCESS_ONCE], cwd=WORKERS_DIR / "node", env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out == {"messageId": "f8bc:42", "first": True, "dup": False, "rollbackError": "boom", "again": True,
+                   "swallowedError": "processOnce: fn left the transaction aborted; rolled back",
+                   "secondWaited": True, "concurrent": [True, False, False]}, out
+    assert _effects(inbox_db, "unit") == (["c1", "m1", "m2"], ["c1", "m1", "m2"])

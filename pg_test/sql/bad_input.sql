@@ -30,7 +30,8 @@ CREATE FUNCTION pg_temp.fingerprint() RETURNS text LANGUAGE sql AS $$
         (SELECT string_agg(c::text, ',' ORDER BY c.name) FROM outbox.subscription_catalog c),
         (SELECT string_agg(l::text, ',' ORDER BY l.subscription, l.lane) FROM outbox.log_lanes l),
         (SELECT string_agg(b::text, ',' ORDER BY b.id) FROM outbox.log_batches b),
-        (SELECT string_agg(x::text, ',' ORDER BY x.subscription, x.id) FROM outbox.log_exceptions x)))
+        (SELECT string_agg(x::text, ',' ORDER BY x.subscription, x.id) FROM outbox.log_exceptions x),
+        (SELECT string_agg(i::text, ',' ORDER BY i.consumer, i.message_id) FROM outbox.inbox i)))
 $$;
 
 CREATE TEMP TABLE cases (n serial PRIMARY KEY, fn text NOT NULL, label text NOT NULL, call text NOT NULL, expect text NOT NULL);
@@ -465,6 +466,13 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('drop_subscription', 'unknown name', $$SELECT outbox.drop_subscription('nope')$$, '42704'),
 ('drop_subscription', 'malformed name', $$SELECT outbox.drop_subscription('No pe')$$, '22023'),
 ('drop_subscription', 'queue default, leases in flight', $$SELECT outbox.drop_subscription('default')$$, '55006'),
+('inbox_receive', 'NULL consumer', $$SELECT outbox.inbox_receive(NULL, 'm')$$, '22004'),
+('inbox_receive', 'NULL message_id', $$SELECT outbox.inbox_receive('c', NULL)$$, '22004'),
+('inbox_receive', 'empty consumer', $$SELECT outbox.inbox_receive('', 'm')$$, '22023'),
+('inbox_receive', 'empty message_id', $$SELECT outbox.inbox_receive('c', '')$$, '22023'),
+('inbox_receive', 'consumer over 200 characters', $$SELECT outbox.inbox_receive(repeat('c', 201), 'm')$$, '22023'),
+('inbox_receive', 'message_id over 1000 characters', $$SELECT outbox.inbox_receive('c', repeat('m', 1001))$$, '22023'),
+('inbox_receive', 'valid', $$SELECT outbox.inbox_receive('c', 'm')::text$$, 'ok:true'),
 ('claim', 'named: unknown', $$SELECT count(*) FROM outbox.claim('w', 1, subscription => 'nope')$$, '42704'),
 ('claim', 'named: bad lease', $$SELECT count(*) FROM outbox.claim('w', 1, '-1 s', subscription => 'fxsub')$$, '22023'),
 ('claim', 'named: batch over max', $$SELECT count(*) FROM outbox.claim('w', 1000000, subscription => 'fxsub')$$, '54000'),

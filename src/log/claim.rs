@@ -520,14 +520,16 @@ fn require_relid(name: &std::ffi::CStr) -> pg_sys::Oid {
 /// and that the subscription exists and is not paused).
 pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum {
     let relid = require_relid(c"log_lanes");
+    super::restore::rebase_if_pending();
     let now = pg::now();
     let out = SetResult::begin(call);
     let mut left = batch_size - exceptions::claim(req, now, batch_size, &out);
     if left > 0 {
         let mut all = lanes(req.subscription);
         if all.is_empty() {
-            // A subscription restored from a dump (the log and its lanes are not
-            // dumped: sql/log.sql) starts at the restore; one dropped meanwhile
+            // Lanes are made by create_subscription and by a restore's rebase
+            // (src/log/restore.rs); a subscription restored without them (a
+            // dump of SQL older than 0.11.0) starts here. One dropped meanwhile
             // gets none (its catalog row is read, and waited for, first).
             let c = cursor();
             let xn = c.xn.to_string();

@@ -81,6 +81,7 @@ pub mod batch;
 pub mod cancel;
 pub mod claim;
 pub mod exceptions;
+pub mod restore;
 pub mod views;
 
 use crate::errors;

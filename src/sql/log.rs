@@ -598,3 +598,9 @@ pub const CANCEL_ROW: Stmt = Stmt {
            WHERE x.subscription = $1 AND x.id = $2 AND x.state = 'pending' RETURNING 1",
     types: &[pg_sys::TEXTOID, pg_sys::INT8OID],
 };
+
+/// Whether a restored log waits for its rebase (src/log/restore.rs).
+pub const RESTORE_PENDING: Stmt = Stmt { sql: "SELECT EXISTS (SELECT 1 FROM outbox.log_restore)", types: &[] };
+
+/// The rebase of a restored log (sql/restore.sql).
+pub const REBASE: Stmt = Stmt { sql: "SELECT outbox._log_rebase()", types: &[] };
