@@ -50,12 +50,13 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 # jq, curl: the shell reference worker and its webhook handler.
 # faketime: libfaketime, to set a test server's clock back (pg_test/py/test_liveness.py).
 # make: pg_test/Makefile runs the regress and isolation suites through PGXS.
+# nats-server: NATS JetStream for the relay's tests (pg_test/relay).
 APT_PACKAGES=(
     postgresql-15 postgresql-server-dev-15 postgresql-client-15 make
     libclang-dev clang libssl-dev pkg-config sudo
     postgresql-15-pgq3 pgqd postgresql-15-cron
     postgresql-15-pgtap libtap-parser-sourcehandler-pgtap-perl
-    python3-venv jq curl faketime
+    python3-venv jq curl faketime nats-server
 )
 
 pkg_installed() {
@@ -134,6 +135,16 @@ if [ -f "$EXTRA_REQS" ]; then
         echo "$want" >"$VENV/.requirements.sha256"
     fi
 fi
+# The relay's tests (pg_test/relay): NATS and Standard Webhooks clients.
+RELAY_REQS="$REPO/pg_test/relay/requirements.txt"
+if [ -f "$RELAY_REQS" ]; then
+    want="$(sha256sum "$RELAY_REQS" | cut -d' ' -f1)"
+    if [ "$(cat "$VENV/.relay-requirements.sha256" 2>/dev/null || true)" != "$want" ]; then
+        log "pip install -r pg_test/relay/requirements.txt"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$RELAY_REQS" </dev/null
+        echo "$want" >"$VENV/.relay-requirements.sha256"
+    fi
+fi
 
 # Directories postgres must be able to own (for `cargo pgrx test --runas postgres`).
 mkdir -p /tmp/outbox-pgrx-test
@@ -143,6 +154,17 @@ if [ "$DEPS_ONLY" -eq 1 ]; then
     log "done (--deps-only)"
     exit 0
 fi
+
+# ---------------------------------------------------------------------------
+# 5a. The `outbox` command (crates/outbox: the relay), into /usr/local/bin
+# ---------------------------------------------------------------------------
+# Its own crate and workspace (it cannot be a target of the pgrx cdylib
+# package); cargo rebuilds only what changed, and `install -C` leaves an
+# identical binary alone.
+log "building the outbox command (crates/outbox)"
+(cd "$REPO/crates/outbox" && cargo build --release --locked --quiet) </dev/null
+install -C -m 0755 "$REPO/crates/outbox/target/release/outbox" /usr/local/bin/outbox
+log "outbox command installed: $(/usr/local/bin/outbox --version)"
 
 # ---------------------------------------------------------------------------
 # 5. Build and install the extension into Debian's PostgreSQL 15

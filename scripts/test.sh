@@ -9,6 +9,7 @@
 #       scripts/test.sh regress:claim      only pg_test/sql/claim.sql
 #       scripts/test.sh isolation[:NAME]   isolation specs   pg_test/specs/*.spec
 #       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
+#       scripts/test.sh relay[:EXPR]       pytest            pg_test/relay: the relay with nats-server
 #       scripts/test.sh pgrx[:NAME]        #[pg_test] unit tests via cargo pgrx test
 #       scripts/test.sh suites[:NAME]      pg_test/suites/*.sh (NAME = one script's name)
 #
@@ -54,7 +55,7 @@ section() { printf '\n==== %s ====\n' "$*"; }
 # ---------------------------------------------------------------------------
 # Suite selection: no arguments = all suites.
 # ---------------------------------------------------------------------------
-ALL_SUITES=(regress isolation py pgrx suites)
+ALL_SUITES=(regress isolation py relay pgrx suites)
 declare -A WANT=() FILTER=()
 if [ "$#" -eq 0 ]; then
     for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
@@ -297,7 +298,7 @@ fresh_clusters() {
 # c. pytest: pg_test/py (multi-connection client tests)
 # ---------------------------------------------------------------------------
 run_py() {
-    local dir="$TEST_DIR/py" out rc
+    local dir="$TEST_DIR/py"
     # Only files pytest would collect count as tests.
     if [ ! -d "$dir" ] || [ -z "$(find "$dir" -name 'test_*.py' -o -name '*_test.py' | head -n 1)" ]; then
         return 0
@@ -305,11 +306,33 @@ run_py() {
     section "py (pytest, pg_test/py)"
     ensure_extension py || return 0
     fresh_clusters py || true
-    out="$RESULTS/py"
+    run_pytest py "$dir" "$SUITE_TIMEOUT"
+}
+
+# ---------------------------------------------------------------------------
+# c2. the relay (`outbox relay`, crates/outbox) against real servers:
+#     pg_test/relay starts its own cluster (relaytest, port 5472) and its own
+#     nats-server instances on loopback ports, and stops them.
+# ---------------------------------------------------------------------------
+run_relay() {
+    section "relay (pytest, pg_test/relay)"
+    ensure_extension relay || return 0
+    if [ ! -x /usr/local/bin/outbox ]; then
+        fail "relay: /usr/local/bin/outbox is missing (scripts/setup.sh builds it)"
+        return 0
+    fi
+    STARTED+=(relaytest)
+    OUTBOX_BIN=/usr/local/bin/outbox run_pytest relay "$TEST_DIR/relay" "${OUTBOX_RELAY_TIMEOUT:-1500}"
+}
+
+# run_pytest SUITE DIR TIMEOUT: pytest over DIR, counting its test cases.
+run_pytest() {
+    local suite="$1" dir="$2" limit="$3" out rc
+    out="$RESULTS/$suite"
     mkdir -p "$out"
     local -a args=(-q -p no:cacheprovider --junitxml="$out/junit.xml" "$dir")
-    [ -n "${FILTER[py]:-}" ] && args+=(-k "${FILTER[py]}")
-    (cd "$REPO" && timeout -k 10 "$SUITE_TIMEOUT" "$REPO/.venv/bin/python" -m pytest "${args[@]}") </dev/null
+    [ -n "${FILTER[$suite]:-}" ] && args+=(-k "${FILTER[$suite]}")
+    (cd "$REPO" && timeout -k 10 "$limit" "$REPO/.venv/bin/python" -m pytest "${args[@]}") </dev/null
     rc=$?
     # Count test cases from the JUnit report; fall back to one failure when
     # pytest failed without producing one (collection error, timeout, ...).
@@ -329,20 +352,20 @@ EOF
     if [ "$rc" -eq 5 ]; then
         # Exit 5 = no tests collected although test files exist: a broken suite
         # (unless a -k filter legitimately matched nothing).
-        if [ -n "${FILTER[py]:-}" ]; then
-            fail "py: no test matched -k '${FILTER[py]}'"
+        if [ -n "${FILTER[$suite]:-}" ]; then
+            fail "$suite: no test matched -k '${FILTER[$suite]}'"
         else
-            fail "py: pytest collected no tests from $dir"
+            fail "$suite: pytest collected no tests from $dir"
         fi
         return 0
     fi
     pass "" "$p"
     if [ "$f" -gt 0 ]; then
         FAILED=$((FAILED + f))
-        FAILURES+=("py: $f pytest test(s) failed (report: $out/junit.xml)")
+        FAILURES+=("$suite: $f pytest test(s) failed (report: $out/junit.xml)")
     elif [ "$rc" -ne 0 ]; then
-        [ "$rc" -eq 124 ] && echo "  pytest timed out after ${SUITE_TIMEOUT}s"
-        fail "py: pytest exited $rc"
+        [ "$rc" -eq 124 ] && echo "  pytest timed out after ${limit}s"
+        fail "$suite: pytest exited $rc"
     fi
 }
 
@@ -423,6 +446,7 @@ run_suites() {
 want regress && run_pgxs regress REGRESS ISOLATION sql sql pg_regress
 want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_regress
 want py && run_py
+want relay && run_relay
 want suites && run_suites
 # Last: it replaces the installed extension with its test build.
 if want pgrx; then

@@ -38,6 +38,11 @@ FULL = {
     "e2e_rates": [1000, 5000], "e2e_seconds": 4, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
     "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
+    # 6a, 6b: also the log variant (0.9.0's named subscriptions): the same
+    # measurement through the subscription bench_log of the log; 6a's log history
+    # has hist_delivered events bench_log acked and hist_log_dead dead letters of
+    # its own (claim + fail(permanent), ~1 ms per event here)
+    "s6_log": True, "hist_log_dead": 100_000,
     "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 10,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
     # 7: s7_clients spread evenly over s7_dbs databases; s7_probes wake-up probes per
@@ -53,6 +58,9 @@ FULL = {
     # 16, because beside 16 workers on 2 cores the 4 of that rule reached ~300 ev/s.
     "s8_rate": 800, "s8_workers": 16, "s8_batch": 100, "s8_poll": 0.5, "s8_reps": 1, "s8_pub_conns": 16,
     "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
+    # 8: also the log variant: the same run with the workers claiming through the
+    # subscription bench_log of the log (after the queue's run in each repetition)
+    "s8_log": True,
     # 9: s9_n payloads per column type (jsonb, json, text), read in keyset batches of s9_batch
     "s9_n": 100_000, "s9_batch": 500,
     # 10: drain s10_n events from the log through a named subscription (0.9.0:
@@ -83,7 +91,7 @@ QUICK = dict(FULL, **{
     "subject_cells": [(2, 100)],
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
-    "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20,
+    "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20, "hist_log_dead": 5_000,
     "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
     "s7_seconds": 2, "s7_probes": 8,
     "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,

@@ -631,18 +631,29 @@ def s4_e2e(ctx):
 # ---------------------------------------------------------------------------
 # 6. History, held xmin, purge
 # ---------------------------------------------------------------------------
-def _claim_ack_latencies(ctx, iters, dsn=None):
+def _claim_ack_latencies(ctx, iters, dsn=None, system="outbox", sizes=None):
+    """iters timed claims of 100 plus their batch ack (after 3 untimed ones).
+    system: "outbox" (the queue's default) or "outbox_log" (the subscription
+    bench_log of the log). sizes (a list), when given, receives each timed
+    claim's row count. The queue must hand out full batches; a claim of the log
+    that returns fewer (its lanes' windows) is counted, not an error, unless it
+    returns nothing."""
     conn = agents.connect(dsn or ctx.cluster.dsn())
-    q = S.DRAIN["outbox"]
+    q = S.DRAIN[system]
     lat = []
     for i in range(iters + 3):
         t = time.monotonic_ns()
         rows = conn.execute(q["claim"], {"worker": "lat", "batch": 100}).fetchall()
-        conn.execute(q["ack"], {"ids": [r[0] for r in rows], "tokens": [r[1] for r in rows]})
-        if len(rows) != 100:
-            raise HarnessError(f"latency probe claimed {len(rows)} rows, expected 100")
+        if rows:
+            acked = conn.execute(q["ack"], {"ids": [r[0] for r in rows], "tokens": [r[1] for r in rows]}).fetchone()[0]
+        if len(rows) != 100 and (system == "outbox" or not rows):
+            raise HarnessError(f"latency probe ({system}) claimed {len(rows)} rows, expected 100")
+        if acked != len(rows):
+            raise HarnessError(f"latency probe ({system}) claimed {len(rows)} rows, outbox.ack acked {acked}")
         if i >= 3:
             lat.append((time.monotonic_ns() - t) / 1e6)
+            if sizes is not None:
+                sizes.append(len(rows))
     conn.close()
     return lat
 
@@ -655,10 +666,12 @@ def _load_archive(ctx, n):
         done += k
 
 
-def _record_latency(ctx, variant, rep, iters, dsn=None):
-    lat = _claim_ack_latencies(ctx, iters, dsn)
+def _record_latency(ctx, variant, rep, iters, dsn=None, system="outbox"):
+    sizes = []
+    lat = _claim_ack_latencies(ctx, iters, dsn, system, sizes)
     ctx.rec("s6_history", variant, {"batch": 100}, rep, "claim_ack_p50", pct(lat, 50), "ms")
     ctx.rec("s6_history", variant, {"batch": 100}, rep, "claim_ack_p95", pct(lat, 95), "ms")
+    ctx.rec("s6_history", variant, {"batch": 100}, rep, "events_per_claim", sum(sizes) / len(sizes), "events")
 
 
 def _sizes(conn):
@@ -733,17 +746,224 @@ def s6_history(ctx):
                f"{sizes[v][0]} | {sizes[v][1]} |\n")
     md += f"\nhistory / fresh (p50) = **{_fmt(r, 2)}x** (target <= 1.2x)\n\n"
     md += "History setup:\n\n" + _code(S.HIST_ARCHIVE + ";\n" + S.HIST_DEADLETTER + ";\n" + S.HIST_DEADTUPLES + ";")
+    r_log = None
+    log_md = _s6_log_skip(ctx, "s6_log")
+    ran_log = log_md is None
+    if ran_log:
+        r_log, log_md = _s6_history_log(ctx, fresh_dsn)
+    md += log_md
     ctx.section("6a. Claim latency with history", md)
     ctx.target("6a", "claim+ack latency with history / fresh (p50)", r, "<=", 1.2)
+    if ran_log:
+        ctx.target("6a-log", f"log (subscription bench_log): claim+ack latency with {hist:,} acked events "
+                   "retained / fresh (p50)", r_log, "<=", 1.1)
 
 
-def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive=False):  # noqa: C901
+def _s6_log_skip(ctx, knob):
+    """None when the log variant runs; otherwise the report's note why not."""
+    if not ctx.p[knob]:
+        return f"\nThe log variant was switched off (`--set {knob}=False`).\n"
+    if not ctx.one(S.HAS_SUBSCRIPTIONS):
+        ctx.say("  this build has no named subscriptions (0.9.0): the log variant is left out")
+        return ("\nThe log variant is left out: this build has no named subscriptions "
+                "(`outbox.create_subscription`, 0.9.0).\n")
+    return None
+
+
+def _rel_stats(conn, rels):
+    """{relation: (n_dead_tup, n_live_tup, autovacuum_count)} now (backends flush
+    their statistics at most once a second: they lag by up to that)."""
+    conn.execute("SELECT pg_stat_clear_snapshot()")
+    got = {r[0]: tuple(r[1:]) for r in conn.execute(S.REL_STATS, (rels,)).fetchall()}
+    return {rel: got.get(rel, (None, None, None)) for rel in rels}
+
+
+def _rec_log_dead(ctx, scenario, system, prm, rep, stats, suffix=""):
+    """n_dead_tup of each hot relation of the log (and of the ring in all)."""
+    for rel, short in zip(S.LOG_HOT, S.LOG_HOT_SHORT):
+        ctx.rec(scenario, system, prm, rep, f"n_dead_tup_{short}{suffix}", stats[rel][0], "tuples")
+    ring = [stats[t][0] for t in S.LOG_RING]
+    ctx.rec(scenario, system, prm, rep, f"n_dead_tup_log_ring{suffix}",
+            sum(ring) if None not in ring else None, "tuples")
+
+
+def _log_dead_cells(ctx, scenario, system, prm, suffix=""):
+    """The report's cells: n_dead_tup of log_lanes, log_batches, log_exceptions and
+    the ring (log_0..3 in all), medians."""
+    return " | ".join(_fmt(ctx.med(scenario, system, prm, f"n_dead_tup_{k}{suffix}"))
+                      for k in ("log_lanes", "log_batches", "log_exceptions", "log_ring"))
+
+
+LOG_DEAD_HEAD = "n_dead_tup: log_lanes | log_batches | log_exceptions | log_0..3"
+
+
+def _s6_history_log(ctx, fresh_dsn):  # noqa: C901
+    """6a through the subscription bench_log of the log: fresh (bench_fresh: a log
+    with only the ready events) against a log that holds hist_delivered events
+    bench_log has acked, hist_log_dead dead letters of bench_log (rows in
+    outbox.log_exceptions) and the dead tuples of making them (autovacuum off for
+    log_lanes, log_batches, log_exceptions meanwhile), older than the ready ones.
+    Returns (history / fresh p50, the report's markdown)."""
+    p = ctx.p
+    iters = p["hist_iters"]
+    ready = p["reps"] * (iters + 3) * 100 + 1000
+    hist, dead = p["hist_delivered"], p["hist_log_dead"]
+    analyze = "ANALYZE " + ", ".join(S.LOG_RING + S.LOG_WRITTEN)
+    t_setup = time.monotonic()
+    fa = agents.connect(fresh_dsn)
+    try:
+        for name in [r[0] for r in fa.execute(S.SUBSCRIPTIONS_NAMED).fetchall()]:
+            fa.execute(S.SUBSCRIPTION_DROP, {"name": name})
+        fa.execute(S.LOG_DRAIN_RESET)
+        fa.execute(S.LOG_DELIVERED_RESET)
+        fa.execute(S.LOG_SUB_CREATE)
+        ctx.load_outbox(ready, topic="bench.ready", conn=fa)
+        fa.execute(S.QUEUE_RESET)  # the queue's default is not read here
+        fa.execute(analyze)
+    finally:
+        fa.close()
+    _log_reset(ctx)
+    ctx.sql(S.LOG_DELIVERED_RESET)
+    sizes = {}
+    dead_tup = {}
+    off = "ALTER TABLE {} SET (autovacuum_enabled = off)"
+    try:
+        for t in S.LOG_WRITTEN:
+            ctx.sql(off.format(t))
+        ctx.sql(S.LOG_SUB_CREATE)
+        ctx.load_outbox(hist, topic="bench.hist")
+        # bench_log consumes the history as workers do: 2 workers, claim 100 + batch ack
+        counter = ctx.mp.Value("q", 0)
+        deadline = max(p["drain_deadline"], 900)
+        specs = [("log_drain_worker", dict(dsn=ctx.cluster.dsn(), reader=S.LOG_SUB, wid=w, batch=100, total=hist,
+                                           counter=counter, deadline_s=deadline)) for w in range(2)]
+        g = ctx.agents(specs)
+        g.start()
+        res = g.collect(len(specs), deadline + 30)
+        g.join()
+        acked = sum(x["acked"] for x in res)
+        got = sum(len(c) for x in res for _, _, c in x["log"])
+        if acked != hist or got != hist:
+            raise HarnessError(f"6a log history: bench_log claimed {got} and acked {acked} of {hist} events")
+        hist_eps = hist / ((max(x["t1"] for x in res) - min(x["t0"] for x in res)) / ns)
+        ctx.load_outbox(dead, topic="bench.dead-letter")
+        left = dead
+        t_dead = time.monotonic()
+        while left > 0:
+            k = ctx.one(S.LOG_HIST_DEADLETTER, {"n": min(1000, left)})
+            if not k:
+                raise HarnessError(f"6a log history: could not dead-letter the events ({dead - left} of {dead})")
+            left -= k
+        dead_s = time.monotonic() - t_dead
+        ctx.load_outbox(2 * ready, topic="bench.ready")  # enough for both measurements below
+        ctx.sql(S.QUEUE_RESET)  # the queue's default is not read here
+        lag, leases, dl = ctx.sql(S.LOG_SUB_STATE).fetchone()
+        in_log = ctx.one(S.LOG_ROWS)
+        if lag != 2 * ready or dl != dead or leases:
+            raise HarnessError(f"6a log history: bench_log has {lag} events to read (want {2 * ready}), "
+                               f"{dl} dead letters (want {dead}), {leases} leases in flight")
+        if in_log != hist + dead + 2 * ready:
+            raise HarnessError(f"6a log history: the log ring holds {in_log} events, published "
+                               f"{hist + dead + 2 * ready} (retention removed some?)")
+        ctx.sql(analyze)
+        ctx.checkpoint()
+        ctx.say(f"  s6 log history: {hist:,} events acked by bench_log ({hist_eps:,.0f} ev/s), {dead:,} dead "
+                f"letters in {dead_s:.1f}s, {in_log:,} events in the log; setup {time.monotonic() - t_setup:.0f}s")
+        time.sleep(1.0)
+        dead_tup["log_history"] = _rel_stats(ctx.admin, S.LOG_WRITTEN)
+        for rep in range(p["reps"]):
+            _record_latency(ctx, "log_fresh", rep, iters, fresh_dsn, "outbox_log")
+            _record_latency(ctx, "log_history", rep, iters, system="outbox_log")
+        fc = agents.connect(fresh_dsn)
+        try:
+            sizes["log_fresh"] = _log_sizes(fc)
+            time.sleep(1.0)
+            dead_tup["log_fresh"] = _rel_stats(fc, S.LOG_WRITTEN)
+        finally:
+            fc.close()
+        sizes["log_history"] = _log_sizes(ctx.admin)
+        # Informational: the same history once VACUUM has removed the dead tuples.
+        ctx.sql("VACUUM ANALYZE " + ", ".join(S.LOG_WRITTEN))
+        time.sleep(1.0)
+        dead_tup["log_history_vacuumed"] = _rel_stats(ctx.admin, S.LOG_WRITTEN)
+        for rep in range(p["reps"]):
+            _record_latency(ctx, "log_history_vacuumed", rep, iters, system="outbox_log")
+        sizes["log_history_vacuumed"] = _log_sizes(ctx.admin)
+        in_log_end = ctx.one(S.LOG_ROWS)
+    finally:
+        for t in S.LOG_WRITTEN:
+            ctx.sql(f"ALTER TABLE {t} RESET (autovacuum_enabled)")
+        _drop_subscriptions(ctx, quiet=True)
+    prm = {"batch": 100}
+    m = {v: (ctx.med("s6_history", v, prm, "claim_ack_p50"), ctx.med("s6_history", v, prm, "claim_ack_p95"),
+             ctx.med("s6_history", v, prm, "events_per_claim")) for v in sizes}
+    for v in sizes:
+        ctx.say(f"  s6 history {v}: p50 {_fmt(m[v][0], 2)} ms")
+        for rel in S.LOG_WRITTEN:
+            ctx.rec("s6_history", v, prm, 0, f"n_dead_tup_{rel.split('.', 1)[1]}", dead_tup[v][rel][0], "tuples")
+    r = _ratio(m["log_history"][0], m["log_fresh"][0])
+    md = ("\n**Through a subscription of the log** (0.9.0's named subscriptions; the rows above are the install's "
+          "`default`, which reads `outbox.event_queue`): the same probe, claim of 100 with "
+          "`subscription => 'bench_log'` plus the batch ack, in the same two databases, after the rows above "
+          "(log_fresh and log_history alternate). Each database starts from an empty log (every named "
+          "subscription dropped, the ring, `outbox.log_state`, `log_lanes`, `log_batches`, `log_exceptions` and "
+          "the queue tables truncated) and creates `bench_log` (all topics) before publishing. "
+          "**log_fresh**: the log holds the ready events only. **log_history**: before the ready events, "
+          f"{hist:,} events (`bench.hist`) published with `publish_batch` and consumed by `bench_log` (2 workers, "
+          f"claim 100 + batch ack, {_fmt(hist_eps)} events/s), then {dead:,} events (`bench.dead-letter`) claimed "
+          "and failed permanently by `bench_log` (its dead letters: rows in `outbox.log_exceptions`; "
+          f"{dead_s:.0f} s), with autovacuum off for `outbox.log_lanes`, `log_batches` and `log_exceptions` from "
+          "before the history until the end of the measurement, so the dead tuples of those claims, acks and "
+          "fails stay. The log keeps acked events for `outbox.retention_delivered` (7 days; not lowered here): "
+          f"the ring held {in_log:,} events when the measurement started and {in_log_end:,} at its end, of which "
+          f"{hist:,} + {dead:,} were finished for `bench_log`. Every publish also writes the queue (the "
+          "install's `default` exists); the queue tables are truncated after loading, in both databases. "
+          "**log_history_vacuumed** (informational): the same after `VACUUM` of those three tables. "
+          "Events per claim: the mean rows a claim of 100 returned.\n\n"
+          "| log | claim+ack p50 (ms) | p95 (ms) | ratio to log_fresh (p50) | events per claim | "
+          "ring log_0..3 size | log_exceptions size | log_delivered size | "
+          "n_dead_tup: log_lanes | log_batches | log_exceptions |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for v in sizes:
+        d = dead_tup[v]
+        md += (f"| {v} | {_fmt(m[v][0], 2)} | {_fmt(m[v][1], 2)} | {_fmt(_ratio(m[v][0], m['log_fresh'][0]), 2)}x | "
+               f"{_fmt(m[v][2], 1)} | {sizes[v][0]} | {sizes[v][1]} | {sizes[v][2]} | "
+               + " | ".join(_fmt(d[t][0]) for t in S.LOG_WRITTEN) + " |\n")
+    md += ("\n(`n_dead_tup` read before each row's runs; log_fresh's in `bench_fresh` after its runs.)\n\n"
+           f"log_history / log_fresh (p50) = **{_fmt(r, 2)}x** (target <= 1.1x)\n\n"
+           "Log history setup (then the workers' claim and ack of scenario 10 until bench_log has acked every "
+           "`bench.hist` event):\n\n"
+           + _code(S.LOG_SUB_CREATE + ";\n" + S.LOAD["outbox"] + ";  -- bench.hist, bench.dead-letter, bench.ready\n"
+                   + S.LOG_HIST_DEADLETTER + ";  -- until every bench.dead-letter event is dead")
+           + "**log probe** (claim, then ack)\n\n" + _code(S.DRAIN["outbox_log"]["claim"] + ";\n"
+                                                            + S.DRAIN["outbox_log"]["ack"] + ";"))
+    return r, md
+
+
+def _log_sizes(conn):
+    """Sizes of the ring (log_0..3), outbox.log_exceptions and outbox.log_delivered."""
+    def size(rels):
+        b = conn.execute(S.REL_SIZE, (rels,)).fetchone()[0]
+        return conn.execute("SELECT pg_size_pretty(%s::bigint)", (b,)).fetchone()[0]
+    return (size(S.LOG_RING), size(["outbox.log_exceptions"]), size(["outbox.log_delivered"]))
+
+
+def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive=False, log=False):  # noqa: C901
     """Backlog + a 1,000 ev/s publisher + 2 workers (batch 100) until the workers
     catch up. Optionally a REPEATABLE READ transaction held open, or a concurrent
     CALL outbox.purge('0 s'). keep_archive: reuse the archive of the previous run
-    (loading 1M rows takes long)."""
+    (loading 1M rows takes long). log: the workers claim through the subscription
+    bench_log of the log (created on an empty log before the backlog is
+    published) instead of the queue's default; n_dead_tup of the log's hot
+    relations instead of outbox.event_queue's."""
     p = ctx.p
-    if keep_archive:
+    if log:
+        _log_reset(ctx)
+        ctx.sql(S.LOG_SUB_CREATE)
+        ctx.load_outbox(backlog)
+        ctx.sql(S.LOG_VACUUM)
+        ctx.sql("VACUUM ANALYZE outbox.event_queue")
+    elif keep_archive:
         ctx.sql("TRUNCATE outbox.event_queue, outbox.dispatch_keys")
     else:
         ctx.reset_outbox()
@@ -751,8 +971,9 @@ def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive
             _load_archive(ctx, archive)
     if archive:
         ctx.sql("VACUUM ANALYZE outbox.event_archive")
-    ctx.load_outbox(backlog)
-    ctx.sql("VACUUM ANALYZE outbox.event_queue")
+    if not log:
+        ctx.load_outbox(backlog)
+        ctx.sql("VACUUM ANALYZE outbox.event_queue")
     ctx.checkpoint()
     holder = None
     if hold:
@@ -763,7 +984,8 @@ def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive
     counter = ctx.mp.Value("q", 0)
     stop = ctx.mp.Event()
     workers = 2
-    specs = [("drain_worker", dict(dsn=dsn, system="outbox", wid=w, batch=100, total=backlog, counter=counter,
+    specs = [("drain_worker", dict(dsn=dsn, system="outbox_log" if log else "outbox", wid=w, batch=100,
+                                   total=backlog, counter=counter,
                                    deadline_s=p["drain_deadline"])) for w in range(workers)]
     specs.append(("publisher", dict(dsn=dsn, system="outbox", rate=p["steady_rate"], nconns=4, duration_s=None,
                                     stop_evt=stop, notify=None, record=False, pid=0)))
@@ -798,6 +1020,7 @@ def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive
         time.sleep(1.0)
         ctx.sql("SELECT pg_stat_clear_snapshot()")
         n_dead = ctx.admin.execute(S.DEAD_TUP, ("outbox.event_queue",)).fetchone()[0]
+        log_stats = _rel_stats(ctx.admin, S.LOG_HOT) if log else None
     finally:
         stop.set()
         if pt:
@@ -816,6 +1039,7 @@ def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive
     out = {"eps": acked / ((t1 - t0) / ns), "acked": acked, "secs": (t1 - t0) / ns,
            "published": pub["n"], "pub_rate": pub["n"] / ((pub["t1"] - pub["t0"]) / ns)}
     out["n_dead_tup"] = n_dead
+    out["log_stats"] = log_stats
     if purge:
         out["purge_secs"] = (purge_info["t1"] - purge_info["t0"]) / ns
         out["cancelled"] = purge_info["cancelled"]
@@ -829,15 +1053,33 @@ def _steady_drain(ctx, backlog, hold=False, purge=False, archive=0, keep_archive
 def s6_xmin(ctx):
     p = ctx.p
     b = p["steady_backlog"]
-    for rep in range(p["reps"]):
-        for variant, hold in (("no_hold", False), ("held_xmin", True)):
-            r = _steady_drain(ctx, b, hold=hold)
-            prm = {"backlog": b}
-            ctx.rec("s6_xmin", variant, prm, rep, "events_per_s", r["eps"], "ev/s")
-            ctx.rec("s6_xmin", variant, prm, rep, "n_dead_tup", r["n_dead_tup"], "tuples")
-            ctx.rec("s6_xmin", variant, prm, rep, "publisher_rate", r["pub_rate"], "ev/s")
-            ctx.say(f"  s6 xmin {variant} rep={rep}: {r['eps']:.0f} ev/s over {r['secs']:.1f}s, "
-                    f"n_dead_tup {r['n_dead_tup']}, publisher {r['pub_rate']:.0f}/s")
+    log_md = _s6_log_skip(ctx, "s6_log")
+    ran_log = log_md is None
+    variants = [("no_hold", False, False), ("held_xmin", True, False)]
+    if ran_log:
+        variants += [("log_no_hold", False, True), ("log_held_xmin", True, True)]
+    try:
+        for rep in range(p["reps"]):
+            for variant, hold, log in variants:
+                if ran_log and not log:
+                    _log_reset(ctx)  # no subscription of the log left from the previous run
+                r = _steady_drain(ctx, b, hold=hold, log=log)
+                prm = {"backlog": b}
+                ctx.rec("s6_xmin", variant, prm, rep, "events_per_s", r["eps"], "ev/s")
+                ctx.rec("s6_xmin", variant, prm, rep, "n_dead_tup", r["n_dead_tup"], "tuples")
+                ctx.rec("s6_xmin", variant, prm, rep, "publisher_rate", r["pub_rate"], "ev/s")
+                if log:
+                    _rec_log_dead(ctx, "s6_xmin", variant, prm, rep, r["log_stats"])
+                    ctx.rec("s6_xmin", variant, prm, rep, "log_exceptions_rows",
+                            r["log_stats"]["outbox.log_exceptions"][1], "rows")
+                ctx.say(f"  s6 xmin {variant} rep={rep}: {r['eps']:.0f} ev/s over {r['secs']:.1f}s, "
+                        + (("n_dead_tup " + ", ".join(f"{k} {r['log_stats'][t][0]}"
+                                                      for t, k in zip(S.LOG_HOT, S.LOG_HOT_SHORT)))
+                           if log else f"n_dead_tup {r['n_dead_tup']}")
+                        + f", publisher {r['pub_rate']:.0f}/s")
+    finally:
+        if ran_log:
+            _drop_subscriptions(ctx, quiet=True)
     prm = {"backlog": b}
     a = ctx.med("s6_xmin", "no_hold", prm, "events_per_s")
     h = ctx.med("s6_xmin", "held_xmin", prm, "events_per_s")
@@ -853,8 +1095,39 @@ def s6_xmin(ctx):
                f"{_fmt(ctx.med('s6_xmin', v, prm, 'n_dead_tup'))} | {_fmt(ctx.med('s6_xmin', v, prm, 'publisher_rate'))} |\n")
     md += (f"\nheld / not held = **{_fmt(r, 2)}x** (target >= 0.8x)\n\nThe holding session:\n\n" + _code(S.HOLD_XMIN)
            + "Workers run the outbox claim and ack of scenario 3; the publisher runs the outbox publish of scenario 4.\n")
+    r_log = None
+    if ran_log:
+        a = ctx.med("s6_xmin", "log_no_hold", prm, "events_per_s")
+        h = ctx.med("s6_xmin", "log_held_xmin", prm, "events_per_s")
+        r_log = _ratio(h, a)
+        md += ("\n**Through a subscription of the log** (0.9.0's named subscriptions): the same run with the "
+               "workers claiming through `bench_log`, interleaved with the rows above in each repetition "
+               "(no_hold, held_xmin, log_no_hold, log_held_xmin). Before each log run every named subscription "
+               "is dropped, the log (ring, `outbox.log_state`, `log_lanes`, `log_batches`, `log_exceptions`) and "
+               "the queue tables are truncated, `bench_log` (all topics) is created, then the backlog is "
+               "published (every publish also writes the queue, which nobody claims here: the install's "
+               "`default` exists), the ring and `log_lanes` are `VACUUM ANALYZE`d and a checkpoint taken. "
+               "`n_dead_tup` of the log's hot relations from `pg_stat_user_tables` 1 s after the drain, the "
+               "snapshot still held; log_0..3 is the ring's four tables together (append-only: publish writes "
+               "each event once); `log_exceptions` rows = its `n_live_tup` (events that left their batch, e.g. "
+               "on an expired lease).\n\n"
+               f"| variant | events/s | {LOG_DEAD_HEAD} | log_exceptions rows | publisher achieved |\n"
+               "|---|---|---|---|---|---|---|---|\n")
+        for v in ("log_no_hold", "log_held_xmin"):
+            md += (f"| {v} | {_fmt(ctx.med('s6_xmin', v, prm, 'events_per_s'))} | "
+                   f"{_log_dead_cells(ctx, 's6_xmin', v, prm)} | "
+                   f"{_fmt(ctx.med('s6_xmin', v, prm, 'log_exceptions_rows'))} | "
+                   f"{_fmt(ctx.med('s6_xmin', v, prm, 'publisher_rate'))} |\n")
+        md += (f"\nlog: held / not held = **{_fmt(r_log, 2)}x** (target >= 0.9x)\n\n"
+               "Workers (claim, then ack):\n\n" + _code(S.DRAIN["outbox_log"]["claim"] + ";\n"
+                                                       + S.DRAIN["outbox_log"]["ack"] + ";"))
+    else:
+        md += log_md
     ctx.section("6b. Drain while a snapshot is held", md)
     ctx.target("6b", "drain throughput with a held REPEATABLE READ snapshot / without", r, ">=", 0.8)
+    if ran_log:
+        ctx.target("6b-log", "log (subscription bench_log): drain throughput with a held REPEATABLE READ "
+                   "snapshot / without", r_log, ">=", 0.9)
 
 
 def s6_purge(ctx):
@@ -1288,16 +1561,28 @@ def _s8_queue_stats(ctx):
     return out
 
 
-def _s8_once(ctx):  # noqa: C901
+def _s8_log_stats(ctx):
+    """The log's hot relations' statistics now (see _rel_stats)."""
+    return _rel_stats(ctx.admin, S.LOG_HOT)
+
+
+def _s8_once(ctx, log=False):  # noqa: C901
     """One run: publishers at s8_rate from the start to the end; warm-up, clean
     phase, then a session BEGINs, takes a transaction id and idles for s8_held
     seconds, commits, and the after phase runs. Returns per-phase latencies
     (publish commit returned -> the claim returning the event, ms, phase by the
     event's commit time), the table statistics at the end of each phase and a
-    timeline."""
+    timeline. log: the workers claim through the subscription bench_log of the
+    log (created on an empty log before the publishers start), and the
+    statistics are the log's hot relations'."""
     p = ctx.p
     rate, nworkers = p["s8_rate"], p["s8_workers"]
-    ctx.reset_outbox()
+    if log:
+        _log_reset(ctx)
+        ctx.sql(S.LOG_SUB_CREATE)
+    else:
+        ctx.reset_outbox()
+    stats_fn = _s8_log_stats if log else _s8_queue_stats
     ctx.checkpoint()
     # As in scenario 4: every commit waits for a WAL flush, so enough connections
     # that each needs at most ~250 commits/s (unless s8_pub_conns says otherwise).
@@ -1311,7 +1596,8 @@ def _s8_once(ctx):  # noqa: C901
     specs = [("publisher", dict(dsn=dsn, system="outbox", rate=rate * per[i] / conns, nconns=per[i],
                                 duration_s=None, stop_evt=pub_stop, notify="background", record=True, pid=i))
              for i in range(procs)]
-    specs += [("e2e_worker", dict(dsn=dsn, system="outbox", wid=w, batch=p["s8_batch"], stop_evt=work_stop,
+    specs += [("e2e_worker", dict(dsn=dsn, system="outbox_log" if log else "outbox", wid=w, batch=p["s8_batch"],
+                                  stop_evt=work_stop,
                                   counter=counter, poll_s=p["s8_poll"]))
               for w in range(nworkers)]
     g = ctx.agents(specs)
@@ -1323,19 +1609,19 @@ def _s8_once(ctx):  # noqa: C901
         t0 = g.start()
         marks["clean"] = t0 + int(p["s8_warmup"] * ns)
         _s8_sleep_until(marks["clean"] + int(p["s8_clean"] * ns))
-        stats["clean"] = _s8_queue_stats(ctx)
+        stats["clean"] = stats_fn(ctx)
         holder.execute(S.HOLD_XID_STMTS[0])
         open_tx = True
         xid = holder.execute(S.HOLD_XID_STMTS[1]).fetchone()[0]
         marks["held"] = time.monotonic_ns()
         _s8_sleep_until(marks["held"] + int(p["s8_held"] * ns))
         state = ctx.sql(S.HOLDER_STATE, (holder_pid,)).fetchone()
-        stats["held"] = _s8_queue_stats(ctx)
+        stats["held"] = stats_fn(ctx)
         holder.execute("COMMIT")
         open_tx = False
         marks["after"] = time.monotonic_ns()
         _s8_sleep_until(marks["after"] + int(p["s8_after"] * ns))
-        stats["after"] = _s8_queue_stats(ctx)
+        stats["after"] = stats_fn(ctx)
         marks["end"] = time.monotonic_ns()
         pub_stop.set()
         pubs = g.collect(procs, 60)
@@ -1400,45 +1686,113 @@ def _s8_once(ctx):  # noqa: C901
     }
 
 
+S8_QUEUE = "outbox_background"  # the install's default (outbox.event_queue)
+S8_LOG = "log"  # the subscription bench_log of the log
+
+
+def _s8_rec(ctx, system, prm, rep, r):
+    for ph in S8_PHASES:
+        xs = r["lat"][ph]
+        pp = dict(prm, phase=ph)
+        ctx.rec("s8_held_xid", system, pp, rep, "events", len(xs), "events")
+        ctx.rec("s8_held_xid", system, pp, rep, "published_per_s", len(xs) / r["secs"][ph], "ev/s")
+        for q in (50, 99):
+            ctx.rec("s8_held_xid", system, pp, rep, f"wake_p{q}", pct(xs, q), "ms")
+        ctx.rec("s8_held_xid", system, pp, rep, "wake_max", max(xs) if xs else None, "ms")
+        st = r["stats"][ph]
+        if system == S8_LOG:
+            _rec_log_dead(ctx, "s8_held_xid", system, pp, rep, st, "_at_end")
+            ctx.rec("s8_held_xid", system, pp, rep, "log_exceptions_rows_at_end", st["outbox.log_exceptions"][1], "rows")
+            ctx.rec("s8_held_xid", system, pp, rep, "log_batches_rows_at_end", st["outbox.log_batches"][1], "rows")
+            av = [st[t][2] for t in ("outbox.log_lanes", "outbox.log_batches")]
+            ctx.rec("s8_held_xid", system, pp, rep, "autovacuum_count_at_end",
+                    sum(av) if None not in av else None, "runs")
+            continue
+        ctx.rec("s8_held_xid", system, pp, rep, "n_dead_tup_at_end", st["n_dead_tup"], "tuples")
+        ctx.rec("s8_held_xid", system, pp, rep, "n_live_tup_at_end", st["n_live_tup"], "tuples")
+        ctx.rec("s8_held_xid", system, pp, rep, "autovacuum_count_at_end", st["autovacuum_count"], "runs")
+        ctx.rec("s8_held_xid", system, pp, rep, "low_water_age_at_end", st["low_water_age"], "s")
+    ctx.rec("s8_held_xid", system, prm, rep, "achieved_rate", r["achieved"], "ev/s")
+    ctx.rec("s8_held_xid", system, prm, rep, "publisher_late", r["late"], "events")
+    ctx.rec("s8_held_xid", system, prm, rep, "claims", r["claims"], "claims")
+    ctx.rec("s8_held_xid", system, prm, rep, "poll_timeouts", r["timeouts"], "waits")
+    if system == S8_LOG:
+        dead = lambda st: "/".join(str(st[t][0]) for t in S.LOG_HOT[:3]) + "/" + str(  # noqa: E731
+            sum(st[t][0] or 0 for t in S.LOG_RING))
+        dead_txt = "n_dead_tup lanes/batches/exceptions/ring at the end"
+    else:
+        dead = lambda st: str(st["n_dead_tup"])  # noqa: E731
+        dead_txt = "n_dead_tup at the end"
+    ctx.say(f"  s8 {system} rep={rep}: achieved {r['achieved']:.0f}/s (late {r['late']}), holder xid {r['xid']} "
+            f"({r['holder_state'][0]}); wake p50/p99/max ms, {dead_txt}: " + "; ".join(
+                f"{ph} {_fmt(pct(r['lat'][ph], 50), 1)}/{_fmt(pct(r['lat'][ph], 99), 1)}/"
+                f"{_fmt(max(r['lat'][ph]) if r['lat'][ph] else None, 1)} dead {dead(r['stats'][ph])}"
+                for ph in S8_PHASES) + f"; {r['claims']} claims, drained {r['drain_s']:.1f}s after the end")
+
+
+def _s8_medians(ctx, system, prm, keys):
+    m = {ph: {k: ctx.med("s8_held_xid", system, dict(prm, phase=ph), k) for k in keys} for ph in S8_PHASES}
+    for ph in S8_PHASES:  # max over every run, not a median
+        vals = [v for v in ctx.values("s8_held_xid", system, dict(prm, phase=ph), "wake_max") if v is not None]
+        m[ph]["wake_max"] = max(vals) if vals else None
+    return m
+
+
+def _s8_runs_md(runs):
+    md = "| run | publishers achieved (ev/s) | late publishes | holder xid | holder state at the end of held | " \
+         "claims (all workers) | poll timeouts | drained after the publishers stopped (s) |\n" \
+         "|---|---|---|---|---|---|---|---|\n"
+    for i, r in enumerate(runs):
+        md += (f"| {i} | {_fmt(r['achieved'])} | {r['late']} | {r['xid']} | {r['holder_state'][0]} "
+               f"(backend_xid {r['holder_state'][1]}) | {_fmt(r['claims'])} | {_fmt(r['timeouts'])} | "
+               f"{r['drain_s']:.1f} |\n")
+    return md
+
+
+def _s8_timeline_md(p, runs, what="the run"):
+    nrep = len(runs)
+    mid = sorted(runs, key=lambda r: pct(r["lat"]["held"], 99) or 0)[len(runs) // 2]
+    md = (f"\nTimeline of {what if nrep == 1 else what + ' with the median held p99'}: wake-up latency by "
+          f"publish time, each phase in windows of {p['s8_window']} s from its start (the last window of a phase "
+          "may be shorter); time in seconds from the end of the warm-up (the holder held its transaction id "
+          f"from {mid['held_from']:.1f} s to {mid['held_to']:.1f} s).\n\n"
+          "| from (s) | phase | events | p50 (ms) | p99 (ms) | max (ms) |\n|---|---|---|---|---|---|\n")
+    for ph, start, n, p50, p99, mx in mid["timeline"]:
+        md += f"| {start:.1f} | {ph} | {n} | {_fmt(p50, 1)} | {_fmt(p99, 1)} | {_fmt(mx, 1)} |\n"
+    return md
+
+
+def _s8_short_md(p, m):
+    short = [ph for ph in S8_PHASES if (m[ph]["published_per_s"] or 0) < 0.95 * p["s8_rate"]]
+    if not short:
+        return ""
+    return (f"\n**The publishers fell behind {p['s8_rate']:,} events/s in the {', '.join(short)} phase"
+            f"{'s' if len(short) > 1 else ''}**: the machine did not sustain the load. Latency counts from "
+            "the commit, so the time a late publish waited for its turn is not in it.\n")
+
+
 def s8_held_xid(ctx):  # noqa: C901
     p = ctx.p
     prm = {"rate": p["s8_rate"], "workers": p["s8_workers"]}
-    runs = []
-    for rep in range(p["s8_reps"]):
-        r = _s8_once(ctx)
-        runs.append(r)
-        for ph in S8_PHASES:
-            xs = r["lat"][ph]
-            pp = dict(prm, phase=ph)
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "events", len(xs), "events")
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "published_per_s", len(xs) / r["secs"][ph], "ev/s")
-            for q in (50, 99):
-                ctx.rec("s8_held_xid", "outbox_background", pp, rep, f"wake_p{q}", pct(xs, q), "ms")
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "wake_max", max(xs) if xs else None, "ms")
-            st = r["stats"][ph]
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "n_dead_tup_at_end", st["n_dead_tup"], "tuples")
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "n_live_tup_at_end", st["n_live_tup"], "tuples")
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "autovacuum_count_at_end",
-                    st["autovacuum_count"], "runs")
-            ctx.rec("s8_held_xid", "outbox_background", pp, rep, "low_water_age_at_end", st["low_water_age"], "s")
-        ctx.rec("s8_held_xid", "outbox_background", prm, rep, "achieved_rate", r["achieved"], "ev/s")
-        ctx.rec("s8_held_xid", "outbox_background", prm, rep, "publisher_late", r["late"], "events")
-        ctx.rec("s8_held_xid", "outbox_background", prm, rep, "claims", r["claims"], "claims")
-        ctx.rec("s8_held_xid", "outbox_background", prm, rep, "poll_timeouts", r["timeouts"], "waits")
-        ctx.say(f"  s8 rep={rep}: achieved {r['achieved']:.0f}/s (late {r['late']}), holder xid {r['xid']} "
-                f"({r['holder_state'][0]}); wake p50/p99/max ms, n_dead_tup at the end: " + "; ".join(
-                    f"{ph} {_fmt(pct(r['lat'][ph], 50), 1)}/{_fmt(pct(r['lat'][ph], 99), 1)}/"
-                    f"{_fmt(max(r['lat'][ph]) if r['lat'][ph] else None, 1)} dead {r['stats'][ph]['n_dead_tup']}"
-                    for ph in S8_PHASES) + f"; {r['claims']} claims, drained {r['drain_s']:.1f}s after the end")
+    log_md = _s6_log_skip(ctx, "s8_log")
+    ran_log = log_md is None
+    runs, log_runs = [], []
+    try:
+        for rep in range(p["s8_reps"]):
+            r = _s8_once(ctx)
+            runs.append(r)
+            _s8_rec(ctx, S8_QUEUE, prm, rep, r)
+            if ran_log:
+                r = _s8_once(ctx, log=True)
+                log_runs.append(r)
+                _s8_rec(ctx, S8_LOG, prm, rep, r)
+                _drop_subscriptions(ctx)
+    finally:
+        if ran_log:
+            _drop_subscriptions(ctx, quiet=True)
 
-    m = {ph: {k: ctx.med("s8_held_xid", "outbox_background", dict(prm, phase=ph), k)
-              for k in ("events", "published_per_s", "wake_p50", "wake_p99", "n_dead_tup_at_end", "n_live_tup_at_end",
-                        "autovacuum_count_at_end", "low_water_age_at_end")}
-         for ph in S8_PHASES}
-    for ph in S8_PHASES:  # max over every run, not a median
-        vals = [v for v in ctx.values("s8_held_xid", "outbox_background", dict(prm, phase=ph), "wake_max")
-                if v is not None]
-        m[ph]["wake_max"] = max(vals) if vals else None
+    m = _s8_medians(ctx, S8_QUEUE, prm, ("events", "published_per_s", "wake_p50", "wake_p99", "n_dead_tup_at_end",
+                                          "n_live_tup_at_end", "autovacuum_count_at_end", "low_water_age_at_end"))
     r_held = _ratio(m["held"]["wake_p99"], m["clean"]["wake_p99"])
     r_after = _ratio(m["after"]["wake_p99"], m["clean"]["wake_p99"])
     nrep = p["s8_reps"]
@@ -1462,6 +1816,11 @@ def s8_held_xid(ctx):  # noqa: C901
           + ("One run of the whole sequence (`--set s8_reps=N` for more)" if nrep == 1 else
              f"Medians over {nrep} runs of each percentile; max over all runs") + ". "
           "Targets: held p99 / clean p99 <= 2x and after p99 / clean p99 <= 2x.\n\n")
+    if ran_log:
+        md += ("Two runs of the sequence " + ("" if nrep == 1 else "in each repetition ") + "one after the other: "
+               "the workers claim from the install's `default` subscription (`outbox.event_queue`; "
+               f"`{S8_QUEUE}` below), then, from a fresh start, through the subscription `bench_log` of the log "
+               f"(`{S8_LOG}`, further below).\n\n")
     md += ("| phase | events | published (ev/s) | wake-up p50 (ms) | p99 (ms) | max (ms) | p99 / clean p99 | n_dead_tup at the end "
            "| n_live_tup at the end | autovacuum runs (cumulative) | low-water mark age at the end (s) |\n"
            "|---|---|---|---|---|---|---|---|---|---|---|\n")
@@ -1471,37 +1830,64 @@ def s8_held_xid(ctx):  # noqa: C901
                f"{_fmt(x['wake_max'], 1)} | {_fmt(_ratio(x['wake_p99'], m['clean']['wake_p99']), 2)}x | "
                f"{_fmt(x['n_dead_tup_at_end'])} | {_fmt(x['n_live_tup_at_end'])} | "
                f"{_fmt(x['autovacuum_count_at_end'])} | {_fmt(x['low_water_age_at_end'], 2)} |\n")
-    short = [ph for ph in S8_PHASES if (m[ph]["published_per_s"] or 0) < 0.95 * p["s8_rate"]]
-    if short:
-        md += (f"\n**The publishers fell behind {p['s8_rate']:,} events/s in the {', '.join(short)} phase"
-               f"{'s' if len(short) > 1 else ''}**: the machine did not sustain the load. Latency counts from "
-               "the commit, so the time a late publish waited for its turn is not in it.\n")
+    md += _s8_short_md(p, m)
     md += (f"\nheld p99 / clean p99 = **{_fmt(r_held, 2)}x**, after p99 / clean p99 = **{_fmt(r_after, 2)}x** "
            "(target <= 2x for both)\n\n")
-    md += "| run | publishers achieved (ev/s) | late publishes | holder xid | holder state at the end of held | " \
-          "claims (all workers) | poll timeouts | drained after the publishers stopped (s) |\n" \
-          "|---|---|---|---|---|---|---|---|\n"
-    for i, r in enumerate(runs):
-        md += (f"| {i} | {_fmt(r['achieved'])} | {r['late']} | {r['xid']} | {r['holder_state'][0]} "
-               f"(backend_xid {r['holder_state'][1]}) | {_fmt(r['claims'])} | {_fmt(r['timeouts'])} | "
-               f"{r['drain_s']:.1f} |\n")
-    mid = sorted(runs, key=lambda r: pct(r["lat"]["held"], 99) or 0)[len(runs) // 2]
-    md += (f"\nTimeline of {'the run' if nrep == 1 else 'the run with the median held p99'}: wake-up latency by "
-           f"publish time, each phase in windows of {p['s8_window']} s from its start (the last window of a phase "
-           "may be shorter); time in seconds from the end of the warm-up (the holder held its transaction id "
-           f"from {mid['held_from']:.1f} s to {mid['held_to']:.1f} s).\n\n"
-           "| from (s) | phase | events | p50 (ms) | p99 (ms) | max (ms) |\n|---|---|---|---|---|---|\n")
-    for ph, start, n, p50, p99, mx in mid["timeline"]:
-        md += f"| {start:.1f} | {ph} | {n} | {_fmt(p50, 1)} | {_fmt(p99, 1)} | {_fmt(mx, 1)} |\n"
+    md += _s8_runs_md(runs)
+    md += _s8_timeline_md(p, runs)
+    r_lheld = r_lafter = None
+    if ran_log:
+        lm = _s8_medians(ctx, S8_LOG, prm, ("events", "published_per_s", "wake_p50", "wake_p99",
+                                            "n_dead_tup_log_lanes_at_end", "log_exceptions_rows_at_end",
+                                            "log_batches_rows_at_end", "autovacuum_count_at_end"))
+        r_lheld = _ratio(lm["held"]["wake_p99"], lm["clean"]["wake_p99"])
+        r_lafter = _ratio(lm["after"]["wake_p99"], lm["clean"]["wake_p99"])
+        md += ("\n**Through a subscription of the log** (0.9.0's named subscriptions): the same sequence with the "
+               "workers claiming through the subscription `bench_log` (all topics; created after every named "
+               "subscription was dropped and the log (ring, `outbox.log_state`, `log_lanes`, `log_batches`, "
+               "`log_exceptions`) and the queue tables were truncated, before the publishers start); the same "
+               "publishers (every publish also writes the queue, which nobody claims in this run: the install's "
+               "`default` exists), the same holder. `n_dead_tup` of the log's hot relations at the end of each "
+               "phase (log_0..3: the ring's four tables together; append-only, publish writes each event once); "
+               "rows = `n_live_tup` of `log_batches` (batches in flight) and `log_exceptions` (events that left "
+               "their batch); autovacuum runs of `log_lanes` and `log_batches` together. The low-water mark is "
+               "the queue's and plays no part here.\n\n"
+               f"| phase | events | published (ev/s) | wake-up p50 (ms) | p99 (ms) | max (ms) | p99 / clean p99 | "
+               f"{LOG_DEAD_HEAD} | log_batches rows | log_exceptions rows | autovacuum runs (cumulative) |\n"
+               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+        for ph in S8_PHASES:
+            x = lm[ph]
+            md += (f"| {ph} | {_fmt(x['events'])} | {_fmt(x['published_per_s'])} | {_fmt(x['wake_p50'], 1)} | "
+                   f"{_fmt(x['wake_p99'], 1)} | {_fmt(x['wake_max'], 1)} | "
+                   f"{_fmt(_ratio(x['wake_p99'], lm['clean']['wake_p99']), 2)}x | "
+                   f"{_log_dead_cells(ctx, 's8_held_xid', S8_LOG, dict(prm, phase=ph), '_at_end')} | "
+                   f"{_fmt(x['log_batches_rows_at_end'])} | {_fmt(x['log_exceptions_rows_at_end'])} | "
+                   f"{_fmt(x['autovacuum_count_at_end'])} |\n")
+        md += _s8_short_md(p, lm)
+        md += (f"\nlog: held p99 / clean p99 = **{_fmt(r_lheld, 2)}x**, after p99 / clean p99 = "
+               f"**{_fmt(r_lafter, 2)}x** (target <= 2x for both)\n\n")
+        md += _s8_runs_md(log_runs)
+        md += _s8_timeline_md(p, log_runs, "the log's run")
+    else:
+        md += log_md
     md += ("\nContext (measured on 0.3.0 in a public cross-system harness, not by this run): there, outbox_ext's "
            "clean-phase p99 was 52 ms; it peaked at 3.1 s during the idle-in-transaction phase and at 5.0 s after "
            "it, while PgQue stayed at 117 ms throughout. This scenario measures outbox_ext only and says nothing "
            "about PgQue.\n\n")
     md += ("**holding session**\n\n" + _code(S.HOLD_XID) + "**publish**\n\n" + _code(S.E2E_PUBLISH["outbox"])
-           + "Workers: `LISTEN outbox`, then the claim and ack statements of scenario 3.\n")
+           + "Workers: `LISTEN outbox`, then the claim and ack statements of scenario 3"
+           + (("; in the log's run:\n\n" + _code(S.LOG_SUB_CREATE + ";  -- before the publishers start\n"
+                                                   + S.DRAIN["outbox_log"]["claim"] + ";\n"
+                                                   + S.DRAIN["outbox_log"]["ack"] + ";"))
+              if ran_log else ".\n"))
     ctx.section("8. Held transaction id", md)
     ctx.target("8a", "publish-to-claim p99 while a session idles holding a transaction id / clean p99", r_held, "<=", 2.0)
     ctx.target("8b", "publish-to-claim p99 after the holder committed / clean p99", r_after, "<=", 2.0)
+    if ran_log:
+        ctx.target("8a-log", "log (subscription bench_log): publish-to-claim p99 while a session idles holding a "
+                   "transaction id / clean p99", r_lheld, "<=", 2.0)
+        ctx.target("8b-log", "log (subscription bench_log): publish-to-claim p99 after the holder committed / "
+                   "clean p99", r_lafter, "<=", 2.0)
 
 
 # ---------------------------------------------------------------------------

@@ -179,6 +179,16 @@ DRAIN = {
         "claim": "SELECT id, lease_token, topic, payload::text FROM outbox.claim(%(worker)s, %(batch)s::int)",
         "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
     },
+    # Scenarios 6a, 6b and 8, their log variant: the same claim and batch ack
+    # through the named subscription 'bench_log' (LOG_SUB) of the log (0.9.0),
+    # created before the events are published. Columns as DRAIN['outbox'] (the
+    # harness reads id and lease_token by position); the lease is the default
+    # one, as in DRAIN['outbox'].
+    "outbox_log": {
+        "claim": ("SELECT id, lease_token, topic, payload FROM outbox.claim(%(worker)s, %(batch)s::int,"
+                  " subscription => 'bench_log')"),
+        "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
+    },
     "pgq": {
         "next": "SELECT pgq.next_batch('bench_q', 'bench_c')",
         "events": "SELECT ev_id, ev_type, ev_data FROM pgq.get_batch_events(%(batch_id)s)",
@@ -214,6 +224,34 @@ SELECT count(outbox.fail(c.id, c.lease_token, 'boom', permanent => true))
 # Dead tuples as acks leave them: rows deleted from the queue, not yet vacuumed
 # (autovacuum is switched off for the table while the latency is measured).
 HIST_DEADTUPLES = "DELETE FROM outbox.event_queue WHERE topic = 'bench.dead-tuples'"
+
+# The log variant of 6a (history of the log): the subscription LOG_SUB has
+# acked every retained event; dead letters of its own (rows in
+# outbox.log_exceptions) through the API: claim, fail permanently, up to 1,000
+# per round (nothing else is unread then, so every claimed event is one).
+LOG_SUB = "bench_log"
+LOG_SUB_CREATE = "SELECT outbox.create_subscription('bench_log')"
+LOG_HIST_DEADLETTER = """\
+SELECT count(outbox.fail(c.id, c.lease_token, 'boom', permanent => true))
+  FROM outbox.claim('bench-dead', %(n)s::int, subscription => 'bench_log') AS c"""
+LOG_DELIVERED_RESET = "TRUNCATE outbox.log_delivered"
+LOG_SUB_STATE = (
+    "SELECT lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions WHERE name = 'bench_log'"
+)
+# The relations a subscription of the log writes as it claims and acks (the
+# ring is append-only: publish writes it once), whose n_dead_tup 6b and 8 report
+# for the log variant. LOG_HOT_SHORT: their names in results.csv and the report.
+LOG_HOT = ["outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions"] + LOG_RING
+LOG_HOT_SHORT = [t.split(".", 1)[1] for t in LOG_HOT]
+# 6a: autovacuum off for these while the history is made and measured (as for
+# outbox.event_queue in the queue variant), so the dead tuples of the history's
+# claims, acks and fails stay.
+LOG_WRITTEN = ["outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions"]
+REL_STATS = (
+    "SELECT relid::regclass::text, n_dead_tup, n_live_tup, autovacuum_count FROM pg_stat_user_tables"
+    " WHERE relid = ANY(ARRAY(SELECT to_regclass(r) FROM unnest(%s::text[]) AS r))"
+)
+REL_SIZE = "SELECT sum(pg_total_relation_size(to_regclass(r)))::bigint FROM unnest(%s::text[]) AS r"
 
 HOLD_XMIN = "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox.topics; -- kept open"
 

@@ -779,3 +779,83 @@ def test_node_process_once(inbox_db, isolation):
                    "swallowedError": "processOnce: fn left the transaction aborted; rolled back",
                    "secondWaited": True, "concurrent": [True, False, False]}, out
     assert _effects(inbox_db, "unit") == (["c1", "m1", "m2"], ["c1", "m1", "m2"])
+
+
+PY_HANDLER_MODULE = """
+import threading
+
+import psycopg
+
+from outbox_worker import PermanentError, process_once
+
+local = threading.local()
+
+
+def handle(ev):
+    if "n" not in ev.payload:
+        raise PermanentError("no n")
+    if getattr(local, "conn", None) is None or local.conn.closed:
+        local.conn = psycopg.connect(INBOX_DSN, autocommit=True)
+
+    def effect(cur):
+        cur.execute("INSERT INTO outbox_effects (message_id, event_id) VALUES (%s, %s)", (ev.message_id, ev.id))
+
+    assert process_once(local.conn, "mod", ev.message_id, effect) is (ev.attempt == 1)
+    # The same message again, as a redelivery would: nothing to do.
+    assert process_once(local.conn, "mod", ev.message_id, effect) is False
+    if ev.attempt == 1:
+        raise RuntimeError("fail after the effect, to be redelivered")
+"""
+
+NODE_HANDLER_MODULE = """
+const { Pool } = require(PG);
+const { processOnce, PermanentError, parseDsn } = require(WORKER);
+
+const pool = new Pool(parseDsn(INBOX_DSN));
+pool.on('error', () => {});
+
+module.exports = async (ev) => {
+  if (ev.payload.n === undefined) throw new PermanentError('no n');
+  const client = await pool.connect();
+  try {
+    const effect = (c) => c.query('INSERT INTO outbox_effects (message_id, event_id) VALUES ($1, $2)',
+      [ev.messageId, ev.id]);
+    if ((await processOnce(client, 'mod', ev.messageId, effect)) !== (ev.attempt === 1)) throw new Error('first');
+    // The same message again, as a redelivery would: nothing to do.
+    if ((await processOnce(client, 'mod', ev.messageId, effect)) !== false) throw new Error('again');
+  } finally {
+    client.release();
+  }
+  if (ev.attempt === 1) throw new Error('fail after the effect, to be redelivered');
+};
+"""
+
+
+@pytest.mark.parametrize("lang", ["python", "node"])
+def test_handler_module_uses_process_once(lang, db, spawn, inbox_db, tmp_path):
+    """A handler module of one's own imports process_once and PermanentError from
+    the worker, as examples/workers/README.md shows."""
+    if lang == "python":
+        (tmp_path / "wk_inbox_handler.py").write_text(f"INBOX_DSN = {inbox_db!r}\n" + PY_HANDLER_MODULE)
+        settings = dict(OUTBOX_HANDLER="wk_inbox_handler:handle", PYTHONPATH=str(tmp_path))
+    else:
+        consts = {"PG": str(WORKERS_DIR / "node" / "node_modules" / "pg"),
+                  "WORKER": str(WORKERS_DIR / "node" / "worker.js"), "INBOX_DSN": inbox_db}
+        head = "".join(f"const {k} = {json.dumps(v)};\n" for k, v in consts.items())
+        (tmp_path / "wk-inbox-handler.js").write_text(head + NODE_HANDLER_MODULE)
+        settings = dict(OUTBOX_HANDLER=str(tmp_path / "wk-inbox-handler.js"))
+    oid = str(fetch(db, "SELECT outbox.outbox_id()")[0][0])
+    ids = publish_batch(db, "wk.mod", [json.dumps({"n": i}) for i in range(20)] + ['{"bad": 1}'])
+    w = spawn(lang, sid(lang, "mod"), OUTBOX_POLL_INTERVAL=0.5, **settings)
+    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.mod' "
+                                 "AND state <> 'dead'")[0][0] == 0, 20, "the handler module's events", (w,))
+    assert w.terminate() == 0
+    with psycopg.connect(inbox_db, autocommit=True) as c:
+        effects = sorted(fetch(c, "SELECT event_id, message_id FROM outbox_effects"))
+    assert effects == [(i, f"{oid}:{i}") for i in ids[:20]], f"{effects}\n{w.tail()}"
+    state = dict((r[0], r[1:]) for r in fetch(db, "SELECT id, state, attempts, last_error FROM outbox.events "
+                                                  "WHERE topic = 'wk.mod'"))
+    assert all(state[i] == ("delivered", 2, "fail after the effect, to be redelivered") for i in ids[:20]), \
+        f"{state}\n{w.tail()}"
+    # PermanentError imported from the worker is the worker's own class.
+    assert state[ids[20]] == ("dead", 1, "no n"), f"{state[ids[20]]}\n{w.tail()}"

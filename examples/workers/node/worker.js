@@ -3,14 +3,17 @@
 // environment, see examples/workers/README.md. A handler is an async function
 // taking one event; resolving means delivered, throwing a PermanentError (or any
 // error with `permanent: true`) dead-letters the event, any other error is a
-// transient failure the extension retries with backoff.
+// transient failure the extension retries with backoff. A handler whose effect
+// is a write to PostgreSQL applies it exactly once with
+// processOnce(client, consumer, ev.messageId, fn), see below and the `inbox`
+// handler.
 'use strict';
 
 const fs = require('fs');
 const os = require('os');
 const path = require('path');
 const { performance } = require('perf_hooks');
-const { Client } = require('pg');
+const { Client, Pool } = require('pg');
 
 class PermanentError extends Error {
   constructor(message) {
@@ -91,7 +94,58 @@ function loadConfig() {
     webhookUrl: process.env.OUTBOX_WEBHOOK_URL || '',
     webhookTimeout: envNumber('OUTBOX_WEBHOOK_TIMEOUT', 10),
     deliveryLog: process.env.OUTBOX_DELIVERY_LOG || null,
+    inboxConn: parseDsn(process.env.OUTBOX_INBOX_DSN || dsn),
+    inboxConsumer: process.env.OUTBOX_INBOX_CONSUMER || 'outbox-worker',
+    inboxTable: process.env.OUTBOX_INBOX_TABLE || 'outbox_effects',
   };
+}
+
+// ------------------------------------------------------------------ exactly-once effects (the inbox)
+
+// An outbox event's message id: `<outbox_id>:<event id>`, where outboxId is
+// `SELECT outbox.outbox_id()` in the outbox's database (read it once).
+function messageId(outboxId, eventId) {
+  return `${outboxId}:${eventId}`;
+}
+
+// Apply a message's effect on PostgreSQL exactly once. Resolves to true if it
+// was applied now, false if the message was a duplicate (fn did not run).
+//
+// In one transaction on `client` (a pg Client, or a client checked out of a
+// Pool, connected to the consumer's own database, where the effect goes, which
+// may not be the outbox's): outbox.inbox_receive(consumer, messageId), then
+// `await fn(client)` only when that says it is the first time, then COMMIT. The
+// receipt commits iff the effect does, so the effect lives in the same database
+// as the inbox: that database needs outbox_ext installed (CREATE EXTENSION
+// outbox_ext) and the role EXECUTE on inbox_receive (outbox_worker has it).
+//
+// `client` must not be in a transaction, and nothing else may use it meanwhile.
+// The transaction has the session's isolation level. A concurrent duplicate
+// waits for the first and resolves to false; at REPEATABLE READ or
+// SERIALIZABLE it gets 40001 instead, and serialization failures (40001) and
+// deadlocks (40P01), from inbox_receive, fn or COMMIT, retry the whole
+// transaction up to `retries` times, so fn may run more than once but only one
+// run commits: its writes go through `client`, nothing else. Any other error
+// rolls back (the message can be received again) and is thrown.
+async function processOnce(client, consumer, msgId, fn, retries = 5) {
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await client.query('BEGIN');
+      const { rows } = await client.query('SELECT outbox.inbox_receive($1::text, $2::text) AS received',
+        [consumer, msgId]);
+      const received = rows[0].received;
+      if (received) await fn(client);
+      const end = await client.query('COMMIT');
+      // COMMIT of an aborted transaction (fn swallowed an SQL error) rolls back.
+      if (end.command !== 'COMMIT') throw new Error('processOnce: fn left the transaction aborted; rolled back');
+      return received;
+    } catch (e) {
+      await client.query('ROLLBACK').catch(() => {});
+      const code = e && e.code;
+      if ((code !== '40001' && code !== '40P01') || attempt >= retries) throw e;
+    }
+    await sleep((5 + Math.random() * 15) * 2 ** attempt);
+  }
 }
 
 // ------------------------------------------------------------------ handlers
@@ -151,8 +205,46 @@ function testHandler() {
   };
 }
 
+// An effect in PostgreSQL applied exactly once through processOnce: one row per
+// message in OUTBOX_INBOX_TABLE (message_id, event_id, topic, subject, attempt,
+// payload) in the database OUTBOX_INBOX_DSN (default OUTBOX_DSN), as consumer
+// OUTBOX_INBOX_CONSUMER. The message id is the payload's "message_id" when it is
+// a string (an id the producer gave the message), else ev.messageId. For the
+// tests, also driven by the payload: "effect_sleep_ms" and "effect_fail" act
+// inside the transaction (a failure rolls the receipt back too, while attempt <=
+// "fail_attempts"), then the `test` handler's fields act after the commit (a
+// failure there means a redelivery, which is then a duplicate).
+function inboxHandler(cfg) {
+  const table = cfg.inboxTable.split('.').map((p) => `"${p.replace(/"/g, '""')}"`).join('.');
+  const insert = `INSERT INTO ${table} (message_id, event_id, topic, subject, attempt, payload)
+                  VALUES ($1::text, $2::bigint, $3::text, $4::text, $5::int, $6::jsonb)`;
+  const after = testHandler(cfg);
+  const pool = new Pool({ ...cfg.inboxConn, application_name: `${cfg.name}-inbox`, max: cfg.concurrency });
+  pool.on('error', () => {}); // an idle client dropped: the pool replaces it
+  return async (ev) => {
+    const p = ev.payload && typeof ev.payload === 'object' && !Array.isArray(ev.payload) ? ev.payload : {};
+    const msgId = typeof p.message_id === 'string' ? p.message_id : ev.messageId;
+    if (!msgId) throw new PermanentError('no message id (outbox.outbox_id() needs outbox_ext 0.11.0)');
+    const client = await pool.connect();
+    let broken;
+    try {
+      await processOnce(client, cfg.inboxConsumer, msgId, async (c) => {
+        await c.query(insert, [msgId, ev.id, ev.topic, ev.subject, ev.attempt, ev.payloadText]);
+        if (p.effect_sleep_ms) await sleep(p.effect_sleep_ms);
+        if (p.effect_fail && ev.attempt <= (p.fail_attempts || 1)) throw new Error('effect failed, rolled back');
+      });
+    } catch (e) {
+      broken = isConnectionError(e, client) ? e : undefined;
+      throw e;
+    } finally {
+      client.release(broken); // a broken client is discarded
+    }
+    await after(ev);
+  };
+}
+
 function loadHandler(cfg) {
-  const builtin = { stdout: stdoutHandler, webhook: webhookHandler, test: testHandler };
+  const builtin = { stdout: stdoutHandler, webhook: webhookHandler, test: testHandler, inbox: inboxHandler };
   if (builtin[cfg.handler]) return builtin[cfg.handler](cfg);
   // A module path: exports a function, or { handle }.
   const mod = require(path.resolve(cfg.handler));
@@ -328,6 +420,18 @@ class Worker {
     this.db = new Db(cfg, this.state);
     this.handler = loadHandler(cfg);
     this.batches = 0;
+    this.outboxId = null;
+  }
+
+  // outbox.outbox_id(), read once: it never changes. '' before 0.11.0.
+  async readOutboxId() {
+    try {
+      return String((await this.db.call('SELECT outbox.outbox_id()::text AS id'))[0].id);
+    } catch (e) {
+      if (!(e && e.code === '42883')) throw e;
+      log(`worker=${this.cfg.name} outbox.outbox_id() missing (outbox_ext < 0.11.0): events have no messageId`);
+      return '';
+    }
   }
 
   record(ev, started, acked) {
@@ -436,6 +540,7 @@ class Worker {
       if (this.state.stopping) break;
       let rows;
       try {
+        if (this.outboxId === null) this.outboxId = await this.readOutboxId();
         rows = await this.db.call(CLAIM_SQL, [cfg.name, cfg.batchSize, cfg.lease, cfg.topics]);
       } catch (e) {
         if (e instanceof Lost) break;
@@ -448,6 +553,9 @@ class Worker {
           id: r.id, topic: r.topic, subject: r.subject, dispatchKey: r.dispatch_key,
           payloadText: r.payload, headers: r.headers ? JSON.parse(r.headers) : {},
           attempt: r.attempt, leaseToken: r.lease_token,
+          // The event's identity as a message, the same on every delivery and
+          // across databases: what the relay sends as Nats-Msg-Id and webhook-id.
+          messageId: this.outboxId ? messageId(this.outboxId, r.id) : null,
           get payload() {
             // Parsed lazily: the webhook forwards payloadText untouched.
             Object.defineProperty(this, 'payload', { value: JSON.parse(this.payloadText) });
@@ -477,11 +585,12 @@ async function main() {
   process.exit(0);
 }
 
+// Before main() runs: a handler module loaded by main() may require('./worker').
+module.exports = { PermanentError, parseDsn, processOnce, messageId };
+
 if (require.main === module) {
   main().catch((e) => {
     log(`fatal: ${e && e.stack ? e.stack : e}`);
     process.exit(1);
   });
 }
-
-module.exports = { PermanentError, parseDsn };

@@ -5,11 +5,16 @@ Settings come from the environment (see examples/workers/README.md):
 OUTBOX_DSN, OUTBOX_WORKER_NAME, OUTBOX_TOPICS, OUTBOX_BATCH_SIZE, OUTBOX_LEASE,
 OUTBOX_CONCURRENCY, OUTBOX_POLL_INTERVAL, OUTBOX_RETRY_IN, OUTBOX_RECONNECT_MAX,
 OUTBOX_HANDLER (stdout | webhook | test | module:function), OUTBOX_WEBHOOK_URL,
-OUTBOX_WEBHOOK_TIMEOUT, OUTBOX_DELIVERY_LOG.
+OUTBOX_WEBHOOK_TIMEOUT, OUTBOX_DELIVERY_LOG, OUTBOX_INBOX_DSN, OUTBOX_INBOX_CONSUMER,
+OUTBOX_INBOX_TABLE.
 
 A handler is a callable taking one Event. Returning means delivered; raising
 PermanentError dead-letters the event at once; any other exception is a
 transient failure that the extension retries with backoff.
+
+A handler whose effect is a write to PostgreSQL applies it exactly once with
+process_once(conn, consumer, event.message_id, fn): see its docstring and the
+`inbox` handler.
 """
 
 import importlib
@@ -26,6 +31,7 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import psycopg
+from psycopg import sql
 
 
 class PermanentError(Exception):
@@ -34,12 +40,15 @@ class PermanentError(Exception):
 
 class Event:
     __slots__ = ("id", "topic", "subject", "dispatch_key", "payload_text", "headers",
-                 "attempt", "lease_token", "_payload")
+                 "attempt", "lease_token", "message_id", "_payload")
 
-    def __init__(self, row):
+    def __init__(self, row, outbox_id=None):
         (self.id, self.topic, self.subject, self.dispatch_key, self.payload_text,
          headers, self.attempt, self.lease_token) = row
         self.headers = json.loads(headers) if headers else {}
+        # The event's identity as a message, the same on every delivery and
+        # across databases: what the relay sends as Nats-Msg-Id and webhook-id.
+        self.message_id = message_id(outbox_id, self.id) if outbox_id else None
         self._payload = None
 
     @property
@@ -78,6 +87,59 @@ class Config:
         self.webhook_url = os.environ.get("OUTBOX_WEBHOOK_URL", "")
         self.webhook_timeout = env_float("OUTBOX_WEBHOOK_TIMEOUT", 10.0)
         self.delivery_log = os.environ.get("OUTBOX_DELIVERY_LOG") or None
+        self.inbox_dsn = os.environ.get("OUTBOX_INBOX_DSN") or self.dsn
+        self.inbox_consumer = os.environ.get("OUTBOX_INBOX_CONSUMER") or "outbox-worker"
+        self.inbox_table = os.environ.get("OUTBOX_INBOX_TABLE") or "outbox_effects"
+
+
+# ---------------------------------------------------------------- exactly-once effects (the inbox)
+
+def message_id(outbox_id, event_id):
+    """An outbox event's message id: `<outbox_id>:<event id>`, where outbox_id is
+    `SELECT outbox.outbox_id()` in the outbox's database (read it once)."""
+    return f"{outbox_id}:{event_id}"
+
+
+def process_once(conn, consumer, message_id, fn, retries=5):
+    """Apply a message's effect on PostgreSQL exactly once; True if it was
+    applied now, False if the message was a duplicate (fn did not run).
+
+    In one transaction on `conn` (the consumer's own database, where the effect
+    goes, which may not be the outbox's): `outbox.inbox_receive(consumer,
+    message_id)`, then `fn(cursor)` only when that says it is the first time,
+    then COMMIT. The receipt commits iff the effect does, so the effect lives in
+    the same database as the inbox: that database needs outbox_ext installed
+    (CREATE EXTENSION outbox_ext) and the role EXECUTE on inbox_receive
+    (outbox_worker has it).
+
+    `conn` must not be in a transaction (process_once commits); autocommit or
+    not, it is left idle. Use one connection per thread. The transaction has the
+    connection's isolation level. A concurrent duplicate waits for the first and
+    returns False; at REPEATABLE READ or SERIALIZABLE it gets 40001 instead,
+    and serialization failures (40001) and deadlocks (40P01), from
+    inbox_receive, fn or COMMIT, retry the whole transaction up to `retries`
+    times, so fn may run more than once but only one run commits: its writes go
+    through the cursor, nothing else. Any other exception from fn rolls back
+    (the message can be received again) and propagates.
+    """
+    if conn.info.transaction_status != psycopg.pq.TransactionStatus.IDLE:
+        raise psycopg.ProgrammingError("process_once: the connection is in a transaction; it must be idle")
+    for attempt in range(retries + 1):
+        try:
+            with conn.transaction(), conn.cursor() as cur:
+                cur.execute("SELECT outbox.inbox_receive(%s, %s)", (consumer, message_id))
+                if not cur.fetchone()[0]:
+                    return False
+                fn(cur)
+                if conn.info.transaction_status == psycopg.pq.TransactionStatus.INERROR:
+                    # fn swallowed an SQL error: COMMIT would silently roll back.
+                    raise psycopg.errors.InFailedSqlTransaction(
+                        "process_once: fn left the transaction aborted; rolled back")
+            return True
+        except (psycopg.errors.SerializationFailure, psycopg.errors.DeadlockDetected):
+            if attempt >= retries:
+                raise
+            time.sleep(random.uniform(0.005, 0.02) * 2 ** attempt)
 
 
 # ---------------------------------------------------------------- handlers
@@ -144,13 +206,53 @@ def test_handler(cfg):
     return handle
 
 
+def inbox_handler(cfg):
+    """An effect in PostgreSQL applied exactly once through process_once: one row
+    per message in OUTBOX_INBOX_TABLE (message_id, event_id, topic, subject,
+    attempt, payload) in the database OUTBOX_INBOX_DSN (default OUTBOX_DSN), as
+    consumer OUTBOX_INBOX_CONSUMER. The message id is the payload's "message_id"
+    when it is a string (an id the producer gave the message), else
+    Event.message_id. For the tests, also driven by the payload: "effect_sleep_ms"
+    and "effect_fail" act inside the transaction (a failure rolls the receipt
+    back too, while attempt <= "fail_attempts"), then the `test` handler's
+    fields act after the commit (a failure there means a redelivery, which is
+    then a duplicate)."""
+    table = sql.SQL(".").join(sql.Identifier(p) for p in cfg.inbox_table.split("."))
+    insert = sql.SQL("INSERT INTO {} (message_id, event_id, topic, subject, attempt, payload) "
+                     "VALUES (%s, %s, %s, %s, %s, %s::jsonb)").format(table)
+    after = test_handler(cfg)
+    local = threading.local()  # one connection per handler thread
+
+    def handle(ev):
+        p = ev.payload if isinstance(ev.payload, dict) else {}
+        mid = p["message_id"] if isinstance(p.get("message_id"), str) else ev.message_id
+        if not mid:
+            raise PermanentError("no message id (outbox.outbox_id() needs outbox_ext 0.11.0)")
+
+        def effect(cur):
+            cur.execute(insert, (mid, ev.id, ev.topic, ev.subject, ev.attempt, ev.payload_text))
+            if p.get("effect_sleep_ms"):
+                time.sleep(p["effect_sleep_ms"] / 1000.0)
+            if p.get("effect_fail") and ev.attempt <= p.get("fail_attempts", 1):
+                raise RuntimeError("effect failed, rolled back")
+
+        conn = getattr(local, "conn", None)
+        if conn is None or conn.closed or conn.broken:
+            conn = local.conn = psycopg.connect(cfg.inbox_dsn, autocommit=True,
+                                                application_name=cfg.name + "-inbox")
+        process_once(conn, cfg.inbox_consumer, mid, effect)
+        after(ev)
+    return handle
+
+
 def load_handler(cfg):
-    builtin = {"stdout": stdout_handler, "webhook": webhook_handler, "test": test_handler}
+    builtin = {"stdout": stdout_handler, "webhook": webhook_handler, "test": test_handler,
+               "inbox": inbox_handler}
     if cfg.handler in builtin:
         return builtin[cfg.handler](cfg)
     mod, _, fn = cfg.handler.partition(":")
     if not fn:
-        sys.exit(f"unknown OUTBOX_HANDLER {cfg.handler!r} (stdout, webhook, test or module:function)")
+        sys.exit(f"unknown OUTBOX_HANDLER {cfg.handler!r} (stdout, webhook, test, inbox or module:function)")
     return getattr(importlib.import_module(mod), fn)
 
 
@@ -288,6 +390,7 @@ class Worker:
         self.pool = ThreadPoolExecutor(max_workers=cfg.concurrency)
         self.log_lock = threading.Lock()
         self.batches = 0
+        self.outbox_id = None
 
     def record(self, ev, started, acked):
         if not self.cfg.delivery_log:
@@ -367,6 +470,15 @@ class Worker:
             + " ".join(f"{k}={v}" for k, v in counts.items())
             + f" ms={int((time.monotonic() - t0) * 1000)}")
 
+    def read_outbox_id(self):
+        """outbox.outbox_id(), read once: it never changes. "" before 0.11.0."""
+        try:
+            return str(self.db.call("SELECT outbox.outbox_id()")[0][0])
+        except psycopg.errors.UndefinedFunction:
+            log(f"worker={self.cfg.name} outbox.outbox_id() missing (outbox_ext < 0.11.0): "
+                "events have no message_id")
+            return ""
+
     def run(self):
         cfg = self.cfg
         wanted = topic_filter(cfg.topics)
@@ -377,13 +489,15 @@ class Worker:
             if self.stop.is_set():
                 break
             try:
+                if self.outbox_id is None:
+                    self.outbox_id = self.read_outbox_id()
                 rows = self.db.call(CLAIM_SQL, (cfg.name, cfg.batch_size, cfg.lease, cfg.topics))
             except Lost:
                 break
             if rows:
                 # Acks may have unblocked later events of the same subjects, and
                 # no NOTIFY announces that: claim again before sleeping.
-                self.process([Event(r) for r in rows])
+                self.process([Event(r, self.outbox_id) for r in rows])
                 continue
             self.db.wait(cfg.poll, wanted)
         self.pool.shutdown(wait=True)
@@ -405,4 +519,7 @@ def main():
 
 
 if __name__ == "__main__":
+    # A handler module's `import outbox_worker` must get this module, not a second
+    # copy: otherwise its PermanentError is another class and is not caught.
+    sys.modules.setdefault("outbox_worker", sys.modules[__name__])
     main()

@@ -4,6 +4,10 @@
 //! is a function from an `Event` to `Result<(), HandlerError>`: `Ok` means
 //! delivered, `Permanent` dead-letters the event at once, `Transient` lets the
 //! extension retry it with backoff. Add your own in `load_handler`.
+//!
+//! A handler whose effect is a write to PostgreSQL applies it exactly once with
+//! `process_once(&mut client, consumer, &ev.message_id, |tx| ...)`: see it and
+//! the `inbox` handler.
 
 use postgres::fallible_iterator::FallibleIterator;
 use postgres::{Client, Config, NoTls};
@@ -34,6 +38,10 @@ pub struct Event {
     pub payload_text: String,
     pub headers: Value,
     pub attempt: i32,
+    /// The event's identity as a message, `<outbox_id>:<event id>`: the same on
+    /// every delivery and across databases (what the relay sends as Nats-Msg-Id
+    /// and webhook-id). Empty before outbox_ext 0.11.0.
+    pub message_id: String,
     lease_token: String,
 }
 
@@ -117,11 +125,16 @@ pub struct Settings {
     webhook_url: String,
     webhook_timeout: f64,
     delivery_log: Option<String>,
+    inbox_dsn: Config,
+    inbox_consumer: String,
+    inbox_table: String,
 }
 
 impl Settings {
     fn from_env() -> Settings {
         let dsn = env::var("OUTBOX_DSN").unwrap_or_else(|_| die("OUTBOX_DSN is required"));
+        let inbox_dsn = env::var("OUTBOX_INBOX_DSN").ok().filter(|d| !d.is_empty()).unwrap_or_else(|| dsn.clone());
+        let inbox_dsn = Config::from_str(&inbox_dsn).unwrap_or_else(|e| die(&format!("bad OUTBOX_INBOX_DSN: {e}")));
         let dsn = Config::from_str(&dsn).unwrap_or_else(|e| die(&format!("bad OUTBOX_DSN: {e}")));
         let host = env::var("HOSTNAME")
             .ok()
@@ -152,7 +165,80 @@ impl Settings {
             webhook_url: env::var("OUTBOX_WEBHOOK_URL").unwrap_or_default(),
             webhook_timeout: env_f64("OUTBOX_WEBHOOK_TIMEOUT", 10.0),
             delivery_log: env::var("OUTBOX_DELIVERY_LOG").ok().filter(|p| !p.is_empty()),
+            inbox_dsn,
+            inbox_consumer: env::var("OUTBOX_INBOX_CONSUMER")
+                .ok()
+                .filter(|c| !c.is_empty())
+                .unwrap_or_else(|| "outbox-worker".into()),
+            inbox_table: env::var("OUTBOX_INBOX_TABLE")
+                .ok()
+                .filter(|t| !t.is_empty())
+                .unwrap_or_else(|| "outbox_effects".into()),
         }
+    }
+}
+
+// ---------------------------------------------------------------- exactly-once effects (the inbox)
+
+/// Any error: effects return database errors with `?` and their own with `.into()`.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An outbox event's message id: `<outbox_id>:<event id>`, where `outbox_id` is
+/// `SELECT outbox.outbox_id()` in the outbox's database (read it once).
+pub fn message_id(outbox_id: &str, event_id: i64) -> String {
+    format!("{outbox_id}:{event_id}")
+}
+
+/// Apply a message's effect on PostgreSQL exactly once: `Ok(true)` if it was
+/// applied now, `Ok(false)` if the message was a duplicate (`effect` did not run).
+///
+/// In one transaction on `client` (connected to the consumer's own database,
+/// where the effect goes, which may not be the outbox's):
+/// `outbox.inbox_receive(consumer, message_id)`, then `effect(&mut tx)` only when
+/// that says it is the first time, then COMMIT. The receipt commits iff the
+/// effect does, so the effect lives in the same database as the inbox: that
+/// database needs outbox_ext installed (CREATE EXTENSION outbox_ext) and the role
+/// EXECUTE on inbox_receive (outbox_worker has it).
+///
+/// The transaction has the session's isolation level. A concurrent duplicate
+/// waits for the first and gets `false`; at REPEATABLE READ or SERIALIZABLE it
+/// gets 40001 instead, and serialization failures (40001) and deadlocks (40P01),
+/// from inbox_receive, the effect or COMMIT, retry the whole transaction up to 5
+/// times, so `effect` may run more than once but only one run commits: its
+/// writes go through `tx`, nothing else. Any other error rolls back (the message
+/// can be received again) and is returned. The effect must return, not swallow,
+/// database errors: COMMIT of an aborted transaction rolls back silently.
+pub fn process_once<F>(client: &mut Client, consumer: &str, message_id: &str, mut effect: F) -> Result<bool, BoxError>
+where
+    F: FnMut(&mut postgres::Transaction<'_>) -> Result<(), BoxError>,
+{
+    const RETRIES: u32 = 5;
+    let mut attempt = 0;
+    loop {
+        let result = (|| -> Result<bool, BoxError> {
+            let mut tx = client.transaction()?;
+            let received: bool =
+                tx.query_one("SELECT outbox.inbox_receive($1::text, $2::text)", &[&consumer, &message_id])?.get(0);
+            if received {
+                effect(&mut tx)?;
+            }
+            tx.commit()?; // dropped without commit = rolled back
+            Ok(received)
+        })();
+        let retry = match &result {
+            Err(e) => e.downcast_ref::<postgres::Error>().and_then(|e| e.code()).is_some_and(|c| {
+                *c == postgres::error::SqlState::T_R_SERIALIZATION_FAILURE
+                    || *c == postgres::error::SqlState::T_R_DEADLOCK_DETECTED
+            }),
+            Ok(_) => false,
+        };
+        if !retry || attempt >= RETRIES {
+            return result;
+        }
+        let jitter =
+            f64::from(SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().subsec_nanos() % 1000) / 1000.0;
+        thread::sleep(Duration::from_secs_f64((0.005 + 0.015 * jitter) * 2f64.powi(attempt as i32)));
+        attempt += 1;
     }
 }
 
@@ -239,12 +325,71 @@ fn test_handler() -> Handler {
     })
 }
 
+/// An effect in PostgreSQL applied exactly once through `process_once`: one row
+/// per message in OUTBOX_INBOX_TABLE (message_id, event_id, topic, subject,
+/// attempt, payload) in the database OUTBOX_INBOX_DSN (default OUTBOX_DSN), as
+/// consumer OUTBOX_INBOX_CONSUMER. The message id is the payload's "message_id"
+/// when it is a string (an id the producer gave the message), else
+/// `ev.message_id`. For the tests, also driven by the payload: "effect_sleep_ms"
+/// and "effect_fail" act inside the transaction (a failure rolls the receipt back
+/// too, while attempt <= "fail_attempts"), then the `test` handler's fields act
+/// after the commit (a failure there means a redelivery, which is then a
+/// duplicate).
+fn inbox_handler(cfg: &Settings) -> Handler {
+    let table: Vec<String> = cfg.inbox_table.split('.').map(|p| format!("\"{}\"", p.replace('"', "\"\""))).collect();
+    let insert = format!(
+        "INSERT INTO {} (message_id, event_id, topic, subject, attempt, payload) \
+         VALUES ($1::text, $2::int8, $3::text, $4::text, $5::int4, $6::text::jsonb)",
+        table.join(".")
+    );
+    let consumer = cfg.inbox_consumer.clone();
+    let mut dsn = cfg.inbox_dsn.clone();
+    dsn.application_name(&format!("{}-inbox", cfg.name));
+    let after = test_handler();
+    // Idle connections; a handler thread takes one (or connects) and puts it back.
+    let idle: Mutex<Vec<Client>> = Mutex::new(Vec::new());
+    Box::new(move |ev: &Event| {
+        let p = ev.payload();
+        let mid = p.get("message_id").and_then(Value::as_str).unwrap_or(&ev.message_id).to_string();
+        if mid.is_empty() {
+            return Err(HandlerError::Permanent("no message id (outbox.outbox_id() needs outbox_ext 0.11.0)".into()));
+        }
+        let taken = idle.lock().unwrap().pop();
+        let mut client = match taken {
+            Some(c) if !c.is_closed() => c,
+            _ => dsn.connect(NoTls).map_err(|e| HandlerError::Transient(pg_error(&e)))?,
+        };
+        let res = process_once(&mut client, &consumer, &mid, |tx| {
+            tx.execute(&insert, &[&mid, &ev.id, &ev.topic, &ev.subject, &ev.attempt, &ev.payload_text])?;
+            if let Some(ms) = p.get("effect_sleep_ms").and_then(Value::as_u64) {
+                thread::sleep(Duration::from_millis(ms));
+            }
+            let fail_attempts = p.get("fail_attempts").and_then(Value::as_i64).unwrap_or(1);
+            if p.get("effect_fail").and_then(Value::as_bool) == Some(true) && i64::from(ev.attempt) <= fail_attempts {
+                return Err("effect failed, rolled back".into());
+            }
+            Ok(())
+        });
+        if !client.is_closed() {
+            idle.lock().unwrap().push(client);
+        }
+        res.map_err(|e| {
+            HandlerError::Transient(match e.downcast_ref::<postgres::Error>() {
+                Some(pg) => pg_error(pg),
+                None => e.to_string(),
+            })
+        })?;
+        after(ev)
+    })
+}
+
 fn load_handler(cfg: &Settings) -> Handler {
     match cfg.handler.as_str() {
         "stdout" => stdout_handler(),
         "webhook" => webhook_handler(cfg),
         "test" => test_handler(),
-        other => die(&format!("unknown OUTBOX_HANDLER {other:?} (stdout, webhook or test)")),
+        "inbox" => inbox_handler(cfg),
+        other => die(&format!("unknown OUTBOX_HANDLER {other:?} (stdout, webhook, test or inbox)")),
     }
 }
 
@@ -589,6 +734,20 @@ impl Worker {
         true
     }
 
+    /// outbox.outbox_id(), read once: it never changes. Empty before 0.11.0.
+    fn read_outbox_id(&self) -> Result<String, DbError> {
+        match self.db.call(None, |c| c.query_one("SELECT outbox.outbox_id()::text", &[]).map(|r| r.get(0))) {
+            Err(DbError::Fatal(e)) if e.code() == Some(&postgres::error::SqlState::UNDEFINED_FUNCTION) => {
+                log(&format!(
+                    "worker={} outbox.outbox_id() missing (outbox_ext < 0.11.0): events have no message_id",
+                    self.cfg.name
+                ));
+                Ok(String::new())
+            }
+            other => other,
+        }
+    }
+
     fn run(&self) {
         let cfg = &self.cfg;
         log(&format!(
@@ -604,6 +763,7 @@ impl Worker {
         let mut listen: Option<Client> = None;
         let mut listened = false;
         let mut batches = 0u64;
+        let mut outbox_id: Option<String> = None;
         while !self.stop.load(Ordering::SeqCst) {
             if listen.is_none() {
                 // Claiming right after (re)connecting covers notifications missed meanwhile.
@@ -613,6 +773,14 @@ impl Worker {
                     break;
                 }
             }
+            if outbox_id.is_none() {
+                outbox_id = match self.read_outbox_id() {
+                    Ok(id) => Some(id),
+                    Err(DbError::Lost(_)) => break,
+                    Err(e) => fatal(e),
+                };
+            }
+            let oid = outbox_id.as_deref().unwrap_or("");
             let rows = self.db.call(None, |c| {
                 c.query(CLAIM_SQL, &[&cfg.name, &cfg.batch_size, &cfg.lease, &cfg.topics])
             });
@@ -632,6 +800,7 @@ impl Worker {
                         payload_text: r.get(4),
                         headers: r.get::<_, Option<String>>(5).and_then(|h| serde_json::from_str(&h).ok()).unwrap_or(Value::Null),
                         attempt: r.get(6),
+                        message_id: if oid.is_empty() { String::new() } else { message_id(oid, r.get(0)) },
                         lease_token: r.get(7),
                     })
                     .collect();

@@ -1,0 +1,338 @@
+//! The NATS JetStream sink.
+//!
+//! Invariants (why no event is lost or doubled in the stream):
+//! - An event is acked in the outbox only after JetStream's PubAck for it: a stored message is the
+//!   only proof of delivery we accept. A relay killed at any point leaves the event leased, and
+//!   the lease expires and hands it out again: at-least-once.
+//! - Every publish of an event carries `Nats-Msg-Id = <outbox id>:<event id>`, the same on every
+//!   attempt, from every relay instance, after any restart. JetStream drops a message whose id it
+//!   has seen within the stream's duplicate window, so a re-publish after a lost PubAck, a lost
+//!   outbox ack or a crash stores nothing new. The outbox id is a UUID made at install and kept by
+//!   pg_dump, so two databases never share ids and a restored database keeps its own.
+//! - A broker error or a PubAck timeout does not `fail` the event: we keep its lease (the
+//!   dispatcher's heartbeat extends it) and publish the same message again with backoff, until a
+//!   PubAck or the retry horizon. The relay refuses to start unless retry horizon + lease is
+//!   shorter than the stream's duplicate window, so every such retry is deduplicated.
+//! - Per-subject order: the outbox hands out a subject's next event only after the previous one is
+//!   acked, and we ack only after the PubAck, so an event is never published before the earlier
+//!   events of its subject are stored. The dispatcher also serialises events of one subject inside
+//!   this process, as a second line of defence.
+//! - While the broker is unreachable the claim loop waits in [`NatsSink::ready`], so no lease is
+//!   taken and no attempt is burnt.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Result};
+use async_nats::jetstream::{self, stream};
+use async_nats::HeaderMap;
+use bytes::Bytes;
+use uuid::Uuid;
+
+use super::config::NatsConfig;
+use super::{Outcome, Shutdown};
+use crate::db::Event;
+
+/// A connected JetStream publisher for one stream.
+pub struct NatsSink {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    cfg: NatsConfig,
+    outbox_id: Uuid,
+    healthy: AtomicBool,
+    metrics: Arc<super::metrics::Metrics>,
+    labels: [String; 2],
+}
+
+impl NatsSink {
+    /// Connects (retrying with backoff until connected or shutdown), then creates or validates the
+    /// stream. A stream whose settings would break the guarantees is an error.
+    pub async fn connect(
+        cfg: NatsConfig,
+        outbox_id: Uuid,
+        lease: Duration,
+        metrics: Arc<super::metrics::Metrics>,
+        subscription: &str,
+        shutdown: &Shutdown,
+    ) -> Result<Option<Self>> {
+        let addrs: Vec<async_nats::ServerAddr> = cfg
+            .urls
+            .iter()
+            .map(|u| u.parse())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|e| anyhow!("bad NATS URL: {e}"))?;
+        let mut delay = Duration::from_millis(200);
+        let client = loop {
+            let mut opts = async_nats::ConnectOptions::new()
+                .name("outbox-relay")
+                .max_reconnects(None)
+                .connection_timeout(Duration::from_secs(5))
+                .ping_interval(Duration::from_secs(10))
+                .reconnect_delay_callback(|attempts| {
+                    Duration::from_millis((100u64 << attempts.min(5) as u64).min(2000) + fastrand::u64(0..100))
+                })
+                .event_callback(|event| async move {
+                    match event {
+                        async_nats::Event::Connected => tracing::info!("nats: connected"),
+                        async_nats::Event::Disconnected => tracing::warn!("nats: disconnected"),
+                        other => tracing::debug!("nats: {other}"),
+                    }
+                });
+            if cfg.tls {
+                opts = opts.require_tls(true);
+            }
+            if let Some(ca) = &cfg.ca_file {
+                opts = opts.add_root_certificates(ca.clone());
+            }
+            match opts.connect(addrs.as_slice()).await {
+                Ok(c) => break c,
+                Err(e) => {
+                    tracing::warn!("nats: cannot connect to {}: {e}; retrying in {delay:?}", cfg.urls.join(","));
+                    if shutdown.sleep(delay).await {
+                        return Ok(None);
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        };
+        let mut js = jetstream::new(client.clone());
+        js.set_timeout(cfg.ack_timeout);
+        let labels = ["nats".to_string(), subscription.to_string()];
+        let sink = Self { client, js, cfg, outbox_id, healthy: AtomicBool::new(false), metrics, labels };
+        let mut delay = Duration::from_millis(200);
+        loop {
+            match sink.ensure_stream(lease).await {
+                Ok(()) => break,
+                Err(StreamError::Fatal(e)) => return Err(e),
+                Err(StreamError::Retry(e)) => {
+                    tracing::warn!("nats: stream '{}' not ready: {e}; retrying in {delay:?}", sink.cfg.stream);
+                    if shutdown.sleep(delay).await {
+                        return Ok(None);
+                    }
+                    delay = (delay * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        sink.set_healthy(true);
+        Ok(Some(sink))
+    }
+
+    /// Creates the stream (subjects `<prefix>.>`) or checks that the existing one captures our
+    /// subjects and deduplicates long enough.
+    async fn ensure_stream(&self, lease: Duration) -> std::result::Result<(), StreamError> {
+        let wanted_subject = format!("{}.>", self.cfg.prefix);
+        match self.js.get_stream(&self.cfg.stream).await {
+            Ok(mut s) => {
+                let info = s.info().await.map_err(|e| StreamError::Retry(anyhow!("stream info: {e}")))?;
+                let c = &info.config;
+                let covers =
+                    c.subjects.iter().any(|s| s == &wanted_subject || s == ">" || covers_prefix(s, &self.cfg.prefix));
+                if !covers {
+                    return Err(StreamError::Fatal(anyhow!(
+                        "stream '{}' exists with subjects {:?}, which do not capture '{wanted_subject}'",
+                        self.cfg.stream,
+                        c.subjects
+                    )));
+                }
+                let window = c.duplicate_window;
+                if self.cfg.retry_horizon + lease >= window {
+                    return Err(StreamError::Fatal(anyhow!(
+                        "stream '{}' has a duplicate window of {}; the retry horizon ({}) + lease ({}) must be shorter",
+                        self.cfg.stream,
+                        humantime::format_duration(window),
+                        humantime::format_duration(self.cfg.retry_horizon),
+                        humantime::format_duration(lease)
+                    )));
+                }
+                tracing::info!(
+                    stream = %self.cfg.stream,
+                    replicas = c.num_replicas,
+                    duplicate_window = %humantime::format_duration(window),
+                    "nats: using existing stream"
+                );
+                Ok(())
+            }
+            Err(e)
+                if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref je)
+                    if je.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                let config = stream::Config {
+                    name: self.cfg.stream.clone(),
+                    subjects: vec![wanted_subject.clone()],
+                    duplicate_window: self.cfg.duplicate_window,
+                    num_replicas: self.cfg.replicas,
+                    storage: stream::StorageType::File,
+                    ..Default::default()
+                };
+                match self.js.create_stream(config).await {
+                    Ok(_) => {
+                        tracing::info!(
+                            stream = %self.cfg.stream,
+                            subjects = %wanted_subject,
+                            replicas = self.cfg.replicas,
+                            "nats: created stream"
+                        );
+                        Ok(())
+                    }
+                    Err(e) => {
+                        let text = e.to_string();
+                        if text.contains("already in use")
+                            || text.contains("overlap")
+                            || text.contains("insufficient resources")
+                        {
+                            Err(StreamError::Fatal(anyhow!("cannot create stream '{}': {text}", self.cfg.stream)))
+                        } else {
+                            Err(StreamError::Retry(anyhow!("create stream: {text}")))
+                        }
+                    }
+                }
+            }
+            Err(e) => Err(StreamError::Retry(anyhow!("{e}"))),
+        }
+    }
+
+    fn set_healthy(&self, up: bool) {
+        self.healthy.store(up, Ordering::Relaxed);
+        self.metrics.health.sink.store(up, Ordering::Relaxed);
+        self.metrics.sink_up.with_label_values(&self.labels).set(i64::from(up));
+    }
+
+    /// Waits until the broker is connected and the last publish (or a probe) succeeded. Returns
+    /// false when shutdown began first. The claim loop calls this before every claim.
+    pub async fn ready(&self, shutdown: &Shutdown) -> bool {
+        let mut delay = Duration::from_millis(100);
+        loop {
+            if shutdown.is_set() {
+                return false;
+            }
+            let connected = self.client.connection_state() == async_nats::connection::State::Connected;
+            if connected && self.healthy.load(Ordering::Relaxed) {
+                return true;
+            }
+            if connected {
+                // Connected but publishes failed (no JetStream quorum, stream leader election):
+                // probe the stream before taking new leases.
+                let probe = tokio::time::timeout(self.cfg.ack_timeout, self.js.get_stream(&self.cfg.stream)).await;
+                if let Ok(Ok(_)) = probe {
+                    tracing::info!("nats: stream '{}' reachable again", self.cfg.stream);
+                    self.set_healthy(true);
+                    return true;
+                }
+            } else {
+                self.set_healthy(false);
+            }
+            if shutdown.sleep(delay).await {
+                return false;
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// The headers of one event's message.
+    fn headers(&self, ev: &Event) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in &ev.headers {
+            if valid_header_name(k) && !v.contains(['\r', '\n']) && !k.eq_ignore_ascii_case("nats-msg-id") {
+                h.insert(k.as_str(), v.as_str());
+            }
+        }
+        h.insert("Nats-Msg-Id", format!("{}:{}", self.outbox_id, ev.id).as_str());
+        h.insert("Outbox-Topic", ev.topic.as_str());
+        h.insert("Outbox-Event-Id", ev.id.to_string().as_str());
+        if let Some(s) = ev.subject.as_deref().filter(|s| !s.contains(['\r', '\n'])) {
+            h.insert("Outbox-Subject", s);
+        }
+        if let Some(k) = ev.dispatch_key.as_deref().filter(|s| !s.contains(['\r', '\n'])) {
+            h.insert("Outbox-Dispatch-Key", k);
+        }
+        h.insert("Outbox-Attempt", ev.attempt.to_string().as_str());
+        h
+    }
+
+    /// Publishes one event until JetStream stores it (PubAck), re-publishing the same message id
+    /// after errors, until the retry horizon or shutdown.
+    pub async fn deliver(&self, ev: &Event, shutdown: &Shutdown) -> Outcome {
+        let subject = format!("{}.{}", self.cfg.prefix, ev.topic);
+        let headers = self.headers(ev);
+        let payload = Bytes::from(ev.payload.clone());
+        let started = Instant::now();
+        let mut delay = Duration::from_millis(50);
+        loop {
+            let attempt = async {
+                let fut = self.js.publish_with_headers(subject.clone(), headers.clone(), payload.clone()).await?;
+                fut.await
+            };
+            let error = match tokio::time::timeout(self.cfg.ack_timeout + Duration::from_millis(500), attempt).await {
+                Ok(Ok(ack)) => {
+                    if ack.duplicate {
+                        self.metrics.duplicates.with_label_values(&self.labels).inc();
+                    }
+                    if !self.healthy.load(Ordering::Relaxed) {
+                        self.set_healthy(true);
+                    }
+                    return Outcome::Delivered;
+                }
+                Ok(Err(e)) => format!("nats publish: {e}"),
+                Err(_) => "nats publish: no PubAck in time".to_string(),
+            };
+            self.set_healthy(false);
+            self.metrics.retries.with_label_values(&self.labels).inc();
+            if shutdown.is_set() {
+                return Outcome::Retry {
+                    error: format!("relay shutting down; last error: {error}"),
+                    retry_in: Some(Duration::ZERO),
+                };
+            }
+            if started.elapsed() + delay >= self.cfg.retry_horizon {
+                tracing::warn!(event = ev.id, "{error}; retry horizon reached, failing the event");
+                return Outcome::Retry { error, retry_in: None };
+            }
+            tracing::debug!(event = ev.id, "{error}; publishing again in {delay:?}");
+            if shutdown.sleep(delay).await {
+                return Outcome::Retry {
+                    error: format!("relay shutting down; last error: {error}"),
+                    retry_in: Some(Duration::ZERO),
+                };
+            }
+            delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+enum StreamError {
+    Fatal(anyhow::Error),
+    Retry(anyhow::Error),
+}
+
+/// True when stream subject `s` (e.g. `outbox.>` or `a.>`) captures every `<prefix>.<topic>`.
+fn covers_prefix(s: &str, prefix: &str) -> bool {
+    let Some(base) = s.strip_suffix(".>") else { return false };
+    prefix == base || prefix.starts_with(&format!("{base}."))
+}
+
+/// NATS header names: printable ASCII without `:` or spaces.
+fn valid_header_name(k: &str) -> bool {
+    !k.is_empty() && k.bytes().all(|b| b.is_ascii_graphic() && b != b':')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefix_coverage() {
+        assert!(covers_prefix("outbox.>", "outbox"));
+        assert!(covers_prefix("a.>", "a.b"));
+        assert!(!covers_prefix("a.b.>", "a"));
+        assert!(!covers_prefix("outbox.*", "outbox"));
+    }
+
+    #[test]
+    fn header_names() {
+        assert!(valid_header_name("traceparent"));
+        assert!(!valid_header_name("a b"));
+        assert!(!valid_header_name("a:b"));
+        assert!(!valid_header_name(""));
+    }
+}

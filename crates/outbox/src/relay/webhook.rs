@@ -1,0 +1,247 @@
+//! The webhook sink: signed HTTP POSTs following Standard Webhooks (<https://www.standardwebhooks.com/>).
+//!
+//! Invariants:
+//! - The body is the payload exactly as `payload::text` returned it, byte for byte; the signature
+//!   covers `<webhook-id>.<webhook-timestamp>.<body>` with HMAC-SHA256, once per configured
+//!   `whsec_` secret (rotation), space separated as `v1,<base64>`.
+//! - `webhook-id` is `<outbox id>:<event id>`, identical on every attempt and from every relay
+//!   instance, so receivers deduplicate redeliveries (the outbox is at-least-once: an event is
+//!   acked only after a 2xx, and a crash between the 2xx and the ack delivers it again).
+//! - Outcome mapping: 2xx → ack; 410 → permanent failure and the endpoint is disabled by pausing
+//!   its subscription (shared by every relay instance, kept across restarts; an operator
+//!   re-enables it with `SELECT outbox.resume_subscription('<subscription>')`); other 4xx except
+//!   408/429 → permanent failure with the status and a body excerpt; 408/429/5xx, timeouts and
+//!   connection errors → `fail` with the outbox's backoff, or with `retry_in` = `Retry-After`.
+//! - Every endpoint has its own subscription, so one endpoint's dead letters, backlog or pause
+//!   never hold back another's events, and per-subject order holds per endpoint.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, Result};
+use base64::Engine as _;
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+use uuid::Uuid;
+
+use super::config::EndpointConfig;
+use super::{Outcome, Shutdown};
+use crate::db::{Db, Event};
+
+/// Longest `Retry-After` honoured (longer values are capped).
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+/// Characters of a response body kept in a dead letter's error.
+const BODY_EXCERPT: usize = 200;
+
+/// One webhook endpoint with its HTTP client.
+pub struct WebhookEndpoint {
+    /// Settings.
+    pub cfg: EndpointConfig,
+    client: reqwest::Client,
+    outbox_id: Uuid,
+    disabled: AtomicBool,
+    db: Arc<Db>,
+}
+
+/// The `webhook-signature` header value for one message.
+pub fn sign(secrets: &[Vec<u8>], msg_id: &str, timestamp: i64, body: &[u8]) -> String {
+    let mut sigs = Vec::with_capacity(secrets.len());
+    for key in secrets {
+        // HMAC accepts keys of any length, so new_from_slice cannot fail here.
+        let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(key) else { continue };
+        mac.update(msg_id.as_bytes());
+        mac.update(b".");
+        mac.update(timestamp.to_string().as_bytes());
+        mac.update(b".");
+        mac.update(body);
+        sigs.push(format!("v1,{}", base64::engine::general_purpose::STANDARD.encode(mac.finalize().into_bytes())));
+    }
+    sigs.join(" ")
+}
+
+/// Parses `Retry-After`: delay seconds or an HTTP date.
+fn retry_after(value: Option<&reqwest::header::HeaderValue>) -> Option<Duration> {
+    let v = value?.to_str().ok()?.trim();
+    if let Ok(secs) = v.parse::<u64>() {
+        return Some(Duration::from_secs(secs).min(MAX_RETRY_AFTER));
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(at.duration_since(SystemTime::now()).unwrap_or(Duration::ZERO).min(MAX_RETRY_AFTER))
+}
+
+/// A short, single-line excerpt of a response body.
+fn excerpt(body: &[u8]) -> String {
+    let text = String::from_utf8_lossy(body);
+    let mut s: String = text.chars().take(BODY_EXCERPT).map(|c| if c.is_control() { ' ' } else { c }).collect();
+    if text.chars().count() > BODY_EXCERPT {
+        s.push('…');
+    }
+    s
+}
+
+impl WebhookEndpoint {
+    /// Builds the endpoint's HTTP client (rustls, no redirects, per-request timeout).
+    pub fn new(cfg: EndpointConfig, outbox_id: Uuid, db: Arc<Db>) -> Result<Self> {
+        let client = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .timeout(cfg.timeout)
+            .connect_timeout(cfg.timeout.min(Duration::from_secs(10)))
+            .pool_max_idle_per_host(cfg.concurrency)
+            .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .context("HTTP client")?;
+        Ok(Self { cfg, client, outbox_id, disabled: AtomicBool::new(false), db })
+    }
+
+    /// True while the endpoint is disabled (its subscription paused).
+    pub fn is_disabled(&self) -> bool {
+        self.disabled.load(Ordering::Relaxed)
+    }
+
+    /// Records the subscription's paused flag (read by the lane from `outbox.subscriptions`).
+    pub fn set_disabled(&self, paused: bool) {
+        let was = self.disabled.swap(paused, Ordering::Relaxed);
+        if was && !paused {
+            tracing::info!(endpoint = %self.cfg.name, "webhook endpoint enabled again (subscription resumed)");
+        }
+    }
+
+    /// POSTs one event and maps the response to an outcome.
+    pub async fn deliver(&self, ev: &Event, _shutdown: &Shutdown) -> Outcome {
+        if self.is_disabled() {
+            return Outcome::Retry {
+                error: format!("webhook endpoint '{}' is disabled (HTTP 410 earlier)", self.cfg.name),
+                retry_in: Some(Duration::ZERO),
+            };
+        }
+        let msg_id = format!("{}:{}", self.outbox_id, ev.id);
+        let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+        let body = ev.payload.clone().into_bytes();
+        let signature = sign(&self.cfg.secrets, &msg_id, ts, &body);
+        let mut req = self
+            .client
+            .post(self.cfg.url.clone())
+            .header("content-type", "application/json")
+            .header("webhook-id", &msg_id)
+            .header("webhook-timestamp", ts.to_string())
+            .header("webhook-signature", signature)
+            .header("outbox-topic", &ev.topic)
+            .header("outbox-attempt", ev.attempt.to_string());
+        if let Some(s) = ev.subject.as_deref() {
+            req = req.header("outbox-subject", s);
+        }
+        for (k, v) in &ev.headers {
+            if k == "traceparent" || k == "tracestate" {
+                req = req.header(k.as_str(), v.as_str());
+            }
+        }
+        let resp = match req.body(body).send().await {
+            Ok(r) => r,
+            Err(e) => {
+                let what = if e.is_timeout() {
+                    "timed out".to_string()
+                } else {
+                    format!("request failed: {}", error_chain(&e))
+                };
+                return Outcome::Retry { error: format!("webhook {}: {what}", self.cfg.name), retry_in: None };
+            }
+        };
+        let status = resp.status();
+        if status.is_success() {
+            return Outcome::Delivered;
+        }
+        let after = retry_after(resp.headers().get(reqwest::header::RETRY_AFTER));
+        let body =
+            tokio::time::timeout(self.cfg.timeout, resp.bytes()).await.ok().and_then(|r| r.ok()).unwrap_or_default();
+        let error = format!("webhook {}: HTTP {}: {}", self.cfg.name, status.as_u16(), excerpt(&body));
+        match status.as_u16() {
+            410 => {
+                self.disable().await;
+                Outcome::Dead { error: format!("{error} (endpoint disabled)") }
+            }
+            408 | 429 => Outcome::Retry { error, retry_in: after },
+            s if s >= 500 => Outcome::Retry { error, retry_in: after },
+            _ => Outcome::Dead { error },
+        }
+    }
+
+    /// Marks the endpoint disabled and pauses its subscription, so every relay instance stops
+    /// claiming for it until an operator resumes the subscription.
+    async fn disable(&self) {
+        if self.disabled.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let sub = &self.cfg.subscription;
+        tracing::error!(
+            endpoint = %self.cfg.name,
+            url = %self.cfg.url,
+            "webhook endpoint answered 410 Gone: disabled; re-enable with SELECT outbox.resume_subscription('{sub}')"
+        );
+        let mut delay = Duration::from_millis(100);
+        for _ in 0..10 {
+            match self.db.pause_subscription(sub).await {
+                Ok(()) => return,
+                Err(e) => {
+                    tracing::warn!("cannot pause subscription '{sub}': {e:#}; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay *= 2;
+                }
+            }
+        }
+    }
+}
+
+/// An error with its sources on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(inner) = src {
+        let t = inner.to_string();
+        if !s.contains(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
+        src = inner.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signature_matches_the_standard_webhooks_example() {
+        // Test vector of the Standard Webhooks reference libraries.
+        let key = crate::relay::config::decode_secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let sig = sign(&[key], "msg_p5jXN8AQM9LWM0D4loKWxJek", 1614265330, br#"{"test": 2432232314}"#);
+        assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+    }
+
+    #[test]
+    fn two_secrets_two_signatures() {
+        let sig = sign(&[b"a".to_vec(), b"b".to_vec()], "i", 1, b"{}");
+        assert_eq!(sig.split(' ').count(), 2);
+        assert!(sig.split(' ').all(|s| s.starts_with("v1,")));
+    }
+
+    #[test]
+    fn retry_after_forms() {
+        let v = reqwest::header::HeaderValue::from_static("7");
+        assert_eq!(retry_after(Some(&v)), Some(Duration::from_secs(7)));
+        let past = reqwest::header::HeaderValue::from_static("Wed, 21 Oct 2015 07:28:00 GMT");
+        assert_eq!(retry_after(Some(&past)), Some(Duration::ZERO));
+        let bad = reqwest::header::HeaderValue::from_static("soon");
+        assert_eq!(retry_after(Some(&bad)), None);
+        assert_eq!(retry_after(None), None);
+    }
+
+    #[test]
+    fn excerpt_is_short_and_single_line() {
+        let long = "x\n".repeat(300);
+        let e = excerpt(long.as_bytes());
+        assert!(!e.contains('\n'));
+        assert!(e.chars().count() <= BODY_EXCERPT + 1);
+    }
+}

@@ -1,0 +1,227 @@
+"""`outbox relay --sink webhook` against a local receiver that verifies every request with the
+`standardwebhooks` package (PyPI), not with code of ours.
+
+The receiver answers by the event's payload: `ok` events get a random 500 (20 %), `r429` events a
+429 with Retry-After: 2 on their first attempt, `slow` events a response slower than the 1 s
+timeout on their first attempt, `bad` events 422; the `gone` endpoint answers 410 until the test
+flips it. Asserted: every body is byte-identical to `payload::text`, every request carries a valid
+signature for each of the two configured secrets, webhook-id is `<outbox id>:<event id>`, retries
+and dead letters are as specified, and a 410 disables its endpoint (subscription paused) until
+`outbox.resume_subscription`.
+"""
+
+import collections
+import json
+import random
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from standardwebhooks.webhooks import Webhook
+
+import relaylib as rl
+
+SECRETS = ["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "whsec_c2Vjb25kLXNlY3JldC1mb3Itcm90YXRpb24="]
+
+
+class Receiver:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requests = []  # (time, path, status, webhook-id, body bytes, verified)
+        self.seen = collections.Counter()
+        self.gone_enabled = False
+        self.rng = random.Random(18)
+        self.verifiers = [Webhook(s) for s in SECRETS]
+        recv = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                hdrs = {k.lower(): v for k, v in self.headers.items()}
+                verified = True
+                for v in recv.verifiers:
+                    try:
+                        v.verify(body, hdrs)
+                    except Exception:
+                        verified = False
+                mid = hdrs.get("webhook-id", "")
+                with recv.lock:
+                    recv.seen[mid] += 1
+                    first = recv.seen[mid] == 1
+                    r = recv.rng.random()
+                mode = json.loads(body).get("mode")
+                status, extra, delay, text = 200, {}, 0, b"ok"
+                if self.path == "/gone":
+                    status = 200 if recv.gone_enabled else 410
+                elif mode == "ok" and r < 0.2:
+                    status, text = 500, b"oops"
+                elif mode == "r429" and first:
+                    status, extra = 429, {"Retry-After": "2"}
+                elif mode == "slow" and first:
+                    delay = 2.5
+                elif mode == "bad":
+                    status, text = 422, b"unprocessable: field x is invalid"
+                with recv.lock:
+                    recv.requests.append((time.monotonic(), self.path, status, mid, body, verified))
+                if delay:
+                    time.sleep(delay)
+                try:
+                    self.send_response(status)
+                    for k, v in extra.items():
+                        self.send_header(k, v)
+                    self.send_header("content-length", str(len(text)))
+                    self.end_headers()
+                    self.wfile.write(text)
+                except OSError:
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_webhooks(pg_cluster, workdir, procs):
+    db = "relay_w"
+    rl.fresh_db(db)
+    oid, oargs = rl.outbox_identity(db)
+    with rl.connect(db) as c:
+        for sub, topics in (("relay-webhook.main", ["orders.*"]), ("relay-webhook.gone", ["legacy.*"])):
+            c.execute(
+                "SELECT outbox.create_subscription(%s, %s, start => 'earliest', backoff_base => '200 milliseconds', "
+                "backoff_max => '1 second', max_attempts => 50)",
+                (sub, topics),
+            )
+        ids = {}
+
+        def pub(topic, mode, n, subject_prefix):
+            for i in range(n):
+                payload = json.dumps({"mode": mode, "n": i, "text": "Grüße ✓ \"quoted\"", "nested": {"b": [1, 2.50]}})
+                eid = c.execute(
+                    "SELECT outbox.publish(%s, %s::jsonb, subject => %s, headers => %s::jsonb)",
+                    (topic, payload, f"{subject_prefix}-{i % 30}", json.dumps({"traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01"})),
+                ).fetchone()[0]
+                ids[eid] = mode
+
+        pub("orders.created", "ok", 300, "ok")
+        pub("orders.created", "r429", 5, "r429")
+        pub("orders.updated", "slow", 5, "slow")
+        pub("orders.created", "bad", 3, "bad")
+        pub("legacy.thing", "legacy", 20, "legacy")
+        payloads = dict(c.execute("SELECT id, payload::text FROM outbox.events WHERE id = ANY(%s)", (list(ids),)).fetchall())
+    assert len(payloads) == len(ids)
+
+    recv = Receiver()
+    try:
+        cfg = workdir / "relay.toml"
+        cfg.write_text(
+            f"""
+sink = "webhook"
+subscription = "relay-webhook"
+lease = "10s"
+poll_interval = "200ms"
+[webhook]
+secrets = {json.dumps(SECRETS)}
+timeout = "1s"
+concurrency = 8
+[[webhook.endpoints]]
+name = "main"
+url = "http://127.0.0.1:{recv.port}/main"
+topics = ["orders.*"]
+[[webhook.endpoints]]
+name = "gone"
+url = "http://127.0.0.1:{recv.port}/gone"
+topics = ["legacy.*"]
+concurrency = 2
+"""
+        )
+        relay = rl.start_relay(workdir, "relay", db, ["--config", str(cfg)], oargs)
+        procs.append(relay)
+
+        def status(sub):
+            with rl.connect(db) as c:
+                return c.execute(
+                    "SELECT lag_events, leases_in_flight, dead_letters, paused FROM outbox.subscriptions WHERE name = %s",
+                    (sub,),
+                ).fetchone()
+
+        rl.wait_for(lambda: status("relay-webhook.main")[:2] == (0, 0), 120, "main endpoint drained")
+        rl.wait_for(lambda: status("relay-webhook.gone")[3], 30, "gone endpoint disabled")
+        with rl.connect(db) as c:
+            rows = c.execute(
+                "SELECT event_id, subscription, state, attempts, last_error FROM outbox.deliveries "
+                "WHERE subscription LIKE 'relay-webhook.%%'"
+            ).fetchall()
+        by_id = {(r[0], r[1]): r for r in rows}
+        main = {i: by_id[(i, "relay-webhook.main")] for i, m in ids.items() if m != "legacy"}
+        for i, r in main.items():
+            mode = ids[i]
+            if mode == "bad":
+                assert r[2] == "dead" and r[3] == 1, r
+                assert "HTTP 422" in r[4] and "field x is invalid" in r[4], r
+            else:
+                assert r[2] == "delivered", r
+        with recv.lock:
+            reqs = list(recv.requests)
+        assert all(q[5] for q in reqs), "a request failed signature verification"
+        for _t, _path, _status, mid, body, _v in reqs:
+            o, _, eid = mid.partition(":")
+            assert o == oid
+            assert body == payloads[int(eid)].encode(), f"body of {eid} differs from payload::text"
+        per_id = collections.defaultdict(list)
+        for t, path, st, mid, _b, _v in reqs:
+            per_id[int(mid.partition(":")[2])].append((t, st))
+        n500 = sum(1 for q in reqs if q[2] == 500)
+        assert n500 > 20, f"only {n500} random 500s"
+        for i, m in ids.items():
+            if m == "ok" and per_id[i][0][1] == 500:
+                assert main[i][3] >= 2 and main[i][2] == "delivered"
+            if m == "r429":
+                (t1, s1), (t2, s2) = per_id[i][:2]
+                assert s1 == 429 and s2 == 200
+                assert t2 - t1 >= 1.9, f"Retry-After not honoured: {t2 - t1:.2f}s"
+            if m == "slow":
+                assert len(per_id[i]) >= 2 and main[i][3] >= 2
+        # 410: the event(s) out at that moment are dead, the endpoint's subscription is paused and
+        # the others wait, not dead-lettered.
+        legacy = [by_id[(i, "relay-webhook.gone")] for i, m in ids.items() if m == "legacy"]
+        dead = [r for r in legacy if r[2] == "dead"]
+        assert 1 <= len(dead) <= 2, legacy
+        assert all("HTTP 410" in r[4] for r in dead)
+        assert sum(1 for r in legacy if r[2] == "delivered") == 0
+        rl.wait_for(
+            lambda: rl.metrics(relay).get('outbox_relay_endpoint_disabled{sink="webhook",subscription="relay-webhook.gone"}') == 1,
+            15,
+            "endpoint_disabled metric",
+        )
+        gone_before = sum(1 for q in reqs if q[1] == "/gone")
+        time.sleep(2)
+        with recv.lock:
+            assert sum(1 for q in recv.requests if q[1] == "/gone") == gone_before, "disabled endpoint was called"
+            recv.gone_enabled = True
+        with rl.connect(db) as c:
+            c.execute("SELECT outbox.resume_subscription('relay-webhook.gone')")
+        rl.wait_for(lambda: status("relay-webhook.gone")[:2] == (0, 0), 60, "gone endpoint drained after resume")
+        with rl.connect(db) as c:
+            states = collections.Counter(
+                r[0]
+                for r in c.execute(
+                    "SELECT state FROM outbox.deliveries WHERE subscription = 'relay-webhook.gone'"
+                ).fetchall()
+            )
+        assert states["delivered"] == 20 - len(dead) and states["dead"] == len(dead), states
+        assert relay.term() == 0
+        print(
+            f"\nwebhooks: {len(ids)} events, {len(reqs)} requests, {n500} random 500s, 429/slow retried, "
+            f"3 dead (422), {len(dead)} dead (410), endpoint re-enabled and drained"
+        )
+    finally:
+        recv.close()
