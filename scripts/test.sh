@@ -10,6 +10,7 @@
 #       scripts/test.sh isolation[:NAME]   isolation specs   pg_test/specs/*.spec
 #       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
 #       scripts/test.sh relay[:EXPR]       pytest            pg_test/relay: the relay with nats-server
+#       scripts/test.sh cli[:EXPR]         pytest            pg_test/cli: the outbox command's operator subcommands
 #       scripts/test.sh pgrx[:NAME]        #[pg_test] unit tests via cargo pgrx test
 #       scripts/test.sh suites[:NAME]      pg_test/suites/*.sh (NAME = one script's name)
 #
@@ -55,7 +56,7 @@ section() { printf '\n==== %s ====\n' "$*"; }
 # ---------------------------------------------------------------------------
 # Suite selection: no arguments = all suites.
 # ---------------------------------------------------------------------------
-ALL_SUITES=(regress isolation py relay pgrx suites)
+ALL_SUITES=(regress isolation py relay cli pgrx suites)
 declare -A WANT=() FILTER=()
 if [ "$#" -eq 0 ]; then
     for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
@@ -325,6 +326,21 @@ run_relay() {
     OUTBOX_BIN=/usr/local/bin/outbox run_pytest relay "$TEST_DIR/relay" "${OUTBOX_RELAY_TIMEOUT:-1500}"
 }
 
+# ---------------------------------------------------------------------------
+# c3. the outbox command's operator subcommands (crates/outbox/src/cli):
+#     pg_test/cli starts its own cluster (clitest, port 5473) and stops it.
+# ---------------------------------------------------------------------------
+run_cli() {
+    section "cli (pytest, pg_test/cli)"
+    ensure_extension cli || return 0
+    if [ ! -x /usr/local/bin/outbox ]; then
+        fail "cli: /usr/local/bin/outbox is missing (scripts/setup.sh builds it)"
+        return 0
+    fi
+    STARTED+=(clitest)
+    OUTBOX_BIN=/usr/local/bin/outbox run_pytest cli "$TEST_DIR/cli" "$SUITE_TIMEOUT"
+}
+
 # run_pytest SUITE DIR TIMEOUT: pytest over DIR, counting its test cases.
 run_pytest() {
     local suite="$1" dir="$2" limit="$3" out rc
@@ -447,6 +463,7 @@ want regress && run_pgxs regress REGRESS ISOLATION sql sql pg_regress
 want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_regress
 want py && run_py
 want relay && run_relay
+want cli && run_cli
 want suites && run_suites
 # Last: it replaces the installed extension with its test build.
 if want pgrx; then

@@ -333,6 +333,35 @@ fn tls_config(mode: TlsMode, rootcert: Option<&str>) -> Result<rustls::ClientCon
     Ok(builder.dangerous().with_custom_certificate_verifier(Arc::new(VerifyCaOnly(inner))).with_no_client_auth())
 }
 
+/// Parses a DSN (libpq key/value or URL form; `sslmode` and `sslrootcert` understood) into a
+/// driver configuration and the matching rustls connector, without connecting. An empty DSN gives
+/// an empty configuration (the caller fills it in). Sets a 5 s connect timeout, TCP keepalives,
+/// `application_name` and the user (`PGUSER`, else `USER`) when the DSN has none.
+pub fn parse_dsn(
+    dsn: &str,
+    application_name: &str,
+) -> Result<(tokio_postgres::Config, tokio_postgres_rustls::MakeRustlsConnect)> {
+    let (cleaned, mode, rootcert) = split_tls_options(dsn)?;
+    let mut config = tokio_postgres::Config::from_str(&cleaned).map_err(|e| anyhow!("bad DSN: {e}"))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(Duration::from_secs(5));
+    }
+    if config.get_application_name().is_none() {
+        config.application_name(application_name);
+    }
+    config.keepalives(true).keepalives_idle(Duration::from_secs(30));
+    if config.get_user().is_none() {
+        if let Ok(user) = std::env::var("PGUSER").or_else(|_| std::env::var("USER")) {
+            config.user(user);
+        }
+    }
+    if mode != TlsMode::NoVerify {
+        config.ssl_mode(tokio_postgres::config::SslMode::Require);
+    }
+    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_config(mode, rootcert.as_deref())?);
+    Ok((config, tls))
+}
+
 /// A PostgreSQL connection that reconnects on demand, optionally LISTENing on `outbox`.
 pub struct Db {
     config: tokio_postgres::Config,
@@ -351,24 +380,7 @@ impl Db {
         if dsn.trim().is_empty() {
             bail!("no PostgreSQL DSN: pass --dsn or set OUTBOX_DSN");
         }
-        let (cleaned, mode, rootcert) = split_tls_options(dsn)?;
-        let mut config = tokio_postgres::Config::from_str(&cleaned).map_err(|e| anyhow!("bad DSN: {e}"))?;
-        if config.get_connect_timeout().is_none() {
-            config.connect_timeout(Duration::from_secs(5));
-        }
-        if config.get_application_name().is_none() {
-            config.application_name(application_name);
-        }
-        config.keepalives(true).keepalives_idle(Duration::from_secs(30));
-        if config.get_user().is_none() {
-            if let Ok(user) = std::env::var("PGUSER").or_else(|_| std::env::var("USER")) {
-                config.user(user);
-            }
-        }
-        if mode != TlsMode::NoVerify {
-            config.ssl_mode(tokio_postgres::config::SslMode::Require);
-        }
-        let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_config(mode, rootcert.as_deref())?);
+        let (config, tls) = parse_dsn(dsn, application_name)?;
         Ok(Self { config, tls, client: Mutex::new(None), listen, wakeup: Arc::new(Notify::new()) })
     }
 

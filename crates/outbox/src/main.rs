@@ -2,14 +2,18 @@
 //!
 //! Subcommands:
 //! - `outbox relay`: move events into NATS JetStream or signed webhooks (see [`relay`]).
+//! - `outbox stats|health|events|replay|cancel|topics|subscriptions|purge|tail`: operate the
+//!   outbox from a terminal through its SQL API (see [`cli`]).
+//! - `outbox completions bash|zsh|fish|...`: shell completions (clap_complete).
 //!
 //! Errors are printed as one line on stderr with a non-zero exit status (2 for usage errors,
 //! 1 otherwise); nothing here panics on bad input.
 
+mod cli;
 mod db;
 mod relay;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory as _, Parser, Subcommand};
 
 /// Command-line interface of `outbox`.
 #[derive(Debug, Parser)]
@@ -25,11 +29,20 @@ struct Cli {
     command: Command,
 }
 
-/// The subcommands.
+/// The subcommands. (Parsed once per process, so the size difference between variants does not
+/// matter; clap's `flatten` of the operator commands cannot be boxed.)
 #[derive(Debug, Subcommand)]
+#[allow(clippy::large_enum_variant)]
 enum Command {
     /// Relay events into NATS JetStream or signed webhooks (at-least-once, deduplicated by message id).
     Relay(Box<relay::config::RelayArgs>),
+    #[command(flatten)]
+    Cli(cli::CliCommand),
+    /// Print a shell completion script (e.g. `outbox completions bash > /etc/bash_completion.d/outbox`).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 fn init_logging(filter: &str, format: &str) -> Result<(), String> {
@@ -63,12 +76,22 @@ fn main() {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Relay(args) => relay::run(*args).await,
+            Command::Relay(args) => relay::run(*args).await.map(|()| 0),
+            Command::Cli(cmd) => cli::run(cmd).await,
+            Command::Completions { shell } => {
+                clap_complete::generate(shell, &mut Cli::command(), "outbox", &mut std::io::stdout());
+                Ok(0)
+            }
         }
     });
-    if let Err(e) = result {
-        let line = format!("{e:#}").replace('\n', " ");
-        eprintln!("outbox: error: {line}");
-        std::process::exit(1);
+    // Exit without waiting for tasks still running (a connection being closed).
+    runtime.shutdown_background();
+    match result {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            let line = format!("{e:#}").replace('\n', " ");
+            eprintln!("outbox: error: {line}");
+            std::process::exit(1);
+        }
     }
 }

@@ -1,0 +1,172 @@
+//! `outbox subscriptions ls|create|drop|pause|resume`: the `outbox.subscriptions` view (lag,
+//! leases in flight, dead letters, last claim) and `outbox.create_subscription`,
+//! `drop_subscription`, `pause_subscription`, `resume_subscription`. Dropping discards the
+//! subscription's position, retries and dead letters, so it needs `--yes` or a typed confirmation.
+
+use anyhow::{bail, Result};
+use clap::{Args, Subcommand};
+use serde_json::json;
+
+use super::output::{print_json, print_rows, Column};
+use super::{confirm, conn, json_rows, sql_error, Common};
+
+/// Arguments of `outbox subscriptions`.
+#[derive(Debug, Args)]
+pub struct SubscriptionsArgs {
+    #[command(flatten)]
+    common: Common,
+    #[command(subcommand)]
+    command: SubscriptionsCommand,
+}
+
+/// `outbox subscriptions` subcommands.
+#[derive(Debug, Subcommand)]
+enum SubscriptionsCommand {
+    /// List subscriptions with their lag, leases in flight and dead letters.
+    Ls,
+    /// Create a subscription of the log.
+    Create(CreateArgs),
+    /// Drop a subscription with its position, retries and dead letters.
+    Drop {
+        /// The subscription.
+        name: String,
+        /// Drop it even while leases it handed out have not expired.
+        #[arg(long)]
+        force: bool,
+        /// Do not ask for confirmation.
+        #[arg(long, short = 'y')]
+        yes: bool,
+    },
+    /// Pause: claims for it return nothing from the commit on; its events are kept.
+    Pause {
+        /// The subscription.
+        name: String,
+    },
+    /// Resume a paused subscription (its listeners are woken).
+    Resume {
+        /// The subscription.
+        name: String,
+    },
+}
+
+/// Arguments of `outbox subscriptions create`.
+#[derive(Debug, Args)]
+struct CreateArgs {
+    /// The subscription's name (1-63 characters of a-z 0-9 _ . -).
+    name: String,
+    /// Topic patterns it receives, comma separated (default: every topic).
+    #[arg(long, value_delimiter = ',')]
+    topics: Option<Vec<String>>,
+    /// `now` (events committed from now on) or `earliest` (also what the log still holds).
+    #[arg(long, default_value = "now", value_parser = ["now", "earliest"])]
+    start: String,
+    /// Attempts before an event is dead-lettered.
+    #[arg(long)]
+    max_attempts: Option<i32>,
+    /// First retry delay (interval).
+    #[arg(long)]
+    backoff_base: Option<String>,
+    /// Longest retry delay (interval).
+    #[arg(long)]
+    backoff_max: Option<String>,
+    /// Lease of a claim that gives none (interval).
+    #[arg(long)]
+    default_lease: Option<String>,
+    /// What a dead event does to later events of its subject.
+    #[arg(long, value_parser = ["block", "skip"])]
+    dead_letter_policy: Option<String>,
+    /// Age past which unread events may be dropped by retention (interval; default: never).
+    #[arg(long)]
+    max_lag: Option<String>,
+}
+
+const COLUMNS: &[Column<'static>] = &[
+    ("NAME", "name"),
+    ("STORAGE", "storage"),
+    ("TOPICS", "topics"),
+    ("PAUSED", "paused"),
+    ("LAG EVENTS", "lag_events"),
+    ("LAG", "lag"),
+    ("READY", "ready"),
+    ("LEASED", "leases_in_flight"),
+    ("DEAD", "dead_letters"),
+    ("LAST CLAIM", "last_claim_at"),
+    ("LOST", "lost_events"),
+];
+
+/// Runs `outbox subscriptions ...`.
+pub async fn run(args: SubscriptionsArgs) -> Result<i32> {
+    let c = conn::connect(&args.common).await?;
+    let json = args.common.json;
+    match args.command {
+        SubscriptionsCommand::Ls => {
+            let rows =
+                json_rows(&c.client, "outbox.subscriptions", "SELECT * FROM outbox.subscriptions ORDER BY name", &[])
+                    .await?;
+            print_rows(json, &rows, COLUMNS, "no subscriptions");
+        }
+        SubscriptionsCommand::Create(a) => {
+            c.client
+                .execute(
+                    "SELECT outbox.create_subscription($1::text, $2::text[], $3::text, $4::int, $5::text::interval, \
+                     $6::text::interval, $7::text::interval, $8::text, $9::text::interval)",
+                    &[
+                        &a.name,
+                        &a.topics,
+                        &a.start,
+                        &a.max_attempts,
+                        &a.backoff_base,
+                        &a.backoff_max,
+                        &a.default_lease,
+                        &a.dead_letter_policy,
+                        &a.max_lag,
+                    ],
+                )
+                .await
+                .map_err(|e| sql_error(&format!("create_subscription('{}')", a.name), &e))?;
+            report(json, &a.name, "created", true);
+        }
+        SubscriptionsCommand::Drop { name, force, yes } => {
+            if !yes {
+                let q = format!("Drop subscription '{name}' with its position, retries and dead letters?");
+                if !confirm(&q, &name, &format!("drop subscription '{name}'"))? {
+                    bail!("not confirmed; nothing was dropped");
+                }
+            }
+            c.client
+                .execute("SELECT outbox.drop_subscription($1::text, $2::boolean)", &[&name, &force])
+                .await
+                .map_err(|e| sql_error(&format!("drop_subscription('{name}')"), &e))?;
+            report(json, &name, "dropped", true);
+        }
+        SubscriptionsCommand::Pause { name } => {
+            let changed: Option<bool> = c
+                .client
+                .query_one("SELECT outbox.pause_subscription($1::text)", &[&name])
+                .await
+                .map_err(|e| sql_error(&format!("pause_subscription('{name}')"), &e))?
+                .get(0);
+            report(json, &name, "paused", changed == Some(true));
+        }
+        SubscriptionsCommand::Resume { name } => {
+            let changed: Option<bool> = c
+                .client
+                .query_one("SELECT outbox.resume_subscription($1::text)", &[&name])
+                .await
+                .map_err(|e| sql_error(&format!("resume_subscription('{name}')"), &e))?
+                .get(0);
+            report(json, &name, "resumed", changed == Some(true));
+        }
+    }
+    Ok(0)
+}
+
+fn report(json: bool, name: &str, what: &str, changed: bool) {
+    if json {
+        print_json(&json!({"subscription": name, "result": what, "changed": changed}));
+    } else if changed {
+        println!("{what} subscription '{name}'");
+    } else {
+        println!("subscription '{name}' was already {what}");
+    }
+}

@@ -1,0 +1,319 @@
+"""The `outbox` operator commands against a real cluster with events in every state: output in
+table and JSON form (compared with SQL), exit codes, guardrails, and the one-line error contract."""
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from clilib import (
+    T_DEAD,
+    assert_one_line_error,
+    clean_env,
+    connect,
+    dsn,
+    outbox_bin,
+    run,
+    sql,
+    sql1,
+)
+
+
+# ---- read-only commands -------------------------------------------------------------------------
+
+
+def test_stats_table_and_json(shared_db):
+    db, _ = shared_db
+    r = run(["stats", "--json"], db)
+    assert r.code == 0, r
+    rows = r.json()
+    want = {(s, t): (rd, d, dl, c) for s, t, rd, d, dl, c in sql(
+        db, "SELECT subscription, topic, ready, dead, delivered, cancelled FROM outbox.stats")}
+    got = {(x["subscription"], x["topic"]): (x["ready"], x["dead"], x["delivered"], x["cancelled"]) for x in rows}
+    assert got == want
+    r = run(["stats"], db)
+    assert r.code == 0 and "cli.dead" in r.out and "SUBSCRIPTION" in r.out and "ledger" in r.out, r
+    r = run(["stats", "--json", "--subscription", "ledger", "--topic", "cli.*"], db)
+    assert {x["subscription"] for x in r.json()} == {"ledger"}
+
+
+def test_health_exit_codes(shared_db, pg_cluster):
+    db, _ = shared_db
+    r = run(["health", "--json"], db)
+    doc = r.json()
+    statuses = {c["status"] for c in doc["checks"]}
+    want = 2 if "critical" in statuses else 1 if "warn" in statuses else 0
+    assert r.code == want == doc["exit_code"], r
+    assert len(doc["checks"]) == sql1(db, "SELECT count(*) FROM outbox.health()")
+    r = run(["health"], db)
+    assert r.code == want
+    assert r.out.startswith("OUTBOX ")
+    for (msg,) in sql(db, "SELECT message FROM outbox.health() WHERE check_name = 'dead_letters'"):
+        assert msg in r.out
+    # No connection: UNKNOWN, 3.
+    r = run(["health"], env={"OUTBOX_DSN": "host=127.0.0.1 port=1 user=postgres connect_timeout=2"})
+    assert r.code == 3
+    assert_one_line_error(r, "cannot connect")
+    # A healthy database: 0.
+    with connect("postgres") as c:
+        c.execute("DROP DATABASE IF EXISTS cli_healthy WITH (FORCE)")
+        c.execute("CREATE DATABASE cli_healthy")
+    with connect("cli_healthy") as c:
+        c.execute("CREATE EXTENSION outbox_ext")
+    r = run(["health", "--json"], "cli_healthy")
+    assert r.code == 0, r
+    assert r.json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("state", ["pending", "leased", "delivered", "dead", "cancelled"])
+def test_events_ls_by_state(shared_db, state):
+    db, ids = shared_db
+    r = run(["events", "ls", "--state", state, "--json"], db)
+    assert r.code == 0, r
+    assert sorted(x["id"] for x in r.json()) == sorted(ids[state])
+    assert all(x["state"] == state for x in r.json())
+    r = run(["events", "ls", "--state", state], db)
+    assert r.code == 0
+    for i in ids[state]:
+        assert f" {i} " in r.out
+
+
+def test_events_ls_filters(shared_db):
+    db, ids = shared_db
+    r = run(["events", "ls", "--json", "--topic", "cli.*", "--limit", "1000"], db)
+    assert len(r.json()) == sql1(db, "SELECT count(*) FROM outbox.events WHERE topic LIKE 'cli.%'")
+    r = run(["events", "ls", "--json", "--subject", "cli.dead:1"], db)
+    assert [x["id"] for x in r.json()] == [ids["dead"][1]]
+    r = run(["events", "ls", "--json", "--limit", "2"], db)
+    assert len(r.json()) == 2
+    r = run(["events", "ls", "--json", "--since", "1h"], db)
+    assert len(r.json()) == 15
+    r = run(["events", "ls", "--json", "--since", "2999-01-01"], db)
+    assert r.json() == []
+    r = run(["events", "ls", "--json", "--state", "dead", "--subscription", "ledger"], db)
+    assert [x["id"] for x in r.json()] == ids["ledger_dead"]
+    r = run(["events", "ls", "--since", "yesterday-ish"], db)
+    assert_one_line_error(r, "--since")
+
+
+def test_events_show(shared_db):
+    db, ids = shared_db
+    dead = ids["dead"][0]
+    r = run(["events", "show", dead, "--json"], db)
+    assert r.code == 0, r
+    ev = r.json()
+    assert ev["state"] == "dead" and ev["attempts"] == 3
+    assert ev["payload"] == {"n": 0, "topic": T_DEAD}
+    assert "traceparent" in ev["headers"]
+    assert [e["error"] for e in ev["errors"]] == ["timeout 1", "timeout 2", "HTTP 400 bad request"]
+    assert {d["subscription"] for d in ev["deliveries"]} == {"default", "ledger"}
+    r = run(["events", "show", dead], db)
+    assert r.code == 0
+    for needle in ("timeout 1", "timeout 2", "HTTP 400 bad request", "traceparent", '"topic": "cli.dead"', "ledger"):
+        assert needle in r.out, needle
+    r = run(["events", "show", ids["ledger_dead"][0], "--subscription", "ledger", "--json"], db)
+    assert r.json()["state"] == "dead" and r.json()["errors"][0]["error"] == "ledger said no"
+
+
+def test_subscriptions_and_topics_ls(shared_db):
+    db, _ = shared_db
+    r = run(["subscriptions", "ls", "--json"], db)
+    got = {x["name"]: (x["lag_events"], x["dead_letters"]) for x in r.json()}
+    assert got == {n: (l, d) for n, l, d in sql(db, "SELECT name, lag_events, dead_letters FROM outbox.subscriptions")}
+    r = run(["subscriptions", "ls"], db)
+    assert r.code == 0 and "ledger" in r.out and "default" in r.out
+    r = run(["topics", "ls", "--json"], db)
+    t = {x["topic"]: x for x in r.json()}
+    assert t["cli.dead"]["registered"] is True and t["cli.dead"]["max_attempts"] == 3
+    assert t["cli.pending"]["registered"] is False and t["cli.pending"]["backlog"] == 3
+    r = run(["topics", "ls"], db)
+    assert "cli.dead" in r.out and "skip" in r.out
+
+
+def test_completions():
+    for shell in ("bash", "zsh", "fish"):
+        r = run(["completions", shell])
+        assert r.code == 0 and "replay" in r.out and "subscriptions" in r.out, r
+
+
+# ---- guardrails ---------------------------------------------------------------------------------
+
+
+def test_replay_refuses_pending_leased_delivered(fresh):
+    db, ids = fresh
+    before = sql(db, "SELECT id, state, attempts FROM outbox.events ORDER BY id")
+    for state in ("pending", "leased", "delivered"):
+        r = run(["replay", ids[state][0]], db)
+        assert_one_line_error(r, "refusing", state)
+        # One bad id among good ones: nothing is replayed.
+        r = run(["replay", ids["dead"][0], ids[state][0]], db)
+        assert_one_line_error(r, "nothing was changed")
+    assert sql(db, "SELECT id, state, attempts FROM outbox.events ORDER BY id") == before
+
+
+def test_replay_by_id(fresh):
+    db, ids = fresh
+    r = run(["replay", ids["dead"][0], ids["cancelled"][0], "--json"], db)
+    assert r.code == 0, r
+    assert sorted(r.json()["changed"]) == sorted([ids["dead"][0], ids["cancelled"][0]])
+    assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (ids["dead"][0],)) == "pending"
+    r = run(["replay", ids["ledger_dead"][0], "--subscription", "ledger"], db)
+    assert r.code == 0 and "replayed" in r.out, r
+    assert sql1(db, "SELECT state FROM outbox.deliveries WHERE subscription = 'ledger' AND event_id = %s",
+                (ids["ledger_dead"][0],)) == "pending"
+
+
+def test_bulk_replay_guardrails_and_dry_run(fresh):
+    db, ids = fresh
+    snapshot = "SELECT event_id, subscription, state, attempts FROM outbox.deliveries ORDER BY 1, 2"
+    before = sql(db, snapshot)
+    r = run(["replay", "--dead"], db)
+    assert_one_line_error(r, "--yes")
+    r = run(["replay", "--dead", "--dry-run"], db)
+    assert r.code == 0 and "3 dead events" in r.out, r
+    r = run(["replay", "--dead", "--dry-run", "--json", "--sample", "2"], db)
+    doc = r.json()
+    assert doc["matched"] == sql1(db, "SELECT outbox.replay_dead(dry_run => true)") == 3
+    assert len(doc["sample"]) == 2
+    r = run(["replay", "--dead", "--dry-run", "--json", "--topic", "nope.*"], db)
+    assert r.json()["matched"] == 0
+    assert sql(db, snapshot) == before
+    # A typed confirmation that does not match refuses too (stdin is not a terminal here anyway).
+    r = run(["replay", "--dead"], db, input="3\n")
+    assert_one_line_error(r, "--yes")
+    assert sql(db, snapshot) == before
+    r = run(["replay", "--dead", "--yes", "--json", "--batch-size", "2"], db)
+    assert r.code == 0, r
+    assert r.json()["replayed"] == 3
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 0
+    assert sql1(db, "SELECT count(*) FROM outbox.deliveries WHERE subscription = 'ledger' AND state = 'dead'") == 1
+    r = run(["replay", "--dead", "--yes", "--subscription", "ledger"], db)
+    assert r.code == 0 and "replayed 1" in r.out, r
+    assert sql1(db, "SELECT count(*) FROM outbox.deliveries WHERE state = 'dead'") == 0
+
+
+def test_cancel(fresh):
+    db, ids = fresh
+    r = run(["cancel", ids["leased"][0]], db)
+    assert_one_line_error(r, "leased")
+    r = run(["cancel", ids["pending"][0], ids["dead"][0], "--json"], db)
+    assert r.code == 0, r
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE id = ANY(%s) AND state = 'cancelled'",
+                ([ids["pending"][0], ids["dead"][0]],)) == 2
+    r = run(["cancel", ids["pending"][1], "--subscription", "ledger"], db)
+    assert r.code == 0, r
+    assert sql1(db, "SELECT state FROM outbox.deliveries WHERE subscription = 'ledger' AND event_id = %s",
+                (ids["pending"][1],)) == "cancelled"
+
+
+def test_subscription_and_topic_admin(fresh):
+    db, _ = fresh
+    assert run(["subscriptions", "create", "mailer", "--topics", "cli.*,orders.*", "--max-attempts", "5"], db).code == 0
+    assert sql1(db, "SELECT topics FROM outbox.subscriptions WHERE name = 'mailer'") == ["cli.*", "orders.*"]
+    r = run(["subscriptions", "pause", "mailer", "--json"], db)
+    assert r.json()["changed"] is True
+    assert sql1(db, "SELECT paused FROM outbox.subscriptions WHERE name = 'mailer'") is True
+    r = run(["subscriptions", "pause", "mailer"], db)
+    assert r.code == 0 and "already" in r.out
+    assert run(["subscriptions", "resume", "mailer"], db).code == 0
+    assert sql1(db, "SELECT paused FROM outbox.subscriptions WHERE name = 'mailer'") is False
+    assert_one_line_error(run(["subscriptions", "drop", "mailer"], db), "--yes")
+    assert run(["subscriptions", "drop", "mailer", "--yes"], db).code == 0
+    assert sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name = 'mailer'") == 0
+    assert_one_line_error(run(["subscriptions", "pause", "nosuch"], db), "nosuch")
+    assert run(["topics", "create", "orders.created", "--max-attempts", "7", "--backoff-base", "2s"], db).code == 0
+    assert sql(db, "SELECT max_attempts, backoff_base::text FROM outbox.topics WHERE topic = 'orders.created'") == [(7, "00:00:02")]
+    assert run(["topics", "alter", "orders.created", "--dead-letter-policy", "skip"], db).code == 0
+    assert sql(db, "SELECT max_attempts, dead_letter_policy FROM outbox.topics WHERE topic = 'orders.created'") == [(7, "skip")]
+    assert_one_line_error(run(["topics", "create", "orders.created"], db), "exists")
+    assert_one_line_error(run(["topics", "create", "Bad Topic!"], db))
+    assert run(["topics", "drop", "orders.created"], db).code == 0
+    assert_one_line_error(run(["topics", "drop", "orders.created"], db), "not registered")
+
+
+def test_purge(fresh):
+    db, _ = fresh
+    r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
+    assert r.json()["eligible"] == 6  # 3 delivered + 3 cancelled of default
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 6
+    r = run(["purge", "--older-than", "0", "--json"], db)
+    assert r.code == 0, r
+    assert r.json()["removed"] >= 6
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 0
+    r = run(["purge", "--dead", "--older-than", "0"], db)
+    assert r.code == 0 and "removed" in r.out, r
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 0
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('pending', 'leased')") == 6
+
+
+def test_tail(fresh):
+    db, _ = fresh
+    env = clean_env({"OUTBOX_DSN": dsn(db)})
+    p = subprocess.Popen([outbox_bin(), "tail", "--json", "--topic", "tail.*"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        with connect(db) as c:
+            c.execute("SELECT outbox.publish('other.x', '{}')")
+            for i in range(3):
+                c.execute("SELECT outbox.publish('tail.x', %s::jsonb)", (f'{{"i": {i}}}',))
+        lines = [p.stdout.readline() for _ in range(3)]
+        import json as _json
+        got = [_json.loads(x) for x in lines]
+        assert [g["payload"]["i"] for g in got] == [0, 1, 2]
+        assert all(g["topic"] == "tail.x" for g in got)
+        p.send_signal(signal.SIGINT)
+        assert p.wait(timeout=10) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "panicked" not in p.stderr.read()
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_errors_one_line(shared_db, pg_cluster):
+    db, ids = shared_db
+    assert_one_line_error(run(["stats"], env={"OUTBOX_DSN": "host=127.0.0.1 port=1 user=postgres connect_timeout=2"}),
+                          "cannot connect")
+    assert_one_line_error(run(["stats"], env={"OUTBOX_DSN": "host='unterminated"}), "connection string")
+    assert_one_line_error(run(["stats"], env={"OUTBOX_DSN": dsn("nosuchdb")}), "nosuchdb")
+    with connect("postgres") as c:
+        c.execute("DROP DATABASE IF EXISTS cli_noext WITH (FORCE)")
+        c.execute("CREATE DATABASE cli_noext")
+    for args in (["stats"], ["events", "ls"], ["replay", "1"]):
+        assert_one_line_error(run(args, "cli_noext"), "not installed")
+    assert_one_line_error(run(["events", "show", "999999"], db), "999999")
+    assert_one_line_error(run(["replay", "999999"], db), "999999")
+    assert_one_line_error(run(["cancel", "999999"], db), "999999")
+    assert_one_line_error(run(["events", "ls", "--subscription", "nosuch"], db), "nosuch")
+
+
+def test_libpq_environment(shared_db):
+    db, _ = shared_db
+    r = run(["stats", "--json"], env={"PGHOST": "127.0.0.1", "PGPORT": str(__import__("clilib").PG_PORT),
+                                      "PGUSER": "postgres", "PGDATABASE": db})
+    assert r.code == 0, r
+    assert len(r.json()) == sql1(db, "SELECT count(*) FROM outbox.stats")
+
+
+@pytest.mark.parametrize("role", ["worker_only", "no_role"])
+def test_no_privilege(shared_db, role):
+    db, ids = shared_db
+    with connect(db) as c:
+        c.execute(f"DROP ROLE IF EXISTS {role}")
+        c.execute(f"CREATE ROLE {role} LOGIN")
+        if role == "worker_only":
+            c.execute(f"GRANT outbox_worker TO {role}")
+    for args in (["stats"], ["events", "ls"], ["events", "show", ids["dead"][0]], ["replay", ids["dead"][0]],
+                 ["cancel", ids["pending"][0]], ["subscriptions", "ls"], ["topics", "ls"],
+                 ["replay", "--dead", "--dry-run"], ["purge", "--dry-run"]):
+        r = run(args, db, user=role)
+        assert_one_line_error(r, "permission denied", "outbox_admin")
+    r = run(["health"], db, user=role)
+    assert r.code == 3
+    assert_one_line_error(r, "permission denied")
+    assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (ids["dead"][0],)) == "dead"
