@@ -137,14 +137,20 @@ pub struct RelayArgs {
 /// Parses `30s`, `500ms`, `2m`, `1h 30m` or plain seconds.
 pub fn parse_duration(s: &str) -> std::result::Result<Duration, String> {
     let s = s.trim();
-    if let Ok(secs) = s.parse::<f64>() {
-        if (0.0..1e9).contains(&secs) {
-            return Ok(Duration::from_secs_f64(secs));
-        }
-        return Err(format!("bad duration '{s}'"));
+    let d = match s.parse::<f64>() {
+        Ok(secs) if (0.0..=MAX_DURATION.as_secs_f64()).contains(&secs) => Duration::from_secs_f64(secs),
+        Ok(_) => return Err(format!("bad duration '{s}': must be between 0 and {} s", MAX_DURATION.as_secs())),
+        Err(_) => humantime::parse_duration(s).map_err(|e| format!("bad duration '{s}': {e}"))?,
+    };
+    if d > MAX_DURATION {
+        return Err(format!("bad duration '{s}': must be at most {} s (a year)", MAX_DURATION.as_secs()));
     }
-    humantime::parse_duration(s).map_err(|e| format!("bad duration '{s}': {e}"))
+    Ok(d)
 }
+
+/// The longest duration any setting accepts (a year): sums of settings and
+/// deadlines computed from them cannot overflow.
+pub const MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 
 fn de_duration<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Option<Duration>, D::Error> {
     #[derive(Deserialize)]

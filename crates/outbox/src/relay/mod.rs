@@ -257,8 +257,15 @@ pub async fn run(args: RelayArgs) -> Result<()> {
         tasks.push(tokio::spawn(watch_subscription(lane.clone(), shutdown.clone())));
         tasks.push(tokio::spawn(run_lane(lane, shutdown.clone())));
     }
+    // A task that panicked skipped its graceful stop: the exit status says so.
+    let mut failed = 0;
     for t in tasks {
-        let _ = t.await;
+        if t.await.is_err() {
+            failed += 1;
+        }
+    }
+    if failed > 0 {
+        anyhow::bail!("{failed} relay task(s) stopped abnormally");
     }
     tracing::info!("outbox relay stopped");
     Ok(())

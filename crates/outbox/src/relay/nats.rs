@@ -233,7 +233,7 @@ impl NatsSink {
     fn headers(&self, ev: &Event) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in &ev.headers {
-            if valid_header_name(k) && !v.contains(['\r', '\n']) && !k.eq_ignore_ascii_case("nats-msg-id") {
+            if valid_header_name(k) && !v.contains(['\r', '\n']) && !reserved_header(k) {
                 h.insert(k.as_str(), v.as_str());
             }
         }
@@ -316,9 +316,28 @@ fn valid_header_name(k: &str) -> bool {
     !k.is_empty() && k.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
+/// Header names an event's own headers may not set (compared without case):
+/// JetStream's control headers (`Nats-Expected-Stream`, `Nats-Rollup`,
+/// `Nats-Msg-Id`, ...: a publisher must not steer the stream) and the
+/// relay's `Outbox-*` headers, which describe the event and always win.
+fn reserved_header(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    lower.starts_with("nats-") || lower.starts_with("outbox-")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn events_cannot_set_control_or_relay_headers() {
+        for name in ["Nats-Expected-Stream", "nats-rollup", "NATS-MSG-ID", "outbox-topic", "OUTBOX-EVENT-ID"] {
+            assert!(reserved_header(name), "{name}");
+        }
+        for name in ["traceparent", "tracestate", "x-tenant", "natsy"] {
+            assert!(!reserved_header(name), "{name}");
+        }
+    }
 
     #[test]
     fn prefix_coverage() {
