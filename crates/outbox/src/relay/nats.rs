@@ -256,6 +256,16 @@ impl NatsSink {
         let subject = format!("{}.{}", self.cfg.prefix, ev.topic);
         let headers = self.headers(ev);
         let payload = Bytes::from(ev.payload.clone());
+        // The server closes the connection on a message over its max_payload
+        // (headers included), which would fail every publish in flight: such an
+        // event can never be delivered, so it is a dead letter at once.
+        let size = payload.len() + header_bytes(&headers);
+        let limit = self.client.server_info().max_payload;
+        if limit > 0 && size > limit {
+            return Outcome::Dead {
+                error: format!("message of {size} bytes (payload and headers) exceeds the NATS server's max_payload of {limit} bytes"),
+            };
+        }
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
@@ -316,6 +326,18 @@ fn valid_header_name(k: &str) -> bool {
     !k.is_empty() && k.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
+/// The size of `headers` on the wire: the `NATS/1.0` line, each `name: value`
+/// line, and the blank line that ends them.
+fn header_bytes(headers: &HeaderMap) -> usize {
+    let mut n = "NATS/1.0\r\n\r\n".len();
+    for (name, values) in headers.iter() {
+        for v in values {
+            n += name.to_string().len() + 2 + v.as_str().len() + 2;
+        }
+    }
+    n
+}
+
 /// Header names an event's own headers may not set (compared without case):
 /// JetStream's control headers (`Nats-Expected-Stream`, `Nats-Rollup`,
 /// `Nats-Msg-Id`, ...: a publisher must not steer the stream) and the
@@ -328,6 +350,15 @@ fn reserved_header(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn header_size_counts_every_line() {
+        let mut h = HeaderMap::new();
+        assert_eq!(header_bytes(&h), 12);
+        h.insert("a", "bc");
+        h.insert("Nats-Msg-Id", "x:1");
+        assert_eq!(header_bytes(&h), 12 + (1 + 2 + 2 + 2) + (11 + 2 + 3 + 2));
+    }
 
     #[test]
     fn events_cannot_set_control_or_relay_headers() {
