@@ -192,6 +192,10 @@ CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visibl
 -- check for subjects that must continue here.
 CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)
     WHERE subject IS NOT NULL AND (state IN ('pending', 'leased') OR (state = 'dead' AND blocks));
+-- A claim's test that no other row of the subject is leased now (0.11.0:
+-- src/sql/log.rs, EXC_CLAIM): one bounded probe per row it considers.
+CREATE INDEX log_exceptions_leased ON outbox.log_exceptions (subscription, lane, subject, visible_at)
+    WHERE state = 'leased' AND subject IS NOT NULL;
 -- ack, fail and extend_lease find a row by its token.
 CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE lease_token IS NOT NULL;
 

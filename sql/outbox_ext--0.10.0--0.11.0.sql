@@ -31,6 +31,10 @@ CREATE TABLE outbox.inbox (
 );
 CREATE INDEX inbox_received ON outbox.inbox (received_at);
 
+-- The subject test of a claim of rows of their own (sql/log.sql).
+CREATE INDEX log_exceptions_leased ON outbox.log_exceptions (subscription, lane, subject, visible_at)
+    WHERE state = 'leased' AND subject IS NOT NULL;
+
 -- Functions and procedures, new or changed
 
 CREATE OR REPLACE FUNCTION outbox.replay(id bigint, subscription text DEFAULT NULL) RETURNS boolean

@@ -25,3 +25,7 @@ CREATE TABLE outbox.inbox (
     PRIMARY KEY (consumer, message_id)
 );
 CREATE INDEX inbox_received ON outbox.inbox (received_at);
+
+-- The subject test of a claim of rows of their own (sql/log.sql).
+CREATE INDEX log_exceptions_leased ON outbox.log_exceptions (subscription, lane, subject, visible_at)
+    WHERE state = 'leased' AND subject IS NOT NULL;

@@ -384,6 +384,13 @@ macro_rules! exc_exhausted {
 /// last attempt goes dead instead ($10: the subscription's dead-letter
 /// policy). Columns 1-10 are claim's result; 11 is false for a row that went
 /// dead (not returned).
+///
+/// The subject test is two probes, each bounded by an index
+/// (`log_exceptions_open`; `log_exceptions_leased`, 0.11.0), not one probe
+/// with an OR: that one read every row of the subscription leased into the
+/// future for each blocked row it passed, and after a consumer's crash had
+/// parked thousands of rows a claim took seconds (found with the relay's
+/// SIGKILL test).
 pub const EXC_CLAIM: Stmt = Stmt {
     sql: concat!(
         "WITH cand AS ( \
@@ -391,11 +398,14 @@ pub const EXC_CLAIM: Stmt = Stmt {
              SELECT e.id, e.ctid AS row FROM outbox.log_exceptions e \
               WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
                 AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
-                AND (e.subject IS NULL OR NOT EXISTS ( \
+                AND (e.subject IS NULL OR (NOT EXISTS ( \
                      SELECT 1 FROM outbox.log_exceptions p \
-                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id <> e.id \
-                        AND ((p.id < e.id AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks))) \
-                          OR (p.state = 'leased' AND p.visible_at > $2)))) \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
+                        AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks))) \
+                 AND NOT EXISTS ( \
+                     SELECT 1 FROM outbox.log_exceptions p \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
+                        AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
             WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
