@@ -88,7 +88,8 @@ impl NatsSink {
             match opts.connect(addrs.as_slice()).await {
                 Ok(c) => break c,
                 Err(e) => {
-                    tracing::warn!("nats: cannot connect to {}: {e}; retrying in {delay:?}", cfg.urls.join(","));
+                    let urls: Vec<String> = cfg.urls.iter().map(|u| redact_url(u)).collect();
+                    tracing::warn!("nats: cannot connect to {}: {e}; retrying in {delay:?}", urls.join(","));
                     if shutdown.sleep(delay).await {
                         return Ok(None);
                     }
@@ -326,6 +327,19 @@ fn valid_header_name(k: &str) -> bool {
     !k.is_empty() && k.bytes().all(|b| b.is_ascii_graphic() && b != b':')
 }
 
+/// `url` with its user information (`user:password@`) replaced by `***@`, for logs.
+pub fn redact_url(url: &str) -> String {
+    let Some(scheme_end) = url.find("://").map(|i| i + 3) else {
+        return url.to_string();
+    };
+    let rest = &url[scheme_end..];
+    let host_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..host_end].rfind('@') {
+        Some(at) => format!("{}***{}", &url[..scheme_end], &rest[at..]),
+        None => url.to_string(),
+    }
+}
+
 /// The size of `headers` on the wire: the `NATS/1.0` line, each `name: value`
 /// line, and the blank line that ends them.
 fn header_bytes(headers: &HeaderMap) -> usize {
@@ -350,6 +364,14 @@ fn reserved_header(name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn credentials_are_not_logged() {
+        assert_eq!(redact_url("nats://alice:s3cret@127.0.0.1:4222"), "nats://***@127.0.0.1:4222");
+        assert_eq!(redact_url("tls://tok@h:1/x@y"), "tls://***@h:1/x@y");
+        assert_eq!(redact_url("nats://127.0.0.1:4222"), "nats://127.0.0.1:4222");
+        assert_eq!(redact_url("not a url"), "not a url");
+    }
 
     #[test]
     fn header_size_counts_every_line() {

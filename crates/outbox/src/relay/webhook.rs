@@ -128,11 +128,14 @@ impl WebhookEndpoint {
             .header("webhook-signature", signature)
             .header("outbox-topic", &ev.topic)
             .header("outbox-attempt", ev.attempt.to_string());
-        if let Some(s) = ev.subject.as_deref() {
+        // A value no HTTP header can carry (a control character such as a newline,
+        // which the outbox accepts in a subject or a header) is left out: the request
+        // could never be built, and retrying it would only burn attempts.
+        if let Some(s) = ev.subject.as_deref().filter(|s| header_value_ok(s)) {
             req = req.header("outbox-subject", s);
         }
         for (k, v) in &ev.headers {
-            if k == "traceparent" || k == "tracestate" {
+            if (k == "traceparent" || k == "tracestate") && header_value_ok(v) {
                 req = req.header(k.as_str(), v.as_str());
             }
         }
@@ -175,7 +178,7 @@ impl WebhookEndpoint {
         let sub = &self.cfg.subscription;
         tracing::error!(
             endpoint = %self.cfg.name,
-            url = %self.cfg.url,
+            url = %crate::relay::nats::redact_url(self.cfg.url.as_str()),
             "webhook endpoint answered 410 Gone: disabled; re-enable with SELECT outbox.resume_subscription('{sub}')"
         );
         let mut delay = Duration::from_millis(100);
@@ -207,9 +210,21 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
+/// Whether `v` can be an HTTP header value (no control character but tab).
+fn header_value_ok(v: &str) -> bool {
+    reqwest::header::HeaderValue::from_str(v).is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn values_with_control_characters_are_not_headers() {
+        assert!(header_value_ok("invoice:7"));
+        assert!(!header_value_ok("line\nbreak"));
+        assert!(!header_value_ok("a\rb"));
+    }
 
     #[test]
     fn signature_matches_the_standard_webhooks_example() {
