@@ -130,7 +130,6 @@ DECLARE
     upto  bigint;
     cur   record;
     moved bigint;
-    native bigint;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
         RETURN NULL;  -- the common case: no lock taken
@@ -146,7 +145,16 @@ BEGIN
     -- Readers wait for the rebase, and it for them: lanes and batches change.
     LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
 
-    -- 1. In the dump's ids: what each subscription has not finished.
+    -- The lanes' new cursor, taken first: the events it sees get rows of
+    -- their own below, and the lanes read everything it does not see.
+    cur := outbox._log_cursor();
+    -- Rows of their own for what each subscription has not finished: the
+    -- restored events, decided in the dump's own ids (before their txids are
+    -- rewritten below) as outbox._log_deliveries shows them; and the events
+    -- published here since the restore that committed before the cursor,
+    -- which the dump's cursors cannot place and the new one counts as read,
+    -- for every subscription of their topic. Those not committed yet are read
+    -- by the lanes.
     INSERT INTO outbox.log_exceptions AS x
            (subscription, id, lane, topic, subject, dispatch_key, payload, headers,
             max_attempts, published_at, state, attempts, visible_at)
@@ -157,23 +165,8 @@ BEGIN
      WHERE d.event_id <= upto
        AND d.state IN ('pending', 'leased')
        AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions e
-                        WHERE e.subscription = d.subscription AND e.id = d.event_id);
-    GET DIAGNOSTICS moved = ROW_COUNT;
-
-    -- 2. Into this cluster's ids.
-    FOR n IN 0..3 LOOP
-        EXECUTE pg_catalog.format('UPDATE outbox.%I SET txid = ''2'' WHERE id <= $1 AND txid <> ''2''', 'log_' || n)
-          USING upto;
-    END LOOP;
-    cur := outbox._log_cursor();
-    -- Events published here since the restore and committed before this
-    -- cursor: the dump's cursors cannot place them and the lanes' new one
-    -- (the same cursor) counts them as read, so every subscription of their
-    -- topic gets them as rows of its own. Those not committed yet are read by
-    -- the lanes, whose cursor does not see them.
-    INSERT INTO outbox.log_exceptions AS x
-           (subscription, id, lane, topic, subject, dispatch_key, payload, headers,
-            max_attempts, published_at, state, attempts, visible_at)
+                        WHERE e.subscription = d.subscription AND e.id = d.event_id)
+    UNION ALL
     SELECT c.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
            l.max_attempts, l.published_at, 'pending', 0, GREATEST(now(), l.deliver_at)
       FROM outbox.subscription_catalog c
@@ -182,7 +175,13 @@ BEGIN
            OR EXISTS (SELECT 1 FROM pg_catalog.unnest(c.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
      WHERE c.storage = 'log' AND l.id > upto AND pg_catalog.pg_visible_in_snapshot(l.txid, cur.snap)
     ON CONFLICT DO NOTHING;
-    GET DIAGNOSTICS native = ROW_COUNT;
+    GET DIAGNOSTICS moved = ROW_COUNT;
+
+    -- Into this cluster's ids.
+    FOR n IN 0..3 LOOP
+        EXECUTE pg_catalog.format('UPDATE outbox.%I SET txid = ''2'' WHERE id <= $1 AND txid <> ''2''', 'log_' || n)
+          USING upto;
+    END LOOP;
     DELETE FROM outbox.log_batches;
     INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn)
     SELECT c.name, g, cur.snap, cur.m, cur.xn
@@ -193,7 +192,7 @@ BEGIN
        SET lo_snap = cur.snap, lo_m = cur.m, lo_xn = cur.xn, hi_snap = NULL, hi_m = NULL, hi_xn = NULL,
            pos = NULL, batch = NULL, start_snap = NULL, skips = NULL;
     UPDATE outbox.log_state SET sealed_snap = cur.snap WHERE sealed_snap IS NOT NULL;
-    RETURN moved + native;
+    RETURN moved;
 END
 $$;
 
