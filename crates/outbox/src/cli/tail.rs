@@ -63,7 +63,12 @@ pub async fn run(args: TailArgs) -> Result<i32> {
     let mut floor = start;
     let mut seen: BTreeSet<i64> = BTreeSet::new();
     let mut printed = 0u64;
-    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // Both streams are made once, before the first query: a signal that arrives while a query
+    // runs is then queued for the next select instead of being lost (a fresh `ctrl_c()` future per
+    // loop only sees signals sent after it is polled).
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sigint = signal(SignalKind::interrupt())?;
     if !args.common.json {
         eprintln!("tailing events after id {start} (Ctrl-C to stop)");
     }
@@ -93,7 +98,7 @@ pub async fn run(args: TailArgs) -> Result<i32> {
             continue;
         }
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => return Ok(0),
+            _ = sigint.recv() => return Ok(0),
             _ = sigterm.recv() => return Ok(0),
             _ = c.notifications.recv() => {}
             _ = tokio::time::sleep(args.poll) => {}
