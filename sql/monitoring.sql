@@ -278,3 +278,138 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
 'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+
+-- Subjects that cannot progress now (0.11.0, the dashboard's Subjects page and
+-- `outbox`): per subscription, a subject's earliest unfinished event (pending,
+-- leased, or dead under the 'block' policy) holds back every later event of
+-- the subject (the claim contract: per-subject commit order). It is listed when
+-- that event cannot be claimed now and at least one event waits behind it:
+--   leased    a lease that has not expired (until = its expiry);
+--   retrying  failed, waiting for its backoff (until = its next attempt);
+--   delayed   published with deliver_at in the future (until = then);
+--   dead      a dead letter under the 'block' dead-letter policy (until NULL:
+--             until someone replays or cancels it).
+-- A head that is claimable now (ready, or its lease expired) is not blocked:
+-- the next claim takes it. The queue's 'default' reads outbox.event_queue; a
+-- subscription of the log reads its deliveries (outbox._log_deliveries), so
+-- the whole retained log.
+CREATE FUNCTION outbox.blocked_subjects(only_subscription text DEFAULT NULL, max_rows integer DEFAULT 100)
+RETURNS TABLE (subscription text, subject text, event_id bigint, topic text, state text, reason text,
+               attempts integer, last_error text, until timestamptz, waiting bigint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    only_sub text;
+BEGIN
+    IF max_rows IS NULL OR max_rows < 1 OR max_rows > 100000 THEN
+        RAISE EXCEPTION 'outbox: blocked_subjects() max_rows must be between 1 and 100000, got %', max_rows
+            USING ERRCODE = '22023';
+    END IF;
+    IF only_subscription IS NOT NULL THEN
+        only_sub := outbox._subscription(only_subscription);
+    END IF;
+    RETURN QUERY
+    WITH unfinished AS (
+        SELECT c.name AS sub, q.subject AS subj, q.id, q.topic AS top, q.state AS st, q.attempts AS att,
+               q.last_error AS err, q.visible_at AS vis
+          FROM outbox.subscription_catalog c
+          JOIN outbox.event_queue q ON q.subject IS NOT NULL AND (q.state <> 'dead' OR q.blocks_subject)
+         WHERE c.storage = 'queue' AND (only_sub IS NULL OR c.name = only_sub)
+        UNION ALL
+        SELECT d.subscription, d.subject, d.event_id, d.topic, d.state, d.attempts, d.last_error,
+               CASE d.state WHEN 'leased' THEN d.lease_expires_at WHEN 'pending' THEN d.available_at END
+          FROM outbox._log_deliveries d
+         WHERE d.subject IS NOT NULL AND (only_sub IS NULL OR d.subscription = only_sub)
+           AND (d.state IN ('pending', 'leased')
+                OR (d.state = 'dead' AND EXISTS (SELECT 1 FROM outbox.log_exceptions x
+                                                  WHERE x.subscription = d.subscription AND x.id = d.event_id AND x.blocks)))
+    ), ranked AS (
+        SELECT u.*, pg_catalog.row_number() OVER w AS rn, pg_catalog.count(*) OVER w - 1 AS behind
+          FROM unfinished u
+        WINDOW w AS (PARTITION BY u.sub, u.subj ORDER BY u.id ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
+    )
+    SELECT r.sub, r.subj, r.id, r.top, r.st,
+           CASE WHEN r.st = 'dead' THEN 'dead'
+                WHEN r.st = 'leased' THEN 'leased'
+                WHEN r.att > 0 THEN 'retrying'
+                ELSE 'delayed' END,
+           r.att, r.err,
+           CASE WHEN r.st = 'dead' THEN NULL ELSE r.vis END,
+           r.behind
+      FROM ranked r
+     WHERE r.rn = 1 AND r.behind > 0
+       AND (r.st = 'dead' OR r.vis > pg_catalog.now())
+     ORDER BY r.behind DESC, r.sub, r.subj
+     LIMIT max_rows;
+END
+$$;
+
+-- Deliveries per minute (0.11.0: the dashboard's sparklines and `outbox`):
+-- the queue's 'default' counts its archive's delivered rows by finished_at; a
+-- subscription of the log counts the events acked from its finished batches
+-- by the batch's finish time (batch precision, outbox._log_delivered) and its
+-- rows of their own by their delivered_at. Minutes with no delivery are rows
+-- of 0, so a chart needs no gap filling; a (subscription, topic) with no
+-- delivery in the window has no rows. The log's batches keep event ids, not
+-- topics: an event the log no longer holds (retention) is not counted.
+CREATE FUNCTION outbox.delivered_per_minute(minutes integer DEFAULT 60, only_subscription text DEFAULT NULL)
+RETURNS TABLE (subscription text, topic text, minute timestamptz, delivered bigint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    only_sub text;
+    first_minute timestamptz;
+BEGIN
+    IF minutes IS NULL OR minutes < 1 OR minutes > 1440 THEN
+        RAISE EXCEPTION 'outbox: delivered_per_minute() minutes must be between 1 and 1440, got %', minutes
+            USING ERRCODE = '22023';
+    END IF;
+    IF only_subscription IS NOT NULL THEN
+        only_sub := outbox._subscription(only_subscription);
+    END IF;
+    first_minute := pg_catalog.date_trunc('minute', pg_catalog.now()) - (minutes - 1) * interval '1 minute';
+    RETURN QUERY
+    WITH d AS (
+        SELECT c.name AS sub, a.topic AS top, a.finished_at AS at
+          FROM outbox.subscription_catalog c
+          JOIN outbox.event_archive a ON a.state = 'delivered' AND a.finished_at >= first_minute
+         WHERE c.storage = 'queue' AND (only_sub IS NULL OR c.name = only_sub)
+        UNION ALL
+        SELECT c.name, l.topic, f.delivered_at
+          FROM outbox.subscription_catalog c
+         CROSS JOIN LATERAL outbox._log_delivered(c.name, first_minute) f
+          JOIN outbox.log l ON l.id = f.id
+         WHERE c.storage = 'log' AND (only_sub IS NULL OR c.name = only_sub)
+        UNION ALL
+        SELECT x.subscription, x.topic, x.delivered_at
+          FROM outbox.log_exceptions x
+         WHERE x.state = 'delivered' AND x.delivered_at >= first_minute
+           AND (only_sub IS NULL OR x.subscription = only_sub)
+    ), counted AS (
+        SELECT d.sub, d.top, pg_catalog.date_trunc('minute', d.at) AS m, pg_catalog.count(*) AS n
+          FROM d GROUP BY 1, 2, 3
+    )
+    SELECT k.sub, k.top, g.m, COALESCE(n.n, 0)
+      FROM (SELECT DISTINCT c.sub, c.top FROM counted c) k
+     CROSS JOIN pg_catalog.generate_series(first_minute, pg_catalog.date_trunc('minute', pg_catalog.now()), interval '1 minute') AS g(m)
+      LEFT JOIN counted n ON n.sub = k.sub AND n.top = k.top AND n.m = g.m
+     ORDER BY 1, 2, 3;
+END
+$$;
+
+COMMENT ON FUNCTION outbox.blocked_subjects(text, integer) IS
+'Subjects that cannot progress now, and why (0.11.0). Arguments: only_subscription (text; NULL = every subscription), max_rows (integer, 1 to 100000, default 100). '
+'One row per subscription and subject whose earliest unfinished event cannot be claimed now while later events of the subject wait behind it (per-subject commit order): '
+'subscription, subject, event_id and topic (the holding event), state (its delivery state: leased, pending or dead), reason (leased: a lease not yet expired; retrying: failed and waiting for its backoff; '
+'delayed: deliver_at in the future; dead: a dead letter under the ''block'' dead-letter policy, which holds the subject until it is replayed or cancelled), attempts, last_error, '
+'until (timestamptz: when the lease expires or the event becomes claimable; NULL for dead), waiting (bigint: events of the subject queued behind it). Most waiting first. '
+'A head that is claimable now is not listed. Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
+'Errors: 22023 max_rows out of range or a malformed subscription name; 42704 unknown subscription.';
+
+COMMENT ON FUNCTION outbox.delivered_per_minute(integer, text) IS
+'Deliveries per minute over the last minutes (0.11.0), for charts. Arguments: minutes (integer, 1 to 1440, default 60: the current minute and the minutes - 1 before it), only_subscription (text; NULL = every subscription). '
+'Rows: subscription, topic, minute (timestamptz, the minute''s start), delivered (bigint), ordered by subscription, topic, minute; every minute of the window has a row (0 when none) for each subscription and topic '
+'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch at the batch''s finish (batch precision) and '
+'its rows of their own at their delivered_at; an event the log no longer holds is not counted. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';

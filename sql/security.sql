@@ -2,7 +2,9 @@
 -- cluster-wide, so DROP EXTENSION leaves them):
 --   outbox_publisher  publish and publish_batch, nothing else;
 --   outbox_worker     claim, ack, fail, extend_lease (it reads events through claim);
---   outbox_admin      replay, cancel, purge, topic management, read everything.
+--   outbox_admin      replay, cancel, purge, topic management, read everything;
+--   outbox_monitor    read-only (0.11.0): counts, states and errors through the
+--                     monitoring views and functions, never payloads or headers.
 -- Grant them to login roles: GRANT outbox_worker TO app_worker;
 --
 -- No role but the owner may write the tables: the API functions are SECURITY
@@ -20,6 +22,9 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_admin') THEN
         CREATE ROLE outbox_admin NOLOGIN;
     END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_catalog.pg_roles WHERE rolname = 'outbox_monitor') THEN
+        CREATE ROLE outbox_monitor NOLOGIN;
+    END IF;
 END
 $$;
 
@@ -28,7 +33,7 @@ REVOKE ALL ON ALL SEQUENCES IN SCHEMA outbox FROM PUBLIC;
 REVOKE EXECUTE ON ALL FUNCTIONS IN SCHEMA outbox FROM PUBLIC;
 REVOKE EXECUTE ON ALL PROCEDURES IN SCHEMA outbox FROM PUBLIC;
 
-GRANT USAGE ON SCHEMA outbox TO outbox_publisher, outbox_worker, outbox_admin;
+GRANT USAGE ON SCHEMA outbox TO outbox_publisher, outbox_worker, outbox_admin, outbox_monitor;
 
 ALTER FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) SECURITY DEFINER;
 ALTER FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) SECURITY DEFINER;
@@ -104,3 +109,22 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),
     outbox.run_maintenance() TO outbox_admin;
 GRANT SELECT ON ALL TABLES IN SCHEMA outbox TO outbox_admin;
+
+-- 0.11.0: the read-only role. A view reads its tables with its owner's
+-- privileges, but the functions it calls are checked against the caller
+-- (CREATE VIEW, "Notes"), so the monitor gets EXECUTE on the read-only helpers
+-- the views call: each is SECURITY DEFINER or reads nothing, and none returns
+-- a payload or headers. outbox.events is granted column by column: selecting
+-- payload or headers fails with 42501 for the monitor.
+ALTER FUNCTION outbox.blocked_subjects(text, integer) SECURITY DEFINER;
+ALTER FUNCTION outbox.delivered_per_minute(integer, text) SECURITY DEFINER;
+GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.delivered_per_minute(integer, text)
+    TO outbox_admin, outbox_monitor;
+GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
+    outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz),
+    outbox._topic_matches(text, text)
+    TO outbox_monitor;
+GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
+GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,
+              last_error, errors, published_at, delivered_at, dead_at, cancelled_at)
+    ON outbox.events TO outbox_monitor;

@@ -41,6 +41,6 @@ def ensure_login_role(admin_dsn, role, member_of=()):
         exists = c.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone()
         if not exists:
             c.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        for grp in ("outbox_publisher", "outbox_worker", "outbox_admin"):
+        for grp in ("outbox_publisher", "outbox_worker", "outbox_admin", "outbox_monitor"):
             stmt = "GRANT {} TO {}" if grp in member_of else "REVOKE {} FROM {}"
             c.execute(sql.SQL(stmt).format(sql.Identifier(grp), sql.Identifier(role)))

@@ -18,7 +18,7 @@ from psycopg import sql
 from conftest import connect
 from scratch_db import create_db, drop_db, ensure_login_role, role_dsn
 
-OUTBOX_ROLES = ("outbox_publisher", "outbox_worker", "outbox_admin")
+OUTBOX_ROLES = ("outbox_publisher", "outbox_worker", "outbox_admin", "outbox_monitor")
 LOGIN_ROLES = {
     "pub_u": ("outbox_publisher",),
     "work_u": ("outbox_worker",),
@@ -78,6 +78,8 @@ def assert_grants(conn):
     assert can("outbox_admin", "outbox.replay(bigint, text)")
     assert not can("outbox_publisher", CLAIM_SIG)
     assert not can("outbox_worker", "outbox.replay(bigint, text)")
+    assert can("outbox_monitor", "outbox.blocked_subjects(text, integer)")
+    assert not can("outbox_monitor", "outbox.replay(bigint, text)")
 
 
 def test_roles_exist_and_are_nologin(plain_dsn):
