@@ -95,6 +95,14 @@ def test_events_ls_filters(shared_db):
     assert [x["id"] for x in r.json()] == ids["ledger_dead"]
     r = run(["events", "ls", "--since", "yesterday-ish"], db)
     assert_one_line_error(r, "--since")
+    # --until is exclusive and composes with --since: the newest event's time splits the list in two.
+    newest, at = sql(db, "SELECT id, published_at::text FROM outbox.events ORDER BY id DESC LIMIT 1")[0]
+    r = run(["events", "ls", "--json", "--limit", "1000", "--until", at], db)
+    want = sql1(db, "SELECT count(*) FROM outbox.events WHERE published_at < %s::timestamptz", (at,))
+    assert len(r.json()) == want and newest not in [x["id"] for x in r.json()]
+    r = run(["events", "ls", "--json", "--limit", "1000", "--since", at, "--until", "2999-01-01"], db)
+    assert newest in [x["id"] for x in r.json()]
+    assert_one_line_error(run(["events", "ls", "--until", "whenever"], db), "--until")
 
 
 def test_events_show(shared_db):
@@ -218,6 +226,14 @@ def test_subscription_and_topic_admin(fresh):
     assert r.code == 0 and "already" in r.out
     assert run(["subscriptions", "resume", "mailer"], db).code == 0
     assert sql1(db, "SELECT paused FROM outbox.subscriptions WHERE name = 'mailer'") is False
+    r = run(["subscriptions", "alter", "mailer", "--max-attempts", "9", "--backoff-base", "3s", "--json"], db)
+    assert r.code == 0 and r.json()["result"] == "altered", r
+    assert sql(db, "SELECT max_attempts, backoff_base::text, backoff_max FROM outbox.subscriptions WHERE name = 'mailer'") == [
+        (9, "00:00:03", None)]
+    assert_one_line_error(run(["subscriptions", "alter", "mailer"], db))  # no setting given
+    assert_one_line_error(run(["subscriptions", "alter", "mailer", "--backoff-base=-1 s"], db), "backoff")
+    assert_one_line_error(run(["subscriptions", "alter", "nosuch", "--max-attempts", "2"], db), "nosuch")
+    assert sql1(db, "SELECT max_attempts FROM outbox.subscriptions WHERE name = 'mailer'") == 9
     assert_one_line_error(run(["subscriptions", "drop", "mailer"], db), "--yes")
     assert run(["subscriptions", "drop", "mailer", "--yes"], db).code == 0
     assert sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name = 'mailer'") == 0
@@ -316,4 +332,21 @@ def test_no_privilege(shared_db, role):
     r = run(["health"], db, user=role)
     assert r.code == 3
     assert_one_line_error(r, "permission denied")
+    assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (ids["dead"][0],)) == "dead"
+
+
+def test_monitor_role_reads_without_payloads(shared_db):
+    """outbox_monitor (read-only, no payloads) is enough for stats, health and the lists; the
+    payload of `events show` and every action need outbox_admin."""
+    db, ids = shared_db
+    with connect(db) as c:
+        c.execute("DROP ROLE IF EXISTS monitor_only")
+        c.execute("CREATE ROLE monitor_only LOGIN IN ROLE outbox_monitor")
+    for args in (["stats", "--json"], ["events", "ls", "--json"], ["subscriptions", "ls", "--json"], ["topics", "ls", "--json"]):
+        r = run(args, db, user="monitor_only")
+        assert r.code == 0, (args, r)
+    assert len(run(["events", "ls", "--json", "--state", "dead", "--limit", "1000"], db, user="monitor_only").json()) == sql1(
+        db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'")
+    assert run(["health"], db, user="monitor_only").code in (0, 1, 2)
+    assert_one_line_error(run(["replay", ids["dead"][0]], db, user="monitor_only"), "permission denied")
     assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (ids["dead"][0],)) == "dead"

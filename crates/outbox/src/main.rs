@@ -61,8 +61,39 @@ fn init_logging(filter: &str, format: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Parses the command line; a usage error becomes one line on stderr and exit status 2 (clap's
+/// own report spans several lines: the message, the usage, a hint), help and version print as
+/// clap prints them.
+fn parse_args() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            let text = e.render().to_string();
+            let parts: Vec<&str> = text
+                .lines()
+                .take_while(|l| !l.starts_with("Usage:"))
+                .map(str::trim)
+                .filter(|l| !l.is_empty() && !l.starts_with("For more information"))
+                .collect();
+            let line = parts.join(" ");
+            let line = line.strip_prefix("error: ").unwrap_or(&line);
+            eprintln!("outbox: error: {line} (see --help)");
+            std::process::exit(2);
+        }
+    }
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = parse_args();
     if let Err(e) = init_logging(&cli.log, &cli.log_format) {
         eprintln!("outbox: error: {e}");
         std::process::exit(2);

@@ -48,6 +48,9 @@ struct LsArgs {
     /// Only events published at or after this time (a timestamp, or a duration ago: 30m, 2h).
     #[arg(long)]
     since: Option<String>,
+    /// Only events published before this time (a timestamp, or a duration ago: 30m, 2h).
+    #[arg(long)]
+    until: Option<String>,
     /// At most this many events.
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i64).range(1..=100_000))]
     limit: i64,
@@ -93,6 +96,7 @@ async fn ls(c: &Client, json: bool, a: LsArgs) -> Result<i32> {
         ensure_subscription(c, s).await?;
     }
     let since = time::resolve_opt(c, "--since", a.since.as_deref()).await?;
+    let until = time::resolve_opt(c, "--until", a.until.as_deref()).await?;
     let source = match a.subscription {
         None => "SELECT e.id, NULL::text AS subscription, e.topic, e.subject, e.dispatch_key, e.state, e.attempts, \
                  e.max_attempts, e.published_at, e.available_at, e.lease_expires_at, e.leased_by, e.delivered_at, \
@@ -108,14 +112,15 @@ async fn ls(c: &Client, json: bool, a: LsArgs) -> Result<i32> {
         "SELECT * FROM ({source}) s WHERE ($1::text IS NULL OR s.state = $1::text) AND {} \
          AND ($3::text IS NULL OR s.subject = $3::text) \
          AND ($4::text IS NULL OR s.published_at >= $4::text::timestamptz) \
-         AND ($6::bigint IS NULL OR s.id < $6::bigint) ORDER BY s.id DESC LIMIT $5::bigint",
+         AND ($6::bigint IS NULL OR s.id < $6::bigint) \
+         AND ($8::text IS NULL OR s.published_at < $8::text::timestamptz) ORDER BY s.id DESC LIMIT $5::bigint",
         topic_match_sql("s.topic", 2)
     );
     let mut rows = json_rows(
         c,
         "listing events",
         &sql,
-        &[&a.state, &a.topic, &a.subject, &since, &a.limit, &a.before, &a.subscription],
+        &[&a.state, &a.topic, &a.subject, &since, &a.limit, &a.before, &a.subscription, &until],
     )
     .await?;
     if a.subscription.is_none() {

@@ -26,6 +26,8 @@ enum SubscriptionsCommand {
     Ls,
     /// Create a subscription of the log.
     Create(CreateArgs),
+    /// Change a subscription's policy (flags left out stay as they are).
+    Alter(AlterArgs),
     /// Drop a subscription with its position, retries and dead letters.
     Drop {
         /// The subscription.
@@ -80,6 +82,31 @@ struct CreateArgs {
     max_lag: Option<String>,
 }
 
+/// Arguments of `outbox subscriptions alter`: `outbox.alter_subscription`, whose NULLs keep a
+/// setting, so at least one flag is required (an alter that changes nothing is a mistake).
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("setting").required(true).multiple(true)
+    .args(["max_attempts", "backoff_base", "backoff_max", "default_lease", "max_lag"])))]
+struct AlterArgs {
+    /// The subscription.
+    name: String,
+    /// Attempts before an event is dead-lettered.
+    #[arg(long)]
+    max_attempts: Option<i32>,
+    /// First retry delay (interval).
+    #[arg(long)]
+    backoff_base: Option<String>,
+    /// Longest retry delay (interval).
+    #[arg(long)]
+    backoff_max: Option<String>,
+    /// Lease of a claim that gives none (interval).
+    #[arg(long)]
+    default_lease: Option<String>,
+    /// Age past which unread events may be dropped by retention (interval; subscriptions of the log).
+    #[arg(long)]
+    max_lag: Option<String>,
+}
+
 const COLUMNS: &[Column<'static>] = &[
     ("NAME", "name"),
     ("STORAGE", "storage"),
@@ -125,6 +152,17 @@ pub async fn run(args: SubscriptionsArgs) -> Result<i32> {
                 .await
                 .map_err(|e| sql_error(&format!("create_subscription('{}')", a.name), &e))?;
             report(json, &a.name, "created", true);
+        }
+        SubscriptionsCommand::Alter(a) => {
+            c.client
+                .execute(
+                    "SELECT outbox.alter_subscription($1::text, $2::int, $3::text::interval, $4::text::interval, \
+                     $5::text::interval, $6::text::interval)",
+                    &[&a.name, &a.max_attempts, &a.backoff_base, &a.backoff_max, &a.default_lease, &a.max_lag],
+                )
+                .await
+                .map_err(|e| sql_error(&format!("alter_subscription('{}')", a.name), &e))?;
+            report(json, &a.name, "altered", true);
         }
         SubscriptionsCommand::Drop { name, force, yes } => {
             if !yes {
