@@ -350,3 +350,59 @@ def test_monitor_role_reads_without_payloads(shared_db):
     assert run(["health"], db, user="monitor_only").code in (0, 1, 2)
     assert_one_line_error(run(["replay", ids["dead"][0]], db, user="monitor_only"), "permission denied")
     assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (ids["dead"][0],)) == "dead"
+
+
+def _on_a_terminal(db, args, answer, timeout=30):
+    """Runs `outbox ARGS` with stdin and stderr on a pseudo-terminal, waits for the confirmation
+    prompt, types `answer`; returns (exit code, what the terminal showed, stdout)."""
+    import os
+    import pty
+    import select
+
+    master, slave = pty.openpty()
+    env = clean_env({"OUTBOX_DSN": dsn(db)})
+    p = subprocess.Popen([outbox_bin(), *[str(a) for a in args]], env=env, stdin=slave, stderr=slave,
+                         stdout=subprocess.PIPE, text=True)
+    os.close(slave)
+    shown, deadline, answered = b"", time.monotonic() + timeout, False
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                shown += chunk
+            if not answered and b"to confirm:" in shown:
+                os.write(master, answer.encode() + b"\n")
+                answered = True
+            if p.poll() is not None and not ready:
+                break
+        assert answered, f"no confirmation prompt: {shown!r}"
+        out = p.communicate(timeout=max(1, deadline - time.monotonic()))[0]
+        return p.returncode, shown.decode(errors="replace"), out
+    finally:
+        if p.poll() is None:
+            p.kill()
+        os.close(master)
+
+
+def test_bulk_replay_typed_confirmation_on_a_terminal(fresh):
+    """On a terminal, bulk replay asks for the count to be typed: a wrong answer replays nothing,
+    the right one replays them all."""
+    db, _ = fresh
+    snapshot = "SELECT event_id, subscription, state, attempts FROM outbox.deliveries ORDER BY 1, 2"
+    before = sql(db, snapshot)
+    n = sql1(db, "SELECT outbox.replay_dead(dry_run => true)")
+    assert n == 3
+    code, shown, _ = _on_a_terminal(db, ["replay", "--dead"], "2")
+    assert code != 0 and f"Type '{n}' to confirm" in shown and "not confirmed" in shown, shown
+    assert "panicked" not in shown
+    assert sql(db, snapshot) == before
+    code, shown, out = _on_a_terminal(db, ["replay", "--dead"], str(n))
+    assert code == 0, (shown, out)
+    assert f"replayed {n}" in out, out
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 0
