@@ -289,8 +289,12 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 --   delayed   published with deliver_at in the future (until = then);
 --   dead      a dead letter under the 'block' dead-letter policy (until NULL:
 --             until someone replays or cancels it).
--- A head that is claimable now (ready, or its lease expired) is not blocked:
--- the next claim takes it. The queue's 'default' reads outbox.event_queue; a
+-- An event of the subject out on a live lease holds it even when an earlier
+-- one was replayed behind it (the event out finishes first). A head that is
+-- claimable now (ready, or its lease expired) is not blocked: the next claim
+-- takes it, and if that was its last attempt the claim dead-letters it, after
+-- which it is listed as dead (so is an event whose attempts a lowered
+-- max_attempts used up: until its next claim it shows as retrying). The queue's 'default' reads outbox.event_queue; a
 -- subscription of the log reads its deliveries (outbox._log_deliveries), so
 -- the whole retained log.
 CREATE FUNCTION outbox.blocked_subjects(only_subscription text DEFAULT NULL, max_rows integer DEFAULT 100)
@@ -298,6 +302,9 @@ RETURNS TABLE (subscription text, subject text, event_id bigint, topic text, sta
                attempts integer, last_error text, until timestamptz, waiting bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
+-- The planner's row estimates for these set-returning reads are far too high, so JIT
+-- would compile for about a second to save milliseconds.
+SET jit = off
 AS $$
 DECLARE
     only_sub text;
@@ -325,9 +332,13 @@ BEGIN
                 OR (d.state = 'dead' AND EXISTS (SELECT 1 FROM outbox.log_exceptions x
                                                   WHERE x.subscription = d.subscription AND x.id = d.event_id AND x.blocks)))
     ), ranked AS (
+        -- The holder: an event of the subject out on a live lease (after a replay
+        -- it may be a later one: an event out finishes first), else the earliest.
         SELECT u.*, pg_catalog.row_number() OVER w AS rn, pg_catalog.count(*) OVER w - 1 AS behind
           FROM unfinished u
-        WINDOW w AS (PARTITION BY u.sub, u.subj ORDER BY u.id ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
+        WINDOW w AS (PARTITION BY u.sub, u.subj
+                     ORDER BY (u.st = 'leased' AND u.vis > pg_catalog.now()) DESC, u.id
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
     )
     SELECT r.sub, r.subj, r.id, r.top, r.st,
            CASE WHEN r.st = 'dead' THEN 'dead'
@@ -353,10 +364,16 @@ $$;
 -- of 0, so a chart needs no gap filling; a (subscription, topic) with no
 -- delivery in the window has no rows. The log's batches keep event ids, not
 -- topics: an event the log no longer holds (retention) is not counted.
+-- An event acked from a batch of the log counts when its whole batch has
+-- finished (every event acked, failed or its lease expired), so a batch with a
+-- long lease still out shows its acks late, all in one minute. Deliveries that
+-- left no record are not counted: the queue's acks under
+-- outbox.keep_delivered = off, and whatever retention or purge removed.
 CREATE FUNCTION outbox.delivered_per_minute(minutes integer DEFAULT 60, only_subscription text DEFAULT NULL)
 RETURNS TABLE (subscription text, topic text, minute timestamptz, delivered bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
+SET jit = off
 AS $$
 DECLARE
     only_sub text;
@@ -405,11 +422,12 @@ COMMENT ON FUNCTION outbox.blocked_subjects(text, integer) IS
 'subscription, subject, event_id and topic (the holding event), state (its delivery state: leased, pending or dead), reason (leased: a lease not yet expired; retrying: failed and waiting for its backoff; '
 'delayed: deliver_at in the future; dead: a dead letter under the ''block'' dead-letter policy, which holds the subject until it is replayed or cancelled), attempts, last_error, '
 'until (timestamptz: when the lease expires or the event becomes claimable; NULL for dead), waiting (bigint: events of the subject queued behind it). Most waiting first. '
-'A head that is claimable now is not listed. Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
+'An event out on a live lease holds its subject even when an earlier one was replayed behind it. A head that is claimable now is not listed (one whose lease expired on its last attempt appears as dead once the next claim dead-letters it). Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
 'Errors: 22023 max_rows out of range or a malformed subscription name; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox.delivered_per_minute(integer, text) IS
 'Deliveries per minute over the last minutes (0.11.0), for charts. Arguments: minutes (integer, 1 to 1440, default 60: the current minute and the minutes - 1 before it), only_subscription (text; NULL = every subscription). '
 'Rows: subscription, topic, minute (timestamptz, the minute''s start), delivered (bigint), ordered by subscription, topic, minute; every minute of the window has a row (0 when none) for each subscription and topic '
-'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch at the batch''s finish (batch precision) and '
-'its rows of their own at their delivered_at; an event the log no longer holds is not counted. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';
+'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch when the whole batch has finished '
+'(batch precision: a batch with a lease still out shows its acks late, together) and its rows of their own at their delivered_at. Not counted: events the log no longer holds, the queue''s acks under '
+'outbox.keep_delivered = off, and what retention or purge removed. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';

@@ -989,6 +989,9 @@ RETURNS TABLE (subscription text, subject text, event_id bigint, topic text, sta
                attempts integer, last_error text, until timestamptz, waiting bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
+-- The planner's row estimates for these set-returning reads are far too high, so JIT
+-- would compile for about a second to save milliseconds.
+SET jit = off
 AS $$
 DECLARE
     only_sub text;
@@ -1016,9 +1019,13 @@ BEGIN
                 OR (d.state = 'dead' AND EXISTS (SELECT 1 FROM outbox.log_exceptions x
                                                   WHERE x.subscription = d.subscription AND x.id = d.event_id AND x.blocks)))
     ), ranked AS (
+        -- The holder: an event of the subject out on a live lease (after a replay
+        -- it may be a later one: an event out finishes first), else the earliest.
         SELECT u.*, pg_catalog.row_number() OVER w AS rn, pg_catalog.count(*) OVER w - 1 AS behind
           FROM unfinished u
-        WINDOW w AS (PARTITION BY u.sub, u.subj ORDER BY u.id ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
+        WINDOW w AS (PARTITION BY u.sub, u.subj
+                     ORDER BY (u.st = 'leased' AND u.vis > pg_catalog.now()) DESC, u.id
+                     ROWS BETWEEN UNBOUNDED PRECEDING AND UNBOUNDED FOLLOWING)
     )
     SELECT r.sub, r.subj, r.id, r.top, r.st,
            CASE WHEN r.st = 'dead' THEN 'dead'
@@ -1040,6 +1047,7 @@ CREATE OR REPLACE FUNCTION outbox.delivered_per_minute(minutes integer DEFAULT 6
 RETURNS TABLE (subscription text, topic text, minute timestamptz, delivered bigint)
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
+SET jit = off
 AS $$
 DECLARE
     only_sub text;
@@ -1123,14 +1131,15 @@ COMMENT ON FUNCTION outbox.blocked_subjects(text, integer) IS
 'subscription, subject, event_id and topic (the holding event), state (its delivery state: leased, pending or dead), reason (leased: a lease not yet expired; retrying: failed and waiting for its backoff; '
 'delayed: deliver_at in the future; dead: a dead letter under the ''block'' dead-letter policy, which holds the subject until it is replayed or cancelled), attempts, last_error, '
 'until (timestamptz: when the lease expires or the event becomes claimable; NULL for dead), waiting (bigint: events of the subject queued behind it). Most waiting first. '
-'A head that is claimable now is not listed. Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
+'An event out on a live lease holds its subject even when an earlier one was replayed behind it. A head that is claimable now is not listed (one whose lease expired on its last attempt appears as dead once the next claim dead-letters it). Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
 'Errors: 22023 max_rows out of range or a malformed subscription name; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox.delivered_per_minute(integer, text) IS
 'Deliveries per minute over the last minutes (0.11.0), for charts. Arguments: minutes (integer, 1 to 1440, default 60: the current minute and the minutes - 1 before it), only_subscription (text; NULL = every subscription). '
 'Rows: subscription, topic, minute (timestamptz, the minute''s start), delivered (bigint), ordered by subscription, topic, minute; every minute of the window has a row (0 when none) for each subscription and topic '
-'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch at the batch''s finish (batch precision) and '
-'its rows of their own at their delivered_at; an event the log no longer holds is not counted. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';
+'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch when the whole batch has finished '
+'(batch precision: a batch with a lease still out shows its acks late, together) and its rows of their own at their delivered_at. Not counted: events the log no longer holds, the queue''s acks under '
+'outbox.keep_delivered = off, and what retention or purge removed. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox._log_restored() IS
 'Internal statement trigger function (AFTER INSERT, transition table new_rows) on the ring tables outbox.log_0 .. outbox.log_3: a SQL insert of rows of other transactions is a restore '
@@ -1305,7 +1314,7 @@ GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.deliver
     TO outbox_admin, outbox_monitor;
 GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
     outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz),
-    outbox._topic_matches(text, text)
+    outbox._topic_matches(text, text), outbox._pattern_kind(text)
     TO outbox_monitor;
 GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,

@@ -122,7 +122,7 @@ GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.deliver
     TO outbox_admin, outbox_monitor;
 GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
     outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz),
-    outbox._topic_matches(text, text)
+    outbox._topic_matches(text, text), outbox._pattern_kind(text)
     TO outbox_monitor;
 GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,

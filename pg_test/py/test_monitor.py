@@ -163,3 +163,38 @@ def test_monitor_role_reads_counts_states_and_errors_but_no_payloads(logdb):
             with pytest.raises(psycopg.Error) as e:
                 m.execute(stmt)
             assert e.value.sqlstate == "42501", stmt
+
+
+def test_monitor_reads_views_over_a_filtered_subscription(logdb):
+    """The views call the topic matcher for a subscription with a topic filter: the monitor
+    must be able to run everything it calls (found by review: 42501 for _pattern_kind)."""
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('filtered', topics => ARRAY['mon.*'])")
+    c.execute("SELECT outbox.publish('mon.f', '{}', subject => 's')")
+    c.execute("SELECT outbox.publish('other.f', '{}', subject => 's')")
+    ensure_login_role(logdb.dsn, "monitor_u", ("outbox_monitor",))
+    with connect(role_dsn(logdb.dsn, "monitor_u")) as m:
+        assert m.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'filtered'").fetchone()[0] == 1
+        assert m.execute("SELECT count(*) FROM outbox.stats WHERE subscription = 'filtered'").fetchone()[0] == 1
+        assert m.execute("SELECT count(*) FROM outbox.events").fetchone()[0] == 2
+        m.execute("SELECT * FROM outbox.blocked_subjects('filtered')")
+
+
+def test_blocked_subjects_a_later_event_out_holds_a_replayed_one(logdb):
+    """Under the 'skip' policy a dead head lets the next event go out; replaying the dead one
+    while the next is leased: the subject is held by the lease (a claim hands out nothing of it)."""
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_topic('mon.skip', dead_letter_policy => 'skip')")
+    c.execute("SELECT outbox.create_subscription('s1', topics => ARRAY['mon.*'])")
+    e1 = c.execute("SELECT outbox.publish('mon.skip', '{}', subject => 'subj')").fetchone()[0]
+    e2 = c.execute("SELECT outbox.publish('mon.skip', '{}', subject => 'subj')").fetchone()[0]
+    (i, tok, _s) = claim(c, "mon.skip", "s1")[0]
+    assert i == e1
+    c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", (i, tok))
+    (i, _tok, _s) = claim(c, "mon.skip", "s1", lease="1 hour")[0]
+    assert i == e2
+    assert c.execute("SELECT outbox.replay(%s, 's1')", (e1,)).fetchone()[0] is True
+    c.execute("SELECT outbox.publish('mon.skip', '{}', subject => 'subj')")
+    assert claim(c, "mon.skip", "s1") == []
+    got = blocked(c, "s1")
+    assert got == {("s1", "subj"): (e2, "leased", "leased", 1, None, False, True, 2)}, got
