@@ -350,8 +350,10 @@ run_cli() {
 run_dashboard() {
     section "dashboard (pytest, pg_test/dashboard)"
     ensure_extension dashboard || return 0
-    if [ ! -x /usr/local/bin/outbox ]; then
-        fail "dashboard: /usr/local/bin/outbox is missing (scripts/setup.sh builds it)"
+    # OUTBOX_BIN may name another build (crates/outbox/target/release/outbox while developing).
+    local bin="${OUTBOX_BIN:-/usr/local/bin/outbox}"
+    if [ ! -x "$bin" ]; then
+        fail "dashboard: $bin is missing (scripts/setup.sh builds /usr/local/bin/outbox)"
         return 0
     fi
     if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
@@ -359,7 +361,7 @@ run_dashboard() {
         return 0
     fi
     STARTED+=(dashtest)
-    OUTBOX_BIN=/usr/local/bin/outbox run_pytest dashboard "$TEST_DIR/dashboard" "$SUITE_TIMEOUT"
+    OUTBOX_BIN="$bin" run_pytest dashboard "$TEST_DIR/dashboard" "$SUITE_TIMEOUT"
 }
 
 # run_pytest SUITE DIR TIMEOUT: pytest over DIR, counting its test cases.

@@ -182,7 +182,7 @@ class Server:
         assert "panicked" not in self.log(), self.log()
 
     def request(self, path, method="GET", data=None, headers=None, auth=True):
-        """(status, headers, body text) of one request; never raises on HTTP errors."""
+        """(status, headers (case-insensitive), body text) of one request; never raises on HTTP errors."""
         h = dict(headers or {})
         if auth and self.auth:
             h["Authorization"] = "Basic " + base64.b64encode(f"{self.auth[0]}:{self.auth[1]}".encode()).decode()
@@ -194,9 +194,9 @@ class Server:
         opener = urllib.request.build_opener(NoRedirect)
         try:
             with opener.open(req, timeout=60) as r:
-                return r.status, dict(r.headers), r.read().decode()
+                return r.status, r.headers, r.read().decode()
         except urllib.error.HTTPError as e:
-            return e.code, dict(e.headers), e.read().decode(errors="replace")
+            return e.code, e.headers, e.read().decode(errors="replace")
 
     def json(self, path):
         status, _, body = self.request(path)

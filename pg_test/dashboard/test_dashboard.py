@@ -119,7 +119,7 @@ def test_dead_letters_listed_with_history(shared_db, servers, driver):
 def test_event_detail(shared_db, servers, driver):
     db, ids = shared_db
     s = servers(db)
-    i = ids["dead"][0]
+    i = ids["ledger_dead"][0]
     driver.get(s.base + f"/events/{i}")
     assert driver.find_element(By.ID, "event-state").text == "dead"
     assert '"topic": "cli.dead"' in driver.find_element(By.ID, "payload").text
@@ -215,7 +215,7 @@ def test_replay_with_token(fresh, servers, driver):
     driver.get(s.base + "/dead")
     row = driver.find_element(By.CSS_SELECTOR, f"tr.dead-letter[data-event='{i}'][data-subscription='default']")
     form = row.find_element(By.CSS_SELECTOR, "form[action$='/replay']")
-    form.find_element(By.CSS_SELECTOR, "input.token").send_keys(TOKEN)
+    driver.find_element(By.ID, "action-token").send_keys(TOKEN)
     shot(driver, "replay-before")
     form.find_element(By.CSS_SELECTOR, "button.replay").click()
     assert "replayed" in driver.find_element(By.ID, "done-banner").text
@@ -246,8 +246,9 @@ def test_actions_without_token_are_refused(fresh, servers, driver):
     s = servers(db, allow_actions=True, env={"OUTBOX_DASHBOARD_TOKEN": TOKEN})
     i = ids["dead"][0]
     driver.get(s.base + f"/events/{i}")
+    # A port may be reused from an earlier test's server, whose token this tab remembers.
     driver.execute_script("try { sessionStorage.clear(); } catch (e) {}")
-    driver.get(s.base + f"/events/{i}")
+    driver.find_element(By.ID, "action-token").clear()
     driver.find_element(By.CSS_SELECTOR, "form[action$='/replay'] button.replay").click()
     assert driver.find_element(By.CSS_SELECTOR, ".error-title").text.startswith("403")
     assert "action token" in driver.find_element(By.ID, "error-message").text

@@ -87,7 +87,10 @@ pub async fn event(State(state): State<Shared>, id: Result<Path<String>, PathRej
 }
 
 /// `GET /api/subjects/blocked?subscription=&max_rows=`: `outbox.blocked_subjects()` rows.
-pub async fn blocked(State(state): State<Shared>, q: Result<Query<HashMap<String, String>>, QueryRejection>) -> Response {
+pub async fn blocked(
+    State(state): State<Shared>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Response {
     reply(
         async {
             let q = query_map(q)?;

@@ -104,7 +104,9 @@ pub async fn security_headers(req: Request, next: Next) -> Response {
     );
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    // Not `no-referrer`: under it browsers send `Origin: null` with form POSTs, and the same-origin
+    // check of [`check_post`] needs the real origin.
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("same-origin"));
     if !h.contains_key(header::CACHE_CONTROL) {
         h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     }

@@ -122,7 +122,11 @@ pub async fn rows(c: &Client, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Resu
         match serde_json::from_str(&text) {
             Ok(Value::Object(m)) => out.push(m),
             _ => {
-                return Err(DbError { code: None, message: "unexpected row from PostgreSQL".into(), unavailable: false })
+                return Err(DbError {
+                    code: None,
+                    message: "unexpected row from PostgreSQL".into(),
+                    unavailable: false,
+                })
             }
         }
     }

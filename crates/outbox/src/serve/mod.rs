@@ -102,9 +102,10 @@ const MIN_TOKEN_LEN: usize = 16;
 /// Validates the flags and the `OUTBOX_DASHBOARD_*` variables (`env` reads one), each failure
 /// being one line.
 fn settings(args: &ServeArgs, env: impl Fn(&str) -> Option<String>) -> Result<Settings> {
-    let listen: SocketAddr = args.listen.trim().parse().map_err(|_| {
-        anyhow!("bad --listen '{}': expected an IP address and port, e.g. 127.0.0.1:8080", args.listen)
-    })?;
+    let listen: SocketAddr =
+        args.listen.trim().parse().map_err(|_| {
+            anyhow!("bad --listen '{}': expected an IP address and port, e.g. 127.0.0.1:8080", args.listen)
+        })?;
     let pool_size: usize = match args.pool_size.trim().parse() {
         Ok(n) if (1..=64).contains(&n) => n,
         _ => return Err(anyhow!("bad --pool-size '{}': expected a number from 1 to 64", args.pool_size)),
@@ -113,7 +114,10 @@ fn settings(args: &ServeArgs, env: impl Fn(&str) -> Option<String>) -> Result<Se
         .ok()
         .filter(|d| *d >= Duration::from_millis(100))
         .ok_or_else(|| {
-            anyhow!("bad --statement-timeout '{}': expected a duration of at least 100ms, e.g. 30s", args.statement_timeout)
+            anyhow!(
+                "bad --statement-timeout '{}': expected a duration of at least 100ms, e.g. 30s",
+                args.statement_timeout
+            )
         })?;
     let token = env("OUTBOX_DASHBOARD_TOKEN").filter(|t| !t.is_empty());
     let action_token = if args.allow_actions {
@@ -291,9 +295,11 @@ mod tests {
     #[test]
     fn basic_auth_needs_both_halves() {
         assert!(settings(&args(&[]), env(&[("OUTBOX_DASHBOARD_USER", "u")])).is_err());
-        assert!(settings(&args(&[]), env(&[("OUTBOX_DASHBOARD_USER", "a:b"), ("OUTBOX_DASHBOARD_PASSWORD", "p")]))
-            .is_err());
-        let s = settings(&args(&[]), env(&[("OUTBOX_DASHBOARD_USER", "u"), ("OUTBOX_DASHBOARD_PASSWORD", "p")])).unwrap();
+        assert!(
+            settings(&args(&[]), env(&[("OUTBOX_DASHBOARD_USER", "a:b"), ("OUTBOX_DASHBOARD_PASSWORD", "p")])).is_err()
+        );
+        let s =
+            settings(&args(&[]), env(&[("OUTBOX_DASHBOARD_USER", "u"), ("OUTBOX_DASHBOARD_PASSWORD", "p")])).unwrap();
         assert!(s.basic.is_some());
     }
 }

@@ -84,17 +84,11 @@ fn respond(state: &Shared, r: Res<Response>) -> Response {
 pub async fn overview(State(state): State<Shared>) -> Response {
     let r = async {
         let c = state.pool.client().await?;
-        let (stats, subs, series) = tokio::join!(
-            queries::stats(&c),
-            queries::subscriptions(&c),
-            queries::throughput(&c, SPARK_MINUTES, None)
-        );
+        let (stats, subs, series) =
+            tokio::join!(queries::stats(&c), queries::subscriptions(&c), queries::throughput(&c, SPARK_MINUTES, None));
         let (stats, subs, series) = (stats?, subs?, series?);
-        let by_key: HashMap<(String, String), &queries::Series> = series
-            .iter()
-            .flatten()
-            .map(|s| ((s.subscription.clone(), s.topic.clone()), s))
-            .collect();
+        let by_key: HashMap<(String, String), &queries::Series> =
+            series.iter().flatten().map(|s| ((s.subscription.clone(), s.topic.clone()), s)).collect();
         let totals = series.as_deref().map(queries::totals_by_subscription).unwrap_or_default();
         let mut per_sub: HashMap<String, (f64, i64, i64)> = HashMap::new();
         let topics: Vec<BTreeMap<String, Value>> = stats
@@ -159,7 +153,10 @@ fn done_banner(q: &HashMap<String, String>) -> Option<String> {
 
 /// `GET /dead`: dead letters, filtered by topic, subscription and time, a page at a time, each
 /// with its error history.
-pub async fn dead_letters(State(state): State<Shared>, q: Result<Query<HashMap<String, String>>, QueryRejection>) -> Response {
+pub async fn dead_letters(
+    State(state): State<Shared>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Response {
     let r = async {
         let q = query_map(q)?;
         let c = state.pool.client().await?;
@@ -253,7 +250,10 @@ pub async fn event_detail(
 }
 
 /// `GET /events?id=N` (the header's jump box without script): a redirect to the event's page.
-pub async fn event_jump(State(state): State<Shared>, q: Result<Query<HashMap<String, String>>, QueryRejection>) -> Response {
+pub async fn event_jump(
+    State(state): State<Shared>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Response {
     let r = async {
         let q = query_map(q)?;
         let id = queries::event_id(q.get("id").map(String::as_str).unwrap_or(""))?;
@@ -265,7 +265,10 @@ pub async fn event_jump(State(state): State<Shared>, q: Result<Query<HashMap<Str
 
 /// `GET /subjects`: subjects whose earliest unfinished event holds back later ones, why, and by
 /// which event.
-pub async fn subjects(State(state): State<Shared>, q: Result<Query<HashMap<String, String>>, QueryRejection>) -> Response {
+pub async fn subjects(
+    State(state): State<Shared>,
+    q: Result<Query<HashMap<String, String>>, QueryRejection>,
+) -> Response {
     let r = async {
         let q = query_map(q)?;
         let c = state.pool.client().await?;
@@ -404,7 +407,10 @@ mod tests {
     #[test]
     fn banners_come_from_known_words_only() {
         let q = |pairs: &[(&str, &str)]| pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
-        assert_eq!(done_banner(&q(&[("done", "replayed"), ("id", "5")])).unwrap(), "Event 5 replayed: it is pending again.");
+        assert_eq!(
+            done_banner(&q(&[("done", "replayed"), ("id", "5")])).unwrap(),
+            "Event 5 replayed: it is pending again."
+        );
         assert!(done_banner(&q(&[("done", "<b>"), ("id", "5")])).is_none());
         assert!(done_banner(&q(&[("done", "replayed"), ("id", "x")])).is_none());
     }

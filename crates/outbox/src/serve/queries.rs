@@ -293,10 +293,8 @@ pub async fn dead_letters(c: &Client, q: &HashMap<String, String>) -> Res<DeadPa
     let offset = (filter.page - 1) * filter.per_page;
     let list_params: [&(dyn tokio_postgres::types::ToSql + Sync); 6] =
         [&filter.topic, &filter.subscription, &since, &until, &filter.per_page, &offset];
-    let (items, total) = futures::try_join!(
-        rows(c, &list_sql, &list_params),
-        scalar::<i64>(c, &count_sql, &list_params[..4]),
-    )?;
+    let (items, total) =
+        futures::try_join!(rows(c, &list_sql, &list_params), scalar::<i64>(c, &count_sql, &list_params[..4]),)?;
     let total = total.unwrap_or(0);
     let pages = ((total + filter.per_page - 1) / filter.per_page).max(1);
     let items = items
@@ -517,11 +515,7 @@ pub async fn health(c: &Client) -> Res<Health> {
         "critical" => 2,
         _ => 3,
     };
-    let status = checks
-        .iter()
-        .map(|r| str_of(r, "status"))
-        .max_by_key(|s| rank(s))
-        .unwrap_or_else(|| "ok".to_string());
+    let status = checks.iter().map(|r| str_of(r, "status")).max_by_key(|s| rank(s)).unwrap_or_else(|| "ok".to_string());
     // The extras are PostgreSQL statistics a restricted role may not see in full: the checks are
     // what matters, so their failure only empties their table.
     Ok(Health {
@@ -619,7 +613,8 @@ mod tests {
 
     #[test]
     fn totals_align_on_the_latest_minute() {
-        let s = |sub: &str, v: Vec<i64>| Series { subscription: sub.into(), topic: "t".into(), start: None, delivered: v };
+        let s =
+            |sub: &str, v: Vec<i64>| Series { subscription: sub.into(), topic: "t".into(), start: None, delivered: v };
         let t = totals_by_subscription(&[s("a", vec![1, 2, 3]), s("a", vec![10, 20]), s("b", vec![5])]);
         assert_eq!(t["a"], vec![1, 12, 23]);
         assert_eq!(t["b"], vec![5]);

@@ -42,6 +42,7 @@ impl Templates {
         env.add_filter("age", age);
         env.add_filter("ts", ts);
         env.add_filter("num", num);
+        env.add_filter("urlencode", |v: Value| super::pages::url_encode(v.as_str().unwrap_or_default()));
         env.set_undefined_behavior(minijinja::UndefinedBehavior::Lenient);
         Ok(Templates { env })
     }

@@ -61,18 +61,23 @@
     var src = sources[page];
     if (src) setInterval(function () { poll(src[0], src[1]); }, POLL_MS);
 
-    // The action token lives in this tab's sessionStorage only, so it is typed once per tab.
-    var saved = null;
-    try { saved = window.sessionStorage.getItem(TOKEN_KEY); } catch (e) { saved = null; }
-    var inputs = document.querySelectorAll("input.token");
-    for (var i = 0; i < inputs.length; i++) {
-      if (saved && !inputs[i].value) inputs[i].value = saved;
+    // The action token is typed once in the header box and kept in this tab's sessionStorage
+    // only; each action form gets a copy when it is submitted.
+    var box = document.getElementById("action-token");
+    if (box) {
+      try { box.value = window.sessionStorage.getItem(TOKEN_KEY) || ""; } catch (e) { /* private mode */ }
+      box.addEventListener("change", function () {
+        try { window.sessionStorage.setItem(TOKEN_KEY, box.value); } catch (e) { /* private mode */ }
+      });
     }
     var forms = document.querySelectorAll("form.action");
     for (var j = 0; j < forms.length; j++) {
       forms[j].addEventListener("submit", function (ev) {
         var t = ev.target.querySelector("input.token");
-        if (t && t.value) { try { window.sessionStorage.setItem(TOKEN_KEY, t.value); } catch (e) { /* private mode */ } }
+        if (t && box) {
+          t.value = box.value;
+          try { window.sessionStorage.setItem(TOKEN_KEY, box.value); } catch (e) { /* private mode */ }
+        }
       });
     }
     var jump = document.getElementById("jump-form");
