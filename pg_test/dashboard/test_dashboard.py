@@ -313,6 +313,9 @@ def test_start_refusals(pg_cluster):
     dashlib.clilib.assert_one_line_error(r, "OUTBOX_DASHBOARD_TOKEN")
     r = dashlib.clilib.run(["serve", "--listen", "nowhere"], db)
     dashlib.clilib.assert_one_line_error(r, "--listen")
+    r = dashlib.clilib.run(["serve", "--bogus"], db)
+    assert r.code == 2
+    dashlib.clilib.assert_one_line_error(r, "--bogus")
     r = dashlib.clilib.run(["serve", "--pool-size", "0"], db)
     dashlib.clilib.assert_one_line_error(r, "--pool-size")
     r = dashlib.clilib.run(["serve", "--allow-actions"], db, env={"OUTBOX_DASHBOARD_TOKEN": "short"})

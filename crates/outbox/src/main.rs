@@ -66,8 +66,32 @@ fn init_logging(filter: &str, format: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// Parses the command line. Help and version go to stdout as clap prints them; any other usage
+/// error is one line on stderr and exit status 2, like every other failure of this program.
+fn parse_args() -> Cli {
+    match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                e.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                e.exit();
+            }
+            let text = e.render().to_string();
+            let first = text.lines().map(str::trim).find(|l| !l.is_empty()).unwrap_or("bad arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("outbox: error: {first} (see --help)");
+            std::process::exit(2);
+        }
+    }
+}
+
 fn main() {
-    let cli = Cli::parse();
+    let cli = parse_args();
     if let Err(e) = init_logging(&cli.log, &cli.log_format) {
         eprintln!("outbox: error: {e}");
         std::process::exit(2);

@@ -125,12 +125,11 @@ pub async fn subscription_param(c: &Client, q: &HashMap<String, String>) -> Res<
 async fn time_param(c: &Client, q: &HashMap<String, String>, key: &str) -> Res<Option<String>> {
     match param(q, key) {
         None => Ok(None),
-        Some(v) => crate::cli::time::resolve(c, key, v).await.map(Some).map_err(|e| {
-            Failure::bad_request(format!(
-                "bad {key} '{v}': expected a timestamp (2026-01-31 12:00) or a duration ago (30m, 2h){}",
-                if format!("{e:#}").contains("cannot connect") { " (PostgreSQL unavailable)" } else { "" }
-            ))
-        }),
+        // resolve() words its error for people ("bad since '...': expected a timestamp ...").
+        Some(v) => crate::cli::time::resolve(c, key, v)
+            .await
+            .map(Some)
+            .map_err(|e| Failure::bad_request(format!("{e:#}").replace('\n', " "))),
     }
 }
 
