@@ -168,7 +168,17 @@ def test_health_page(shared_db, servers, driver):
     assert got == [n for (n,) in sql(db, "SELECT check_name FROM outbox.health()")]
     assert driver.find_element(By.ID, "wakeup").text
     assert "outbox.event_queue" in driver.find_element(By.ID, "tables").text
-    assert driver.find_element(By.ID, "xmin").text if driver.find_elements(By.ID, "xmin") else driver.find_element(By.ID, "xmin-none")
+    # A session holding a snapshot is named as an xmin holder, with its pid.
+    with dashlib.connect(db, autocommit=False) as holder:
+        holder.execute("SET application_name = 'dash-xmin-holder'")
+        holder.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        holder.execute("SELECT count(*) FROM outbox.stats")
+        pid = holder.execute("SELECT pg_backend_pid()").fetchone()[0]
+        driver.get(s.base + "/health")
+        xmin = driver.find_element(By.ID, "xmin").text
+        assert str(pid) in xmin and "dash-xmin-holder" in xmin, xmin
+        shot(driver, "health-xmin-holder")
+        holder.rollback()
 
 
 def test_api_endpoints(shared_db, servers):
@@ -363,6 +373,20 @@ def test_bad_input_gets_clean_errors(ro_server, path, status):
     assert "<script>" not in body
     st, _, _ = s.request("/")
     assert st == 200, "the server must survive bad input"
+
+
+def test_database_gone_is_a_clean_error(pg_cluster, servers):
+    db = "dash_gone"
+    dashlib.fresh_db(db)
+    s = servers(db)
+    assert s.request("/")[0] == 200
+    with dashlib.connect("postgres") as c:
+        c.execute(f"DROP DATABASE {db} WITH (FORCE)")
+    for path in ("/", "/dead", "/api/stats"):
+        st, _, body = s.request(path)
+        # Each request may land on a session that was cut or on a new one that cannot connect.
+        assert st == 503 and ("does not exist" in body or "closed" in body), (path, st, body[:300])
+    assert s.p.poll() is None
 
 
 def test_monitor_role_hides_payloads(shared_db, servers, driver):
