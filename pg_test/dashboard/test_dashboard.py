@@ -317,6 +317,14 @@ def test_basic_auth(shared_db, servers, driver):
     assert driver.find_element(By.TAG_NAME, "h1").text == "Overview"
 
 
+def test_dns_rebinding_is_refused(ro_server):
+    for path in ("/", "/api/stats"):
+        st, _, _ = ro_server.request(path, headers={"Host": f"evil.example:{ro_server.port}"})
+        assert st == 421, path
+    st, _, _ = ro_server.request("/", headers={"Host": f"localhost:{ro_server.port}"})
+    assert st == 200
+
+
 def test_start_refusals(pg_cluster):
     db = "postgres"
     r = dashlib.clilib.run(["serve", "--allow-actions", "--listen", "127.0.0.1:1"], db)

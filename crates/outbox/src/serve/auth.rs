@@ -9,6 +9,8 @@
 //!   the action token matches `OUTBOX_DASHBOARD_TOKEN`. The CSRF token alone is not enough
 //!   because any reader of a page has it; the action token alone is not enough because a browser
 //!   may have it saved in a form another site could submit.
+//! - On a loopback listener, a request whose `Host` is not a loopback name is refused (421), so a
+//!   page elsewhere cannot read the dashboard through DNS rebinding.
 //! - Secrets are compared in constant time.
 
 use axum::extract::{Request, State};
@@ -82,6 +84,35 @@ pub async fn basic_auth(State(state): State<Shared>, req: Request, next: Next) -
                     (header::CONTENT_TYPE, "text/plain; charset=utf-8"),
                 ],
                 "authentication required\n",
+            )
+                .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// True when a `Host` header value names a loopback address (`127.0.0.1:8080`, `localhost`,
+/// `[::1]:8080`).
+fn loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        rest.split(']').next().unwrap_or("")
+    } else {
+        host.rsplit_once(':').map_or(host, |(h, port)| if port.chars().all(|c| c.is_ascii_digit()) { h } else { host })
+    };
+    name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Middleware: on a loopback listener, only requests addressed to a loopback name are served.
+/// A web page elsewhere can point its own host name at 127.0.0.1 (DNS rebinding) and then read
+/// this server as if it were same-origin; the `Host` header it sends still carries its name.
+pub async fn loopback_host_check(State(state): State<Shared>, req: Request, next: Next) -> Response {
+    if state.loopback {
+        let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if !loopback_host(host) {
+            return (
+                StatusCode::MISDIRECTED_REQUEST,
+                [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
+                "this dashboard listens on loopback and answers only to a loopback host name\n",
             )
                 .into_response();
         }
@@ -197,6 +228,16 @@ mod tests {
     fn origins() {
         assert_eq!(origin_host("http://127.0.0.1:8080"), Some("127.0.0.1:8080"));
         assert_eq!(origin_host("null"), None);
+    }
+
+    #[test]
+    fn loopback_hosts() {
+        for h in ["127.0.0.1:8080", "127.0.0.1", "localhost:1", "LOCALHOST", "[::1]:8080", "127.3.4.5:9"] {
+            assert!(loopback_host(h), "{h}");
+        }
+        for h in ["evil.example:8080", "10.0.0.1:8080", "", "[::2]:80", "localhost.evil.example"] {
+            assert!(!loopback_host(h), "{h}");
+        }
     }
 
     #[test]

@@ -13,7 +13,8 @@
 //! - **Optional basic auth on everything** (pages, API, assets) when `OUTBOX_DASHBOARD_USER` and
 //!   `OUTBOX_DASHBOARD_PASSWORD` are set ([`auth::basic_auth`]).
 //! - **Loopback by default**: `--listen` defaults to `127.0.0.1:8080`; another address is the
-//!   operator's explicit choice (and is logged as a warning when basic auth is off).
+//!   operator's explicit choice (and is logged as a warning when basic auth is off). On loopback,
+//!   requests for another host name are refused ([`auth::loopback_host_check`], DNS rebinding).
 //! - **Everything user-supplied is escaped**: templates auto-escape HTML ([`templates`]); only the
 //!   SVG that [`charts`] draws from numbers is inserted unescaped. Responses carry a strict
 //!   Content-Security-Policy (scripts and styles from this server only; no inline script).
@@ -74,6 +75,8 @@ pub struct AppState {
     pub basic: Option<auth::BasicCredentials>,
     /// The per-process CSRF token embedded in every action form.
     pub csrf: String,
+    /// True when listening on a loopback address (then only loopback `Host` names are served).
+    pub loopback: bool,
 }
 
 impl AppState {
@@ -175,6 +178,7 @@ pub fn router(state: Shared) -> Router {
         .fallback(pages::not_found)
         .layer(axum::middleware::from_fn(auth::security_headers))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::basic_auth))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::loopback_host_check))
         .with_state(state)
 }
 
@@ -197,6 +201,7 @@ pub async fn run(args: ServeArgs) -> Result<i32> {
         action_token: s.action_token,
         basic: s.basic,
         csrf: auth::random_token()?,
+        loopback: s.listen.ip().is_loopback(),
     });
     if !s.listen.ip().is_loopback() && state.basic.is_none() {
         tracing::warn!(
