@@ -212,6 +212,8 @@ class NoRedirect(urllib.request.HTTPRedirectHandler):
 
 def browser():
     """A headless Chromium through Debian's chromedriver (never Selenium's driver manager)."""
+    # Belt and braces: even if Selenium Manager were consulted, it must not download anything.
+    os.environ.setdefault("SE_OFFLINE", "true")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
