@@ -51,12 +51,15 @@ export PATH="${CARGO_HOME:-$HOME/.cargo}/bin:$PATH"
 # faketime: libfaketime, to set a test server's clock back (pg_test/py/test_liveness.py).
 # make: pg_test/Makefile runs the regress and isolation suites through PGXS.
 # nats-server: NATS JetStream for the relay's tests (pg_test/relay).
+# chromium, chromium-driver: headless browser and its WebDriver for the dashboard's tests
+#   (pg_test/dashboard drives them with Selenium; nothing is downloaded at test time).
 APT_PACKAGES=(
     postgresql-15 postgresql-server-dev-15 postgresql-client-15 make
     libclang-dev clang libssl-dev pkg-config sudo
     postgresql-15-pgq3 pgqd postgresql-15-cron
     postgresql-15-pgtap libtap-parser-sourcehandler-pgtap-perl
     python3-venv jq curl faketime nats-server
+    chromium chromium-driver
 )
 
 pkg_installed() {
@@ -143,6 +146,16 @@ if [ -f "$RELAY_REQS" ]; then
         log "pip install -r pg_test/relay/requirements.txt"
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$RELAY_REQS" </dev/null
         echo "$want" >"$VENV/.relay-requirements.sha256"
+    fi
+fi
+# The dashboard's tests (pg_test/dashboard): Selenium, driving Debian's chromium.
+DASH_REQS="$REPO/pg_test/dashboard/requirements.txt"
+if [ -f "$DASH_REQS" ]; then
+    want="$(sha256sum "$DASH_REQS" | cut -d' ' -f1)"
+    if [ "$(cat "$VENV/.dashboard-requirements.sha256" 2>/dev/null || true)" != "$want" ]; then
+        log "pip install -r pg_test/dashboard/requirements.txt"
+        "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$DASH_REQS" </dev/null
+        echo "$want" >"$VENV/.dashboard-requirements.sha256"
     fi
 fi
 

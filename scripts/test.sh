@@ -11,6 +11,7 @@
 #       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
 #       scripts/test.sh relay[:EXPR]       pytest            pg_test/relay: the relay with nats-server
 #       scripts/test.sh cli[:EXPR]         pytest            pg_test/cli: the outbox command's operator subcommands
+#       scripts/test.sh dashboard[:EXPR]   pytest            pg_test/dashboard: `outbox serve` in headless Chromium
 #       scripts/test.sh pgrx[:NAME]        #[pg_test] unit tests via cargo pgrx test
 #       scripts/test.sh suites[:NAME]      pg_test/suites/*.sh (NAME = one script's name)
 #
@@ -56,7 +57,7 @@ section() { printf '\n==== %s ====\n' "$*"; }
 # ---------------------------------------------------------------------------
 # Suite selection: no arguments = all suites.
 # ---------------------------------------------------------------------------
-ALL_SUITES=(regress isolation py relay cli pgrx suites)
+ALL_SUITES=(regress isolation py relay cli dashboard pgrx suites)
 declare -A WANT=() FILTER=()
 if [ "$#" -eq 0 ]; then
     for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
@@ -341,6 +342,28 @@ run_cli() {
     OUTBOX_BIN=/usr/local/bin/outbox run_pytest cli "$TEST_DIR/cli" "$SUITE_TIMEOUT"
 }
 
+# ---------------------------------------------------------------------------
+# c4. the web dashboard (`outbox serve`, crates/outbox/src/serve) in headless
+#     Chromium (Selenium with Debian's chromedriver): pg_test/dashboard starts
+#     its own cluster (dashtest, port 5476) and stops it.
+# ---------------------------------------------------------------------------
+run_dashboard() {
+    section "dashboard (pytest, pg_test/dashboard)"
+    ensure_extension dashboard || return 0
+    # OUTBOX_BIN may name another build (crates/outbox/target/release/outbox while developing).
+    local bin="${OUTBOX_BIN:-/usr/local/bin/outbox}"
+    if [ ! -x "$bin" ]; then
+        fail "dashboard: $bin is missing (scripts/setup.sh builds /usr/local/bin/outbox)"
+        return 0
+    fi
+    if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+        fail "dashboard: chromium or chromedriver is missing (scripts/setup.sh installs them)"
+        return 0
+    fi
+    STARTED+=(dashtest)
+    OUTBOX_BIN="$bin" run_pytest dashboard "$TEST_DIR/dashboard" "$SUITE_TIMEOUT"
+}
+
 # run_pytest SUITE DIR TIMEOUT: pytest over DIR, counting its test cases.
 run_pytest() {
     local suite="$1" dir="$2" limit="$3" out rc
@@ -464,6 +487,7 @@ want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_r
 want py && run_py
 want relay && run_relay
 want cli && run_cli
+want dashboard && run_dashboard
 want suites && run_suites
 # Last: it replaces the installed extension with its test build.
 if want pgrx; then

@@ -4,6 +4,8 @@
 //! - `outbox relay`: move events into NATS JetStream or signed webhooks (see [`relay`]).
 //! - `outbox stats|health|events|replay|cancel|topics|subscriptions|purge|tail`: operate the
 //!   outbox from a terminal through its SQL API (see [`cli`]).
+//! - `outbox serve`: the web dashboard (see [`serve`]): read-only unless `--allow-actions`, and
+//!   then every POST needs the action token and the page's CSRF token.
 //! - `outbox completions bash|zsh|fish|...`: shell completions (clap_complete).
 //!
 //! Errors are printed as one line on stderr with a non-zero exit status (2 for usage errors,
@@ -12,6 +14,7 @@
 mod cli;
 mod db;
 mod relay;
+mod serve;
 
 use clap::{CommandFactory as _, Parser, Subcommand};
 
@@ -38,6 +41,8 @@ enum Command {
     Relay(Box<relay::config::RelayArgs>),
     #[command(flatten)]
     Cli(cli::CliCommand),
+    /// Web dashboard: overview, dead letters, events, blocked subjects, health (read-only unless --allow-actions).
+    Serve(serve::ServeArgs),
     /// Print a shell completion script (e.g. `outbox completions bash > /etc/bash_completion.d/outbox`).
     Completions {
         /// The shell.
@@ -109,6 +114,7 @@ fn main() {
         match cli.command {
             Command::Relay(args) => relay::run(*args).await.map(|()| 0),
             Command::Cli(cmd) => cli::run(cmd).await,
+            Command::Serve(args) => serve::run(args).await,
             Command::Completions { shell } => {
                 clap_complete::generate(shell, &mut Cli::command(), "outbox", &mut std::io::stdout());
                 Ok(0)

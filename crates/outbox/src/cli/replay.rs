@@ -89,20 +89,22 @@ pub enum Action {
 }
 
 impl Action {
-    fn verb(self) -> &'static str {
+    /// The verb, as messages use it (`replay`, `cancel`).
+    pub fn verb(self) -> &'static str {
         match self {
             Action::Replay => "replay",
             Action::Cancel => "cancel",
         }
     }
-    fn done(self) -> &'static str {
+    /// The past participle, as messages use it (`replayed`, `cancelled`).
+    pub fn done(self) -> &'static str {
         match self {
             Action::Replay => "replayed",
             Action::Cancel => "cancelled",
         }
     }
     /// Why an event in `state` is refused, or None when the action may take it.
-    fn refusal(self, state: Option<&str>) -> Option<String> {
+    pub fn refusal(self, state: Option<&str>) -> Option<String> {
         match (self, state) {
             (Action::Replay, Some("dead" | "cancelled")) | (Action::Cancel, Some("pending" | "dead")) => None,
             (Action::Replay, Some("pending")) => Some("it is pending: it will be delivered, nothing to replay".into()),
