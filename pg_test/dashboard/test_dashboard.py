@@ -321,6 +321,9 @@ def test_dns_rebinding_is_refused(ro_server):
     for path in ("/", "/api/stats"):
         st, _, _ = ro_server.request(path, headers={"Host": f"evil.example:{ro_server.port}"})
         assert st == 421, path
+    # The refusal carries the security headers too (they wrap every layer).
+    _, h, _ = ro_server.request("/", headers={"Host": f"evil.example:{ro_server.port}"})
+    assert "frame-ancestors 'none'" in h["Content-Security-Policy"] and h["X-Frame-Options"] == "DENY"
     st, _, _ = ro_server.request("/", headers={"Host": f"localhost:{ro_server.port}"})
     assert st == 200
 
@@ -336,6 +339,10 @@ def test_start_refusals(pg_cluster):
     dashlib.clilib.assert_one_line_error(r, "--bogus")
     r = dashlib.clilib.run(["serve", "--pool-size", "0"], db)
     dashlib.clilib.assert_one_line_error(r, "--pool-size")
+    # Longer than PostgreSQL's statement_timeout can hold (2^31 - 1 ms): refused at start, not by
+    # every session later.
+    r = dashlib.clilib.run(["serve", "--statement-timeout", "30days"], db)
+    dashlib.clilib.assert_one_line_error(r, "--statement-timeout")
     r = dashlib.clilib.run(["serve", "--allow-actions"], db, env={"OUTBOX_DASHBOARD_TOKEN": "short"})
     dashlib.clilib.assert_one_line_error(r, "too short")
     r = dashlib.clilib.run(["serve"], db, env={"OUTBOX_DASHBOARD_USER": "ops"})
@@ -368,6 +375,9 @@ def test_start_refusals(pg_cluster):
         ("/api/dead?page=-4", 400),
         ("/api/throughput?minutes=0", 400),
         ("/api/nope", 404),
+        # A NUL byte PostgreSQL refuses (22021) is the request's fault, not the server's.
+        ("/dead?subscription=%00", 400),
+        ("/api/throughput?subscription=%00", 400),
     ],
 )
 def test_bad_input_gets_clean_errors(ro_server, path, status):
@@ -463,3 +473,88 @@ def test_load_page_timings(pg_cluster, servers, driver, record_testsuite_propert
     report = "\n".join(lines)
     (RESULTS / f"timings-{variant}.txt").write_text(report + "\n")
     print(f"\npage timings ({variant}: 50,000 events, 5,000 dead letters):\n" + report)
+
+
+class FreezableProxy:
+    """A TCP forwarder to PostgreSQL on loopback that stops forwarding while frozen: a server or
+    network that stalls without closing anything."""
+
+    def __init__(self, target_port):
+        import socket
+        import threading
+
+        self.frozen = threading.Event()
+        self.stop = threading.Event()
+        self.srv = socket.create_server(("127.0.0.1", 0))
+        self.srv.settimeout(0.2)
+        self.port = self.srv.getsockname()[1]
+        self.target = target_port
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while not self.stop.is_set():
+            try:
+                a, _ = self.srv.accept()
+            except OSError:
+                continue
+            b = socket.create_connection(("127.0.0.1", self.target))
+            for x, y in ((a, b), (b, a)):
+                threading.Thread(target=self._pump, args=(x, y), daemon=True).start()
+
+    def _pump(self, src, dst):
+        src.settimeout(0.2)
+        while not self.stop.is_set():
+            if self.frozen.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                data = src.recv(65536)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                dst.sendall(data)
+            except OSError:
+                break
+        for sock in (src, dst):
+            try:
+                sock.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop.set()
+        self.srv.close()
+
+
+def test_stalled_database_is_a_504_then_recovers(shared_db, servers):
+    """PostgreSQL enforces statement_timeout only while it answers: against a server that stalls
+    (a frozen proxy) every request must still end, with 504, and the pages recover after."""
+    proxy = FreezableProxy(dashlib.clilib.PG_PORT)
+    try:
+        dsn = f"host=127.0.0.1 port={proxy.port} user=postgres dbname={shared_db[0]} connect_timeout=5"
+        s = dashlib.Server(shared_db[0], extra=("--dsn", dsn, "--statement-timeout", "1s", "--pool-size", "1"))
+        try:
+            assert s.request("/api/stats")[0] == 200
+            proxy.frozen.set()
+            for path in ("/api/stats", "/"):
+                t0 = time.monotonic()
+                st, _, body = s.request(path)
+                took = time.monotonic() - t0
+                assert st == 504 and took < 20, (path, st, took, body[:300])
+            assert s.request("/assets/app.css")[0] == 200  # no database needed
+            proxy.frozen.clear()
+            deadline = time.monotonic() + 30
+            while s.request("/api/stats")[0] != 200:
+                assert time.monotonic() < deadline, "no recovery after the stall"
+                time.sleep(0.5)
+        finally:
+            s.stop()
+    finally:
+        proxy.close()

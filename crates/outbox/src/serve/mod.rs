@@ -77,6 +77,10 @@ pub struct AppState {
     pub csrf: String,
     /// True when listening on a loopback address (then only loopback `Host` names are served).
     pub loopback: bool,
+    /// The longest a request may take: `--statement-timeout` and a margin. PostgreSQL enforces the
+    /// statement timeout only while it answers; a stalled server or network would otherwise hold a
+    /// request (and the session it waits on) for ever.
+    pub deadline: Duration,
 }
 
 impl AppState {
@@ -115,10 +119,12 @@ fn settings(args: &ServeArgs, env: impl Fn(&str) -> Option<String>) -> Result<Se
     };
     let statement_timeout = humantime::parse_duration(args.statement_timeout.trim())
         .ok()
-        .filter(|d| *d >= Duration::from_millis(100))
+        // PostgreSQL's statement_timeout is an int of milliseconds: a longer one would be accepted
+        // here and then refused by every session.
+        .filter(|d| *d >= Duration::from_millis(100) && d.as_millis() <= i32::MAX as u128)
         .ok_or_else(|| {
             anyhow!(
-                "bad --statement-timeout '{}': expected a duration of at least 100ms, e.g. 30s",
+                "bad --statement-timeout '{}': expected a duration from 100ms to 24days, e.g. 30s",
                 args.statement_timeout
             )
         })?;
@@ -176,10 +182,35 @@ pub fn router(state: Shared) -> Router {
         .route("/api/subjects/blocked", get(api::blocked))
         .route("/api/throughput", get(api::throughput))
         .fallback(pages::not_found)
-        .layer(axum::middleware::from_fn(auth::security_headers))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), deadline))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::basic_auth))
         .layer(axum::middleware::from_fn_with_state(state.clone(), auth::loopback_host_check))
+        // Outermost, so that the 401 and 421 answers of the checks above carry the headers too.
+        .layer(axum::middleware::from_fn(auth::security_headers))
         .with_state(state)
+}
+
+/// Bounds every request by [`AppState::deadline`]: past it the answer is 504, in JSON under
+/// `/api/` as every API error is.
+async fn deadline(
+    axum::extract::State(state): axum::extract::State<Shared>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let api = req.uri().path().starts_with("/api/");
+    match tokio::time::timeout(state.deadline, next.run(req)).await {
+        Ok(res) => res,
+        Err(_) => {
+            let message = format!("PostgreSQL did not answer within {}s", state.deadline.as_secs());
+            let status = axum::http::StatusCode::GATEWAY_TIMEOUT;
+            if api {
+                (status, axum::Json(serde_json::json!({"error": message, "status": status.as_u16()}))).into_response()
+            } else {
+                (status, message).into_response()
+            }
+        }
+    }
 }
 
 /// Runs `outbox serve` until SIGINT or SIGTERM. Returns the exit status.
@@ -194,6 +225,14 @@ pub async fn run(args: ServeArgs) -> Result<i32> {
     if cfg.get_application_name() == Some("outbox-cli") {
         cfg.application_name("outbox-serve");
     }
+    let deadline = s.statement_timeout + Duration::from_secs(5);
+    // A connection attempt, or unacknowledged data, to a server that stopped answering gives up
+    // instead of holding its pool slot; the request deadline bounds everything else.
+    if cfg.get_connect_timeout().is_none() {
+        cfg.connect_timeout(deadline.min(Duration::from_secs(10)));
+    }
+    cfg.tcp_user_timeout(deadline);
+    cfg.keepalives_idle(Duration::from_secs(30));
     let pool = db::Pool::new(cfg, tls, s.pool_size, s.statement_timeout, s.action_token.is_none());
     let state = Arc::new(AppState {
         pool,
@@ -202,6 +241,7 @@ pub async fn run(args: ServeArgs) -> Result<i32> {
         basic: s.basic,
         csrf: auth::random_token()?,
         loopback: s.listen.ip().is_loopback(),
+        deadline,
     });
     if !s.listen.ip().is_loopback() && state.basic.is_none() {
         tracing::warn!(

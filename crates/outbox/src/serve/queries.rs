@@ -52,6 +52,11 @@ impl From<DbError> for Failure {
                 " (the dashboard's role needs outbox_monitor to read, outbox_admin for payloads and actions)",
             ),
             Some("57014") => (StatusCode::GATEWAY_TIMEOUT, " (the query ran past --statement-timeout)"),
+            // A value PostgreSQL cannot take (a NUL byte, bad encoding, an out-of-range argument)
+            // is the request's fault.
+            Some(c) if c.starts_with("22") => (StatusCode::BAD_REQUEST, ""),
+            // The session was terminated or the server is shutting down: the next request reconnects.
+            Some(c) if c.starts_with("57P") => (StatusCode::SERVICE_UNAVAILABLE, " (try again)"),
             _ if e.is_missing_api() => {
                 (StatusCode::INTERNAL_SERVER_ERROR, " (is outbox_ext installed and up to date in this database?)")
             }
