@@ -558,3 +558,27 @@ def test_stalled_database_is_a_504_then_recovers(shared_db, servers):
             s.stop()
     finally:
         proxy.close()
+
+
+def test_behind_a_reverse_proxy_with_public_origin(fresh, servers):
+    """A TLS proxy in front of a loopback dashboard: with --public-origin its host name is served
+    and its Origin accepted on actions; any other name and origin is still refused."""
+    db, ids = fresh
+    s = servers(db, allow_actions=True, env={"OUTBOX_DASHBOARD_TOKEN": TOKEN},
+                extra=("--public-origin", "https://outbox.example.com"))
+    st, _, body = s.request("/dead", headers={"Host": "outbox.example.com"})
+    assert st == 200
+    csrf = body.split('name="csrf" value="', 1)[1].split('"', 1)[0]
+    assert s.request("/", headers={"Host": "evil.example"})[0] == 421
+    i = ids["dead"][0]
+    st, _, _ = s.request(f"/events/{i}/replay", "POST", {"token": TOKEN, "csrf": csrf},
+                         headers={"Origin": "https://evil.example", "Host": "outbox.example.com"})
+    assert st == 403
+    assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (i,)) == "dead"
+    # The proxy forwards its own Host (here the listener's); the browser's Origin is the public one.
+    st, _, _ = s.request(f"/events/{i}/replay", "POST", {"token": TOKEN, "csrf": csrf},
+                         headers={"Origin": "https://outbox.example.com", "Sec-Fetch-Site": "same-origin"})
+    assert st == 303
+    assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (i,)) == "pending"
+    r = dashlib.clilib.run(["serve", "--public-origin", "outbox.example.com"], db)
+    dashlib.clilib.assert_one_line_error(r, "--public-origin")

@@ -108,7 +108,7 @@ fn loopback_host(host: &str) -> bool {
 pub async fn loopback_host_check(State(state): State<Shared>, req: Request, next: Next) -> Response {
     if state.loopback {
         let host = req.headers().get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
-        if !loopback_host(host) {
+        if !loopback_host(host) && state.public_host.as_deref() != Some(host) {
             return (
                 StatusCode::MISDIRECTED_REQUEST,
                 [(header::CONTENT_TYPE, "text/plain; charset=utf-8")],
@@ -161,8 +161,8 @@ pub struct ActionForm {
     pub back: String,
 }
 
-/// The origin of a request as `host[:port]`, from an `Origin` header value.
-fn origin_host(origin: &str) -> Option<&str> {
+/// The origin of a request as `host[:port]`, from an `Origin` header value (or `--public-origin`).
+pub fn origin_host(origin: &str) -> Option<&str> {
     let rest = origin.strip_prefix("http://").or_else(|| origin.strip_prefix("https://"))?;
     Some(rest.trim_end_matches('/'))
 }
@@ -179,7 +179,13 @@ pub fn check_post(state: &Shared, headers: &HeaderMap, form: &ActionForm) -> Res
     }
     if let Some(origin) = headers.get(header::ORIGIN) {
         let host = headers.get(header::HOST).and_then(|v| v.to_str().ok()).unwrap_or("");
-        let same = origin.to_str().ok().and_then(origin_host).is_some_and(|o| !host.is_empty() && o == host);
+        // Behind a reverse proxy the browser's origin is the public one (--public-origin), whatever
+        // Host the proxy forwards.
+        let same = origin
+            .to_str()
+            .ok()
+            .and_then(origin_host)
+            .is_some_and(|o| (!host.is_empty() && o == host) || state.public_host.as_deref() == Some(o));
         if !same {
             return Err(Failure::forbidden("cross-origin request refused (Origin does not match Host)"));
         }

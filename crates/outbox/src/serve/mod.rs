@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// Show replay and cancel buttons, and accept their POSTs (needs OUTBOX_DASHBOARD_TOKEN).
     #[arg(long)]
     allow_actions: bool,
+    /// The origin browsers use behind a reverse proxy, e.g. https://outbox.example.com: its host is
+    /// served on a loopback listener and its Origin accepted on actions.
+    #[arg(long, env = "OUTBOX_DASHBOARD_ORIGIN")]
+    public_origin: Option<String>,
     /// PostgreSQL DSN (libpq key/value or URL); without it libpq's PG* variables are used.
     #[arg(long, env = "OUTBOX_DSN", hide_env_values = true)]
     dsn: Option<String>,
@@ -77,6 +81,8 @@ pub struct AppState {
     pub csrf: String,
     /// True when listening on a loopback address (then only loopback `Host` names are served).
     pub loopback: bool,
+    /// `host[:port]` of `--public-origin`: served on loopback, and accepted as an action's Origin.
+    pub public_host: Option<String>,
     /// The longest a request may take: `--statement-timeout` and a margin. PostgreSQL enforces the
     /// statement timeout only while it answers; a stalled server or network would otherwise hold a
     /// request (and the session it waits on) for ever.
@@ -101,6 +107,7 @@ struct Settings {
     basic: Option<auth::BasicCredentials>,
     pool_size: usize,
     statement_timeout: Duration,
+    public_host: Option<String>,
 }
 
 /// The shortest action token accepted: a guessable token would make `--allow-actions` an open door.
@@ -160,7 +167,18 @@ fn settings(args: &ServeArgs, env: impl Fn(&str) -> Option<String>) -> Result<Se
             ))
         }
     };
-    Ok(Settings { listen, action_token, basic, pool_size, statement_timeout })
+    let public_host = match args.public_origin.as_deref().map(str::trim).filter(|o| !o.is_empty()) {
+        None => None,
+        Some(o) => match auth::origin_host(o) {
+            Some(h) if !h.is_empty() && !h.contains(['/', '?', '#', ' ']) => Some(h.to_string()),
+            _ => {
+                return Err(anyhow!(
+                    "bad --public-origin '{o}': expected a scheme and host, e.g. https://outbox.example.com"
+                ))
+            }
+        },
+    };
+    Ok(Settings { listen, action_token, basic, pool_size, statement_timeout, public_host })
 }
 
 /// Builds the router over the shared state (all routes, the auth layer, the security headers).
@@ -241,6 +259,7 @@ pub async fn run(args: ServeArgs) -> Result<i32> {
         basic: s.basic,
         csrf: auth::random_token()?,
         loopback: s.listen.ip().is_loopback(),
+        public_host: s.public_host,
         deadline,
     });
     if !s.listen.ip().is_loopback() && state.basic.is_none() {
@@ -303,6 +322,16 @@ mod tests {
 
     fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
         move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn public_origin_is_a_scheme_and_host() {
+        let s = settings(&args(&["--public-origin", "https://outbox.example.com/"]), env(&[])).unwrap();
+        assert_eq!(s.public_host.as_deref(), Some("outbox.example.com"));
+        for bad in ["outbox.example.com", "https://", "https://a.example/path", "ftp://a.example"] {
+            let e = settings(&args(&["--public-origin", bad]), env(&[])).unwrap_err().to_string();
+            assert!(e.contains("--public-origin") && !e.contains('\n'), "{bad}: {e}");
+        }
     }
 
     #[test]
