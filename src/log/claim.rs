@@ -656,6 +656,8 @@ pub fn log_subscription_stats(
         subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
     let now = pg::now();
     let hi = cursor();
+    // Unread events outside the subscription's topics are not owed to it.
+    let filter = crate::subscriptions::lookup(subscription).as_ref().and_then(own_filter);
     let (mut lag, mut in_flight) = (0i64, 0i64);
     let mut oldest: Option<(i64, i16)> = None;
     let mut note = |id: Option<i64>, lane: i16| {
@@ -666,7 +668,7 @@ pub fn log_subscription_stats(
         }
     };
     for l in lanes(subscription) {
-        let (n, min) = super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0));
+        let (n, min) = super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), &filter);
         lag += n;
         note(min, l.lane);
         if let Some(Loaded { batch: b, .. }) = l.batch.and_then(load_batch) {

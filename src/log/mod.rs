@@ -273,10 +273,21 @@ pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) 
 }
 
 /// How many events of lane `lane` are between `lo` and the snapshot `hi`
-/// above `after`, and the smallest id among them.
-pub fn window_count(lane: i16, lo: &Cursor, hi: &str, after: i64) -> (i64, Option<i64>) {
+/// above `after`, and the smallest id among them; with `filter` (exact
+/// topics, prefixes), only events whose topic it passes.
+pub fn window_count(
+    lane: i16,
+    lo: &Cursor,
+    hi: &str,
+    after: i64,
+    filter: &Option<(Vec<String>, Vec<String>)>,
+) -> (i64, Option<i64>) {
     let xn = lo.xn.to_string();
-    let args: [DatumWithOid<'_>; 7] = [
+    let (exact, prefixes) = match filter {
+        Some((e, p)) => (Some(e.clone()), Some(p.clone())),
+        None => (None, None),
+    };
+    let args: [DatumWithOid<'_>; 9] = [
         lane.into(),
         lo.snapshot.as_str().into(),
         lo.m.into(),
@@ -284,6 +295,8 @@ pub fn window_count(lane: i16, lo: &Cursor, hi: &str, after: i64) -> (i64, Optio
         hi.into(),
         after.into(),
         None::<i32>.into(),
+        exact.into(),
+        prefixes.into(),
     ];
     plans::run_latest(&WINDOW_COUNT, &args, |rows| {
         let mut out = (0, None);

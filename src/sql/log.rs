@@ -101,8 +101,27 @@ macro_rules! window_sql {
 pub const WINDOW: Stmt =
     Stmt { sql: window_sql!("w.id, w.subject, w.topic, w.deliver_at", "ORDER BY w.id LIMIT $7"), types: WINDOW_TYPES };
 
-/// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id.
-pub const WINDOW_COUNT: Stmt = Stmt { sql: window_sql!("count(*), min(w.id)", ""), types: WINDOW_TYPES };
+/// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id,
+/// of those a subscription's topic filter passes ($8 exact topics, $9
+/// prefixes; both NULL: every topic; the filter of src/log/claim.rs `passes`).
+pub const WINDOW_COUNT: Stmt = Stmt {
+    sql: window_sql!(
+        "count(*), min(w.id)",
+        "WHERE ($8::text[] IS NULL AND $9::text[] IS NULL) OR w.topic = ANY ($8::text[]) \
+         OR EXISTS (SELECT 1 FROM unnest($9::text[]) AS p(prefix) WHERE starts_with(w.topic, p.prefix))"
+    ),
+    types: &[
+        pg_sys::INT2OID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::INT4OID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::TEXTARRAYOID,
+    ],
+};
 
 const WINDOW_TYPES: &[pg_sys::Oid] = &[
     pg_sys::INT2OID,
