@@ -96,6 +96,9 @@ BEGIN
        OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
         RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
     END IF;
+    IF backlog_critical < 0 OR dead_tuples_warn < 0 THEN
+        RAISE EXCEPTION 'outbox: health() counts must not be negative' USING ERRCODE = '22023';
+    END IF;
     -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
@@ -277,7 +280,7 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
-'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years.';
+'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years, or a negative backlog_critical or dead_tuples_warn.';
 
 -- Subjects that cannot progress now (0.11.0, the dashboard's Subjects page and
 -- `outbox`): per subscription, a subject's earliest unfinished event (pending,

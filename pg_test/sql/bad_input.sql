@@ -473,6 +473,8 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('inbox_receive', 'consumer over 200 characters', $$SELECT outbox.inbox_receive(repeat('c', 201), 'm')$$, '22023'),
 ('inbox_receive', 'message_id over 1000 characters', $$SELECT outbox.inbox_receive('c', repeat('m', 1001))$$, '22023'),
 ('inbox_receive', 'valid', $$SELECT outbox.inbox_receive('c', 'm')::text$$, 'ok:true'),
+('health', 'negative backlog_critical', $$SELECT count(*) FROM outbox.health(backlog_critical => -1)$$, '22023'),
+('health', 'negative dead_tuples_warn', $$SELECT count(*) FROM outbox.health(dead_tuples_warn => -1)$$, '22023'),
 ('blocked_subjects', 'max_rows 0', $$SELECT count(*) FROM outbox.blocked_subjects(NULL, 0)$$, '22023'),
 ('blocked_subjects', 'max_rows NULL', $$SELECT count(*) FROM outbox.blocked_subjects(NULL, NULL)$$, '22023'),
 ('blocked_subjects', 'max_rows over 100000', $$SELECT count(*) FROM outbox.blocked_subjects(NULL, 100001)$$, '22023'),
