@@ -141,7 +141,7 @@ class Proc:
 class NatsServer:
     """One nats-server with JetStream, optionally a member of a cluster."""
 
-    def __init__(self, workdir, name="n1", port=None, cluster_port=None, routes=(), cluster_name=None):
+    def __init__(self, workdir, name="n1", port=None, cluster_port=None, routes=(), cluster_name=None, js_limits=None):
         self.name = name
         self.port = port or free_port()
         self.mon_port = free_port()
@@ -156,6 +156,7 @@ class NatsServer:
             f'  store_dir: "{self.dir / "js"}"',
             "  max_memory_store: 64MB",
             "  max_file_store: 2GB",
+            *([f"  limits {{ {js_limits} }}"] if js_limits else []),
             "}",
         ]
         if cluster_port:
@@ -273,3 +274,30 @@ def read_stream(urls, stream, subject="outbox.>"):
     if isinstance(urls, str):
         urls = [urls]
     return asyncio.run(_read_stream(urls, stream, subject))
+
+
+def healthz(proc):
+    """(HTTP status, body) of the relay's /healthz, or (None, "") when it does not answer."""
+    import urllib.error
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/healthz", timeout=2) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+    except Exception:
+        return None, ""
+
+
+def js_call(url, fn):
+    """Runs `await fn(jetstream context)` against the server at `url` and returns its result."""
+    import nats
+
+    async def go():
+        nc = await nats.connect(url, connect_timeout=5)
+        try:
+            return await fn(nc.jetstream(timeout=10))
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())

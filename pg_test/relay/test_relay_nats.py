@@ -294,3 +294,99 @@ def test_cluster_node_killed(pg_cluster, workdir, procs):
     for r in relays:
         assert r.term() == 0
     print(f"\ncluster: {len(ids)} events, killed {victim.name} (leader) mid-run, 0 lost, 0 duplicates")
+
+
+def deliveries(db, sub="relay-nats"):
+    with rl.connect(db) as c:
+        return {
+            r[0]: r[1:]
+            for r in c.execute(
+                "SELECT event_id, state, attempts, last_error FROM outbox.deliveries WHERE subscription = %s", (sub,)
+            ).fetchall()
+        }
+
+
+def add_stream(url, **cfg):
+    from nats.js.api import StreamConfig
+
+    return rl.js_call(url, lambda js: js.add_stream(StreamConfig(name=STREAM, subjects=["outbox.>"], **cfg)))
+
+
+def test_message_jetstream_refuses_is_a_dead_letter(pg_cluster, workdir, procs):
+    """A 4xx JetStream error (payload over the stream's max_msg_size) dead-letters that event at
+    once with the JetStream error; the broker is not marked down and the other events flow."""
+    rl.fresh_db("relay_a")
+    create_sub("relay_a")
+    oid, oargs = rl.outbox_identity("relay_a")
+    ns = rl.NatsServer(workdir, "n1").start()
+    procs.append(ns)
+    add_stream(ns.url, duplicate_window=120, max_msg_size=2000)
+    relay = rl.start_relay(workdir, "relay", "relay_a", nats_relay_args(ns.url), oargs)
+    procs.append(relay)
+    with rl.connect("relay_a") as c:
+        big = c.execute(
+            "SELECT outbox.publish('orders.created', %s::jsonb, subject => 'big')", (json.dumps({"s": "big", "k": 0, "x": "y" * 5000}),)
+        ).fetchone()[0]
+    publish_rounds("relay_a", 3, 20)
+    rl.wait_for(lambda: lag("relay_a")[:2] == (0, 0), 20, "every event delivered or dead")
+    d = deliveries("relay_a")
+    state, attempts, error = d[big]
+    assert state == "dead" and attempts == 1, d[big]
+    assert "message size exceeds maximum allowed" in error and "10054" in error, error
+    assert sum(1 for v in d.values() if v[0] == "delivered") == 60
+    m = rl.metrics(relay)
+    assert m.get('outbox_relay_sink_up{sink="nats",subscription="relay-nats"}') == 1
+    assert m.get('outbox_relay_sink_retries_total{sink="nats",subscription="relay-nats"}', 0) == 0
+    assert rl.healthz(relay)[0] == 200
+    check_stream(ns.url, oid, [i for i, v in d.items() if v[0] == "delivered"])
+    assert relay.term() == 0
+
+
+def test_stream_deleted_while_running_is_recreated(pg_cluster, workdir, procs):
+    rl.fresh_db("relay_a")
+    create_sub("relay_a")
+    oid, oargs = rl.outbox_identity("relay_a")
+    ns = rl.NatsServer(workdir, "n1").start()
+    procs.append(ns)
+    relay = rl.start_relay(workdir, "relay", "relay_a", nats_relay_args(ns.url), oargs)
+    procs.append(relay)
+    rl.wait_for(lambda: ns.stream_messages(STREAM) is not None, 20, "stream created")
+    publish_rounds("relay_a", 2, 50)
+    rl.wait_for(lambda: lag("relay_a")[:2] == (0, 0) and ns.stream_messages(STREAM) == 100, 20, "first 100 relayed")
+    before = set(event_ids("relay_a"))
+    rl.js_call(ns.url, lambda js: js.delete_stream(STREAM))
+    publish_rounds("relay_a", 4, 50, pause=0.2)
+    rl.wait_for(lambda: lag("relay_a")[:2] == (0, 0), 30, "the relay to recreate the stream and catch up")
+    after = [i for i in event_ids("relay_a") if i not in before]
+    assert len(after) == 200
+    assert all(v[0] == "delivered" for v in deliveries("relay_a").values())
+    check_stream(ns.url, oid, after)
+    assert relay.log().count("nats: created stream") == 2, "stream not created again"
+    assert relay.term() == 0
+
+
+def test_retry_horizon_is_logged_once_per_batch(pg_cluster, workdir, procs):
+    """Events that reach the retry horizon together make one WARN line with their count, not one each."""
+    from nats.js.api import DiscardPolicy
+
+    rl.fresh_db("relay_a")
+    create_sub("relay_a")
+    _oid, oargs = rl.outbox_identity("relay_a")
+    ns = rl.NatsServer(workdir, "n1").start()
+    procs.append(ns)
+    # A full stream that discards new messages answers 503 (maximum messages exceeded): a broker
+    # fault, retried until the horizon.
+    add_stream(ns.url, duplicate_window=120, max_msgs=5, discard=DiscardPolicy.NEW)
+    args = ["--sink", "nats", "--nats-url", ns.url, "--lease", "5s", "--nats-retry-horizon", "2s",
+            "--nats-ack-timeout", "1s", "--poll-interval", "200ms", "--claimers", "1"]
+    relay = rl.start_relay(workdir, "relay", "relay_a", args, oargs)
+    procs.append(relay)
+    rl.wait_for(lambda: "using existing stream" in relay.log(), 20, "relay started")
+    publish_rounds("relay_a", 1, 50)
+    rl.wait_for(lambda: "retry horizon" in relay.log(), 20, "events to reach the retry horizon")
+    time.sleep(1.0)
+    lines = [line for line in relay.log().splitlines() if "retry horizon" in line]
+    assert len(lines) <= 2, f"{len(lines)} lines, e.g. {lines[:3]}"
+    assert "45 of 50 events reached the retry horizon (2s)" in lines[0], lines[0]
+    assert "maximum messages exceeded" in lines[0]
+    assert relay.term() == 0

@@ -333,14 +333,33 @@ fn tls_config(mode: TlsMode, rootcert: Option<&str>) -> Result<rustls::ClientCon
     Ok(builder.dangerous().with_custom_certificate_verifier(Arc::new(VerifyCaOnly(inner))).with_no_client_auth())
 }
 
+/// The rustls connector for PostgreSQL connections, which also connects through a Unix socket:
+/// there tokio-postgres passes no host name, which rustls refuses as a server name, although
+/// PostgreSQL never negotiates TLS on a socket (it answers the SSL request with 'N', so with
+/// `sslmode=require` the connection is refused as libpq refuses it). A placeholder name lets the
+/// connector be built; it is never checked.
+#[derive(Clone)]
+pub struct PgTls(tokio_postgres_rustls::MakeRustlsConnect);
+
+impl<S> tokio_postgres::tls::MakeTlsConnect<S> for PgTls
+where
+    tokio_postgres_rustls::MakeRustlsConnect: tokio_postgres::tls::MakeTlsConnect<S>,
+{
+    type Stream = <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<S>>::Stream;
+    type TlsConnect = <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<S>>::TlsConnect;
+    type Error = <tokio_postgres_rustls::MakeRustlsConnect as tokio_postgres::tls::MakeTlsConnect<S>>::Error;
+
+    fn make_tls_connect(&mut self, domain: &str) -> Result<Self::TlsConnect, Self::Error> {
+        let domain = if domain.is_empty() { "localhost" } else { domain };
+        tokio_postgres::tls::MakeTlsConnect::<S>::make_tls_connect(&mut self.0, domain)
+    }
+}
+
 /// Parses a DSN (libpq key/value or URL form; `sslmode` and `sslrootcert` understood) into a
 /// driver configuration and the matching rustls connector, without connecting. An empty DSN gives
 /// an empty configuration (the caller fills it in). Sets a 5 s connect timeout, TCP keepalives,
 /// `application_name` and the user (`PGUSER`, else `USER`) when the DSN has none.
-pub fn parse_dsn(
-    dsn: &str,
-    application_name: &str,
-) -> Result<(tokio_postgres::Config, tokio_postgres_rustls::MakeRustlsConnect)> {
+pub fn parse_dsn(dsn: &str, application_name: &str) -> Result<(tokio_postgres::Config, PgTls)> {
     let (cleaned, mode, rootcert) = split_tls_options(dsn)?;
     let mut config = tokio_postgres::Config::from_str(&cleaned).map_err(|e| anyhow!("bad DSN: {e}"))?;
     if config.get_connect_timeout().is_none() {
@@ -358,14 +377,14 @@ pub fn parse_dsn(
     if mode != TlsMode::NoVerify {
         config.ssl_mode(tokio_postgres::config::SslMode::Require);
     }
-    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_config(mode, rootcert.as_deref())?);
+    let tls = PgTls(tokio_postgres_rustls::MakeRustlsConnect::new(tls_config(mode, rootcert.as_deref())?));
     Ok((config, tls))
 }
 
 /// A PostgreSQL connection that reconnects on demand, optionally LISTENing on `outbox`.
 pub struct Db {
     config: tokio_postgres::Config,
-    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    tls: PgTls,
     client: Mutex<Option<Arc<Client>>>,
     listen: bool,
     /// Signalled for every notification on the `outbox` channel (and after each reconnect, so a
@@ -556,12 +575,14 @@ impl Db {
     }
 
     /// `outbox.pause_subscription(name)`.
-    pub async fn pause_subscription(&self, name: &str) -> Result<()> {
+    pub async fn pause_subscription(&self, name: &str) -> Result<bool> {
         let c = self.client().await?;
-        c.execute("SELECT outbox.pause_subscription($1::text)", &[&name])
+        let changed: Option<bool> = c
+            .query_one("SELECT outbox.pause_subscription($1::text)", &[&name])
             .await
-            .map_err(|e| anyhow!("pause_subscription: {}", pg_error(&e)))?;
-        Ok(())
+            .map_err(|e| anyhow!("pause_subscription: {}", pg_error(&e)))?
+            .get(0);
+        Ok(changed == Some(true))
     }
 
     /// The subscription's `(lag_events, lag seconds, paused)` from `outbox.subscriptions`.

@@ -53,7 +53,7 @@ fn effective_dsn(common: &Common) -> String {
 }
 
 /// Builds the driver configuration: the DSN, then the `PG*` variables for what it leaves out.
-pub fn config(common: &Common) -> Result<(tokio_postgres::Config, tokio_postgres_rustls::MakeRustlsConnect)> {
+pub fn config(common: &Common) -> Result<(tokio_postgres::Config, crate::db::PgTls)> {
     let dsn = effective_dsn(common);
     let (mut cfg, tls) = crate::db::parse_dsn(&dsn, "outbox-cli")?;
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());

@@ -9,7 +9,14 @@
 //!   again against the live stream in `nats.rs`), so a message retried with the same
 //!   `Nats-Msg-Id` is always deduplicated by JetStream;
 //! - subscription and endpoint names follow the extension's rules, so a name typo fails at start;
-//! - every webhook secret decodes (`whsec_` + base64), so no event is ever sent unsigned.
+//! - every webhook secret decodes (`whsec_` + base64), so no event is ever sent unsigned;
+//! - every setting given is used: a flag, variable or file section of the other sink (e.g.
+//!   `--webhook-url` with `--sink nats`, a `[nats]` table with `sink = "webhook"`) is an error, not
+//!   silently ignored;
+//! - a DSN without a host gets what libpq (and the operator commands, `cli/conn.rs`) would use:
+//!   `PGHOST`, else the Unix socket directory `/var/run/postgresql` when it exists, else
+//!   `localhost`; the port, database and password the DSN leaves out come from `PGPORT`,
+//!   `PGDATABASE` and `PGPASSWORD` (the port then defaults to 5432).
 
 use std::collections::BTreeSet;
 use std::net::SocketAddr;
@@ -186,10 +193,8 @@ struct FileConfig {
     metrics_listen: Option<String>,
     #[serde(default, deserialize_with = "de_duration")]
     shutdown_timeout: Option<Duration>,
-    #[serde(default)]
-    nats: FileNats,
-    #[serde(default)]
-    webhook: FileWebhook,
+    nats: Option<FileNats>,
+    webhook: Option<FileWebhook>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -287,6 +292,8 @@ pub struct RelayConfig {
     pub subscription: String,
     /// `start` for subscriptions the relay creates.
     pub subscription_start: String,
+    /// `subscription_start` was set (flag, environment or file), not defaulted.
+    pub subscription_start_explicit: bool,
     /// Topic filter (NATS sink).
     pub topics: Option<Vec<String>>,
     /// Worker name.
@@ -357,27 +364,167 @@ fn hostname() -> String {
         .unwrap_or_else(|| "localhost".to_string())
 }
 
+/// Parses the config file; an error is one line starting with `<line>:<column>: `.
+fn parse_file(text: &str) -> std::result::Result<FileConfig, String> {
+    toml::from_str(text).map_err(|e| {
+        let message = e.message().replace(['\n', '\r'], " ");
+        match e.span() {
+            Some(span) => {
+                let (line, column) = line_column(text, span.start);
+                format!("{line}:{column}: {}", message.trim())
+            }
+            None => format!(" {}", message.trim()),
+        }
+    })
+}
+
+/// 1-based line and column (in characters) of byte offset `at`.
+fn line_column(text: &str, at: usize) -> (usize, usize) {
+    let before = &text[..text.floor_char_boundary(at.min(text.len()))];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+    (line, column)
+}
+
+/// Adds to `dsn` what libpq would take from elsewhere when the DSN leaves it out (see the module
+/// doc): the same rules as the operator commands, so one DSN reaches the same server from both.
+/// `env` reads an environment variable (None when unset or empty); `is_dir` tests a directory.
+pub fn with_libpq_defaults(
+    dsn: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    is_dir: &dyn Fn(&str) -> bool,
+) -> Result<String> {
+    const SOCKET_DIR: &str = "/var/run/postgresql";
+    let (cfg, _tls) = crate::db::parse_dsn(dsn, "outbox-relay")?;
+    let mut add: Vec<(&str, String)> = Vec::new();
+    if cfg.get_hosts().is_empty() && cfg.get_hostaddrs().is_empty() {
+        let host = env("PGHOST").unwrap_or_else(|| {
+            if is_dir(SOCKET_DIR) {
+                SOCKET_DIR.to_string()
+            } else {
+                "localhost".to_string()
+            }
+        });
+        add.push(("host", host));
+    }
+    if cfg.get_ports().is_empty() {
+        if let Some(p) = env("PGPORT") {
+            p.parse::<u16>().map_err(|_| anyhow::anyhow!("bad PGPORT '{p}'"))?;
+            add.push(("port", p));
+        }
+    }
+    if cfg.get_dbname().is_none() {
+        if let Some(d) = env("PGDATABASE") {
+            add.push(("dbname", d));
+        }
+    }
+    if cfg.get_password().is_none() {
+        if let Some(p) = env("PGPASSWORD") {
+            add.push(("password", p));
+        }
+    }
+    if add.is_empty() {
+        return Ok(dsn.to_string());
+    }
+    let trimmed = dsn.trim();
+    if trimmed.starts_with("postgres://") || trimmed.starts_with("postgresql://") {
+        let encode = |v: &str| -> String {
+            v.bytes()
+                .map(|b| {
+                    if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+                        (b as char).to_string()
+                    } else {
+                        format!("%{b:02X}")
+                    }
+                })
+                .collect()
+        };
+        let params: Vec<String> = add.iter().map(|(k, v)| format!("{k}={}", encode(v))).collect();
+        let sep = if trimmed.contains('?') { '&' } else { '?' };
+        Ok(format!("{trimmed}{sep}{}", params.join("&")))
+    } else {
+        let params: Vec<String> =
+            add.iter().map(|(k, v)| format!("{k}='{}'", v.replace('\\', "\\\\").replace('\'', "\\'"))).collect();
+        Ok(format!("{trimmed} {}", params.join(" ")))
+    }
+}
+
 impl RelayArgs {
+    /// Settings of the sink not chosen are an error: they would be ignored.
+    fn reject_other_sink(&self, sink: SinkKind, file: &FileConfig) -> Result<()> {
+        let mut given: Vec<&str> = Vec::new();
+        match sink {
+            SinkKind::Nats => {
+                let flags = [
+                    (self.webhook_url.is_some(), "--webhook-url"),
+                    (self.webhook_secret.is_some(), "--webhook-secret"),
+                    (self.webhook_timeout.is_some(), "--webhook-timeout"),
+                    (self.webhook_concurrency.is_some(), "--webhook-concurrency"),
+                    (file.webhook.is_some(), "[webhook] in the config file"),
+                ];
+                given.extend(flags.iter().filter(|f| f.0).map(|f| f.1));
+            }
+            SinkKind::Webhook => {
+                let flags = [
+                    (self.nats_url.is_some(), "--nats-url"),
+                    (self.nats_prefix.is_some(), "--nats-prefix"),
+                    (self.nats_stream.is_some(), "--nats-stream"),
+                    (self.nats_replicas.is_some(), "--nats-replicas"),
+                    (self.nats_duplicate_window.is_some(), "--nats-duplicate-window"),
+                    (self.nats_ack_timeout.is_some(), "--nats-ack-timeout"),
+                    (self.nats_retry_horizon.is_some(), "--nats-retry-horizon"),
+                    (self.nats_ca_file.is_some(), "--nats-ca-file"),
+                    (self.nats_tls, "--nats-tls"),
+                    (file.nats.is_some(), "[nats] in the config file"),
+                    (
+                        self.max_in_flight.is_some() || file.max_in_flight.is_some(),
+                        "--max-in-flight (webhooks: --webhook-concurrency)",
+                    ),
+                ];
+                given.extend(flags.iter().filter(|f| f.0).map(|f| f.1));
+                let has_url = self.webhook_url.is_some() || file.webhook.as_ref().is_some_and(|w| w.url.is_some());
+                if !has_url && (self.topics.is_some() || file.topics.is_some()) {
+                    given.push("--topics without --webhook-url (each [[webhook.endpoints]] has its own topics)");
+                }
+            }
+        }
+        if !given.is_empty() {
+            bail!(
+                "{} {} not apply to --sink {}: remove {}",
+                given.join(", "),
+                if given.len() == 1 { "does" } else { "do" },
+                sink.name(),
+                if given.len() == 1 { "it" } else { "them" }
+            );
+        }
+        Ok(())
+    }
+
     /// Merges flags/env with the config file and defaults, and validates the result.
     pub fn resolve(self) -> Result<RelayConfig> {
         let file: FileConfig = match &self.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-                toml::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {}", path.display(), e.message()))?
+                parse_file(&text).map_err(|e| anyhow::anyhow!("{}:{e}", path.display()))?
             }
             None => FileConfig::default(),
         };
         let Some(sink) = self.sink.or(file.sink) else {
             bail!("no sink: pass --sink nats|webhook (or OUTBOX_SINK, or sink = \"...\" in the config file)");
         };
+        self.reject_other_sink(sink, &file)?;
         let dsn = self.dsn.or(file.dsn).unwrap_or_default();
         if dsn.trim().is_empty() {
             bail!("no PostgreSQL DSN: pass --dsn or set OUTBOX_DSN");
         }
+        let dsn = with_libpq_defaults(&dsn, &|k| std::env::var(k).ok().filter(|v| !v.is_empty()), &|d| {
+            std::path::Path::new(d).is_dir()
+        })?;
         let subscription = self.subscription.or(file.subscription).unwrap_or_else(|| format!("relay-{}", sink.name()));
         if !valid_subscription_name(&subscription) {
             bail!("bad subscription name '{subscription}': 1-63 characters of [a-z0-9_.-], starting with a letter or digit");
         }
+        let subscription_start_explicit = self.subscription_start.is_some() || file.subscription_start.is_some();
         let subscription_start = self.subscription_start.or(file.subscription_start).unwrap_or_else(|| "now".into());
         if subscription_start != "now" && subscription_start != "earliest" {
             bail!("bad subscription start '{subscription_start}': now or earliest");
@@ -430,7 +577,7 @@ impl RelayArgs {
         let mut endpoints = Vec::new();
         match sink {
             SinkKind::Nats => {
-                let fnats = file.nats;
+                let fnats = file.nats.unwrap_or_default();
                 let urls = self.nats_url.or(fnats.url).unwrap_or_else(|| vec!["nats://127.0.0.1:4222".into()]);
                 let urls: Vec<String> =
                     urls.into_iter().map(|u| u.trim().to_string()).filter(|u| !u.is_empty()).collect();
@@ -484,7 +631,7 @@ impl RelayArgs {
                 });
             }
             SinkKind::Webhook => {
-                let fw = file.webhook;
+                let fw = file.webhook.unwrap_or_default();
                 let default_secrets = self.webhook_secret.or(fw.secrets).unwrap_or_default();
                 let default_timeout = self.webhook_timeout.or(fw.timeout).unwrap_or(Duration::from_secs(10));
                 let default_concurrency = self.webhook_concurrency.or(fw.concurrency).unwrap_or(16);
@@ -566,6 +713,7 @@ impl RelayArgs {
             dsn,
             subscription,
             subscription_start,
+            subscription_start_explicit,
             topics,
             worker,
             batch_size,
@@ -602,6 +750,143 @@ mod tests {
         assert_eq!(decode_secret("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap().len(), 24);
         assert!(decode_secret("MfKQ").is_err());
         assert!(decode_secret("whsec_!!").is_err());
+    }
+
+    fn parse(args: &[&str]) -> Result<RelayConfig> {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            relay: RelayArgs,
+        }
+        let mut argv = vec!["relay", "--dsn", "host=h"];
+        argv.extend_from_slice(args);
+        Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?.relay.resolve()
+    }
+
+    fn file(text: &str) -> PathBuf {
+        let path =
+            std::env::temp_dir().join(format!("outbox-relay-test-{}-{}.toml", std::process::id(), fastrand::u64(..)));
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    #[test]
+    fn settings_of_the_other_sink_are_refused() {
+        let secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let e = parse(&["--sink", "nats", "--webhook-url", "http://h/x"]).unwrap_err().to_string();
+        assert_eq!(e, "--webhook-url does not apply to --sink nats: remove it");
+        let e = parse(&[
+            "--sink",
+            "webhook",
+            "--webhook-url",
+            "http://h/x",
+            "--webhook-secret",
+            secret,
+            "--nats-stream",
+            "S",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("--nats-stream does not apply to --sink webhook"), "{e}");
+        let e = parse(&[
+            "--sink",
+            "webhook",
+            "--webhook-url",
+            "http://h/x",
+            "--webhook-secret",
+            secret,
+            "--max-in-flight",
+            "5",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("--max-in-flight"), "{e}");
+        let f = file(
+            "sink = \"webhook\"\n[nats]\nstream = \"S\"\n[[webhook.endpoints]]\nname = \"a\"\nurl = \"http://h/\"\n",
+        );
+        let e = parse(&["--config", f.to_str().unwrap(), "--webhook-secret", secret]).unwrap_err().to_string();
+        assert!(e.starts_with("[nats] in the config file does not apply to --sink webhook"), "{e}");
+        let f2 = file("[webhook]\ntimeout = \"1s\"\n");
+        let e = parse(&["--sink", "nats", "--config", f2.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.starts_with("[webhook] in the config file does not apply to --sink nats"), "{e}");
+        let _ = std::fs::remove_file(f);
+        let _ = std::fs::remove_file(f2);
+        assert!(parse(&["--sink", "nats", "--nats-stream", "S"]).is_ok());
+        assert!(parse(&["--sink", "webhook", "--webhook-url", "http://h/x", "--webhook-secret", secret]).is_ok());
+    }
+
+    #[test]
+    fn config_file_errors_say_where() {
+        let f = file("sink = \"nats\"\nlease = \"5s\"\nbatch_size = \"many\"\n");
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains(".toml:3:14: "), "{e}");
+        assert!(!e.contains('\n'), "{e}");
+        let _ = std::fs::remove_file(f);
+        let f = file("sink = \"nats\"\n\n  nope = 1\n");
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err().to_string();
+        assert!(e.contains(".toml:3:3: unknown field `nope`"), "{e}");
+        let _ = std::fs::remove_file(f);
+        assert_eq!(line_column("ab\ncdé\nx", 7), (2, 4));
+    }
+
+    #[test]
+    fn dsn_without_host_gets_the_libpq_defaults() {
+        let none = |_: &str| None;
+        let socket = |d: &str| d == "/var/run/postgresql";
+        let no_socket = |_: &str| false;
+        let host = |dsn: &str| {
+            let (c, _) = crate::db::parse_dsn(dsn, "t").unwrap();
+            (c.get_hosts().to_vec(), c.get_ports().to_vec())
+        };
+        use tokio_postgres::config::Host;
+        let d = with_libpq_defaults("dbname=app port=5433", &none, &socket).unwrap();
+        assert_eq!(host(&d), (vec![Host::Unix("/var/run/postgresql".into())], vec![5433]));
+        let d = with_libpq_defaults("dbname=app", &none, &no_socket).unwrap();
+        assert_eq!(host(&d).0, vec![Host::Tcp("localhost".into())]);
+        let env = |k: &str| match k {
+            "PGHOST" => Some("/tmp/sock dir".to_string()),
+            "PGPORT" => Some("5472".to_string()),
+            _ => None,
+        };
+        let d = with_libpq_defaults("user=x", &env, &socket).unwrap();
+        assert_eq!(host(&d), (vec![Host::Unix("/tmp/sock dir".into())], vec![5472]));
+        let d = with_libpq_defaults("postgresql:///app?user=x", &env, &socket).unwrap();
+        assert_eq!(host(&d), (vec![Host::Unix("/tmp/sock dir".into())], vec![5472]));
+        assert_eq!(with_libpq_defaults("host=db port=1", &env, &socket).unwrap(), "host=db port=1");
+        let bad = |k: &str| (k == "PGPORT").then(|| "x".to_string());
+        assert!(with_libpq_defaults("host=db", &bad, &socket).is_err());
+    }
+
+    #[test]
+    fn readme_lists_every_environment_variable() {
+        use clap::CommandFactory as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            relay: RelayArgs,
+        }
+        let readme = include_str!("../../../../README.md");
+        let start = readme.find("### Configuration").expect("relay configuration section");
+        let section = &readme[start..start + readme[start..].find("### NATS JetStream sink").expect("next section")];
+        let mut missing = Vec::new();
+        for arg in Cli::command().get_arguments() {
+            if arg.is_hide_set() {
+                continue;
+            }
+            if let Some(env) = arg.get_env() {
+                let env = env.to_string_lossy();
+                if !section.contains(&format!("`{env}`")) {
+                    missing.push(env.to_string());
+                }
+            }
+        }
+        for env in ["OUTBOX_LOG", "OUTBOX_LOG_FORMAT", "PGHOST", "PGPORT"] {
+            if !section.contains(&format!("`{env}`")) {
+                missing.push(env.to_string());
+            }
+        }
+        assert!(missing.is_empty(), "README's relay configuration table lacks {missing:?}");
     }
 
     #[test]

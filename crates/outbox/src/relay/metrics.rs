@@ -3,10 +3,17 @@
 //! Invariants: metrics are observations only. Nothing here takes part in delivery decisions, and
 //! the HTTP server failing (port taken) stops the relay at start rather than running blind. The
 //! server binds to loopback by default; it serves no event data.
+//!
+//! `/healthz` answers 200 while PostgreSQL answered the last call, the relay is not stopping, and
+//! at least one sink lane can deliver: the NATS sink while its broker is connected and its stream
+//! accepts publishes; a webhook endpoint while it is neither disabled (410, subscription paused)
+//! nor unreachable (its last request got no HTTP response: connection error or timeout). Else 503,
+//! with the reason in the JSON body (`"reason"`). A lane counts as up until it has been seen down,
+//! except the NATS sink, which is down until its stream has been created or validated.
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context as _, Result};
 use axum::extract::State;
@@ -53,10 +60,57 @@ pub struct Metrics {
 pub struct Health {
     /// PostgreSQL answered the last call.
     pub db: AtomicBool,
-    /// The sink is reachable.
-    pub sink: AtomicBool,
     /// Shutdown has begun.
     pub stopping: AtomicBool,
+    /// One entry per lane (the NATS sink, or each webhook endpoint).
+    sinks: Mutex<Vec<Arc<SinkHealth>>>,
+}
+
+/// Whether one lane's sink can deliver, and why not.
+pub struct SinkHealth {
+    name: String,
+    up: AtomicBool,
+    reason: Mutex<String>,
+}
+
+impl SinkHealth {
+    /// Records the state; `reason` says why it is down (ignored when up).
+    pub fn set(&self, up: bool, reason: &str) {
+        if !up {
+            *self.reason.lock().unwrap_or_else(|p| p.into_inner()) = reason.to_string();
+        }
+        self.up.store(up, Ordering::Relaxed);
+    }
+
+    /// True while the lane can deliver.
+    pub fn is_up(&self) -> bool {
+        self.up.load(Ordering::Relaxed)
+    }
+}
+
+impl Health {
+    /// Adds a lane's sink, initially `up`.
+    pub fn register_sink(&self, name: &str, up: bool, reason: &str) -> Arc<SinkHealth> {
+        let s =
+            Arc::new(SinkHealth { name: name.to_string(), up: AtomicBool::new(up), reason: Mutex::new(reason.into()) });
+        self.sinks.lock().unwrap_or_else(|p| p.into_inner()).push(s.clone());
+        s
+    }
+
+    /// (some lane can deliver, the reasons of those that cannot, `; `-separated).
+    fn sink_status(&self) -> (bool, String) {
+        let sinks = self.sinks.lock().unwrap_or_else(|p| p.into_inner());
+        let up = sinks.iter().any(|s| s.is_up());
+        let down: Vec<String> = sinks
+            .iter()
+            .filter(|s| !s.is_up())
+            .map(|s| format!("{}: {}", s.name, s.reason.lock().unwrap_or_else(|p| p.into_inner())))
+            .collect();
+        if sinks.is_empty() {
+            return (false, "sink not started".into());
+        }
+        (up, down.join("; "))
+    }
 }
 
 impl Metrics {
@@ -135,15 +189,32 @@ async fn metrics_handler(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], m.render())
 }
 
-async fn health_handler(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
-    let db = m.health.db.load(Ordering::Relaxed);
-    let sink = m.health.sink.load(Ordering::Relaxed);
-    let stopping = m.health.stopping.load(Ordering::Relaxed);
+/// The `/healthz` answer: (healthy, JSON body).
+pub fn health_report(h: &Health) -> (bool, String) {
+    let db = h.db.load(Ordering::Relaxed);
+    let (sink, sink_reason) = h.sink_status();
+    let stopping = h.stopping.load(Ordering::Relaxed);
     let ok = db && sink && !stopping;
+    let mut reasons = Vec::new();
+    if stopping {
+        reasons.push("stopping".to_string());
+    }
+    if !db {
+        reasons.push("PostgreSQL unreachable".to_string());
+    }
+    if !sink {
+        reasons.push(sink_reason);
+    }
+    let reason = serde_json::Value::String(reasons.join("; "));
     let body = format!(
-        "{{\"status\":\"{}\",\"db\":{db},\"sink\":{sink},\"stopping\":{stopping}}}\n",
+        "{{\"status\":\"{}\",\"db\":{db},\"sink\":{sink},\"stopping\":{stopping},\"reason\":{reason}}}\n",
         if ok { "ok" } else { "unavailable" }
     );
+    (ok, body)
+}
+
+async fn health_handler(State(m): State<Arc<Metrics>>) -> impl IntoResponse {
+    let (ok, body) = health_report(&m.health);
     let code = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
     (code, [(header::CONTENT_TYPE, "application/json")], body)
 }
@@ -164,4 +235,29 @@ pub async fn serve(addr: SocketAddr, metrics: Arc<Metrics>) -> Result<SocketAddr
         }
     });
     Ok(bound)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn healthz_needs_one_sink_lane_up() {
+        let h = Health::default();
+        h.db.store(true, Ordering::Relaxed);
+        assert!(!health_report(&h).0, "no sink yet");
+        let a = h.register_sink("webhook main", true, "");
+        let b = h.register_sink("webhook crm", true, "");
+        assert!(health_report(&h).0);
+        a.set(false, "disabled (HTTP 410)");
+        assert!(health_report(&h).0, "one endpoint is still up");
+        b.set(false, "unreachable: connection refused");
+        let (ok, body) = health_report(&h);
+        assert!(!ok);
+        assert!(body.contains("webhook main: disabled (HTTP 410); webhook crm: unreachable"), "{body}");
+        b.set(true, "");
+        assert!(health_report(&h).0);
+        h.stopping.store(true, Ordering::Relaxed);
+        assert!(health_report(&h).1.contains("\"reason\":\"stopping\""));
+    }
 }

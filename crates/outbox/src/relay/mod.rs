@@ -23,7 +23,15 @@
 //! - **Graceful stop.** SIGTERM/SIGINT stop claiming; in-flight deliveries finish (or fail with
 //!   `retry_in = 0` so another instance takes them at once), their outcomes are written, and the
 //!   process exits 0. Anything still out after `--shutdown-timeout` is left to its lease.
+//! - **Fail fast on what retrying cannot fix.** A permanent error (see [`classify`]: bad DSN, TLS
+//!   refused, authentication, missing privilege such as `42501` from `claim`, a stream config the
+//!   server refuses) begins the same graceful stop and the process exits 1 with that error as one
+//!   line. Transient errors (connection refused, server restarting) are retried with backoff.
+//! - **The relay does what its flags say.** A subscription that already exists with another
+//!   topic filter than `--topics` (or an endpoint's `topics`) stops the relay at start: claiming
+//!   under a filter the operator did not ask for would silently skip or add events.
 
+pub mod classify;
 pub mod config;
 pub mod metrics;
 pub mod nats;
@@ -31,14 +39,15 @@ pub mod webhook;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{anyhow, bail, Result};
 use tokio::sync::{mpsc, watch, Notify, Semaphore};
 use uuid::Uuid;
 
-use crate::db::{ConnectError, Db, Event};
+use crate::db::{Db, Event};
+use classify::Class;
 use config::{RelayArgs, RelayConfig, SinkKind};
 use metrics::Metrics;
 use nats::NatsSink;
@@ -56,6 +65,12 @@ pub enum Outcome {
         /// Delay before the next attempt (`Retry-After`, or 0 at shutdown).
         retry_in: Option<Duration>,
     },
+    /// The sink kept failing until the retry horizon: `fail` with the outbox's backoff. Separate
+    /// from `Retry` so the batch, not every event, logs it.
+    RetryHorizon {
+        /// The last error, recorded with the failure.
+        error: String,
+    },
     /// Never deliverable: `fail(..., permanent => true)`.
     Dead {
         /// The error recorded with the dead letter.
@@ -63,19 +78,56 @@ pub enum Outcome {
     },
 }
 
-/// A cloneable shutdown signal.
+/// A cloneable shutdown signal; [`Shutdown::fatal`] also records why the relay must exit 1.
 #[derive(Clone)]
-pub struct Shutdown(watch::Receiver<bool>);
+pub struct Shutdown {
+    rx: watch::Receiver<bool>,
+    ctl: Arc<StopControl>,
+}
+
+struct StopControl {
+    tx: watch::Sender<bool>,
+    fatal: Mutex<Option<String>>,
+    metrics: Arc<Metrics>,
+}
 
 impl Shutdown {
+    fn new(metrics: Arc<Metrics>) -> Self {
+        let (tx, rx) = watch::channel(false);
+        Self { rx, ctl: Arc::new(StopControl { tx, fatal: Mutex::new(None), metrics }) }
+    }
+
+    /// Begins the graceful stop.
+    fn begin(&self) {
+        self.ctl.metrics.health.stopping.store(true, Ordering::Relaxed);
+        let _ = self.ctl.tx.send(true);
+    }
+
+    /// Begins the graceful stop for an error that retrying cannot fix; the process then exits 1
+    /// with `error` (the first one, when several tasks hit it).
+    pub fn fatal(&self, error: String) {
+        {
+            let mut f = self.ctl.fatal.lock().unwrap_or_else(|p| p.into_inner());
+            if f.is_none() {
+                tracing::error!("{error}; stopping");
+                *f = Some(error);
+            }
+        }
+        self.begin();
+    }
+
+    fn fatal_error(&self) -> Option<String> {
+        self.ctl.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
     /// True once shutdown has begun.
     pub fn is_set(&self) -> bool {
-        *self.0.borrow()
+        *self.rx.borrow()
     }
 
     /// Resolves when shutdown begins.
     pub async fn wait(&self) {
-        let mut rx = self.0.clone();
+        let mut rx = self.rx.clone();
         let _ = rx.wait_for(|v| *v).await;
     }
 
@@ -139,10 +191,44 @@ struct BatchStats {
     retried: AtomicUsize,
     dead: AtomicUsize,
     stale: AtomicUsize,
+    /// Events that reached the NATS retry horizon, and the last error of one of them.
+    horizon: AtomicUsize,
+    horizon_error: Mutex<Option<String>>,
+}
+
+impl BatchStats {
+    fn new(lane: &Arc<Lane>, claimed: usize) -> Self {
+        Self {
+            lane: lane.clone(),
+            seq: lane.batch_seq.fetch_add(1, Ordering::Relaxed) + 1,
+            claimed,
+            started: Instant::now(),
+            relayed: AtomicUsize::new(0),
+            retried: AtomicUsize::new(0),
+            dead: AtomicUsize::new(0),
+            stale: AtomicUsize::new(0),
+            horizon: AtomicUsize::new(0),
+            horizon_error: Mutex::new(None),
+        }
+    }
 }
 
 impl Drop for BatchStats {
     fn drop(&mut self) {
+        let horizon = self.horizon.load(Ordering::Relaxed);
+        if horizon > 0 {
+            let last = self.horizon_error.lock().unwrap_or_else(|p| p.into_inner()).take().unwrap_or_default();
+            let limit = self.lane.cfg.nats.as_ref().map(|n| n.retry_horizon).unwrap_or_default();
+            tracing::warn!(
+                sink = %self.lane.labels[0],
+                subscription = %self.lane.labels[1],
+                batch = self.seq,
+                "{horizon} of {} events reached the retry horizon ({}) and were failed with the outbox's \
+                 backoff; last error: {last}",
+                self.claimed,
+                humantime::format_duration(limit)
+            );
+        }
         let secs = self.started.elapsed().as_secs_f64();
         self.lane.metrics.batch_seconds.with_label_values(&self.lane.labels).observe(secs);
         tracing::info!(
@@ -175,6 +261,15 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let metrics = Metrics::new()?;
     let shutdown = install_signals(metrics.clone())?;
+    let result = run_with(cfg, metrics, &shutdown).await;
+    match shutdown.fatal_error() {
+        Some(e) => Err(anyhow!(e)),
+        None => result,
+    }
+}
+
+async fn run_with(cfg: Arc<RelayConfig>, metrics: Arc<Metrics>, shutdown: &Shutdown) -> Result<()> {
+    let shutdown = shutdown.clone();
     if let Some(addr) = cfg.metrics_listen {
         let bound = metrics::serve(addr, metrics.clone()).await?;
         tracing::info!("metrics on http://{bound}/metrics and /healthz");
@@ -197,6 +292,7 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     match cfg.sink {
         SinkKind::Nats => {
             let Some(ncfg) = cfg.nats.clone() else { bail!("internal: NATS sink without settings") };
+            check_subscription(&setup_db, &cfg.subscription, cfg.topics.as_deref(), &cfg).await?;
             let has_subs =
                 setup_db.ensure_subscription(&cfg.subscription, cfg.topics.as_deref(), &cfg.subscription_start).await?;
             let subscription = has_subs.then(|| cfg.subscription.clone());
@@ -225,8 +321,8 @@ pub async fn run(args: RelayArgs) -> Result<()> {
             }));
         }
         SinkKind::Webhook => {
-            metrics.health.sink.store(true, Ordering::Relaxed);
             for ep in &cfg.endpoints {
+                check_subscription(&setup_db, &ep.subscription, ep.topics.as_deref(), &cfg).await?;
                 let has_subs = setup_db
                     .ensure_subscription(&ep.subscription, ep.topics.as_deref(), &cfg.subscription_start)
                     .await?;
@@ -234,12 +330,16 @@ pub async fn run(args: RelayArgs) -> Result<()> {
                     bail!("webhook endpoints need subscriptions (outbox_ext 0.9.0 or later)");
                 }
                 let ack_db = Arc::new(Db::new(&cfg.dsn, &app_name, false)?);
-                let endpoint = Arc::new(WebhookEndpoint::new(ep.clone(), outbox_id, ack_db.clone())?);
+                let labels = ["webhook".to_string(), ep.subscription.clone()];
+                let health = metrics.health.register_sink(&format!("webhook endpoint '{}'", ep.name), true, "");
+                let sink_up = metrics.sink_up.with_label_values(&labels);
+                sink_up.set(1);
+                let endpoint = Arc::new(WebhookEndpoint::new(ep.clone(), outbox_id, ack_db.clone(), health, sink_up)?);
                 lanes.push(Arc::new(Lane {
                     sink: Sink::Webhook(endpoint),
                     subscription: Some(ep.subscription.clone()),
                     topics: ep.topics.clone(),
-                    labels: ["webhook".into(), ep.subscription.clone()],
+                    labels,
                     max_in_flight: ep.concurrency,
                     claim_db: Arc::new(Db::new(&cfg.dsn, &app_name, true)?),
                     ack_db,
@@ -271,8 +371,66 @@ pub async fn run(args: RelayArgs) -> Result<()> {
     Ok(())
 }
 
-/// Connects the first time, retrying while the server is unreachable. A refusal by the server
-/// (authentication, unknown database) is fatal. Returns false when shutdown came first.
+/// Normalised topic filter: None for every topic, else the sorted, distinct patterns.
+fn topic_set(topics: Option<&[String]>) -> Option<Vec<String>> {
+    let t = topics?;
+    if t.is_empty() || t.iter().any(|p| p == "*") {
+        return None;
+    }
+    let mut v = t.to_vec();
+    v.sort();
+    v.dedup();
+    Some(v)
+}
+
+fn show_topics(t: &Option<Vec<String>>) -> String {
+    match t {
+        None => "every topic".to_string(),
+        Some(v) => format!("[{}]", v.join(",")),
+    }
+}
+
+/// Before the relay creates or uses `name`: when it exists already, its topic filter must be the
+/// one asked for (`topics`, when given), and a `--subscription-start` that cannot apply any more
+/// is said so. Extensions without subscriptions (before 0.9.0) have nothing to check.
+async fn check_subscription(db: &Db, name: &str, topics: Option<&[String]>, cfg: &RelayConfig) -> Result<()> {
+    let c = db.client().await?;
+    let row = match c.query_opt("SELECT topics FROM outbox.subscriptions WHERE name = $1::text", &[&name]).await {
+        Ok(row) => row,
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::UNDEFINED_TABLE) => return Ok(()),
+        Err(e) => bail!("reading subscription '{name}' from outbox.subscriptions: {}", crate::db::pg_error(&e)),
+    };
+    let Some(row) = row else { return Ok(()) };
+    let existing: Option<Vec<String>> = row.get(0);
+    let existing = topic_set(existing.as_deref());
+    if topics.is_some() {
+        let wanted = topic_set(topics);
+        if wanted != existing {
+            bail!(
+                "subscription '{name}' already exists with topics {}, but the relay is configured for {}: \
+                 configure those topics (or none, to use the subscription's), use another subscription name, \
+                 or drop it first with SELECT outbox.drop_subscription('{name}') (topics cannot be altered)",
+                show_topics(&existing),
+                show_topics(&wanted)
+            );
+        }
+    } else {
+        tracing::info!(subscription = name, topics = %show_topics(&existing), "using the subscription's topic filter");
+    }
+    if cfg.subscription_start_explicit {
+        tracing::warn!(
+            subscription = name,
+            "subscription exists already: --subscription-start {} applies only to a subscription the relay \
+             creates (drop it first to start it again)",
+            cfg.subscription_start
+        );
+    }
+    Ok(())
+}
+
+/// Connects the first time, retrying while the server is unreachable or starting. An error that
+/// retrying cannot fix ([`classify`]: authentication, unknown database, bad DSN, TLS refused) is
+/// returned. Returns false when shutdown came first.
 async fn wait_for_db(db: &Db, metrics: &Metrics, shutdown: &Shutdown) -> Result<bool> {
     let mut delay = Duration::from_millis(200);
     loop {
@@ -282,7 +440,7 @@ async fn wait_for_db(db: &Db, metrics: &Metrics, shutdown: &Shutdown) -> Result<
                 return Ok(true);
             }
             Err(e) => {
-                if e.downcast_ref::<ConnectError>().is_some_and(|c| c.from_server) {
+                if classify::db_error(&e) == Class::Permanent {
                     return Err(e);
                 }
                 metrics.set_db_up(false);
@@ -299,7 +457,8 @@ async fn wait_for_db(db: &Db, metrics: &Metrics, shutdown: &Shutdown) -> Result<
 /// SIGTERM/SIGINT begin a graceful stop; a second signal exits at once.
 fn install_signals(metrics: Arc<Metrics>) -> Result<Shutdown> {
     use tokio::signal::unix::{signal, SignalKind};
-    let (tx, rx) = watch::channel(false);
+    let shutdown = Shutdown::new(metrics);
+    let stopper = shutdown.clone();
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
     tokio::spawn(async move {
@@ -315,11 +474,10 @@ fn install_signals(metrics: Arc<Metrics>) -> Result<Shutdown> {
                 std::process::exit(1);
             }
             tracing::info!("{name}: stopping claims, finishing in-flight events");
-            metrics.health.stopping.store(true, Ordering::Relaxed);
-            let _ = tx.send(true);
+            stopper.begin();
         }
     });
-    Ok(Shutdown(rx))
+    Ok(shutdown)
 }
 
 /// Refreshes lag gauges and, for webhook endpoints, the disabled flag (the paused state of the
@@ -357,7 +515,7 @@ async fn run_lane(lane: Arc<Lane>, shutdown: Shutdown) {
     let cfg = lane.cfg.clone();
     let sem = Arc::new(Semaphore::new(lane.max_in_flight));
     let (tx, rx) = mpsc::unbounded_channel::<Finish>();
-    let acker = tokio::spawn(run_acker(lane.clone(), rx));
+    let acker = tokio::spawn(run_acker(lane.clone(), rx, shutdown.clone()));
     let subjects: SubjectLocks = Arc::default();
     let mut loops = Vec::new();
     for i in 0..cfg.claimers {
@@ -445,6 +603,10 @@ async fn claim_loop(
                 evs
             }
             Err(e) => {
+                if classify::db_error(&e) == Class::Permanent {
+                    shutdown.fatal(format!("subscription '{}': {e:#}", lane.labels[1]));
+                    break;
+                }
                 lane.metrics.set_db_up(false);
                 tracing::warn!("{e:#}; retrying in {delay:?}");
                 if shutdown.sleep(delay).await {
@@ -463,16 +625,7 @@ async fn claim_loop(
             }
             continue;
         }
-        let batch = Arc::new(BatchStats {
-            lane: lane.clone(),
-            seq: lane.batch_seq.fetch_add(1, Ordering::Relaxed) + 1,
-            claimed: events.len(),
-            started: Instant::now(),
-            relayed: AtomicUsize::new(0),
-            retried: AtomicUsize::new(0),
-            dead: AtomicUsize::new(0),
-            stale: AtomicUsize::new(0),
-        });
+        let batch = Arc::new(BatchStats::new(&lane, events.len()));
         lane.metrics.in_flight.with_label_values(&lane.labels).add(events.len() as i64);
         let mut reserved = reserved;
         for ev in events {
@@ -501,6 +654,10 @@ async fn claim_loop(
                 lane2.metrics.in_flight.with_label_values(&lane2.labels).dec();
                 match outcome {
                     Some(outcome) => {
+                        if let Outcome::RetryHorizon { error } = &outcome {
+                            batch.horizon.fetch_add(1, Ordering::Relaxed);
+                            *batch.horizon_error.lock().unwrap_or_else(|p| p.into_inner()) = Some(error.clone());
+                        }
                         let _ = tx.send(Finish { id: ev.id, token: ev.lease_token, outcome, batch });
                     }
                     None => {
@@ -534,6 +691,9 @@ async fn deliver_with_heartbeat(lane: &Lane, ev: &Event, shutdown: &Shutdown) ->
                         return None;
                     }
                     Err(e) => {
+                        if classify::db_error(&e) == Class::Permanent {
+                            shutdown.fatal(format!("{e:#}"));
+                        }
                         tracing::warn!(event = ev.id, "extend_lease: {e:#}");
                         next = tokio::time::Instant::now() + Duration::from_millis(500);
                     }
@@ -546,7 +706,7 @@ async fn deliver_with_heartbeat(lane: &Lane, ev: &Event, shutdown: &Shutdown) ->
 /// Writes outcomes: acks in batches (one round trip for many events), fails one by one. Retries
 /// database errors with backoff for up to one lease; after that the leases have expired and the
 /// events will be handed out again (and deduplicated by their message id).
-async fn run_acker(lane: Arc<Lane>, mut rx: mpsc::UnboundedReceiver<Finish>) {
+async fn run_acker(lane: Arc<Lane>, mut rx: mpsc::UnboundedReceiver<Finish>, shutdown: Shutdown) {
     let lease = lane.cfg.lease;
     while let Some(first) = rx.recv().await {
         let mut items = vec![first];
@@ -582,6 +742,10 @@ async fn run_acker(lane: Arc<Lane>, mut rx: mpsc::UnboundedReceiver<Finish>) {
                         break;
                     }
                     Err(e) => {
+                        if classify::db_error(&e) == Class::Permanent {
+                            shutdown.fatal(format!("{e:#}"));
+                            break;
+                        }
                         lane.metrics.set_db_up(false);
                         if started.elapsed() > lease {
                             tracing::error!("ack of {} events failed for longer than the lease: {e:#}", ids.len());
@@ -597,6 +761,7 @@ async fn run_acker(lane: Arc<Lane>, mut rx: mpsc::UnboundedReceiver<Finish>) {
         for f in fails {
             let (error, retry_in, permanent) = match &f.outcome {
                 Outcome::Retry { error, retry_in } => (error.as_str(), *retry_in, false),
+                Outcome::RetryHorizon { error } => (error.as_str(), None, false),
                 Outcome::Dead { error } => (error.as_str(), None, true),
                 Outcome::Delivered => continue,
             };
@@ -621,6 +786,10 @@ async fn run_acker(lane: Arc<Lane>, mut rx: mpsc::UnboundedReceiver<Finish>) {
                         break;
                     }
                     Err(e) => {
+                        if classify::db_error(&e) == Class::Permanent {
+                            shutdown.fatal(format!("{e:#}"));
+                            break;
+                        }
                         lane.metrics.set_db_up(false);
                         if started.elapsed() > lease {
                             tracing::error!(event = f.id, "fail() did not succeed within the lease: {e:#}");

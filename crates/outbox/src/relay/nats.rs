@@ -17,20 +17,40 @@
 //!   acked, and we ack only after the PubAck, so an event is never published before the earlier
 //!   events of its subject are stored. The dispatcher also serialises events of one subject inside
 //!   this process, as a second line of defence.
-//! - While the broker is unreachable the claim loop waits in [`NatsSink::ready`], so no lease is
-//!   taken and no attempt is burnt.
+//! - While the broker is unreachable, or the stream is missing or failing, the claim loop waits in
+//!   [`NatsSink::ready`], so no lease is taken and no attempt is burnt. Recovery runs the same
+//!   create-or-validate step as the start ([`NatsSink::ensure_stream`]): a stream deleted while the
+//!   relay runs is created again (in-flight events are re-published into it with their message
+//!   ids), and a stream replaced by one that breaks the guarantees stops the relay.
+//!
+//! Error classes (JetStream API errors carry an HTTP-like `code` and an `err_code`):
+//! - publish, per event: a 4xx code other than 404/408/409/429, or `err_code` 10054 (message over
+//!   the stream's `max_msg_size`) or 10097 (headers too large), can never succeed for this message:
+//!   the event is a dead letter at once, with the code and description, and the broker is not
+//!   marked down. "No responders" / stream not found means the stream is missing: it is recreated
+//!   (above). Everything else (timeouts, disconnects, 5xx such as no quorum or a full stream) is a
+//!   broker fault: the same message is published again until the retry horizon.
+//!   Codes of passing conditions (cluster forming, peers or resources missing, stream offline,
+//!   stream full) are broker faults whatever their class.
+//! - stream create: a refused configuration (`err_code` 10052 invalid config, 10096 invalid
+//!   stream, 10074 replicas unsupported, 10065 subject overlap, 10073, 10003 bad request, 10025,
+//!   10023/10028/10047 resources, 10027 stream limit, 10039/10076 JetStream disabled) stops the
+//!   relay with one line; anything else (10058 name exists: a concurrent create; 10005 no peers
+//!   while a cluster forms; timeouts) is retried.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
-use async_nats::jetstream::{self, stream};
+use async_nats::jetstream::context::{CreateStreamErrorKind, PublishError, PublishErrorKind};
+use async_nats::jetstream::{self, stream, ErrorCode};
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use uuid::Uuid;
 
 use super::config::NatsConfig;
+use super::metrics::SinkHealth;
 use super::{Outcome, Shutdown};
 use crate::db::Event;
 
@@ -42,7 +62,11 @@ pub struct NatsSink {
     outbox_id: Uuid,
     healthy: AtomicBool,
     metrics: Arc<super::metrics::Metrics>,
+    health: Arc<SinkHealth>,
     labels: [String; 2],
+    lease: Duration,
+    /// One create-or-validate at a time (claim loops and deliveries may all want to recover).
+    ensure_lock: tokio::sync::Mutex<()>,
 }
 
 impl NatsSink {
@@ -100,10 +124,22 @@ impl NatsSink {
         let mut js = jetstream::new(client.clone());
         js.set_timeout(cfg.ack_timeout);
         let labels = ["nats".to_string(), subscription.to_string()];
-        let sink = Self { client, js, cfg, outbox_id, healthy: AtomicBool::new(false), metrics, labels };
+        let health = metrics.health.register_sink("nats", false, "stream not validated yet");
+        let sink = Self {
+            client,
+            js,
+            cfg,
+            outbox_id,
+            healthy: AtomicBool::new(false),
+            metrics,
+            health,
+            labels,
+            lease,
+            ensure_lock: tokio::sync::Mutex::new(()),
+        };
         let mut delay = Duration::from_millis(200);
         loop {
-            match sink.ensure_stream(lease).await {
+            match sink.ensure_stream().await {
                 Ok(()) => break,
                 Err(StreamError::Fatal(e)) => return Err(e),
                 Err(StreamError::Retry(e)) => {
@@ -115,13 +151,14 @@ impl NatsSink {
                 }
             }
         }
-        sink.set_healthy(true);
+        sink.set_healthy(true, "");
         Ok(Some(sink))
     }
 
     /// Creates the stream (subjects `<prefix>.>`) or checks that the existing one captures our
     /// subjects and deduplicates long enough.
-    async fn ensure_stream(&self, lease: Duration) -> std::result::Result<(), StreamError> {
+    async fn ensure_stream(&self) -> std::result::Result<(), StreamError> {
+        let lease = self.lease;
         let wanted_subject = format!("{}.>", self.cfg.prefix);
         match self.js.get_stream(&self.cfg.stream).await {
             Ok(mut s) => {
@@ -176,30 +213,32 @@ impl NatsSink {
                         );
                         Ok(())
                     }
-                    Err(e) => {
-                        let text = e.to_string();
-                        if text.contains("already in use")
-                            || text.contains("overlap")
-                            || text.contains("insufficient resources")
-                        {
-                            Err(StreamError::Fatal(anyhow!("cannot create stream '{}': {text}", self.cfg.stream)))
-                        } else {
-                            Err(StreamError::Retry(anyhow!("create stream: {text}")))
+                    Err(e) => match e.kind() {
+                        CreateStreamErrorKind::JetStream(je) if create_refused(&je) => {
+                            Err(StreamError::Fatal(anyhow!(
+                            "JetStream refused to create stream '{}' (subjects {wanted_subject}, duplicate window {}, \
+                             {} replica(s)): {}",
+                            self.cfg.stream,
+                            humantime::format_duration(self.cfg.duplicate_window),
+                            self.cfg.replicas,
+                            describe(&je)
+                        )))
                         }
-                    }
+                        _ => Err(StreamError::Retry(anyhow!("create stream: {e}"))),
+                    },
                 }
             }
             Err(e) => Err(StreamError::Retry(anyhow!("{e}"))),
         }
     }
 
-    fn set_healthy(&self, up: bool) {
+    fn set_healthy(&self, up: bool, reason: &str) {
         self.healthy.store(up, Ordering::Relaxed);
-        self.metrics.health.sink.store(up, Ordering::Relaxed);
+        self.health.set(up, reason);
         self.metrics.sink_up.with_label_values(&self.labels).set(i64::from(up));
     }
 
-    /// Waits until the broker is connected and the last publish (or a probe) succeeded. Returns
+    /// Waits until the broker is connected and the last publish (or a recovery) succeeded. Returns
     /// false when shutdown began first. The claim loop calls this before every claim.
     pub async fn ready(&self, shutdown: &Shutdown) -> bool {
         let mut delay = Duration::from_millis(100);
@@ -212,21 +251,45 @@ impl NatsSink {
                 return true;
             }
             if connected {
-                // Connected but publishes failed (no JetStream quorum, stream leader election):
-                // probe the stream before taking new leases.
-                let probe = tokio::time::timeout(self.cfg.ack_timeout, self.js.get_stream(&self.cfg.stream)).await;
-                if let Ok(Ok(_)) = probe {
-                    tracing::info!("nats: stream '{}' reachable again", self.cfg.stream);
-                    self.set_healthy(true);
+                if self.recover(shutdown).await {
                     return true;
                 }
             } else {
-                self.set_healthy(false);
+                self.set_healthy(false, "broker unreachable");
             }
             if shutdown.sleep(delay).await {
                 return false;
             }
             delay = (delay * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Connected but publishes failed (stream deleted, no JetStream quorum, leader election): runs
+    /// the start's create-or-validate again before new leases are taken. True when the stream is
+    /// usable. A stream that now breaks the guarantees stops the relay.
+    async fn recover(&self, shutdown: &Shutdown) -> bool {
+        // Whoever holds the lock recovers for everyone; the others keep their own backoff rather
+        // than queueing up behind it.
+        let Ok(_one) = self.ensure_lock.try_lock() else { return false };
+        if self.healthy.load(Ordering::Relaxed) {
+            return true;
+        }
+        match tokio::time::timeout(self.cfg.ack_timeout * 2, self.ensure_stream()).await {
+            Ok(Ok(())) => {
+                tracing::info!("nats: stream '{}' usable again", self.cfg.stream);
+                self.set_healthy(true, "");
+                true
+            }
+            Ok(Err(StreamError::Fatal(e))) => {
+                self.set_healthy(false, "stream unusable");
+                shutdown.fatal(format!("{e:#}"));
+                false
+            }
+            Ok(Err(StreamError::Retry(e))) => {
+                tracing::debug!("nats: stream '{}' not ready: {e:#}", self.cfg.stream);
+                false
+            }
+            Err(_) => false,
         }
     }
 
@@ -280,14 +343,29 @@ impl NatsSink {
                         self.metrics.duplicates.with_label_values(&self.labels).inc();
                     }
                     if !self.healthy.load(Ordering::Relaxed) {
-                        self.set_healthy(true);
+                        self.set_healthy(true, "");
                     }
                     return Outcome::Delivered;
                 }
-                Ok(Err(e)) => format!("nats publish: {e}"),
-                Err(_) => "nats publish: no PubAck in time".to_string(),
+                Ok(Err(e)) => match classify_publish(&e) {
+                    PublishFailure::Permanent(why) => {
+                        return Outcome::Dead { error: format!("nats publish to {subject} refused: {why}") };
+                    }
+                    PublishFailure::StreamMissing => {
+                        self.set_healthy(false, "stream missing");
+                        self.recover(shutdown).await;
+                        format!("nats publish: stream '{}' missing: {e}", self.cfg.stream)
+                    }
+                    PublishFailure::Transient => {
+                        self.set_healthy(false, "publishes failing");
+                        format!("nats publish: {e}")
+                    }
+                },
+                Err(_) => {
+                    self.set_healthy(false, "no PubAck in time");
+                    "nats publish: no PubAck in time".to_string()
+                }
             };
-            self.set_healthy(false);
             self.metrics.retries.with_label_values(&self.labels).inc();
             if shutdown.is_set() {
                 return Outcome::Retry {
@@ -296,8 +374,9 @@ impl NatsSink {
                 };
             }
             if started.elapsed() + delay >= self.cfg.retry_horizon {
-                tracing::warn!(event = ev.id, "{error}; retry horizon reached, failing the event");
-                return Outcome::Retry { error, retry_in: None };
+                // Logged once per batch (BatchStats), not per event: an outage reaches the horizon
+                // for every event in flight at once.
+                return Outcome::RetryHorizon { error };
             }
             tracing::debug!(event = ev.id, "{error}; publishing again in {delay:?}");
             if shutdown.sleep(delay).await {
@@ -314,6 +393,91 @@ impl NatsSink {
 enum StreamError {
     Fatal(anyhow::Error),
     Retry(anyhow::Error),
+}
+
+/// What a failed publish means for the event.
+#[derive(Debug, PartialEq, Eq)]
+enum PublishFailure {
+    /// This message can never be stored: dead letter (with why).
+    Permanent(String),
+    /// No stream captures the subject: recreate it, then publish again.
+    StreamMissing,
+    /// A broker fault: publish again.
+    Transient,
+}
+
+/// A JetStream API error for logs and dead letters: `JetStream: <description> (code N, error code M)`.
+fn describe(e: &jetstream::Error) -> String {
+    format!("JetStream: {e}")
+}
+
+/// Error codes of conditions that pass (cluster forming or electing, peers missing, resources or
+/// storage exhausted, stream offline) whatever HTTP-like code the server gives them.
+fn passing_condition(e: &jetstream::Error) -> bool {
+    const CODES: [ErrorCode; 18] = [
+        ErrorCode::ACCOUNT_RESOURCES_EXCEEDED,
+        ErrorCode::CLUSTER_INCOMPLETE,
+        ErrorCode::CLUSTER_NO_PEERS,
+        ErrorCode::CLUSTER_NOT_ACTIVE,
+        ErrorCode::CLUSTER_NOT_ASSIGNED,
+        ErrorCode::CLUSTER_NOT_AVAILABLE,
+        ErrorCode::CLUSTER_NOT_LEADER,
+        ErrorCode::CLUSTER_REQUIRED,
+        ErrorCode::INSUFFICIENT_RESOURCES,
+        ErrorCode::MEMORY_RESOURCES_EXCEEDED,
+        ErrorCode::CLUSTER_PEER_NOT_MEMBER,
+        ErrorCode::RAFT_GENERAL,
+        ErrorCode::CLUSTER_SERVER_NOT_MEMBER,
+        ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+        ErrorCode::STREAM_ASSIGNMENT,
+        ErrorCode::PEER_REMAP,
+        ErrorCode::STREAM_STORE_FAILED,
+        ErrorCode::STREAM_OFFLINE,
+    ];
+    CODES.contains(&e.error_code())
+}
+
+/// Whether a JetStream API error answering a publish rejects this message for good.
+fn publish_refused(e: &jetstream::Error) -> bool {
+    let code = e.code();
+    let per_message = [ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM, ErrorCode::STREAM_HEADER_EXCEEDS_MAXIMUM];
+    per_message.contains(&e.error_code())
+        || ((400..500).contains(&code) && ![404, 408, 409, 429].contains(&code) && !passing_condition(e))
+}
+
+/// Whether a JetStream API error answering a stream create refuses our configuration. Only named
+/// codes: while a cluster forms, creates fail with 4xx codes too ("no suitable peers").
+fn create_refused(e: &jetstream::Error) -> bool {
+    let config = [
+        ErrorCode::STREAM_INVALID_CONFIG,
+        ErrorCode::STREAM_INVALID,
+        ErrorCode::STREAM_REPLICAS_NOT_SUPPORTED,
+        ErrorCode::STREAM_SUBJECT_OVERLAP,
+        ErrorCode::NAME_NOT_MATCH_SUBJECT,
+        ErrorCode::BAD_REQUEST,
+        ErrorCode::INVALID_JSON,
+        ErrorCode::INSUFFICIENT_RESOURCES,
+        ErrorCode::MEMORY_RESOURCES_EXCEEDED,
+        ErrorCode::STORAGE_RESOURCES_EXCEEDED,
+        ErrorCode::MAXIMUM_STREAMS_LIMIT,
+        ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT,
+        ErrorCode::JETSTREAM_NOT_ENABLED,
+    ];
+    config.contains(&e.error_code())
+}
+
+fn classify_publish(e: &PublishError) -> PublishFailure {
+    match e.kind() {
+        PublishErrorKind::StreamNotFound => PublishFailure::StreamMissing,
+        PublishErrorKind::Other | PublishErrorKind::WrongLastMessageId | PublishErrorKind::WrongLastSequence => {
+            match std::error::Error::source(e).and_then(|s| s.downcast_ref::<jetstream::Error>()) {
+                Some(je) if je.error_code() == ErrorCode::STREAM_NOT_FOUND => PublishFailure::StreamMissing,
+                Some(je) if publish_refused(je) => PublishFailure::Permanent(describe(je)),
+                _ => PublishFailure::Transient,
+            }
+        }
+        _ => PublishFailure::Transient,
+    }
 }
 
 /// True when stream subject `s` (e.g. `outbox.>` or `a.>`) captures every `<prefix>.<topic>`.
@@ -398,6 +562,35 @@ mod tests {
         assert!(covers_prefix("a.>", "a.b"));
         assert!(!covers_prefix("a.b.>", "a"));
         assert!(!covers_prefix("outbox.*", "outbox"));
+    }
+
+    fn api_error(code: usize, err_code: u64) -> jetstream::Error {
+        serde_json::from_value(serde_json::json!({"code": code, "err_code": err_code, "description": "d"})).unwrap()
+    }
+
+    #[test]
+    fn publish_errors_that_no_retry_fixes() {
+        assert!(publish_refused(&api_error(400, 10054)), "message over max_msg_size");
+        assert!(publish_refused(&api_error(500, 10097)), "headers too large, whatever the code");
+        assert!(publish_refused(&api_error(400, 10109)), "4xx");
+        assert!(!publish_refused(&api_error(503, 10077)), "stream full: may drain");
+        assert!(!publish_refused(&api_error(503, 10008)), "no quorum");
+        assert!(!publish_refused(&api_error(404, 10059)), "stream missing: recreated");
+        assert!(!publish_refused(&api_error(408, 10003)));
+        assert!(!publish_refused(&api_error(400, 10002)), "account resources exceeded: may free up");
+        assert_eq!(describe(&api_error(400, 10054)), "JetStream: d (code 400, error code 10054)");
+    }
+
+    #[test]
+    fn stream_configs_the_server_refuses() {
+        assert!(create_refused(&api_error(500, 10074)), "replicas > 1 without a cluster");
+        assert!(create_refused(&api_error(500, 10052)), "invalid config, e.g. duplicate window over the limit");
+        assert!(create_refused(&api_error(400, 10065)), "subject overlap");
+        assert!(create_refused(&api_error(400, 10003)), "bad request");
+        assert!(!create_refused(&api_error(400, 10058)), "name exists: a concurrent create, validate it");
+        assert!(!create_refused(&api_error(503, 10008)), "cluster not available");
+        assert!(!create_refused(&api_error(500, 10041)), "raft error");
+        assert!(!create_refused(&api_error(400, 10005)), "no suitable peers: the cluster is forming");
     }
 
     #[test]

@@ -12,6 +12,13 @@
 //!   re-enables it with `SELECT outbox.resume_subscription('<subscription>')`); other 4xx except
 //!   408/429 → permanent failure with the status and a body excerpt; 408/429/5xx, timeouts and
 //!   connection errors → `fail` with the outbox's backoff, or with `retry_in` = `Retry-After`.
+//! - Only the 410 that disables the endpoint dead-letters its event. An event for an endpoint that
+//!   is disabled already, in this process or by another instance (its subscription is paused), is
+//!   failed with `retry_in = 0` and waits for the resume, whether it was about to be
+//!   sent or its request was in flight when the disabling 410 came back: which of concurrent
+//!   requests is answered first is a race, and a race must not make dead letters.
+//! - Health (`/healthz`, `outbox_relay_sink_up`): an endpoint is down while disabled, or while its
+//!   last request got no HTTP response (connection error, timeout); any HTTP status brings it up.
 //! - Every endpoint has its own subscription, so one endpoint's dead letters, backlog or pause
 //!   never hold back another's events, and per-subject order holds per endpoint.
 
@@ -26,6 +33,7 @@ use sha2::Sha256;
 use uuid::Uuid;
 
 use super::config::EndpointConfig;
+use super::metrics::SinkHealth;
 use super::{Outcome, Shutdown};
 use crate::db::{Db, Event};
 
@@ -41,7 +49,14 @@ pub struct WebhookEndpoint {
     client: reqwest::Client,
     outbox_id: Uuid,
     disabled: AtomicBool,
+    /// A 410 is pausing the subscription: until that commits, the subscription still reads as
+    /// not paused, which must not enable the endpoint again.
+    pausing: AtomicBool,
+    /// The last request got no HTTP response.
+    unreachable: AtomicBool,
     db: Arc<Db>,
+    health: Arc<SinkHealth>,
+    sink_up: prometheus::IntGauge,
 }
 
 /// The `webhook-signature` header value for one message.
@@ -82,7 +97,13 @@ fn excerpt(body: &[u8]) -> String {
 
 impl WebhookEndpoint {
     /// Builds the endpoint's HTTP client (rustls, no redirects, per-request timeout).
-    pub fn new(cfg: EndpointConfig, outbox_id: Uuid, db: Arc<Db>) -> Result<Self> {
+    pub fn new(
+        cfg: EndpointConfig,
+        outbox_id: Uuid,
+        db: Arc<Db>,
+        health: Arc<SinkHealth>,
+        sink_up: prometheus::IntGauge,
+    ) -> Result<Self> {
         let client = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .timeout(cfg.timeout)
@@ -91,7 +112,43 @@ impl WebhookEndpoint {
             .user_agent(concat!("outbox-relay/", env!("CARGO_PKG_VERSION")))
             .build()
             .context("HTTP client")?;
-        Ok(Self { cfg, client, outbox_id, disabled: AtomicBool::new(false), db })
+        Ok(Self {
+            cfg,
+            client,
+            outbox_id,
+            disabled: AtomicBool::new(false),
+            pausing: AtomicBool::new(false),
+            unreachable: AtomicBool::new(false),
+            db,
+            health,
+            sink_up,
+        })
+    }
+
+    fn refresh_health(&self) {
+        let (up, reason) = if self.is_disabled() {
+            (false, "disabled (HTTP 410; subscription paused)")
+        } else if self.unreachable.load(Ordering::Relaxed) {
+            (false, "unreachable (no HTTP response to the last request)")
+        } else {
+            (true, "")
+        };
+        self.health.set(up, reason);
+        self.sink_up.set(i64::from(up));
+    }
+
+    fn set_unreachable(&self, unreachable: bool) {
+        if self.unreachable.swap(unreachable, Ordering::Relaxed) != unreachable {
+            self.refresh_health();
+        }
+    }
+
+    /// What an event for a disabled endpoint becomes: it waits for the resume.
+    fn disabled_outcome(&self) -> Outcome {
+        Outcome::Retry {
+            error: format!("webhook endpoint '{}' is disabled (HTTP 410 earlier)", self.cfg.name),
+            retry_in: Some(Duration::ZERO),
+        }
     }
 
     /// True while the endpoint is disabled (its subscription paused).
@@ -101,19 +158,22 @@ impl WebhookEndpoint {
 
     /// Records the subscription's paused flag (read by the lane from `outbox.subscriptions`).
     pub fn set_disabled(&self, paused: bool) {
+        if !paused && self.pausing.load(Ordering::Acquire) {
+            return;
+        }
         let was = self.disabled.swap(paused, Ordering::Relaxed);
         if was && !paused {
             tracing::info!(endpoint = %self.cfg.name, "webhook endpoint enabled again (subscription resumed)");
+        }
+        if was != paused {
+            self.refresh_health();
         }
     }
 
     /// POSTs one event and maps the response to an outcome.
     pub async fn deliver(&self, ev: &Event, _shutdown: &Shutdown) -> Outcome {
         if self.is_disabled() {
-            return Outcome::Retry {
-                error: format!("webhook endpoint '{}' is disabled (HTTP 410 earlier)", self.cfg.name),
-                retry_in: Some(Duration::ZERO),
-            };
+            return self.disabled_outcome();
         }
         let msg_id = format!("{}:{}", self.outbox_id, ev.id);
         let ts = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
@@ -147,9 +207,11 @@ impl WebhookEndpoint {
                 } else {
                     format!("request failed: {}", error_chain(&e))
                 };
+                self.set_unreachable(true);
                 return Outcome::Retry { error: format!("webhook {}: {what}", self.cfg.name), retry_in: None };
             }
         };
+        self.set_unreachable(false);
         let status = resp.status();
         if status.is_success() {
             return Outcome::Delivered;
@@ -160,8 +222,11 @@ impl WebhookEndpoint {
         let error = format!("webhook {}: HTTP {}: {}", self.cfg.name, status.as_u16(), excerpt(&body));
         match status.as_u16() {
             410 => {
-                self.disable().await;
-                Outcome::Dead { error: format!("{error} (endpoint disabled)") }
+                if self.disable().await {
+                    Outcome::Dead { error: format!("{error} (endpoint disabled)") }
+                } else {
+                    self.disabled_outcome()
+                }
             }
             408 | 429 => Outcome::Retry { error, retry_in: after },
             s if s >= 500 => Outcome::Retry { error, retry_in: after },
@@ -170,21 +235,38 @@ impl WebhookEndpoint {
     }
 
     /// Marks the endpoint disabled and pauses its subscription, so every relay instance stops
-    /// claiming for it until an operator resumes the subscription.
-    async fn disable(&self) {
+    /// claiming for it until an operator resumes the subscription. True when this call disabled it;
+    /// false when it was disabled already (here, or by another instance that paused it first).
+    async fn disable(&self) -> bool {
         if self.disabled.swap(true, Ordering::Relaxed) {
-            return;
+            return false;
         }
+        self.pausing.store(true, Ordering::Release);
+        self.refresh_health();
+        let disabled_here = self.pause().await;
+        self.pausing.store(false, Ordering::Release);
+        disabled_here
+    }
+
+    /// Pauses the subscription (see [`Self::disable`]); false when another instance had paused it.
+    async fn pause(&self) -> bool {
         let sub = &self.cfg.subscription;
         tracing::error!(
             endpoint = %self.cfg.name,
             url = %crate::relay::nats::redact_url(self.cfg.url.as_str()),
             "webhook endpoint answered 410 Gone: disabled; re-enable with SELECT outbox.resume_subscription('{sub}')"
         );
+        // Another instance may have disabled it first: its 410 made the dead letter, ours waits.
+        // pause_subscription says whether this call paused it (it locks the catalog row, so of two
+        // instances racing exactly one gets true).
         let mut delay = Duration::from_millis(100);
         for _ in 0..10 {
             match self.db.pause_subscription(sub).await {
-                Ok(()) => return,
+                Ok(true) => return true,
+                Ok(false) => {
+                    tracing::info!(endpoint = %self.cfg.name, "subscription '{sub}' was paused already");
+                    return false;
+                }
                 Err(e) => {
                     tracing::warn!("cannot pause subscription '{sub}': {e:#}; retrying");
                     tokio::time::sleep(delay).await;
@@ -192,6 +274,7 @@ impl WebhookEndpoint {
                 }
             }
         }
+        true
     }
 }
 

@@ -57,7 +57,7 @@ impl std::fmt::Display for DbError {
 /// lands on it; several slots let a slow page (stats over a large archive) not hold up the others.
 pub struct Pool {
     cfg: tokio_postgres::Config,
-    tls: tokio_postgres_rustls::MakeRustlsConnect,
+    tls: crate::db::PgTls,
     slots: Vec<Mutex<Option<Arc<Client>>>>,
     next: AtomicUsize,
     setup: String,
@@ -67,7 +67,7 @@ impl Pool {
     /// A pool of `size` sessions (connected on first use).
     pub fn new(
         cfg: tokio_postgres::Config,
-        tls: tokio_postgres_rustls::MakeRustlsConnect,
+        tls: crate::db::PgTls,
         size: usize,
         statement_timeout: Duration,
         read_only: bool,
