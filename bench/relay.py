@@ -111,7 +111,10 @@ def latency(workdir, db, ns, oargs, seconds, rate=1000):
         oargs, extra_env={"OUTBOX_LOG": "warn"},
     )
     try:
-        rl.wait_for(lambda: ns.stream_messages("LAT") is not None, 30, "latency stream")
+        # Ready means connected to both sides with the stream in place (/healthz 200); timing from
+        # before that would measure the relay's start, not its latency.
+        rl.wait_for(lambda: rl.healthz(relay)[0] == 200, 30, "latency relay ready")
+        time.sleep(1)
         per_tick, tick = 10, 10 / rate
         committed = {}
         with rl.connect(db, autocommit=False) as c:
@@ -186,6 +189,7 @@ def main():
     ap.add_argument("--latency-seconds", type=float, default=10)
     ap.add_argument("--webhook-events", type=int, default=10000)
     ap.add_argument("--keep-cluster", action="store_true")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON (bench/run's scenario 11 reads it)")
     a = ap.parse_args()
     workdir = Path("/tmp/outbox-relay-bench")
     subprocess.run(["rm", "-rf", str(workdir)], check=True)
@@ -221,6 +225,13 @@ def main():
         print(f"commit->PubAck at 1000 ev/s over {n} events: p50 {p50:.1f} ms, p99 {p99:.1f} ms (targets 5 / 25 ms)")
         wr = webhook(workdir, db, oargs, a.webhook_events, a.subjects)
         print(f"webhook relay into a local receiver (concurrency 32): {wr:.0f} ev/s over {a.webhook_events} events")
+        if a.json:
+            Path(a.json).write_text(json.dumps({
+                "events": a.events, "subjects": a.subjects,
+                "drain": {str(b): {"bare": results[("bare", b)], "relay": results[("relay", b)]} for b in (100, 500)},
+                "latency": {"p50_ms": p50, "p99_ms": p99, "n": n, "rate": 1000},
+                "webhook": {"events": a.webhook_events, "rate": wr},
+            }, indent=1))
     finally:
         ns.stop()
         if not a.keep_cluster:

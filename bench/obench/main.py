@@ -9,7 +9,7 @@ import sys
 import time
 import traceback
 
-from . import agents, report, scenarios
+from . import agents, relay_scenario, report, scenarios
 from . import sql as S
 from .cluster import Cluster, ClusterError
 from .runner import Ctx
@@ -79,6 +79,9 @@ FULL = {
     "s10_subjects": 1000, "s10_subject_cells": None,
     "s10_fanout": 10, "s10_fanout_batch": 500, "s10_fanout_n": None,
     "s10_reps": None,
+    # 11: bench/relay.py (the relay into JetStream and webhooks), one run
+    "s11_events": 50_000, "s11_subjects": 1000, "s11_latency_seconds": 10, "s11_webhook_events": 10_000,
+    "s11_timeout": 1800,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -100,6 +103,7 @@ QUICK = dict(FULL, **{
     "s10_n": 20_000,
     "s10_log_cells": [(2, 100), (2, 500)], "s10_outbox_cells": [(2, 100)], "s10_plain_workers": [2],
     "s10_subject_cells": [(2, 100)], "s10_fanout_n": 5_000, "s10_reps": 1,
+    "s11_events": 5_000, "s11_latency_seconds": 3, "s11_webhook_events": 2_000, "s11_timeout": 600,
 })
 
 SCENARIOS = [
@@ -114,6 +118,7 @@ SCENARIOS = [
     ("s8", "8. held transaction id", scenarios.s8_held_xid),
     ("s9", "9. payload output", scenarios.s9_payload),
     ("s10", "10. log drain", scenarios.s10_log_drain),
+    ("s11", "11. relay", relay_scenario.s11_relay),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held xmin", scenarios.s6_xmin),
     ("s6c", "6c. purge", scenarios.s6_purge),
