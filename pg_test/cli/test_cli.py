@@ -406,3 +406,12 @@ def test_bulk_replay_typed_confirmation_on_a_terminal(fresh):
     assert code == 0, (shown, out)
     assert f"replayed {n}" in out, out
     assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 0
+
+
+def test_json_keys_keep_the_column_order(shared_db):
+    """--json objects list their keys in the order of the columns (the table's order), not sorted."""
+    db, _ = shared_db
+    r = run(["events", "ls", "--json", "--limit", "1"], db)
+    assert list(r.json()[0])[:4] == ["id", "topic", "subject", "dispatch_key"], r.out
+    r = run(["subscriptions", "ls", "--json"], db)
+    assert list(r.json()[0])[:3] == ["name", "topics", "paused"], r.out

@@ -121,8 +121,10 @@ fn main() {
             }
         }
     });
-    // Exit without waiting for tasks still running (a connection being closed).
-    runtime.shutdown_background();
+    // Stop the tasks still running (a connection being closed) before the error line, so that
+    // their last log lines cannot follow it: the one-line error stays the last line on stderr.
+    // Bounded: a task stuck outside an await point is left behind after half a second.
+    runtime.shutdown_timeout(std::time::Duration::from_millis(500));
     match result {
         Ok(code) => std::process::exit(code),
         Err(e) => {

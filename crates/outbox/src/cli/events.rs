@@ -125,7 +125,7 @@ async fn ls(c: &Client, json: bool, a: LsArgs) -> Result<i32> {
     .await?;
     if a.subscription.is_none() {
         for r in &mut rows {
-            r.remove("subscription");
+            r.shift_remove("subscription");
         }
     }
     print_rows(json, &rows, LS_COLUMNS, "no events match");

@@ -129,7 +129,7 @@ pub async fn run(args: TailArgs) -> Result<i32> {
 fn print_event(json: bool, r: &serde_json::Map<String, Value>) {
     if json {
         let mut r = r.clone();
-        r.remove("age");
+        r.shift_remove("age");
         println!("{}", Value::Object(r));
     } else {
         let g = |k: &str| cell(r.get(k).unwrap_or(&Value::Null));

@@ -304,7 +304,7 @@ pub async fn dead_letters(c: &Client, q: &HashMap<String, String>) -> Res<DeadPa
     let items = items
         .into_iter()
         .map(|mut r| {
-            let errors = normalize_errors(r.remove("errors"));
+            let errors = normalize_errors(r.shift_remove("errors"));
             r.insert("errors".into(), errors);
             r
         })
@@ -386,7 +386,7 @@ pub async fn event(c: &Client, id: i64) -> Res<EventDetail> {
     let (base, deliveries, secret) = tokio::join!(base, deliveries, secret);
     let mut deliveries = deliveries?;
     for d in &mut deliveries {
-        let errors = normalize_errors(d.remove("errors"));
+        let errors = normalize_errors(d.shift_remove("errors"));
         d.insert("errors".into(), errors);
     }
     let mut event = match base?.pop() {
@@ -404,7 +404,7 @@ pub async fn event(c: &Client, id: i64) -> Res<EventDetail> {
             None => return Err(Failure::not_found(format!("no event with id {id}"))),
         },
     };
-    let errors = normalize_errors(event.remove("errors"));
+    let errors = normalize_errors(event.shift_remove("errors"));
     event.insert("errors".into(), errors);
     let (payload, headers, payload_hidden) = match secret {
         Ok(Some(row)) => {
