@@ -147,7 +147,6 @@ def test_monitor_role_reads_counts_states_and_errors_but_no_payloads(logdb):
         assert {r[0] for r in m.execute("SELECT subject FROM outbox.blocked_subjects()")} == {"lease", "retry", "dead", "delay"}
         row = m.execute("SELECT state, last_error, errors IS NOT NULL FROM outbox.events WHERE id = %s", (ids["dead"],)).fetchone()
         assert row == ("dead", "gone for good", True)
-        m.execute("CREATE TEMP TABLE t AS SELECT 1")  # the session works after each refusal below
         for stmt in (
             "SELECT payload FROM outbox.events LIMIT 1",
             "SELECT headers FROM outbox.events LIMIT 1",
