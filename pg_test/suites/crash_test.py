@@ -1038,15 +1038,17 @@ def case_timeouts(cl):
     # c) statement_timeout = 1ms on a claim of thousands: cancelled mid-way, nothing leased.
     timeouts = 0
     for k in range(10):
-        a.execute("SET statement_timeout = '1ms'")
+        # A connection of its own carries the 1 ms timeout: a RESET on the same
+        # connection would run under it too, and a slow machine cancels the RESET.
+        c = cl.connect(options="-c statement_timeout=1ms")
         try:
-            got = a.execute("SELECT id, lease_token FROM outbox.claim(%s, 4000, '30 s', ARRAY['c4.t'])",
+            got = c.execute("SELECT id, lease_token FROM outbox.claim(%s, 4000, '30 s', ARRAY['c4.t'])",
                             (f"big{k}",)).fetchall()
         except pgerr.QueryCanceled:
             got = None
             timeouts += 1
         finally:
-            a.execute("RESET statement_timeout")
+            c.close()
         n = a.execute("SELECT count(*) FROM outbox.event_queue WHERE leased_by = %s", (f"big{k}",)).fetchone()[0]
         if got is None and n:
             probs.append(f"cancelled claim big{k} left {n} rows leased")
