@@ -134,3 +134,15 @@ fn main() {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory as _;
+
+    /// clap's own consistency check of the whole command tree: argument groups name arguments
+    /// that exist (the policy flags are flattened from one struct), no two flags collide.
+    #[test]
+    fn the_command_tree_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}

@@ -48,6 +48,24 @@ pub struct Common {
     pub json: bool,
 }
 
+/// The retry policy flags shared by topics and subscriptions (`create_topic`, `alter_topic`,
+/// `create_subscription`, `alter_subscription`); unset flags are passed as NULL.
+#[derive(Debug, Args)]
+pub struct RetryPolicy {
+    /// Attempts before an event is dead-lettered.
+    #[arg(long)]
+    pub max_attempts: Option<i32>,
+    /// First retry delay (a PostgreSQL interval: 1s, 500ms, 2 minutes).
+    #[arg(long)]
+    pub backoff_base: Option<String>,
+    /// Longest retry delay (interval).
+    #[arg(long)]
+    pub backoff_max: Option<String>,
+    /// Lease of a claim that gives none (interval).
+    #[arg(long)]
+    pub default_lease: Option<String>,
+}
+
 /// The operator subcommands (flattened into the top-level command list).
 #[derive(Debug, Subcommand)]
 pub enum CliCommand {

@@ -8,7 +8,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use super::output::{print_json, print_rows, Column};
-use super::{confirm, conn, json_rows, sql_error, Common};
+use super::{confirm, conn, json_rows, sql_error, Common, RetryPolicy};
 
 /// Arguments of `outbox subscriptions`.
 #[derive(Debug, Args)]
@@ -62,18 +62,8 @@ struct CreateArgs {
     /// `now` (events committed from now on) or `earliest` (also what the log still holds).
     #[arg(long, default_value = "now", value_parser = ["now", "earliest"])]
     start: String,
-    /// Attempts before an event is dead-lettered.
-    #[arg(long)]
-    max_attempts: Option<i32>,
-    /// First retry delay (interval).
-    #[arg(long)]
-    backoff_base: Option<String>,
-    /// Longest retry delay (interval).
-    #[arg(long)]
-    backoff_max: Option<String>,
-    /// Lease of a claim that gives none (interval).
-    #[arg(long)]
-    default_lease: Option<String>,
+    #[command(flatten)]
+    policy: RetryPolicy,
     /// What a dead event does to later events of its subject.
     #[arg(long, value_parser = ["block", "skip"])]
     dead_letter_policy: Option<String>,
@@ -90,18 +80,8 @@ struct CreateArgs {
 struct AlterArgs {
     /// The subscription.
     name: String,
-    /// Attempts before an event is dead-lettered.
-    #[arg(long)]
-    max_attempts: Option<i32>,
-    /// First retry delay (interval).
-    #[arg(long)]
-    backoff_base: Option<String>,
-    /// Longest retry delay (interval).
-    #[arg(long)]
-    backoff_max: Option<String>,
-    /// Lease of a claim that gives none (interval).
-    #[arg(long)]
-    default_lease: Option<String>,
+    #[command(flatten)]
+    policy: RetryPolicy,
     /// Age past which unread events may be dropped by retention (interval; subscriptions of the log).
     #[arg(long)]
     max_lag: Option<String>,
@@ -141,10 +121,10 @@ pub async fn run(args: SubscriptionsArgs) -> Result<i32> {
                         &a.name,
                         &a.topics,
                         &a.start,
-                        &a.max_attempts,
-                        &a.backoff_base,
-                        &a.backoff_max,
-                        &a.default_lease,
+                        &a.policy.max_attempts,
+                        &a.policy.backoff_base,
+                        &a.policy.backoff_max,
+                        &a.policy.default_lease,
                         &a.dead_letter_policy,
                         &a.max_lag,
                     ],
@@ -158,7 +138,14 @@ pub async fn run(args: SubscriptionsArgs) -> Result<i32> {
                 .execute(
                     "SELECT outbox.alter_subscription($1::text, $2::int, $3::text::interval, $4::text::interval, \
                      $5::text::interval, $6::text::interval)",
-                    &[&a.name, &a.max_attempts, &a.backoff_base, &a.backoff_max, &a.default_lease, &a.max_lag],
+                    &[
+                        &a.name,
+                        &a.policy.max_attempts,
+                        &a.policy.backoff_base,
+                        &a.policy.backoff_max,
+                        &a.policy.default_lease,
+                        &a.max_lag,
+                    ],
                 )
                 .await
                 .map_err(|e| sql_error(&format!("alter_subscription('{}')", a.name), &e))?;

@@ -7,7 +7,7 @@ use clap::{Args, Subcommand};
 use serde_json::json;
 
 use super::output::{print_json, print_rows, Column};
-use super::{conn, json_rows, sql_error, Common};
+use super::{conn, json_rows, sql_error, Common, RetryPolicy};
 
 /// Arguments of `outbox topics`.
 #[derive(Debug, Args)]
@@ -42,18 +42,8 @@ enum TopicsCommand {
 struct TopicPolicy {
     /// The topic, e.g. billing.invoice.paid.
     topic: String,
-    /// Attempts before an event is dead-lettered.
-    #[arg(long)]
-    max_attempts: Option<i32>,
-    /// First retry delay (a PostgreSQL interval: 1s, 500ms, 2 minutes).
-    #[arg(long)]
-    backoff_base: Option<String>,
-    /// Longest retry delay (interval).
-    #[arg(long)]
-    backoff_max: Option<String>,
-    /// Lease of a claim that gives none (interval).
-    #[arg(long)]
-    default_lease: Option<String>,
+    #[command(flatten)]
+    policy: RetryPolicy,
     /// What a dead event does to later events of its subject.
     #[arg(long, value_parser = ["block", "skip"])]
     dead_letter_policy: Option<String>,
@@ -107,10 +97,10 @@ pub async fn run(args: TopicsArgs) -> Result<i32> {
                      $5::text::interval, coalesce($6::text, 'block'), $7::text::interval, $8::text::interval)",
                     &[
                         &p.topic,
-                        &p.max_attempts,
-                        &p.backoff_base,
-                        &p.backoff_max,
-                        &p.default_lease,
+                        &p.policy.max_attempts,
+                        &p.policy.backoff_base,
+                        &p.policy.backoff_max,
+                        &p.policy.default_lease,
                         &p.dead_letter_policy,
                         &p.retention_delivered,
                         &p.retention_dead,
@@ -127,10 +117,10 @@ pub async fn run(args: TopicsArgs) -> Result<i32> {
                      $5::text::interval, $6::text, $7::text::interval, $8::text::interval)",
                     &[
                         &p.topic,
-                        &p.max_attempts,
-                        &p.backoff_base,
-                        &p.backoff_max,
-                        &p.default_lease,
+                        &p.policy.max_attempts,
+                        &p.policy.backoff_base,
+                        &p.policy.backoff_max,
+                        &p.policy.default_lease,
                         &p.dead_letter_policy,
                         &p.retention_delivered,
                         &p.retention_dead,
