@@ -111,6 +111,22 @@ def nats_relay_args(urls, extra=()):
     ]
 
 
+def one_broker(workdir, procs):
+    """Database relay_a with the relay's subscription, its outbox id and one nats-server."""
+    rl.fresh_db("relay_a")
+    create_sub("relay_a")
+    oid, oargs = rl.outbox_identity("relay_a")
+    ns = rl.NatsServer(workdir, "n1").start()
+    procs.append(ns)
+    return oid, oargs, ns
+
+
+def one_relay(workdir, procs, oargs, args):
+    relay = rl.start_relay(workdir, "relay", "relay_a", args, oargs)
+    procs.append(relay)
+    return relay
+
+
 def test_exactly_once_with_kills(pg_cluster, workdir, procs):
     rounds, subjects = 100, 500
     rl.fresh_db("relay_a")
@@ -203,13 +219,8 @@ def test_exactly_once_with_kills(pg_cluster, workdir, procs):
 
 
 def test_broker_down(pg_cluster, workdir, procs):
-    rl.fresh_db("relay_a")
-    create_sub("relay_a")
-    oid, oargs = rl.outbox_identity("relay_a")
-    ns = rl.NatsServer(workdir, "n1").start()
-    procs.append(ns)
-    relay = rl.start_relay(workdir, "relay", "relay_a", nats_relay_args(ns.url), oargs)
-    procs.append(relay)
+    oid, oargs, ns = one_broker(workdir, procs)
+    relay = one_relay(workdir, procs, oargs, nats_relay_args(ns.url))
     rl.wait_for(lambda: ns.stream_messages(STREAM) is not None, 20, "stream created")
     stop = threading.Event()
     pub = threading.Thread(target=publish_rounds, args=("relay_a", 60, 100, 0.25), kwargs={"stop": stop})
@@ -315,14 +326,9 @@ def add_stream(url, **cfg):
 def test_message_jetstream_refuses_is_a_dead_letter(pg_cluster, workdir, procs):
     """A 4xx JetStream error (payload over the stream's max_msg_size) dead-letters that event at
     once with the JetStream error; the broker is not marked down and the other events flow."""
-    rl.fresh_db("relay_a")
-    create_sub("relay_a")
-    oid, oargs = rl.outbox_identity("relay_a")
-    ns = rl.NatsServer(workdir, "n1").start()
-    procs.append(ns)
+    oid, oargs, ns = one_broker(workdir, procs)
     add_stream(ns.url, duplicate_window=120, max_msg_size=2000)
-    relay = rl.start_relay(workdir, "relay", "relay_a", nats_relay_args(ns.url), oargs)
-    procs.append(relay)
+    relay = one_relay(workdir, procs, oargs, nats_relay_args(ns.url))
     with rl.connect("relay_a") as c:
         big = c.execute(
             "SELECT outbox.publish('orders.created', %s::jsonb, subject => 'big')", (json.dumps({"s": "big", "k": 0, "x": "y" * 5000}),)
@@ -343,13 +349,8 @@ def test_message_jetstream_refuses_is_a_dead_letter(pg_cluster, workdir, procs):
 
 
 def test_stream_deleted_while_running_is_recreated(pg_cluster, workdir, procs):
-    rl.fresh_db("relay_a")
-    create_sub("relay_a")
-    oid, oargs = rl.outbox_identity("relay_a")
-    ns = rl.NatsServer(workdir, "n1").start()
-    procs.append(ns)
-    relay = rl.start_relay(workdir, "relay", "relay_a", nats_relay_args(ns.url), oargs)
-    procs.append(relay)
+    oid, oargs, ns = one_broker(workdir, procs)
+    relay = one_relay(workdir, procs, oargs, nats_relay_args(ns.url))
     rl.wait_for(lambda: ns.stream_messages(STREAM) is not None, 20, "stream created")
     publish_rounds("relay_a", 2, 50)
     rl.wait_for(lambda: lag("relay_a")[:2] == (0, 0) and ns.stream_messages(STREAM) == 100, 20, "first 100 relayed")
@@ -369,18 +370,13 @@ def test_retry_horizon_is_logged_once_per_batch(pg_cluster, workdir, procs):
     """Events that reach the retry horizon together make one WARN line with their count, not one each."""
     from nats.js.api import DiscardPolicy
 
-    rl.fresh_db("relay_a")
-    create_sub("relay_a")
-    _oid, oargs = rl.outbox_identity("relay_a")
-    ns = rl.NatsServer(workdir, "n1").start()
-    procs.append(ns)
+    _oid, oargs, ns = one_broker(workdir, procs)
     # A full stream that discards new messages answers 503 (maximum messages exceeded): a broker
     # fault, retried until the horizon.
     add_stream(ns.url, duplicate_window=120, max_msgs=5, discard=DiscardPolicy.NEW)
     args = ["--sink", "nats", "--nats-url", ns.url, "--lease", "5s", "--nats-retry-horizon", "2s",
             "--nats-ack-timeout", "1s", "--poll-interval", "200ms", "--claimers", "1"]
-    relay = rl.start_relay(workdir, "relay", "relay_a", args, oargs)
-    procs.append(relay)
+    relay = one_relay(workdir, procs, oargs, args)
     rl.wait_for(lambda: "using existing stream" in relay.log(), 20, "relay started")
     publish_rounds("relay_a", 1, 50)
     rl.wait_for(lambda: "retry horizon" in relay.log(), 20, "events to reach the retry horizon")
