@@ -114,8 +114,12 @@ COMMENT ON FUNCTION outbox._subscription_restore() IS
 
 COMMENT ON FUNCTION outbox._log_restored() IS
 'Internal statement trigger function (AFTER INSERT, transition table new_rows) on the ring tables outbox.log_0 .. outbox.log_3: a SQL insert of rows of other transactions is a restore '
-'of a dump; it records the largest restored id in outbox.log_restore (sql/restore.sql). publish''s own inserts do not fire it. '
+'of a dump; it records the largest restored id in outbox.log_restore (sql/restore.sql); ring tables restored at once take the marker''s lock in turn. publish''s own inserts do not fire it. '
 'Errors: 55000 when the first restored table finds the log holding other events (restore the log into a database whose log is empty).';
+
+COMMENT ON FUNCTION outbox._log_lanes_restored() IS
+'Internal statement trigger function (AFTER INSERT) on outbox.log_lanes: a top-level COPY or INSERT into outbox.log_lanes (a restore of a dump; the extension writes lanes only inside its own functions) '
+'marks the log as restored in outbox.log_restore (upto 0 unless a ring table set it), so lanes restored without any event are rebased too (sql/restore.sql). No errors of its own.';
 
 COMMENT ON FUNCTION outbox._log_state_restore() IS
 'Internal trigger function on outbox.log_state: an inserted row replaces the row of the same ring table (pg_restore into a database whose maintenance already wrote the ring''s state).';

@@ -457,24 +457,43 @@ DECLARE
     top   bigint;
     own   boolean;
     added bigint;
+    prev  bigint;
 BEGIN
     SELECT pg_catalog.max(r.id), pg_catalog.bool_and(r.txid = pg_catalog.pg_current_xact_id()), pg_catalog.count(*)
       INTO top, own, added FROM new_rows r;
     IF added = 0 OR own THEN
         RETURN NULL;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
-        -- The first restored table: the log must hold nothing else, or this
-        -- database's own events and the dump's would share ids and cursors.
-        IF (SELECT pg_catalog.count(*) FROM outbox.log) <> added THEN
-            RAISE EXCEPTION 'outbox: the log of this database is not empty; restore a dump of the log into a database whose log is empty'
-                USING ERRCODE = '55000',
-                      HINT = 'Restore into a new database (CREATE EXTENSION outbox_ext, then the dump).';
-        END IF;
-        INSERT INTO outbox.log_restore (upto) VALUES (top);
-    ELSE
-        UPDATE outbox.log_restore SET upto = GREATEST(upto, top), restored_at = now();
+    -- Ring tables restored at once (pg_restore --jobs) take their turn here,
+    -- so that exactly one of them is the first: without the lock both could
+    -- find no marker, and the second would fail on its key and lose its rows.
+    LOCK TABLE outbox.log_restore IN SHARE ROW EXCLUSIVE MODE;
+    SELECT r.upto INTO prev FROM outbox.log_restore r;
+    -- The first restored ring table (a marker of 0 comes from the readers'
+    -- tables alone): the log must hold nothing else, or this database's own
+    -- events and the dump's would share ids and cursors.
+    IF (prev IS NULL OR prev = 0) AND (SELECT pg_catalog.count(*) FROM outbox.log) <> added THEN
+        RAISE EXCEPTION 'outbox: the log of this database is not empty; restore a dump of the log into a database whose log is empty'
+            USING ERRCODE = '55000',
+                  HINT = 'Restore into a new database (CREATE EXTENSION outbox_ext, then the dump).';
     END IF;
+    INSERT INTO outbox.log_restore AS r (upto) VALUES (top)
+        ON CONFLICT (one) DO UPDATE SET upto = GREATEST(r.upto, EXCLUDED.upto), restored_at = now();
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._log_lanes_restored() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pg_catalog.current_query() OPERATOR(pg_catalog.!~*)
+       '^\s*(copy|insert\s+into)\s+("?outbox"?\s*\.\s*)?"?log_lanes"?[\s(]' THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO outbox.log_restore AS r (upto) VALUES (0)
+        ON CONFLICT (one) DO UPDATE SET restored_at = now();
     RETURN NULL;
 END
 $$;
@@ -1146,8 +1165,12 @@ COMMENT ON FUNCTION outbox.delivered_per_minute(integer, text) IS
 
 COMMENT ON FUNCTION outbox._log_restored() IS
 'Internal statement trigger function (AFTER INSERT, transition table new_rows) on the ring tables outbox.log_0 .. outbox.log_3: a SQL insert of rows of other transactions is a restore '
-'of a dump; it records the largest restored id in outbox.log_restore (sql/restore.sql). publish''s own inserts do not fire it. '
+'of a dump; it records the largest restored id in outbox.log_restore (sql/restore.sql); ring tables restored at once take the marker''s lock in turn. publish''s own inserts do not fire it. '
 'Errors: 55000 when the first restored table finds the log holding other events (restore the log into a database whose log is empty).';
+
+COMMENT ON FUNCTION outbox._log_lanes_restored() IS
+'Internal statement trigger function (AFTER INSERT) on outbox.log_lanes: a top-level COPY or INSERT into outbox.log_lanes (a restore of a dump; the extension writes lanes only inside its own functions) '
+'marks the log as restored in outbox.log_restore (upto 0 unless a ring table set it), so lanes restored without any event are rebased too (sql/restore.sql). No errors of its own.';
 
 COMMENT ON FUNCTION outbox._log_state_restore() IS
 'Internal trigger function on outbox.log_state: an inserted row replaces the row of the same ring table (pg_restore into a database whose maintenance already wrote the ring''s state).';
@@ -1338,6 +1361,9 @@ BEGIN
     END LOOP;
 END
 $$;
+CREATE TRIGGER log_lanes_restored AFTER INSERT ON outbox.log_lanes
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._log_lanes_restored();
+ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lanes_restored;
 CREATE TRIGGER log_state_restore BEFORE INSERT ON outbox.log_state
     FOR EACH ROW EXECUTE FUNCTION outbox._log_state_restore();
 CREATE TRIGGER identity_restore BEFORE INSERT ON outbox.identity

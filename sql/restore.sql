@@ -49,27 +49,57 @@ DECLARE
     top   bigint;
     own   boolean;
     added bigint;
+    prev  bigint;
 BEGIN
     SELECT pg_catalog.max(r.id), pg_catalog.bool_and(r.txid = pg_catalog.pg_current_xact_id()), pg_catalog.count(*)
       INTO top, own, added FROM new_rows r;
     IF added = 0 OR own THEN
         RETURN NULL;
     END IF;
-    IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
-        -- The first restored table: the log must hold nothing else, or this
-        -- database's own events and the dump's would share ids and cursors.
-        IF (SELECT pg_catalog.count(*) FROM outbox.log) <> added THEN
-            RAISE EXCEPTION 'outbox: the log of this database is not empty; restore a dump of the log into a database whose log is empty'
-                USING ERRCODE = '55000',
-                      HINT = 'Restore into a new database (CREATE EXTENSION outbox_ext, then the dump).';
-        END IF;
-        INSERT INTO outbox.log_restore (upto) VALUES (top);
-    ELSE
-        UPDATE outbox.log_restore SET upto = GREATEST(upto, top), restored_at = now();
+    -- Ring tables restored at once (pg_restore --jobs) take their turn here,
+    -- so that exactly one of them is the first: without the lock both could
+    -- find no marker, and the second would fail on its key and lose its rows.
+    LOCK TABLE outbox.log_restore IN SHARE ROW EXCLUSIVE MODE;
+    SELECT r.upto INTO prev FROM outbox.log_restore r;
+    -- The first restored ring table (a marker of 0 comes from the readers'
+    -- tables alone): the log must hold nothing else, or this database's own
+    -- events and the dump's would share ids and cursors.
+    IF (prev IS NULL OR prev = 0) AND (SELECT pg_catalog.count(*) FROM outbox.log) <> added THEN
+        RAISE EXCEPTION 'outbox: the log of this database is not empty; restore a dump of the log into a database whose log is empty'
+            USING ERRCODE = '55000',
+                  HINT = 'Restore into a new database (CREATE EXTENSION outbox_ext, then the dump).';
     END IF;
+    INSERT INTO outbox.log_restore AS r (upto) VALUES (top)
+        ON CONFLICT (one) DO UPDATE SET upto = GREATEST(r.upto, EXCLUDED.upto), restored_at = now();
     RETURN NULL;
 END
 $$;
+
+-- A restore of the lanes: their cursors are the dumped cluster's too, so the
+-- restore is rebased even when the dump's log held no event (retention had
+-- emptied it, or nothing was published yet). Such a marker has upto 0: no
+-- event is a restored one, and every event of the log is placed against the
+-- rebase's cursor (invariant 4 of src/log/restore.rs). The extension writes
+-- lanes only inside its functions (create_subscription, claim, the rebase),
+-- never from a top-level COPY or INSERT into outbox.log_lanes, which is what
+-- pg_restore and psql running a dump send.
+CREATE FUNCTION outbox._log_lanes_restored() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pg_catalog.current_query() OPERATOR(pg_catalog.!~*)
+       '^\s*(copy|insert\s+into)\s+("?outbox"?\s*\.\s*)?"?log_lanes"?[\s(]' THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO outbox.log_restore AS r (upto) VALUES (0)
+        ON CONFLICT (one) DO UPDATE SET restored_at = now();
+    RETURN NULL;
+END
+$$;
+CREATE TRIGGER log_lanes_restored AFTER INSERT ON outbox.log_lanes
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._log_lanes_restored();
+ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lanes_restored;
 
 DO $$
 BEGIN

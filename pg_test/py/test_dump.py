@@ -5,6 +5,7 @@ DROP EXTENSION guard. Each test works in databases of its own on the plain clust
 import json
 import os
 import subprocess
+import threading
 import time
 from collections import Counter
 
@@ -593,3 +594,78 @@ def test_restore_into_a_log_with_events_is_refused(plain_dsn):
             assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
     finally:
         drop_db(plain_dsn, LOG_DST + "_x")
+
+
+def test_a_restore_of_an_empty_log_is_rebased(plain_dsn, preload_dsn, tmp_path):
+    """A dump whose log holds no event (nothing published yet, or retention
+    emptied it) still restores lanes whose cursors are the source's. They are
+    rebased too: events published after the restore reach the subscription,
+    even where the source's transaction ids are far ahead of the restoring
+    cluster's (its cursors would count them as read)."""
+    src = create_db(plain_dsn, LOG_SRC + "_e")
+    dst = None
+    try:
+        gap = next_xid(preload_dsn) - next_xid(plain_dsn) + 3000
+        if gap > 0:
+            burn_xids(src, gap)
+        with connect(src) as c:
+            c.execute("SELECT outbox.create_subscription('a')")
+            assert one(c, "SELECT count(*) FROM outbox.log") == 0
+        f = tmp_path / "empty.dump"
+        run([f"{PG_BIN}/pg_dump", "-Fc", "-d", src, "-f", str(f)])
+        dst = create_db(preload_dsn, LOG_DST + "_e", extension=False)
+        run([f"{PG_BIN}/pg_restore", "--exit-on-error", "-d", dst, str(f)])
+        with connect(dst) as c:
+            assert one(c, "SELECT upto FROM outbox.log_restore") == 0
+            published = {one(c, "SELECT outbox.publish('e.x', '{\"n\": 1}', 's1')"),
+                         one(c, "SELECT outbox.publish('e.x', '{\"n\": 2}')")}
+            got = claim_sub(c, "a", 10)
+            assert {r[0] for r in got} == published
+            assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+            for eid, tok, _, _ in got:
+                assert one(c, "SELECT outbox.ack(%s, %s)", (eid, tok))
+            # After the rebase the lanes are this cluster's: later events flow.
+            later = one(c, "SELECT outbox.publish('e.x', '{\"n\": 3}', 's1')")
+            assert [r[0] for r in claim_sub(c, "a", 10)] == [later]
+            # create_subscription and claims write lanes without marking a restore.
+            c.execute("SELECT outbox.create_subscription('b')")
+            assert one(c, "SELECT count(*) FROM outbox.log_restore") == 0
+    finally:
+        drop_db(plain_dsn, LOG_SRC + "_e")
+        if dst is not None:
+            drop_db(preload_dsn, LOG_DST + "_e")
+
+
+def test_ring_tables_restored_at_once_both_arrive(plain_dsn):
+    """Two ring tables restored by concurrent sessions (pg_restore --jobs):
+    one is the first and the other waits for it, instead of both finding no
+    marker and the second failing on the marker's key with its rows lost."""
+    dsn = create_db(plain_dsn, LOG_DST + "_j")
+    try:
+        first = connect(dsn, autocommit=False)
+        second = connect(dsn)
+        try:
+            first.execute("INSERT INTO outbox.log_0 (id, txid, lane, topic, payload, max_attempts, published_at) "
+                          "VALUES (1, '5000', 0, 't', '{}', 5, now())")
+            done = []
+
+            def restore_other():
+                second.execute("INSERT INTO outbox.log_1 (id, txid, lane, topic, payload, max_attempts, published_at) "
+                               "VALUES (2, '5001', 1, 't', '{}', 5, now())")
+                done.append(True)
+
+            t = threading.Thread(target=restore_other)
+            t.start()
+            time.sleep(0.5)
+            assert not done, "the second ring table did not wait for the first"
+            first.commit()
+            t.join(10)
+            assert done
+        finally:
+            first.close()
+            second.close()
+        with connect(dsn) as c:
+            assert sorted(r[0] for r in c.execute("SELECT id FROM outbox.log").fetchall()) == [1, 2]
+            assert one(c, "SELECT upto FROM outbox.log_restore") == 2
+    finally:
+        drop_db(plain_dsn, LOG_DST + "_j")

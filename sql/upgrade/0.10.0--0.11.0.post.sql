@@ -11,6 +11,9 @@ BEGIN
     END LOOP;
 END
 $$;
+CREATE TRIGGER log_lanes_restored AFTER INSERT ON outbox.log_lanes
+    FOR EACH STATEMENT EXECUTE FUNCTION outbox._log_lanes_restored();
+ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lanes_restored;
 CREATE TRIGGER log_state_restore BEFORE INSERT ON outbox.log_state
     FOR EACH ROW EXECUTE FUNCTION outbox._log_state_restore();
 CREATE TRIGGER identity_restore BEFORE INSERT ON outbox.identity

@@ -15,7 +15,14 @@
 //!    accepts exactly this trigger and no other), and its SQL fallback writes
 //!    only rows of its own transaction, which the trigger ignores. The first
 //!    restored table must find the log otherwise empty (55000), so restored
-//!    and native events never share ids.
+//!    and native events never share ids; ring tables restored at once take
+//!    the marker's lock in turn, so exactly one of them is the first. The
+//!    lanes carry the dumped cluster's cursors even when the dump's log held
+//!    no event, so a restore of `log_lanes` (a top-level COPY or INSERT into
+//!    it, which the extension itself never issues: its lanes are written
+//!    inside create_subscription, claim and the rebase) sets the marker too,
+//!    with `upto` 0: no event is a restored one, and every event of the log
+//!    is placed by invariant 4.
 //! 2. **Nobody reads a restored state before the rebase.** Claims of the log
 //!    ([`rebase_if_pending`], from [`super::claim::claim`]), cancel, replay,
 //!    replay_dead and create_subscription rebase first; retention of the log
