@@ -3,6 +3,7 @@ loads and agrees with SQL, dead letters and their histories are listed, replay w
 token and the CSRF token, read-only mode shows no buttons, basic auth guards everything, bad input
 gets clean 400/404 pages, and a load test times each page over 50,000 events."""
 
+import json
 import os
 import statistics
 import subprocess
@@ -130,6 +131,28 @@ def test_event_detail(shared_db, servers, driver):
     want = dict(sql(db, "SELECT subscription, state FROM outbox.deliveries WHERE event_id = %s", (i,)))
     assert subs == want and subs["ledger"] == "dead"
     shot(driver, "event-detail")
+
+
+def test_a_large_payload_is_left_out_of_the_page(fresh, servers, driver):
+    """A payload over the page's cap (256 KiB of JSON text) is not put in the HTML: the page
+    names its size and where to read it; /api/events/{id} returns it whole."""
+    db, _ids = fresh
+    big = sql1(db, "SELECT outbox.publish('dash.big', jsonb_build_object('blob', repeat('x', 300000)))")
+    small = sql1(db, "SELECT outbox.publish('dash.big', jsonb_build_object('blob', repeat('y', 1000)))")
+    s = servers(db)
+    driver.get(s.base + f"/events/{big}")
+    banner = driver.find_element(By.ID, "payload-too-large").text
+    size = sql1(db, "SELECT octet_length(payload::text) FROM outbox.events WHERE id = %s", (big,))
+    assert f"payload of {size} bytes" in banner and f"/api/events/{big}" in banner
+    assert not driver.find_elements(By.ID, "payload")
+    _, _, body = s.request(f"/events/{big}")
+    assert "xxxxxxxxxx" not in body and len(body) < 100_000
+    st, doc = s.json(f"/api/events/{big}")
+    assert st == 200 and doc["payload_truncated"] is False and doc["payload_bytes"] == size
+    assert json.loads(doc["payload"]) == {"blob": "x" * 300000}
+    driver.get(s.base + f"/events/{small}")
+    assert '"blob": "yyyy' in driver.find_element(By.ID, "payload").text
+    assert not driver.find_elements(By.ID, "payload-too-large")
 
 
 def test_user_data_is_escaped(shared_db, servers, driver):

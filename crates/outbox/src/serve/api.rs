@@ -79,7 +79,7 @@ pub async fn event(State(state): State<Shared>, id: Result<Path<String>, PathRej
             let raw = id.map(|Path(s)| s).map_err(|e| Failure::bad_request(format!("bad path: {}", e.body_text())))?;
             let id = queries::event_id(&raw)?;
             let c = state.pool.client().await?;
-            let d = queries::event(&c, id).await?;
+            let d = queries::event(&c, id, None).await?;
             Ok(serde_json::to_value(d).unwrap_or(Value::Null))
         }
         .await,

@@ -232,7 +232,7 @@ pub async fn event_detail(
         let id = queries::event_id(&path_str(id)?)?;
         let q = query_map(q)?;
         let c = state.pool.client().await?;
-        let detail = queries::event(&c, id).await?;
+        let detail = queries::event(&c, id, Some(queries::PAGE_PAYLOAD_CAP)).await?;
         Ok(render(
             &state,
             StatusCode::OK,
@@ -240,6 +240,7 @@ pub async fn event_detail(
             "",
             context! {
                 ev => Value::from_serialize(&detail),
+                payload_cap => queries::PAGE_PAYLOAD_CAP,
                 done => done_banner(&q),
                 back => format!("/events/{id}"),
             },

@@ -352,6 +352,10 @@ pub struct EventDetail {
     pub headers: Option<Vec<(String, String)>>,
     /// True when PostgreSQL refused the payload columns (42501).
     pub payload_hidden: bool,
+    /// The payload's size as JSON text, in bytes (None when hidden or absent).
+    pub payload_bytes: Option<i64>,
+    /// True when the payload is larger than the caller's cap and `payload` is None.
+    pub payload_truncated: bool,
     /// One row per subscription that receives the event (`outbox.deliveries`), each with its
     /// error history.
     pub deliveries: Vec<Map<String, Value>>,
@@ -365,9 +369,15 @@ pub fn event_id(raw: &str) -> Res<i64> {
     }
 }
 
-/// Reads one event; 404 when no subscription knows it.
-pub async fn event(c: &Client, id: i64) -> Res<EventDetail> {
+/// The largest payload (bytes of JSON text) the event page shows; a larger one is left out
+/// of the HTML (a page of megabytes stalls the browser) and read whole from `/api/events/{id}`.
+pub const PAGE_PAYLOAD_CAP: i64 = 256 * 1024;
+
+/// Reads one event, with its payload when it has at most `payload_cap` bytes (None: any size);
+/// 404 when no subscription knows it.
+pub async fn event(c: &Client, id: i64, payload_cap: Option<i64>) -> Res<EventDetail> {
     let params: [&(dyn tokio_postgres::types::ToSql + Sync); 1] = [&id];
+    let secret_params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&id, &payload_cap];
     let base = rows(
         c,
         "SELECT id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, \
@@ -382,7 +392,11 @@ pub async fn event(c: &Client, id: i64) -> Res<EventDetail> {
          FROM outbox.deliveries WHERE event_id = $1::bigint ORDER BY subscription",
         &params,
     );
-    let secret = c.query_opt("SELECT payload::text, headers::text FROM outbox.events WHERE id = $1::bigint", &params);
+    let secret = c.query_opt(
+        "SELECT CASE WHEN $2::bigint IS NULL OR octet_length(payload::text) <= $2::bigint THEN payload::text END, \
+         headers::text, octet_length(payload::text)::bigint FROM outbox.events WHERE id = $1::bigint",
+        &secret_params,
+    );
     let (base, deliveries, secret) = tokio::join!(base, deliveries, secret);
     let mut deliveries = deliveries?;
     for d in &mut deliveries {
@@ -406,22 +420,25 @@ pub async fn event(c: &Client, id: i64) -> Res<EventDetail> {
     };
     let errors = normalize_errors(event.shift_remove("errors"));
     event.insert("errors".into(), errors);
-    let (payload, headers, payload_hidden) = match secret {
+    let (payload, headers, payload_hidden, payload_bytes, payload_truncated) = match secret {
         Ok(Some(row)) => {
             let payload: Option<String> = row.get(0);
             let headers: Option<String> = row.get(1);
-            (Some(pretty_json(payload.as_deref())), Some(header_pairs(headers.as_deref())), false)
+            let bytes: Option<i64> = row.get(2);
+            let truncated = payload.is_none() && bytes.is_some();
+            let shown = if truncated { None } else { Some(pretty_json(payload.as_deref())) };
+            (shown, Some(header_pairs(headers.as_deref())), false, bytes, truncated)
         }
-        Ok(None) => (None, None, false),
+        Ok(None) => (None, None, false, None, false),
         Err(e) => {
             let e = DbError::from_pg(&e);
             if !e.is_permission_denied() {
                 return Err(e.into());
             }
-            (None, None, true)
+            (None, None, true, None, false)
         }
     };
-    Ok(EventDetail { event, payload, headers, payload_hidden, deliveries })
+    Ok(EventDetail { event, payload, headers, payload_hidden, payload_bytes, payload_truncated, deliveries })
 }
 
 /// JSON text pretty-printed (as it came when it does not parse).
