@@ -393,8 +393,9 @@ pub async fn event(c: &Client, id: i64, payload_cap: Option<i64>) -> Res<EventDe
         &params,
     );
     let secret = c.query_opt(
-        "SELECT CASE WHEN $2::bigint IS NULL OR octet_length(payload::text) <= $2::bigint THEN payload::text END, \
-         headers::text, octet_length(payload::text)::bigint FROM outbox.events WHERE id = $1::bigint",
+        "SELECT CASE WHEN $2::bigint IS NULL OR octet_length(t.p) <= $2::bigint THEN t.p END, e.headers::text, \
+         octet_length(t.p)::bigint FROM outbox.events e CROSS JOIN LATERAL (SELECT e.payload::text) AS t(p) \
+         WHERE e.id = $1::bigint",
         &secret_params,
     );
     let (base, deliveries, secret) = tokio::join!(base, deliveries, secret);
