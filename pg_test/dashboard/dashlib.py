@@ -244,3 +244,17 @@ def digits(text):
     """An integer shown with thin-space separators ('50 000' -> 50000); None for empty."""
     d = "".join(ch for ch in text if ch.isdigit() or ch == "-")
     return int(d) if d else None
+
+
+def follow(driver, element, timeout=60):
+    """Clicks a link or submit button and waits until the browser has left the page.
+
+    A click returns once the event is dispatched, not once the next page is in; reading the page
+    (or the database) right after it races the request."""
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = driver.find_element("tag name", "html")
+    element.click()
+    WebDriverWait(driver, timeout).until(ec.staleness_of(page))
+    WebDriverWait(driver, timeout).until(lambda d: d.execute_script("return document.readyState") == "complete")

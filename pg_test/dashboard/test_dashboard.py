@@ -14,7 +14,7 @@ import pytest
 from selenium.webdriver.common.by import By
 
 import dashlib
-from dashlib import RESULTS, TOKEN, digits, sql, sql1
+from dashlib import RESULTS, TOKEN, digits, follow, sql, sql1
 
 PAGES = ["/", "/dead", "/subjects", "/health"]
 
@@ -250,20 +250,21 @@ def test_replay_with_token(fresh, servers, driver):
     form = row.find_element(By.CSS_SELECTOR, "form[action$='/replay']")
     driver.find_element(By.ID, "action-token").send_keys(TOKEN)
     shot(driver, "replay-before")
-    form.find_element(By.CSS_SELECTOR, "button.replay").click()
+    follow(driver, form.find_element(By.CSS_SELECTOR, "button.replay"))
     assert "replayed" in driver.find_element(By.ID, "done-banner").text
     assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (i,)) == "pending"
     shot(driver, "replay-after")
     # The token is remembered for the tab: cancelling a pending event from its page needs no typing.
     p = ids["pending"][0]
     driver.get(s.base + f"/events/{p}")
-    driver.find_element(By.CSS_SELECTOR, "form[action$='/cancel'] button.cancel").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "form[action$='/cancel'] button.cancel"))
     assert "cancelled" in driver.find_element(By.ID, "done-banner").text
     assert sql1(db, "SELECT state FROM outbox.events WHERE id = %s", (p,)) == "cancelled"
     # The ledger's own dead letter, from the event page's per-subscription row.
     j = ids["ledger_dead"][0]
     driver.get(s.base + f"/events/{j}")
-    driver.find_element(By.CSS_SELECTOR, "#deliveries tr[data-subscription='ledger'] button.replay").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "#deliveries tr[data-subscription='ledger'] button.replay"))
+    assert "replayed" in driver.find_element(By.ID, "done-banner").text
     assert sql1(db, "SELECT state FROM outbox.deliveries WHERE event_id = %s AND subscription = 'ledger'", (j,)) != "dead"
     # An ineligible event is refused with 409, and nothing changes.
     csrf = driver.find_element(By.CSS_SELECTOR, "input[name=csrf]").get_attribute("value")
@@ -282,7 +283,7 @@ def test_actions_without_token_are_refused(fresh, servers, driver):
     # A port may be reused from an earlier test's server, whose token this tab remembers.
     driver.execute_script("try { sessionStorage.clear(); } catch (e) {}")
     driver.find_element(By.ID, "action-token").clear()
-    driver.find_element(By.CSS_SELECTOR, "form[action$='/replay'] button.replay").click()
+    follow(driver, driver.find_element(By.CSS_SELECTOR, "form[action$='/replay'] button.replay"))
     assert driver.find_element(By.CSS_SELECTOR, ".error-title").text.startswith("403")
     assert "action token" in driver.find_element(By.ID, "error-message").text
     shot(driver, "replay-without-token")
@@ -489,7 +490,7 @@ def test_load_page_timings(pg_cluster, servers, driver, record_testsuite_propert
     assert len(driver.find_elements(By.CSS_SELECTOR, "tr.dead-letter")) == 50
     assert driver.find_element(By.ID, "page-info").text == "page 100 of 100"
     assert not driver.find_elements(By.ID, "next-page")
-    driver.find_element(By.ID, "prev-page").click()
+    follow(driver, driver.find_element(By.ID, "prev-page"))
     assert driver.find_element(By.ID, "page-info").text == "page 99 of 100"
     driver.get(s.base + "/")
     shot(driver, f"load-overview-{variant}")
