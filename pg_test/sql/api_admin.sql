@@ -6,7 +6,7 @@
 -- 1 pending, 2 leased, 3 delivered, 4 dead, 5 cancelled, 6 pending (retry scheduled).
 CREATE FUNCTION pg_temp.states() RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+    CALL pg_temp.reset();
     ALTER SEQUENCE outbox.event_id_seq RESTART;
     PERFORM outbox.publish('adm', '"pending"', deliver_at => now() + interval '1 hour');
     PERFORM outbox.publish_batch('adm', ARRAY['"leased"', '"delivered"', '"dead"', '"cancelled"', '"retry"']::jsonb[]);
@@ -64,7 +64,7 @@ SELECT outbox.replay(4) AS replay_leased;
 -- ---------------------------------------------------------------------------
 -- replay_dead: by topic pattern, by dead_at window, dry run.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 ALTER SEQUENCE outbox.event_id_seq RESTART;
 SELECT sum((SELECT count(*) FROM outbox.publish_batch(t, ARRAY['1', '2']::jsonb[]))) AS published
   FROM unnest(ARRAY['mail', 'mail.sent', 'mail.sent.x', 'mailbox', 'sms']) AS t;
@@ -113,7 +113,7 @@ SELECT state, count(*) FROM outbox.events GROUP BY 1 ORDER BY 1;
 -- ---------------------------------------------------------------------------
 -- Dead-letter policy 'block' (default) vs 'skip', per subject.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.create_topic('dl.skip', dead_letter_policy => 'skip');
 SELECT outbox.create_topic('dl.block', dead_letter_policy => 'block');
 -- topics: dl.block (registered block), dl.skip, dl.default (unregistered = block)
@@ -137,7 +137,7 @@ SELECT topic, payload, attempt FROM d3 ORDER BY id;
 SELECT outbox.ack(id, lease_token) FROM d3;
 SELECT topic, payload FROM outbox.claim('w', 100, topics => ARRAY['dl.default']) ORDER BY id;
 -- a dead event from an expired lease at max attempts blocks as well
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.alter_topic('dl.block', max_attempts => 1);
 SELECT count(*) FROM outbox.publish_batch('dl.block', ARRAY['"a"', '"b"']::jsonb[], ARRAY['x', 'x']);
 SELECT payload FROM outbox.claim('w', 10, interval '10 milliseconds');
@@ -145,7 +145,7 @@ SELECT pg_sleep(0.05);
 SELECT count(*) AS after_expiry FROM outbox.claim('w', 10);
 SELECT payload, state, last_error FROM outbox.events ORDER BY id;
 -- the policy is applied when the event dies: under 'skip' an expired head does not block
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.alter_topic('dl.skip', max_attempts => 1);
 SELECT count(*) FROM outbox.publish_batch('dl.skip', ARRAY['"a"', '"b"']::jsonb[], ARRAY['y', 'y']);
 SELECT payload FROM outbox.claim('w', 10, interval '10 milliseconds');
@@ -155,7 +155,7 @@ SELECT count(*) AS expiring_claim FROM outbox.claim('w', 10);
 SELECT payload FROM outbox.claim('w', 10);
 -- alter_topic's policy change applies at once (documented), also to subjects
 -- already held by a dead event
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.create_topic('dl.switch');
 SELECT count(*) FROM outbox.publish_batch('dl.switch', ARRAY['"a"', '"b"']::jsonb[], ARRAY['z', 'z']);
 SELECT outbox.fail(id, lease_token, 'poison', permanent => true) FROM outbox.claim('w', 10);
@@ -166,7 +166,7 @@ SELECT payload AS after_switch_to_skip FROM outbox.claim('w', 10);
 -- ---------------------------------------------------------------------------
 -- Topic registry: create_topic / alter_topic / drop_topic.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics;
+CALL pg_temp.reset(topics => true);
 SELECT outbox.create_topic('reg.full', 5, '2 seconds', '1 minute', '45 seconds', 'skip', '1 day', '2 days');
 SELECT outbox.create_topic('reg.bare');
 SELECT topic, max_attempts, backoff_base, backoff_max, default_lease, dead_letter_policy,

@@ -31,11 +31,11 @@ SELECT array_agg(payload ORDER BY id) AS next_2 FROM outbox.claim('w', 2);
 SELECT array_agg(payload ORDER BY id) AS rest FROM outbox.claim('w', 100);
 SELECT count(*) AS none_left FROM outbox.claim('w', 100);
 -- the default batch size is 100
-TRUNCATE outbox.event_queue;
+CALL pg_temp.reset();
 SELECT count(*) FROM outbox.publish_batch('t.batch', (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, 150) g));
 SELECT count(*) AS default_batch FROM outbox.claim('w');
 SELECT count(*) AS remainder FROM outbox.claim('w');
-TRUNCATE outbox.event_queue;
+CALL pg_temp.reset();
 SELECT b AS batch_size, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%L, %s)', 'w', coalesce(b::text, 'NULL'))) AS result
   FROM unnest(ARRAY[NULL, 0, -1, 1, 10000, 10001, 2147483647]) WITH ORDINALITY AS u(b, n)
  ORDER BY n;
@@ -83,7 +83,7 @@ SET outbox.max_lease = '1min';
 SELECT pg_temp.try($$SELECT count(*) FROM outbox.claim('w', 1, interval '61 seconds')$$) AS over_custom_max_lease;
 SELECT pg_temp.try($$SELECT count(*) FROM outbox.claim('w', 1, interval '60 seconds')$$) AS at_custom_max_lease;
 RESET outbox.max_lease;
-TRUNCATE outbox.event_queue;
+CALL pg_temp.reset();
 
 -- ---------------------------------------------------------------------------
 -- Topic filters: exact names, 'prefix.*', '*'.
@@ -93,7 +93,7 @@ INSERT INTO topics_ref VALUES ('mail'), ('mail.sent'), ('mail.sent.bounce'), ('m
 CREATE FUNCTION pg_temp.claim_topics(f text[]) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE r text;
 BEGIN
-    TRUNCATE outbox.event_queue;
+    CALL pg_temp.reset();
     PERFORM outbox.publish(topic, '{}') FROM topics_ref;
     SELECT string_agg(topic, ',' ORDER BY topic) INTO r FROM outbox.claim('w', 100, NULL, f);
     RETURN coalesce(r, '(none)');
@@ -106,7 +106,7 @@ SELECT f AS filter, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%L, 10
   FROM unnest(ARRAY['{}', '{NULL}', '{mail,NULL}', '{""}', '{Mail}', '{mail*}', '{.*}', '{*.mail}', '{mail.**}',
                     '{"mail. *"}', '{**}', '{Bad,*}', '{*,Bad}', '{*,NULL}']) WITH ORDINALITY AS u(f, n)
  ORDER BY n;
-TRUNCATE outbox.event_queue;
+CALL pg_temp.reset();
 
 -- ---------------------------------------------------------------------------
 -- Claim order: oldest available first (visible time, then id), result by id.
@@ -116,7 +116,7 @@ SELECT count(*) FROM outbox.publish_batch('t.order', ARRAY['"a"', '"b"', '"c"']:
 UPDATE outbox.event_queue SET visible_at = visible_at - interval '1 minute' WHERE payload = '"c"';
 SELECT payload FROM outbox.claim('w', 1);
 SELECT payload FROM outbox.claim('w', 1);
-TRUNCATE outbox.event_queue;
+CALL pg_temp.reset();
 
 -- ---------------------------------------------------------------------------
 -- Attempt counting and retries.
@@ -132,7 +132,7 @@ SELECT state, attempts, last_error, jsonb_array_length(errors) AS n_errors,
        (errors -> 0 ->> 'at')::timestamptz <= clock_timestamp() AS e_at_valid
   FROM outbox.events;
 SELECT outbox.ack(id, lease_token) AS ack_new FROM r2;
-TRUNCATE outbox.event_queue, outbox.event_archive;
+CALL pg_temp.reset();
 
 -- ---------------------------------------------------------------------------
 -- Lease expiry: reclaimable with a new token; counts as an attempt and records
@@ -156,7 +156,7 @@ SELECT outbox.ack(ARRAY[id], ARRAY[lease_token]) AS old_batch_ack FROM x1;
 SELECT state, attempts, leased_by FROM outbox.events;
 SELECT outbox.ack(id, lease_token) AS new_ack FROM x2;
 SELECT state, attempts FROM outbox.events;
-TRUNCATE outbox.event_queue, outbox.event_archive;
+CALL pg_temp.reset();
 
 -- An expired lease at max attempts goes dead with 'lease expired' and is not returned.
 SELECT outbox.create_topic('t.once', max_attempts => 2);
@@ -172,7 +172,7 @@ SELECT state, attempts, max_attempts, last_error, dead_at IS NOT NULL AS has_dea
        jsonb_path_query_array(errors, '$[*].attempt') AS attempt_list
   FROM outbox.events;
 SELECT count(*) AS claimed_dead FROM outbox.claim('w-d', 1);
-TRUNCATE outbox.event_queue, outbox.event_archive;
+CALL pg_temp.reset();
 
 -- max_attempts = 1: an expired first lease is dead at once.
 SELECT outbox.alter_topic('t.once', max_attempts => 1);
@@ -181,7 +181,7 @@ SELECT attempt FROM outbox.claim('w-a', 1, interval '10 milliseconds');
 SELECT pg_sleep(0.05);
 SELECT count(*) AS reclaimed FROM outbox.claim('w-b', 1);
 SELECT state, attempts, last_error FROM outbox.events;
-TRUNCATE outbox.event_queue, outbox.event_archive;
+CALL pg_temp.reset();
 
 -- ---------------------------------------------------------------------------
 -- Per-subject order: only the head of a subject is claimable; anything earlier
@@ -206,7 +206,7 @@ SELECT payload, attempt FROM s2 ORDER BY id;
 SELECT outbox.ack(id, lease_token) FROM s2;
 SELECT payload FROM outbox.claim('w', 100) ORDER BY id;
 -- a later event of a subject never overtakes, even when it is the oldest-visible
-TRUNCATE outbox.event_queue, outbox.event_archive;
+CALL pg_temp.reset();
 SELECT outbox.publish('t.subj', '"x1"', subject => 'x', deliver_at => now() + interval '1 hour') IS NOT NULL AS x1;
 SELECT outbox.publish('t.subj', '"x2"', subject => 'x') IS NOT NULL AS x2;
 SELECT count(*) AS behind_delayed_head FROM outbox.claim('w', 100);

@@ -89,7 +89,7 @@ SELECT payload, headers FROM outbox.events WHERE topic = 'trace' ORDER BY id;
 -- deliver_at: a future time delays claimability; past or -infinity means now;
 -- infinity is refused.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.publish('delay', '"future"', deliver_at => now() + interval '1 hour') IS NOT NULL AS future;
 SELECT outbox.publish('delay', '"past"', deliver_at => now() - interval '1 hour') IS NOT NULL AS past;
 SELECT outbox.publish('delay', '"-inf"', deliver_at => '-infinity') IS NOT NULL AS minus_infinity;
@@ -107,7 +107,7 @@ SELECT payload, attempt FROM outbox.claim('w', 10) ORDER BY id;
 -- ---------------------------------------------------------------------------
 -- strict_topics: unregistered topics are refused with P0002.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SET outbox.strict_topics = on;
 SELECT pg_temp.try($$SELECT outbox.publish('strict.unknown', '1')$$) AS unknown_topic;
 SELECT pg_temp.try($$SELECT * FROM outbox.publish_batch('strict.unknown', ARRAY['1']::jsonb[])$$) AS unknown_topic_batch;
@@ -135,7 +135,7 @@ SELECT topic, payload, max_attempts FROM outbox.events WHERE topic LIKE 'policy.
 -- Dispatch keys: a retained key returns the first id and inserts nothing,
 -- whatever state the first event is in.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 ALTER SEQUENCE outbox.event_id_seq RESTART;
 -- (delayed, so that the claim below leaves it pending)
 SELECT outbox.publish('dk', '"first"', dispatch_key => 'k-pending', deliver_at => now() + interval '1 hour') AS first_id;
@@ -193,7 +193,7 @@ SELECT payload, dispatch_key FROM outbox.events WHERE topic = 'sp' ORDER BY id;
 -- ---------------------------------------------------------------------------
 -- publish_batch
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 ALTER SEQUENCE outbox.event_id_seq RESTART;
 -- ids come back in input order and ascend
 SELECT array_agg(id ORDER BY ord) AS ids

@@ -71,7 +71,7 @@ SELECT * FROM pg_temp.summary;
 -- ---------------------------------------------------------------------------
 -- Windows: older_than, the topic's retention, the GUCs.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT outbox.create_topic('win.short', retention_delivered => '1 day', retention_dead => '2 days');
 SELECT outbox.create_topic('win.zero', retention_delivered => '0', retention_dead => '0');
 SELECT outbox.create_topic('win.unset');
@@ -79,7 +79,7 @@ SELECT outbox.create_topic('win.unset');
 CREATE FUNCTION pg_temp.pairs() RETURNS void LANGUAGE plpgsql AS $$
 DECLARE t text;
 BEGIN
-    TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+    CALL pg_temp.reset();
     FOREACH t IN ARRAY ARRAY['win.short', 'win.zero', 'win.unset', 'win.unregistered'] LOOP
         PERFORM outbox.publish_batch(t, ARRAY['"old delivered"', '"old dead"', '"new delivered"', '"new dead"']::jsonb[]);
     END LOOP;
@@ -122,7 +122,7 @@ SELECT * FROM pg_temp.left_over;
 -- ---------------------------------------------------------------------------
 -- Batches: removed is the total; small batches loop until done.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 SELECT count(*) FROM outbox.publish_batch('batchy', (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, 25) g));
 SELECT count(*) FILTER (WHERE outbox.ack(id, lease_token)) AS acked FROM outbox.claim('w', 20);
 SELECT count(*) FILTER (WHERE outbox.fail(id, lease_token, 'x', permanent => true) = 'dead') AS killed FROM outbox.claim('w', 5);
@@ -157,7 +157,7 @@ ROLLBACK;
 -- Dispatch keys: removed with their events (outbox.retention_dispatch_keys = 0),
 -- or kept for the key window, then removed as orphans.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 ALTER SEQUENCE outbox.event_id_seq RESTART;
 SELECT outbox.publish('keys', '"d1"', dispatch_key => 'key-delivered') AS d1;
 SELECT outbox.publish('keys', '"x1"', dispatch_key => 'key-dead') AS x1;
@@ -177,7 +177,7 @@ SELECT outbox.publish('keys', '"c2"', dispatch_key => 'key-cancelled') > 3 AS ne
 SELECT payload, dispatch_key FROM outbox.events ORDER BY id;
 
 -- keeping keys for a day: the events go, the keys stay and still deduplicate
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys;
+CALL pg_temp.reset();
 ALTER SEQUENCE outbox.event_id_seq RESTART;
 SET outbox.retention_dispatch_keys = '1d';
 SELECT outbox.publish('keys', '"k1"', dispatch_key => 'kept-1') AS k1;
@@ -205,7 +205,7 @@ RESET outbox.retention_dispatch_keys;
 -- ---------------------------------------------------------------------------
 -- run_maintenance and the maintenance log.
 -- ---------------------------------------------------------------------------
-TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics;
+CALL pg_temp.reset(topics => true);
 SELECT count(*) FROM outbox.publish_batch('maint', ARRAY['1', '2', '3', '4', '5']::jsonb[],
                                           dispatch_keys => ARRAY['m1', 'm2', 'm3', 'm4', 'm5']);
 SELECT count(*) FROM outbox.claim('w', 10) c
