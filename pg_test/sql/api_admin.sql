@@ -6,8 +6,7 @@
 -- 1 pending, 2 leased, 3 delivered, 4 dead, 5 cancelled, 6 pending (retry scheduled).
 CREATE FUNCTION pg_temp.states() RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    CALL pg_temp.reset();
-    ALTER SEQUENCE outbox.event_id_seq RESTART;
+    CALL pg_temp.reset(restart => true);
     PERFORM outbox.publish('adm', '"pending"', deliver_at => now() + interval '1 hour');
     PERFORM outbox.publish_batch('adm', ARRAY['"leased"', '"delivered"', '"dead"', '"cancelled"', '"retry"']::jsonb[]);
     DROP TABLE IF EXISTS st;
@@ -64,8 +63,7 @@ SELECT outbox.replay(4) AS replay_leased;
 -- ---------------------------------------------------------------------------
 -- replay_dead: by topic pattern, by dead_at window, dry run.
 -- ---------------------------------------------------------------------------
-CALL pg_temp.reset();
-ALTER SEQUENCE outbox.event_id_seq RESTART;
+CALL pg_temp.reset(restart => true);
 SELECT sum((SELECT count(*) FROM outbox.publish_batch(t, ARRAY['1', '2']::jsonb[]))) AS published
   FROM unnest(ARRAY['mail', 'mail.sent', 'mail.sent.x', 'mailbox', 'sms']) AS t;
 SELECT id, topic FROM outbox.events ORDER BY id;

@@ -5,8 +5,7 @@
 -- Fresh set of claimed events: publishes n events of topic t and claims them.
 CREATE FUNCTION pg_temp.fresh(n int, t text DEFAULT 'lease') RETURNS void LANGUAGE plpgsql AS $$
 BEGIN
-    CALL pg_temp.reset();
-    ALTER SEQUENCE outbox.event_id_seq RESTART;
+    CALL pg_temp.reset(restart => true);
     DROP TABLE IF EXISTS cl;
     PERFORM outbox.publish_batch(t, (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, n) g));
     CREATE TEMP TABLE cl AS SELECT * FROM outbox.claim('w', n, interval '10 minutes');

@@ -135,8 +135,7 @@ SELECT topic, payload, max_attempts FROM outbox.events WHERE topic LIKE 'policy.
 -- Dispatch keys: a retained key returns the first id and inserts nothing,
 -- whatever state the first event is in.
 -- ---------------------------------------------------------------------------
-CALL pg_temp.reset();
-ALTER SEQUENCE outbox.event_id_seq RESTART;
+CALL pg_temp.reset(restart => true);
 -- (delayed, so that the claim below leaves it pending)
 SELECT outbox.publish('dk', '"first"', dispatch_key => 'k-pending', deliver_at => now() + interval '1 hour') AS first_id;
 SELECT outbox.publish('dk', '"second"', dispatch_key => 'k-pending') AS dup_pending;
@@ -193,8 +192,7 @@ SELECT payload, dispatch_key FROM outbox.events WHERE topic = 'sp' ORDER BY id;
 -- ---------------------------------------------------------------------------
 -- publish_batch
 -- ---------------------------------------------------------------------------
-CALL pg_temp.reset();
-ALTER SEQUENCE outbox.event_id_seq RESTART;
+CALL pg_temp.reset(restart => true);
 -- ids come back in input order and ascend
 SELECT array_agg(id ORDER BY ord) AS ids
   FROM outbox.publish_batch('batch', ARRAY['"a"', '"b"', '"c"']::jsonb[]) WITH ORDINALITY AS r(id, ord);

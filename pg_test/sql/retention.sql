@@ -157,8 +157,7 @@ ROLLBACK;
 -- Dispatch keys: removed with their events (outbox.retention_dispatch_keys = 0),
 -- or kept for the key window, then removed as orphans.
 -- ---------------------------------------------------------------------------
-CALL pg_temp.reset();
-ALTER SEQUENCE outbox.event_id_seq RESTART;
+CALL pg_temp.reset(restart => true);
 SELECT outbox.publish('keys', '"d1"', dispatch_key => 'key-delivered') AS d1;
 SELECT outbox.publish('keys', '"x1"', dispatch_key => 'key-dead') AS x1;
 SELECT outbox.publish('keys', '"c1"', dispatch_key => 'key-cancelled', deliver_at => now() + interval '1 day') AS c1;
@@ -177,8 +176,7 @@ SELECT outbox.publish('keys', '"c2"', dispatch_key => 'key-cancelled') > 3 AS ne
 SELECT payload, dispatch_key FROM outbox.events ORDER BY id;
 
 -- keeping keys for a day: the events go, the keys stay and still deduplicate
-CALL pg_temp.reset();
-ALTER SEQUENCE outbox.event_id_seq RESTART;
+CALL pg_temp.reset(restart => true);
 SET outbox.retention_dispatch_keys = '1d';
 SELECT outbox.publish('keys', '"k1"', dispatch_key => 'kept-1') AS k1;
 SELECT outbox.publish('keys', '"k2"', dispatch_key => 'kept-2') AS k2;
