@@ -472,8 +472,15 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    SELECT pg_catalog.count(*) INTO live FROM outbox.event_queue q
-     WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic;
+    -- Unfinished in any subscription: the queue's 'default', and every
+    -- subscription of the log (0.11.0; before, only the queue was counted).
+    SELECT pg_catalog.count(DISTINCT u.id) INTO live FROM (
+        SELECT q.id FROM outbox.event_queue q
+         WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic
+        UNION ALL
+        SELECT d.event_id FROM outbox._log_deliveries d
+         WHERE d.topic OPERATOR(pg_catalog.=) drop_topic.topic
+           AND d.state OPERATOR(pg_catalog.=) ANY ('{pending,leased,dead}'::text[])) AS u;
     IF live OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
             USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';
@@ -489,5 +496,5 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox.drop_topic(text, boolean) IS
-'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events, '
+'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events in any subscription (reads the whole log), '
 'unless force => true; forcing removes only the policy row, never events. Errors: 22004 NULL topic or force; 22023 invalid topic; 55006 undelivered events.';

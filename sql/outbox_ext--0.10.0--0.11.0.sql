@@ -287,6 +287,45 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox.drop_topic(topic text, force boolean DEFAULT false) RETURNS boolean
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    live bigint;
+    policy text;
+BEGIN
+    PERFORM outbox._check_topic(topic);
+    IF force IS NULL THEN
+        RAISE EXCEPTION 'outbox: force must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    PERFORM 1 FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    -- Unfinished in any subscription: the queue's 'default', and every
+    -- subscription of the log (0.11.0; before, only the queue was counted).
+    SELECT pg_catalog.count(DISTINCT u.id) INTO live FROM (
+        SELECT q.id FROM outbox.event_queue q
+         WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic
+        UNION ALL
+        SELECT d.event_id FROM outbox._log_deliveries d
+         WHERE d.topic OPERATOR(pg_catalog.=) drop_topic.topic
+           AND d.state OPERATOR(pg_catalog.=) ANY ('{pending,leased,dead}'::text[])) AS u;
+    IF live OPERATOR(pg_catalog.>) 0 AND NOT force THEN
+        RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
+            USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';
+    END IF;
+    DELETE FROM outbox.topics t WHERE t.topic OPERATOR(pg_catalog.=) drop_topic.topic
+    RETURNING t.dead_letter_policy INTO policy;
+    -- The events that stay fall back to the defaults, whose policy is 'block'.
+    IF policy OPERATOR(pg_catalog.<>) 'block' THEN
+        PERFORM outbox._apply_dead_letter_policy(drop_topic.topic, 'block');
+    END IF;
+    RETURN true;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -1113,6 +1152,10 @@ END
 $$;
 
 -- Comments, new or changed
+
+COMMENT ON FUNCTION outbox.drop_topic(text, boolean) IS
+'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events in any subscription (reads the whole log), '
+'unless force => true; forcing removes only the policy row, never events. Errors: 22004 NULL topic or force; 22023 invalid topic; 55006 undelivered events.';
 
 COMMENT ON FUNCTION outbox.outbox_id() IS
 'This outbox''s identity: a UUID made by CREATE EXTENSION and kept by pg_dump (not the database''s name or OID, which RENAME and a restore change). '

@@ -231,6 +231,16 @@ SELECT outbox.ack(id, lease_token) FROM outbox.claim('w', 10, topics => ARRAY['r
 -- only delivered events left: allowed
 SELECT outbox.drop_topic('reg.bare') AS drop_delivered_only;
 SELECT outbox.drop_topic('reg.bare') AS drop_again;
+-- an event delivered to 'default' but not yet to another subscription still
+-- holds its topic (0.11.0; the check read the queue alone before)
+SELECT outbox.create_subscription('reg_audit', ARRAY['reg.*']) IS NULL AS audit;
+SELECT outbox.create_topic('reg.bare');
+SELECT outbox.publish('reg.bare', '"audit"') IS NOT NULL AS published;
+SELECT outbox.ack(id, lease_token) FROM outbox.claim('w', 10, topics => ARRAY['reg.bare']);
+SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.bare')$$) AS drop_unread_elsewhere;
+SELECT outbox.ack(id, lease_token) FROM outbox.claim('w', 10, subscription => 'reg_audit');
+SELECT outbox.drop_topic('reg.bare') AS drop_read_everywhere;
+SELECT outbox.drop_subscription('reg_audit');
 -- force: drops the policy row, the events stay and fall back to the GUC defaults
 SELECT pg_temp.try_result($$SELECT outbox.drop_topic('reg.full')$$) AS drop_full;
 SELECT outbox.drop_topic('reg.full', force => true) AS forced;
