@@ -174,6 +174,10 @@ COMMENT ON FUNCTION outbox._log_batch_states(text) IS
 'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events): one row per event of the subscription''s batches in flight that has not left its batch: id, '
 'state (''pending'': not handed out yet; ''leased'': out, lease_expires_at its claim''s expiry; ''delivered'': acked), attempts (0 or 1). Errors: 22004 NULL subscription.';
 
+COMMENT ON FUNCTION outbox._log_batch_holders(text) IS
+'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events; 0.11.0): one row per event out in one of the subscription''s batches in flight whose round''s worker is known: '
+'id and leased_by, the worker that claimed it. Errors: 22004 NULL subscription.';
+
 COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
 'Internal (outbox._log_deliveries): one row per event acked from one of the subscription''s finished batches (outbox.log_delivered) that finished at or after since (NULL: every one kept): '
 'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';

@@ -113,7 +113,10 @@ CREATE TABLE outbox.log_lanes (
 
 -- Batches in flight: a slice of one lane's window, leased in rounds. state is
 -- src/log/batch.rs's encoding (ids, per-event state, rounds, each round's
--- lease expiry). A finished batch is deleted.
+-- lease expiry). A finished batch is deleted. leased_by[r] (0.11.0) is the
+-- worker that claimed round r: operators see who holds an event (leased_by of
+-- outbox.deliveries), and an event that leaves the batch keeps its holder's
+-- name in its row and attempt history; NULL for rounds handed out before.
 -- A batch id fills 48 bits of a lease token (src/log/batch.rs, Token).
 CREATE SEQUENCE outbox.log_batch_seq AS bigint MAXVALUE 281474976710655;
 CREATE TABLE outbox.log_batches (
@@ -121,7 +124,8 @@ CREATE TABLE outbox.log_batches (
     subscription text        NOT NULL,
     lane         smallint    NOT NULL,
     state        bytea       NOT NULL,
-    created_at   timestamptz NOT NULL DEFAULT now()
+    created_at   timestamptz NOT NULL DEFAULT now(),
+    leased_by    text[]
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
 
 -- Finished batches that acked something (0.10.0): the batch's encoding when

@@ -31,11 +31,24 @@ CREATE TABLE outbox.inbox (
 );
 CREATE INDEX inbox_received ON outbox.inbox (received_at);
 
+-- Who holds each round of a batch (sql/log.sql).
+ALTER TABLE outbox.log_batches ADD COLUMN leased_by text[];
+
 -- The subject test of a claim of rows of their own (sql/log.sql).
 CREATE INDEX log_exceptions_leased ON outbox.log_exceptions (subscription, lane, subject, visible_at)
     WHERE state = 'leased' AND subject IS NOT NULL;
 
 -- Functions and procedures, new or changed
+
+CREATE OR REPLACE FUNCTION "_log_batch_holders"(
+	"subscription" TEXT /* Option < & str > */
+) RETURNS TABLE (
+	"id" bigint,  /* i64 */
+	"leased_by" TEXT  /* String */
+)
+STABLE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_batch_holders_wrapper';
 
 CREATE OR REPLACE FUNCTION outbox.replay(id bigint, subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
@@ -1151,11 +1164,67 @@ BEGIN
 END
 $$;
 
+-- Views, changed
+
+CREATE OR REPLACE VIEW outbox._log_deliveries AS
+WITH subs AS MATERIALIZED (
+    SELECT c.name, c.topics, c.max_attempts FROM outbox.subscription_catalog c
+     WHERE c.storage OPERATOR(pg_catalog.=) 'log'
+), b AS MATERIALIZED (
+    SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
+      FROM subs s, LATERAL outbox._log_batch_states(s.name) st
+), h AS MATERIALIZED (
+    SELECT s.name, bh.id, bh.leased_by
+      FROM subs s, LATERAL outbox._log_batch_holders(s.name) bh
+), f AS MATERIALIZED (
+    SELECT s.name, fd.id, pg_catalog.min(fd.delivered_at) AS delivered_at
+      FROM subs s, LATERAL outbox._log_delivered(s.name, NULL) fd
+     GROUP BY s.name, fd.id
+)
+SELECT x.subscription, x.id AS event_id, x.lane, x.topic, x.subject, x.dispatch_key, x.payload, x.headers, x.published_at,
+       x.state, x.attempts, COALESCE(s.max_attempts, x.max_attempts) AS max_attempts, x.leased_by,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END AS lease_expires_at,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END AS available_at,
+       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+  JOIN subs s ON s.name = x.subscription
+UNION ALL
+SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.published_at,
+       COALESCE(b.state, CASE WHEN r.seen THEN 'delivered' ELSE 'pending' END),
+       COALESCE(b.attempts, CASE WHEN r.seen THEN 1 ELSE 0 END),
+       COALESCE(s.max_attempts, l.max_attempts), h.leased_by,
+       b.lease_expires_at,
+       CASE WHEN b.state = 'pending' OR (b.state IS NULL AND NOT r.seen)
+            THEN GREATEST(l.published_at, l.deliver_at) END,
+       NULL::text, NULL::jsonb, f.delivered_at, NULL::timestamptz, NULL::timestamptz
+  FROM subs s
+  JOIN outbox.log l
+    ON s.topics IS NULL
+       OR EXISTS (SELECT 1 FROM pg_catalog.unnest(s.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
+  LEFT JOIN outbox.log_lanes n ON n.subscription = s.name AND n.lane = l.lane
+  LEFT JOIN b ON b.name = s.name AND b.id = l.id
+  LEFT JOIN h ON h.name = s.name AND h.id = l.id
+  LEFT JOIN f ON f.name = s.name AND f.id = l.id AND b.id IS NULL
+  CROSS JOIN LATERAL (
+      SELECT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.lo_snap)
+                      OR (pg_catalog.pg_visible_in_snapshot(l.txid, n.hi_snap) AND l.id <= n.pos), false) AS seen
+  ) r
+ WHERE NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false)
+   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id);
+
 -- Comments, new or changed
 
 COMMENT ON FUNCTION outbox.drop_topic(text, boolean) IS
 'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events in any subscription (reads the whole log), '
 'unless force => true; forcing removes only the policy row, never events. Errors: 22004 NULL topic or force; 22023 invalid topic; 55006 undelivered events.';
+
+COMMENT ON VIEW outbox.deliveries IS
+'One row per event and subscription that receives it: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
+'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
+'The ''default'' made at install: every event of outbox.events. A subscription of the log (0.9.0; from 0.10.0 every retained event it receives): an event it has not read yet is pending; '
+'one in a batch in flight is pending, leased or delivered there (attempts 1; leased_by the worker that claimed it while it is leased, from 0.11.0); '
+'one acked from its batch on the first try is delivered, delivered_at the time its batch finished (batch precision: no row is written per event; NULL while the batch is in flight or after outbox.retention_delivered); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
+'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';
 
 COMMENT ON FUNCTION outbox.outbox_id() IS
 'This outbox''s identity: a UUID made by CREATE EXTENSION and kept by pg_dump (not the database''s name or OID, which RENAME and a restore change). '
@@ -1230,6 +1299,10 @@ COMMENT ON FUNCTION outbox._log_rebase() IS
 '(unread, or in a batch and not acked) gets a row of its own, ''pending''; then restored log rows get txid 2, every lane a new cursor, and batches in flight are deleted. '
 'Run by the first claim, cancel, replay, replay_dead or create_subscription after a restore, or by the log maintenance step once the restore looks finished (outbox._log_restore_quiet). Returns the events given a row (bigint), NULL when nothing waited. '
 'Errors: 40001 at REPEATABLE READ or SERIALIZABLE when another transaction rebased after the snapshot.';
+
+COMMENT ON FUNCTION outbox._log_batch_holders(text) IS
+'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events; 0.11.0): one row per event out in one of the subscription''s batches in flight whose round''s worker is known: '
+'id and leased_by, the worker that claimed it. Errors: 22004 NULL subscription.';
 
 -- Configuration tables for pg_dump
 
@@ -1339,6 +1412,7 @@ ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_pat
 ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_batch_states(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_batch_holders(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
@@ -1361,7 +1435,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
@@ -1382,8 +1456,8 @@ ALTER FUNCTION outbox.delivered_per_minute(integer, text) SECURITY DEFINER;
 GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.delivered_per_minute(integer, text)
     TO outbox_admin, outbox_monitor;
 GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
-    outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_delivered(text, timestamptz),
-    outbox._topic_matches(text, text), outbox._pattern_kind(text)
+    outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text),
+    outbox._log_delivered(text, timestamptz), outbox._topic_matches(text, text), outbox._pattern_kind(text)
     TO outbox_monitor;
 GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,

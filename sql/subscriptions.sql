@@ -375,6 +375,9 @@ WITH subs AS MATERIALIZED (
 ), b AS MATERIALIZED (
     SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
       FROM subs s, LATERAL outbox._log_batch_states(s.name) st
+), h AS MATERIALIZED (
+    SELECT s.name, bh.id, bh.leased_by
+      FROM subs s, LATERAL outbox._log_batch_holders(s.name) bh
 ), f AS MATERIALIZED (
     SELECT s.name, fd.id, pg_catalog.min(fd.delivered_at) AS delivered_at
       FROM subs s, LATERAL outbox._log_delivered(s.name, NULL) fd
@@ -391,7 +394,7 @@ UNION ALL
 SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.published_at,
        COALESCE(b.state, CASE WHEN r.seen THEN 'delivered' ELSE 'pending' END),
        COALESCE(b.attempts, CASE WHEN r.seen THEN 1 ELSE 0 END),
-       COALESCE(s.max_attempts, l.max_attempts), NULL::text,
+       COALESCE(s.max_attempts, l.max_attempts), h.leased_by,
        b.lease_expires_at,
        CASE WHEN b.state = 'pending' OR (b.state IS NULL AND NOT r.seen)
             THEN GREATEST(l.published_at, l.deliver_at) END,
@@ -402,6 +405,7 @@ SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.he
        OR EXISTS (SELECT 1 FROM pg_catalog.unnest(s.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
   LEFT JOIN outbox.log_lanes n ON n.subscription = s.name AND n.lane = l.lane
   LEFT JOIN b ON b.name = s.name AND b.id = l.id
+  LEFT JOIN h ON h.name = s.name AND h.id = l.id
   LEFT JOIN f ON f.name = s.name AND f.id = l.id AND b.id IS NULL
   CROSS JOIN LATERAL (
       SELECT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.lo_snap)
@@ -476,6 +480,6 @@ COMMENT ON VIEW outbox.deliveries IS
 'One row per event and subscription that receives it: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
 'The ''default'' made at install: every event of outbox.events. A subscription of the log (0.9.0; from 0.10.0 every retained event it receives): an event it has not read yet is pending; '
-'one in a batch in flight is pending, leased or delivered there (leased_by NULL: a batch keeps no worker name; attempts 1); '
+'one in a batch in flight is pending, leased or delivered there (attempts 1; leased_by the worker that claimed it while it is leased, from 0.11.0); '
 'one acked from its batch on the first try is delivered, delivered_at the time its batch finished (batch precision: no row is written per event; NULL while the batch is in flight or after outbox.retention_delivered); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
 'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';

@@ -554,3 +554,52 @@ def test_replay_and_drop_take_their_locks_in_one_order(plain):
         assert out["drop"] == "ok" and out["replay"] in ("ok", "42704"), out
     finally:
         x.close()
+
+
+def test_every_event_names_the_worker_that_holds_it_wherever_it_is(plain):
+    """leased_by per subscription (0.11.0): a batch keeps the worker of each of
+    its rounds, so an event out in a batch names its holder, and an event that
+    leaves the batch keeps that name in its row and attempt history: after an
+    expired lease, a failure, or a slow handler's move out of its lane."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('who', max_attempts => 5)")
+    one, two = publish(c, subject="s"), publish(c, subject="s")
+
+    def row(i):
+        return c.execute("SELECT state, leased_by, errors FROM outbox.deliveries "
+                         "WHERE subscription = 'who' AND event_id = %s", (i,)).fetchone()
+
+    # Round 1 of the batch: worker-a; round 2 (the subject's next event): worker-b.
+    (r1,) = claim(c, "who", worker="worker-a")
+    assert row(one)[:2] == ("leased", "worker-a") and row(two)[:2] == ("pending", None)
+    assert ack(c, r1)
+    (r2,) = claim(c, "who", lease="1 s", worker="worker-b")
+    assert r2[0] == two and row(two)[:2] == ("leased", "worker-b")
+    # Its lease expires: the next claim's history names the holder it lost.
+    time.sleep(1.2)
+    (r3,) = claim(c, "who", worker="worker-c")
+    state, by, errors = row(two)
+    assert (state, by) == ("leased", "worker-c")
+    assert [(e["worker"], e["error"]) for e in errors] == [("worker-b", "lease expired")]
+    assert fail(c, r3, error="bad", permanent=True) == "dead"
+    state, by, errors = row(two)
+    assert (state, by) == ("dead", "worker-c")
+    assert [(e["worker"], e["error"]) for e in errors] == [("worker-b", "lease expired"), ("worker-c", "bad")]
+    # A failure straight out of a batch names the batch's worker.
+    three = publish(c, subject="t")
+    (r4,) = claim(c, "who", worker="worker-d")
+    assert fail(c, r4, error="nope", retry_in="1 hour") == "pending"
+    state, by, errors = row(three)
+    assert (state, by) == ("pending", "worker-d") and [e["worker"] for e in errors] == ["worker-d"]
+    # A slow handler moved out of its lane (still leased) keeps its name.
+    slow = publish(c, subject="slow")
+    (r5,) = claim(c, "who", lease="1 hour", worker="worker-e")
+    for i in range(64):
+        publish(c, subject=f"other-{i}")
+    claim(c, "who", n=1000)
+    time.sleep(1.1)
+    drain(c, "who")
+    assert plain.one("SELECT count(*) FROM outbox.log_exceptions WHERE subscription = 'who' AND id = %s",
+                     (slow,))[0] == 1, "the slow event did not leave its batch"
+    assert row(slow)[:2] == ("leased", "worker-e")
+    assert ack(c, r5)

@@ -26,6 +26,9 @@ CREATE TABLE outbox.inbox (
 );
 CREATE INDEX inbox_received ON outbox.inbox (received_at);
 
+-- Who holds each round of a batch (sql/log.sql).
+ALTER TABLE outbox.log_batches ADD COLUMN leased_by text[];
+
 -- The subject test of a claim of rows of their own (sql/log.sql).
 CREATE INDEX log_exceptions_leased ON outbox.log_exceptions (subscription, lane, subject, visible_at)
     WHERE state = 'leased' AND subject IS NOT NULL;

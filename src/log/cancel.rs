@@ -31,7 +31,7 @@
 //!    from its row like any cancelled event.
 
 use super::batch::State;
-use super::claim::{batch_lock_key, detach_positions, load_batch, own_filter, passes, Loaded, BATCH_LOCK_KEY};
+use super::claim::{batch_lock_key, detach_positions, load_batch, own_filter, passes, BATCH_LOCK_KEY};
 use crate::pg;
 use crate::pg::plans;
 use crate::sql::log::{CANCEL_ROW, CANCEL_UNREAD, EVENT_BY_ID, LANE_FOR_CANCEL};
@@ -83,9 +83,9 @@ pub fn log_cancel(subscription: Option<&str>, id: Option<i64>) -> bool {
     // Read into a batch: only one still waiting there can be cancelled.
     let Some(batch) = batch else { return false };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-    let Some(Loaded { batch: b, .. }) = load_batch(batch) else { return false };
-    let Some(at) = b.position(id) else { return false };
-    if b.state(at) != State::Waiting {
+    let Some(loaded) = load_batch(batch) else { return false };
+    let Some(at) = loaded.batch.position(id) else { return false };
+    if loaded.batch.state(at) != State::Waiting {
         return false;
     }
     // With every event of its subject still in the batch (ones out stay
@@ -94,11 +94,11 @@ pub fn log_cancel(subscription: Option<&str>, id: Option<i64>) -> bool {
     // it is cancelled. Without a subject, it alone.
     match subject.as_deref() {
         Some(s) => {
-            drop(b);
+            drop(loaded);
             super::claim::log_detach_subject(Some(subscription), Some(s));
         }
         None => {
-            detach_positions(subscription, lane, batch, b, &[at]);
+            detach_positions(subscription, lane, batch, loaded, &[at]);
         }
     }
     plans::run_latest(&CANCEL_ROW, &[subscription.into(), id.into()], |rows| rows.len()) > 0

@@ -63,9 +63,10 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_STATES, EXC_IN_FLIGHT,
-    EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100,
-    OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
+    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_IDS, BATCH_INSERT, BATCH_INSERT_0110, BATCH_PUT,
+    BATCH_PUT_ROUND_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANES_0100,
+    LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_0100,
+    SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -171,14 +172,36 @@ pub(super) struct Loaded {
     pub(super) batch: Batch,
     lane: i16,
     subscription: String,
+    /// The worker of each round (round r at r - 1); None for a batch made
+    /// before 0.11.0 or under older SQL, whose rounds' workers are unknown.
+    pub(super) holders: Holders,
+}
+
+/// Round workers of a batch ([`Loaded::holders`]).
+pub(super) type Holders = Option<Vec<Option<String>>>;
+
+/// The worker that claimed round `round` of a batch with `holders`, when known.
+pub(super) fn holder(holders: &Holders, round: Option<u16>) -> Option<String> {
+    let r = usize::from(round?).checked_sub(1)?;
+    holders.as_ref()?.get(r).cloned().flatten()
+}
+
+/// True when the installed SQL keeps the workers of a batch's rounds (0.11.0).
+fn batches_have_holders() -> bool {
+    pg::catalog::outbox_column(c"log_batches", c"leased_by")
 }
 
 /// The batch `id`, read after its lock was taken; None when it is finished
 /// (deleted) or its subscription was dropped.
 pub(super) fn load_batch(id: i64) -> Option<Loaded> {
-    let (bytes, lane, subscription) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
+    let with_holders = batches_have_holders();
+    let stmt = if with_holders { &BATCH_GET_0110 } else { &BATCH_GET };
+    let (bytes, lane, subscription, holders) = plans::run_latest(stmt, &[id.into()], |rows| {
         let mut out = None;
-        rows.for_each(|r| out = Some((r.bytes(0), r.i16(1), r.text(2))));
+        rows.for_each(|r| {
+            let holders = if with_holders { r.text_array_with_nulls(3) } else { None };
+            out = Some((r.bytes(0), r.i16(1), r.text(2), holders))
+        });
         out
     })?;
     let (Some(bytes), Some(lane), Some(subscription)) = (bytes, lane, subscription) else {
@@ -187,7 +210,7 @@ pub(super) fn load_batch(id: i64) -> Option<Loaded> {
     let batch = Batch::decode(&bytes).unwrap_or_else(|e| {
         errors::raise(PgSqlErrorCode::ERRCODE_DATA_CORRUPTED, format!("outbox.log_batches row {id}: {e}"))
     });
-    Some(Loaded { batch, lane, subscription })
+    Some(Loaded { batch, lane, subscription, holders })
 }
 
 /// Write batch `id`; false when its row is gone (drop_subscription removed
@@ -232,6 +255,17 @@ struct Claim<'a> {
 }
 
 impl Claim<'_> {
+    /// Write batch `id` (`b`) after it handed out round `round` to this
+    /// claim's worker, whose name is kept with the round when the batch keeps
+    /// its rounds' workers (`with_holders`); false when the row is gone.
+    fn store_round(&self, id: i64, b: &Batch, round: u16, with_holders: bool) -> bool {
+        if !with_holders {
+            return store_batch(id, b);
+        }
+        let args = [id.into(), b.encode().into(), i32::from(round).into(), self.req.worker.into()];
+        plans::run_latest(&BATCH_PUT_ROUND_0110, &args, |rows| rows.len()) > 0
+    }
+
     /// Return the events at `picks` of `batch` (lane `lane`) with `token`.
     fn emit(&self, lane: i16, batch: &Batch, picks: &[usize], token: Token) {
         let ids: Vec<i64> = picks.iter().map(|&p| batch.ids()[p]).collect();
@@ -245,7 +279,7 @@ impl Claim<'_> {
     /// batch can be handed out and the lane has newer events, the events out
     /// for longer than [`LANE_HOLD_US`] ([`Batch::release`]), each with the
     /// later events of its subject. Returns whether the batch changed.
-    fn move_out(&self, id: i64, lane: i16, pos: Option<i64>, b: &mut Batch) -> bool {
+    fn move_out(&self, id: i64, lane: i16, pos: Option<i64>, b: &mut Batch, holders: &Holders) -> bool {
         let rounds: Vec<Option<u16>> =
             (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
         let token_of =
@@ -258,6 +292,7 @@ impl Claim<'_> {
                 visible_at: self.now,
                 token: if was_out { token_of(b, i) } else { None },
                 error: None,
+                worker: holder(holders, rounds[i]),
             });
         }
         if !rows.is_empty() {
@@ -280,6 +315,7 @@ impl Claim<'_> {
                     visible_at: expires,
                     token: token_of(b, i),
                     error: None,
+                    worker: holder(holders, round),
                 },
                 None => Moved::parked(b.ids()[i], self.now),
             });
@@ -376,8 +412,8 @@ impl Claim<'_> {
             if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
                 return 0; // an ack is changing it: the next claim serves it
             }
-            if let Some(Loaded { batch: mut b, .. }) = load_batch(id) {
-                let changed = self.move_out(id, l.lane, l.pos, &mut b) | self.narrow(l.lane, id, &mut b);
+            if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(id) {
+                let changed = self.move_out(id, l.lane, l.pos, &mut b, &holders) | self.narrow(l.lane, id, &mut b);
                 if !b.finished() {
                     let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
                     if picks.is_empty() {
@@ -387,7 +423,7 @@ impl Claim<'_> {
                         return 0;
                     }
                     let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
-                    if !store_batch(id, &b) {
+                    if !self.store_round(id, &b, token.round, holders.is_some()) {
                         return 0; // dropped meanwhile (drop_subscription)
                     }
                     self.emit(l.lane, &b, &picks, token);
@@ -449,8 +485,14 @@ impl Claim<'_> {
             // The state does not depend on the batch id, which the insert draws:
             // the token gets it after.
             let token = b.hand_out(0, &picks, self.now, self.expires, pg::strong_random());
-            let args = [self.req.subscription.into(), l.lane.into(), b.encode().into()];
-            let id = plans::run_latest(&BATCH_INSERT, &args, |rows| {
+            let mut args = vec![self.req.subscription.into(), l.lane.into(), b.encode().into()];
+            let stmt = if batches_have_holders() {
+                args.push(self.req.worker.into());
+                &BATCH_INSERT_0110
+            } else {
+                &BATCH_INSERT
+            };
+            let id = plans::run_latest(stmt, &args, |rows| {
                 let mut id = None;
                 rows.for_each(|r| id = r.i64(0));
                 id
@@ -721,22 +763,23 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
         return 0;
     };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-    let Some(Loaded { batch: b, .. }) = load_batch(batch) else { return 0 };
-    let mine: Vec<i64> =
-        plans::run_latest(&OF_SUBJECT, &[lane.into(), b.ids().to_vec().into(), subject.into()], |rows| {
-            let mut out = Vec::new();
-            rows.for_each(|r| out.extend(r.i64(0)));
-            out
-        });
-    let positions: Vec<usize> = mine.iter().filter_map(|id| b.position(*id)).collect();
-    detach_positions(subscription, lane, batch, b, &positions)
+    let Some(loaded) = load_batch(batch) else { return 0 };
+    let ids = loaded.batch.ids().to_vec();
+    let mine: Vec<i64> = plans::run_latest(&OF_SUBJECT, &[lane.into(), ids.into(), subject.into()], |rows| {
+        let mut out = Vec::new();
+        rows.for_each(|r| out.extend(r.i64(0)));
+        out
+    });
+    let positions: Vec<usize> = mine.iter().filter_map(|id| loaded.batch.position(*id)).collect();
+    detach_positions(subscription, lane, batch, loaded, &positions)
 }
 
 /// Take the events at `positions` out of batch `batch` (`b`, lane `lane`,
 /// its advisory lock held) into the exception table: waiting ones parked,
 /// ones out still leased to their holder with the same token and expiry.
 /// Returns how many moved.
-pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, mut b: Batch, positions: &[usize]) -> i32 {
+pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded: Loaded, positions: &[usize]) -> i32 {
+    let Loaded { batch: mut b, holders, .. } = loaded;
     let rounds: Vec<(usize, Option<(Token, i64)>)> = b
         .detach(positions)
         .into_iter()
@@ -755,6 +798,7 @@ pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, mut b:
                 visible_at: expires,
                 token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
                 error: None,
+                worker: holder(&holders, Some(t.round)),
             },
             None => Moved::parked(b.ids()[i], now),
         })
@@ -815,7 +859,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
         let t = Token::from_bytes(*token.as_bytes());
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
-        if let Some(Loaded { batch: mut b, lane, subscription }) = load_batch(t.batch) {
+        if let Some(Loaded { batch: mut b, lane, subscription, holders }) = load_batch(t.batch) {
             if let Ok(parked) = b.park(id, t) {
                 let settings = crate::subscriptions::lookup(&subscription).unwrap_or_default();
                 let (max_attempts, base, cap) = plans::run_latest(&FAIL_INFO, &[lane.into(), id.into()], |rows| {
@@ -835,6 +879,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                                 visible_at: now.saturating_add(delay),
                                 token: None,
                                 error: Some(error.to_string()),
+                                worker: holder(&holders, Some(t.round)),
                             }
                         } else {
                             Moved::parked(b.ids()[p], now)

@@ -79,13 +79,15 @@ pub struct Moved {
     pub token: Option<pgrx::Uuid>,
     /// The failure, for `Retry` and `Dead`.
     pub error: Option<String>,
+    /// The worker that held it in the batch (its round's), when it was out.
+    pub worker: Option<String>,
 }
 
 impl Moved {
     /// An event parked behind another of its subject (or delayed, or outside
     /// the claim's topics): claimable from `now`, no attempt yet.
     pub fn parked(id: i64, now: i64) -> Moved {
-        Moved { id, kind: Kind::Parked, visible_at: now, token: None, error: None }
+        Moved { id, kind: Kind::Parked, visible_at: now, token: None, error: None, worker: None }
     }
 }
 
@@ -103,7 +105,8 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
     let at: Vec<TimestampWithTimeZone> = moved.iter().map(|m| pg::timestamptz(m.visible_at)).collect();
     let tokens: Vec<Option<pgrx::Uuid>> = moved.iter().map(|m| m.token).collect();
     let errs: Vec<Option<&str>> = moved.iter().map(|m| m.error.as_deref()).collect();
-    let args: [DatumWithOid<'_>; 10] = [
+    let workers: Vec<Option<&str>> = moved.iter().map(|m| m.worker.as_deref()).collect();
+    let args: [DatumWithOid<'_>; 11] = [
         subscription.into(),
         lane.into(),
         ids.into(),
@@ -114,6 +117,7 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
         settings.max_attempts.into(),
         settings.dead_letter_policy.as_deref().into(),
         batch.into(),
+        workers.into(),
     ];
     let n = plans::run_latest(&EXC_INSERT, &args, |rows| rows.len());
     if n == 0 && batch.is_some() {

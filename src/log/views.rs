@@ -23,7 +23,7 @@ use super::batch::{Batch, State};
 use crate::errors;
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::log::{BATCH_STATES, DELIVERED_BATCHES};
+use crate::sql::log::{BATCH_HOLDERS, BATCH_STATES, DELIVERED_BATCHES};
 use pgrx::datum::TimestampWithTimeZone;
 use pgrx::prelude::*;
 
@@ -63,6 +63,39 @@ pub fn log_batch_states(
                     State::Parked => continue,
                 };
                 out.push((*id, row.0, row.1, row.2));
+            }
+        });
+    });
+    TableIterator::new(out)
+}
+
+/// `outbox._log_batch_holders(subscription text)` (0.11.0): one row per event
+/// out in one of the subscription's batches in flight whose round's worker is
+/// known: `id` and `leased_by`, the worker that claimed it (a batch keeps the
+/// worker of each round; batches made before 0.11.0 have none).
+#[pg_extern(name = "_log_batch_holders", stable, parallel_unsafe)]
+pub fn log_batch_holders(
+    subscription: Option<&str>,
+) -> TableIterator<'static, (name!(id, i64), name!(leased_by, String))> {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    let mut out = Vec::new();
+    if !pg::catalog::outbox_column(c"log_batches", c"leased_by") {
+        return TableIterator::new(out);
+    }
+    plans::run_rows(&BATCH_HOLDERS, &[subscription.into()], |rows| {
+        rows.for_each(|r| {
+            let (Some(b), Some(holders)) =
+                (r.bytes(0).and_then(|bytes| Batch::decode(&bytes).ok()), r.text_array_with_nulls(1))
+            else {
+                return;
+            };
+            for (i, id) in b.ids().iter().enumerate() {
+                if let State::Out(round) = b.state(i) {
+                    if let Some(Some(w)) = holders.get(usize::from(round).wrapping_sub(1)) {
+                        out.push((*id, w.clone()));
+                    }
+                }
             }
         });
     });

@@ -318,6 +318,16 @@ impl Row {
         Some(elems.into_iter().flatten().collect())
     }
 
+    /// text[] column `i` (0-based) with its NULL elements kept in place (a
+    /// 1-based array: element k is at index k - 1); None when NULL or of another type.
+    pub fn text_array_with_nulls(&self, i: usize) -> Option<Vec<Option<String>>> {
+        if self.types[i] != pg_sys::TEXTARRAYOID {
+            return None;
+        }
+        // SAFETY: a text[] datum of the live tuple table (or NULL).
+        unsafe { Vec::<Option<String>>::from_datum(self.values[i], self.nulls[i]) }
+    }
+
     /// bigint[] column `i` (0-based), NULL elements dropped; None when NULL or of another type.
     pub fn i64_array(&self, i: usize) -> Option<Vec<i64>> {
         if self.types[i] != pg_sys::INT8ARRAYOID {

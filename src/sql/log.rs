@@ -242,6 +242,19 @@ pub const LANE_PUT_0100: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &
 pub const BATCH_GET: Stmt =
     Stmt { sql: "SELECT state, lane, subscription FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
+/// [`BATCH_GET`] with the workers of the batch's rounds (0.11.0).
+pub const BATCH_GET_0110: Stmt = Stmt {
+    sql: "SELECT state, lane, subscription, leased_by FROM outbox.log_batches WHERE id = $1",
+    types: &[pg_sys::INT8OID],
+};
+
+/// The states of a subscription's batches with their rounds' workers
+/// (`_log_batch_holders`, 0.11.0).
+pub const BATCH_HOLDERS: Stmt = Stmt {
+    sql: "SELECT state, leased_by FROM outbox.log_batches WHERE subscription = $1 AND leased_by IS NOT NULL",
+    types: &[pg_sys::TEXTOID],
+};
+
 /// A subscription's batch ids, ascending (`_log_in_flight` locks them in that order).
 pub const BATCH_IDS: Stmt =
     Stmt { sql: "SELECT id FROM outbox.log_batches WHERE subscription = $1 ORDER BY id", types: &[pg_sys::TEXTOID] };
@@ -260,6 +273,19 @@ pub const BATCH_INSERT: Stmt = Stmt {
     sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) \
           VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3) RETURNING id",
     types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
+};
+
+/// [`BATCH_INSERT`] whose first round is worker $4's (0.11.0).
+pub const BATCH_INSERT_0110: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
+          VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3, ARRAY[$4]) RETURNING id",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TEXTOID],
+};
+
+/// [`BATCH_PUT`] of a batch that handed out round $3 to worker $4 (0.11.0).
+pub const BATCH_PUT_ROUND_0110: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches SET state = $2, leased_by[$3] = $4 WHERE id = $1 RETURNING id",
+    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::INT4OID, pg_sys::TEXTOID],
 };
 
 pub const BATCH_PUT: Stmt = Stmt {
@@ -331,23 +357,26 @@ macro_rules! dead_blocks {
 /// (failed: pending from $5 with error $7) and `dead` (failed for good). $8 is
 /// the subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
 /// With $10, only while batch $10 exists (key-share locked: a drop_subscription
-/// that removed it first makes this insert nothing).
+/// that removed it first makes this insert nothing). $11: per event, the worker
+/// that held it in the batch (its row's leased_by and the history's worker).
 pub const EXC_INSERT: Stmt = Stmt {
     sql: concat!(
         "INSERT INTO outbox.log_exceptions AS e (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
-           max_attempts, published_at, state, attempts, visible_at, lease_token, last_error, errors, blocks, dead_at) \
+           max_attempts, published_at, state, attempts, visible_at, lease_token, last_error, errors, blocks, dead_at, \
+           leased_by) \
          SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, l.published_at, \
                 y.state, y.attempts, greatest(x.visible_at, l.deliver_at), \
                 CASE WHEN (y.state = 'pending' AND x.kind = 'expired') OR x.kind = 'leased' THEN x.token END, \
                 y.error, \
                 CASE WHEN y.error IS NOT NULL THEN jsonb_build_array(jsonb_build_object( \
-                  'attempt', 1, 'at', clock_timestamp(), 'worker', NULL, 'error', y.error)) END, \
+                  'attempt', 1, 'at', clock_timestamp(), 'worker', x.worker, 'error', y.error)) END, \
                 CASE WHEN y.state = 'dead' THEN ",
         dead_blocks!("l", "$9"),
         " ELSE true END, \
-                CASE WHEN y.state = 'dead' THEN clock_timestamp() END \
-           FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[]) \
-                  AS x(id, kind, visible_at, token, error) \
+                CASE WHEN y.state = 'dead' THEN clock_timestamp() END, \
+                x.worker \
+           FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[], $11::text[]) \
+                  AS x(id, kind, visible_at, token, error, worker) \
            JOIN outbox.log l ON l.lane = $2 AND l.id = x.id \
           CROSS JOIN (SELECT $10::int8 IS NULL OR EXISTS ( \
                         SELECT 1 FROM outbox.log_batches b WHERE b.id = $10 FOR KEY SHARE) AS ok) g \
@@ -372,6 +401,7 @@ pub const EXC_INSERT: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TEXTOID,
         pg_sys::INT8OID,
+        pg_sys::TEXTARRAYOID,
     ],
 };
 
