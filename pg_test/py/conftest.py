@@ -32,6 +32,10 @@ DSN_PRELOAD = (
 REPO = Path(os.environ.get("OUTBOX_REPO") or Path(__file__).resolve().parents[2])
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or str(REPO / "scripts" / "pgcluster.sh")
 
+# OUTBOX_TEST_DEFAULT=log: every test runs against a 'default' of the log (what
+# a fresh install will make), to show which tests still depend on the storage.
+DEFAULT_ON_LOG = os.environ.get("OUTBOX_TEST_DEFAULT") == "log"
+
 TABLES = "outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics, outbox.subject_repairs"
 
 
@@ -84,6 +88,9 @@ class DB:
                       "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL "
                       "WHERE name = 'default'")
             c.execute("UPDATE outbox.subscription_activity SET last_claim_at = NULL")
+            if DEFAULT_ON_LOG:
+                c.execute("SELECT outbox.drop_subscription('default', true)")
+                c.execute("SELECT outbox.create_subscription('default')")
 
     def close(self):
         for c in self._conns:

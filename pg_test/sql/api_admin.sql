@@ -4,11 +4,15 @@
 
 -- One event in each state, ids 1..6 in this order:
 -- 1 pending, 2 leased, 3 delivered, 4 dead, 5 cancelled, 6 pending (retry scheduled).
-CREATE FUNCTION pg_temp.states() RETURNS void LANGUAGE plpgsql AS $$
+-- A procedure, so that the events commit before the claim: a claim never sees
+-- events of its own transaction that has not committed (the log is read in
+-- commit order).
+CREATE PROCEDURE pg_temp.states() LANGUAGE plpgsql AS $$
 BEGIN
     CALL pg_temp.reset(restart => true);
     PERFORM outbox.publish('adm', '"pending"', deliver_at => now() + interval '1 hour');
     PERFORM outbox.publish_batch('adm', ARRAY['"leased"', '"delivered"', '"dead"', '"cancelled"', '"retry"']::jsonb[]);
+    COMMIT;
     DROP TABLE IF EXISTS st;
     CREATE TEMP TABLE st AS SELECT * FROM outbox.claim('w', 10, interval '1 hour');
     PERFORM outbox.ack(id, lease_token) FROM st WHERE payload = '"delivered"';
@@ -20,14 +24,13 @@ END $$;
 -- ---------------------------------------------------------------------------
 -- The events view: one row per event, state-specific columns.
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.states();
+CALL pg_temp.states();
 SELECT id, payload, state, attempts, available_at IS NOT NULL AS has_available_at,
        lease_expires_at IS NOT NULL AS has_lease_expiry, leased_by, last_error,
        delivered_at IS NOT NULL AS has_delivered_at, dead_at IS NOT NULL AS has_dead_at,
        cancelled_at IS NOT NULL AS has_cancelled_at, jsonb_array_length(errors) AS n_errors
   FROM outbox.events ORDER BY id;
-SELECT state, count(*) FROM outbox.event_queue GROUP BY 1 ORDER BY 1;
-SELECT state, count(*) FROM outbox.event_archive GROUP BY 1 ORDER BY 1;
+SELECT state, count(*) FROM outbox.deliveries WHERE subscription = 'default' GROUP BY 1 ORDER BY 1;
 
 -- ---------------------------------------------------------------------------
 -- cancel: pending (ready, delayed, retry-scheduled) and dead -> cancelled.
@@ -40,7 +43,7 @@ SELECT id, payload, state, cancelled_at IS NOT NULL AS has_cancelled_at, last_er
 -- a cancelled event keeps its history; a cancelled leased event is impossible,
 -- so the leased one (2) can still be acked
 SELECT outbox.ack(id, lease_token) AS ack_leased FROM st WHERE id = 2;
-SELECT pg_temp.states();
+CALL pg_temp.states();
 SELECT outbox.publish('adm', '"ready"') AS ready_id;
 SELECT outbox.cancel(7) AS cancel_ready;
 SELECT state FROM outbox.events WHERE id = 7;
@@ -48,7 +51,7 @@ SELECT state FROM outbox.events WHERE id = 7;
 -- ---------------------------------------------------------------------------
 -- replay: dead and cancelled -> pending; nothing else.
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.states();
+CALL pg_temp.states();
 SELECT id, (SELECT state FROM outbox.events e WHERE e.id = i) AS state_before, outbox.replay(i) AS replayed
   FROM generate_series(1, 6) AS i(id) ORDER BY id;
 SELECT outbox.replay(999) AS unknown_id, outbox.replay(NULL) AS null_id;
@@ -70,15 +73,16 @@ SELECT id, topic FROM outbox.events ORDER BY id;
 SELECT count(*) AS killed FROM outbox.claim('w', 100) c
  WHERE outbox.fail(c.id, c.lease_token, 'dead ' || c.topic, permanent => true) = 'dead';
 -- spread dead_at: event n died n days ago
-UPDATE outbox.event_queue SET dead_at = now() - make_interval(days => id::int);
+CALL pg_temp.set_rows('dead_at = now() - make_interval(days => id::int)', 'true');
 CREATE FUNCTION pg_temp.rd(p text, since timestamptz, until timestamptz) RETURNS text LANGUAGE plpgsql AS $$
 DECLARE dry bigint; n bigint; ids text;
 BEGIN
     dry := outbox.replay_dead(p, since, until, true);
     n := outbox.replay_dead(p, since, until);
-    SELECT string_agg(id::text, ',' ORDER BY id) INTO ids FROM outbox.event_queue WHERE state = 'pending';
+    SELECT string_agg(event_id::text, ',' ORDER BY event_id) INTO ids FROM outbox.deliveries
+     WHERE subscription = 'default' AND state = 'pending';
     -- undo, for the next case
-    UPDATE outbox.event_queue SET state = 'dead', dead_at = now() - make_interval(days => id::int) WHERE state = 'pending';
+    CALL pg_temp.set_rows($a$state = 'dead', dead_at = now() - make_interval(days => id::int)$a$, $c$state = 'pending'$c$);
     RETURN format('dry=%s replayed=%s ids=%s', dry, n, coalesce(ids, '-'));
 END $$;
 SELECT label, pg_temp.rd(p, since, until) AS result

@@ -200,7 +200,7 @@ SELECT count(*) AS while_retry_scheduled FROM outbox.claim('w', 100);
 SELECT outbox.ack(id, lease_token) FROM s1 WHERE payload = '"b1"';
 SELECT payload FROM outbox.claim('w', 100) ORDER BY id;
 -- a1 becomes due: it (not a2) is claimed
-UPDATE outbox.event_queue SET visible_at = now() - interval '1 second' WHERE payload = '"a1"';
+CALL pg_temp.make_due($$payload = '"a1"'$$);
 CREATE TEMP TABLE s2 AS SELECT * FROM outbox.claim('w', 100);
 SELECT payload, attempt FROM s2 ORDER BY id;
 SELECT outbox.ack(id, lease_token) FROM s2;
@@ -213,5 +213,5 @@ SELECT count(*) AS behind_delayed_head FROM outbox.claim('w', 100);
 -- subjects are per subject, not per topic: one subject spans topics
 SELECT outbox.publish('t.other', '"x3 other topic"', subject => 'x') IS NOT NULL AS x3;
 SELECT count(*) AS other_topic_waits_too FROM outbox.claim('w', 100, topics => ARRAY['t.other']);
-UPDATE outbox.event_queue SET visible_at = now() - interval '1 second' WHERE payload = '"x1"';
+CALL pg_temp.make_due($$payload = '"x1"'$$);
 SELECT payload FROM outbox.claim('w', 100) ORDER BY id;

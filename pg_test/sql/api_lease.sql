@@ -88,7 +88,7 @@ SELECT state, attempts, last_error, lease_expires_at IS NULL AS no_lease,
 -- a retry-scheduled event is not claimable before its time
 SELECT count(*) AS claimable_now FROM outbox.claim('w', 10);
 -- second attempt: base * 2 = 20s, capped at 15s: [7.5s, 15s]
-UPDATE outbox.event_queue SET visible_at = now() - interval '1 second' WHERE id = 1;
+CALL pg_temp.make_due('id = 1');
 CREATE TEMP TABLE again AS SELECT * FROM outbox.claim('w2', 10);
 SELECT id, attempt FROM again;
 SELECT outbox.fail(id, lease_token, 'second') AS state FROM again;

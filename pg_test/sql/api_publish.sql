@@ -101,7 +101,7 @@ SELECT payload, attempt FROM outbox.claim('w', 10) ORDER BY id;
 -- the delayed event is still pending, untouched
 SELECT payload, state, attempts FROM outbox.events WHERE state = 'pending' ORDER BY id;
 -- once its time has come it is claimable
-UPDATE outbox.event_queue SET visible_at = now() - interval '1 second' WHERE payload = '"future"';
+CALL pg_temp.make_due($$payload = '"future"'$$);
 SELECT payload, attempt FROM outbox.claim('w', 10) ORDER BY id;
 
 -- ---------------------------------------------------------------------------
