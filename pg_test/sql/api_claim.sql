@@ -2,6 +2,13 @@
 -- dead-lettering of expired leases, claim order and per-subject order.
 \i sql/prologue.inc
 
+-- claim_acked(worker, n): claim(worker, n), each event acked as it is
+-- returned, so the next claim never waits behind a batch still out (the log
+-- hands out one batch per lane at a time: src/log/claim.rs).
+CREATE FUNCTION pg_temp.claim_acked(worker text, n integer DEFAULT 100) RETURNS SETOF jsonb LANGUAGE sql AS $$
+    SELECT c.payload FROM outbox.claim(worker, n) c WHERE outbox.ack(c.id, c.lease_token)
+$$;
+
 -- Empty queue: no rows, no error.
 SELECT count(*) AS claimed FROM outbox.claim('w');
 
@@ -26,15 +33,15 @@ SELECT outbox.ack(id, lease_token) FROM c1;
 -- Batch sizes.
 -- ---------------------------------------------------------------------------
 SELECT count(*) FROM outbox.publish_batch('t.batch', (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, 7) g));
-SELECT array_agg(payload ORDER BY id) AS first_1 FROM outbox.claim('w', 1);
-SELECT array_agg(payload ORDER BY id) AS next_2 FROM outbox.claim('w', 2);
-SELECT array_agg(payload ORDER BY id) AS rest FROM outbox.claim('w', 100);
+SELECT array_agg(p ORDER BY p::int) AS first_1 FROM pg_temp.claim_acked('w', 1) p;
+SELECT array_agg(p ORDER BY p::int) AS next_2 FROM pg_temp.claim_acked('w', 2) p;
+SELECT array_agg(p ORDER BY p::int) AS rest FROM pg_temp.claim_acked('w', 100) p;
 SELECT count(*) AS none_left FROM outbox.claim('w', 100);
 -- the default batch size is 100
 CALL pg_temp.reset();
 SELECT count(*) FROM outbox.publish_batch('t.batch', (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, 150) g));
-SELECT count(*) AS default_batch FROM outbox.claim('w');
-SELECT count(*) AS remainder FROM outbox.claim('w');
+SELECT count(*) AS default_batch FROM pg_temp.claim_acked('w');
+SELECT count(*) AS remainder FROM pg_temp.claim_acked('w');
 CALL pg_temp.reset();
 SELECT b AS batch_size, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%L, %s)', 'w', coalesce(b::text, 'NULL'))) AS result
   FROM unnest(ARRAY[NULL, 0, -1, 1, 10000, 10001, 2147483647]) WITH ORDINALITY AS u(b, n)
@@ -62,22 +69,24 @@ SELECT l AS lease, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%L, 1, 
                     '1 day', '1 month', '-1 month', '1000000 years', '1 day -24 hours', '1 day -23 hours'])
        WITH ORDINALITY AS u(l, n)
  ORDER BY n;
+-- (each claim's event is acked in its statement: the next claim is then never
+-- behind a batch still out)
 SELECT outbox.publish('t.lease', '1') IS NOT NULL AS published;
 SELECT lease_expires_at > clock_timestamp() + interval '9 minutes' AND lease_expires_at <= clock_timestamp() + interval '10 minutes' AS ten_minutes
-  FROM outbox.claim('w', 1, interval '10 minutes');
+  FROM outbox.claim('w', 1, interval '10 minutes') c WHERE outbox.ack(c.id, c.lease_token);
 -- outbox.default_lease applies when neither the call nor the topic sets one
 SET outbox.default_lease = '2min';
 SELECT outbox.publish('t.lease', '2') IS NOT NULL AS published;
 SELECT lease_expires_at > clock_timestamp() + interval '1 minute' AND lease_expires_at <= clock_timestamp() + interval '2 minutes' AS guc_2min
-  FROM outbox.claim('w', 1);
+  FROM outbox.claim('w', 1) c WHERE outbox.ack(c.id, c.lease_token);
 RESET outbox.default_lease;
 -- a topic's default_lease beats the GUC, an explicit lease beats both
 SELECT outbox.create_topic('t.toplease', default_lease => '1 hour');
 SELECT count(*) FROM outbox.publish_batch('t.toplease', ARRAY['3', '4']::jsonb[]);
 SELECT lease_expires_at > clock_timestamp() + interval '59 minutes' AND lease_expires_at <= clock_timestamp() + interval '1 hour' AS topic_1h
-  FROM outbox.claim('w', 1, topics => ARRAY['t.toplease']);
+  FROM outbox.claim('w', 1, topics => ARRAY['t.toplease']) c WHERE outbox.ack(c.id, c.lease_token);
 SELECT lease_expires_at <= clock_timestamp() + interval '5 seconds' AS explicit_5s
-  FROM outbox.claim('w', 1, interval '5 seconds', ARRAY['t.toplease']);
+  FROM outbox.claim('w', 1, interval '5 seconds', ARRAY['t.toplease']) c WHERE outbox.ack(c.id, c.lease_token);
 -- max_lease can be lowered (superuser setting)
 SET outbox.max_lease = '1min';
 SELECT pg_temp.try($$SELECT count(*) FROM outbox.claim('w', 1, interval '61 seconds')$$) AS over_custom_max_lease;
@@ -90,18 +99,27 @@ CALL pg_temp.reset();
 -- ---------------------------------------------------------------------------
 CREATE TEMP TABLE topics_ref(topic text);
 INSERT INTO topics_ref VALUES ('mail'), ('mail.sent'), ('mail.sent.bounce'), ('mailbox.x'), ('sms.sent'), ('other');
-CREATE FUNCTION pg_temp.claim_topics(f text[]) RETURNS text LANGUAGE plpgsql AS $$
-DECLARE r text;
+-- One case per filter, each on events published (and committed: a claim
+-- never sees its own transaction's events) by the procedure beforehand.
+CREATE TEMP TABLE topic_cases(n int, f text[], claimed text);
+INSERT INTO topic_cases (n, f)
+SELECT n, f::text[] FROM unnest(ARRAY[NULL, '{mail}', '{mail.sent}', '{mail.*}', '{mail.sent.*}', '{*}', '{mail,sms.*}',
+                    '{nothing}', '{nothing.*}', '{mail,mail,mail.*}', '{mail.*,*}', '{*,mail}']) WITH ORDINALITY AS u(f, n);
+CREATE PROCEDURE pg_temp.claim_topics() LANGUAGE plpgsql AS $$
+DECLARE c record;
 BEGIN
-    CALL pg_temp.reset();
-    PERFORM outbox.publish(topic, '{}') FROM topics_ref;
-    SELECT string_agg(topic, ',' ORDER BY topic) INTO r FROM outbox.claim('w', 100, NULL, f);
-    RETURN coalesce(r, '(none)');
+    FOR c IN SELECT n, f FROM topic_cases ORDER BY n LOOP
+        CALL pg_temp.reset();
+        PERFORM outbox.publish(topic, '{}') FROM topics_ref;
+        COMMIT;
+        UPDATE topic_cases SET claimed = coalesce(
+            (SELECT string_agg(topic, ',' ORDER BY topic) FROM outbox.claim('w', 100, NULL, c.f)), '(none)')
+         WHERE n = c.n;
+        COMMIT;
+    END LOOP;
 END $$;
-SELECT coalesce(f, 'NULL') AS filter, pg_temp.claim_topics(f::text[]) AS claimed
-  FROM unnest(ARRAY[NULL, '{mail}', '{mail.sent}', '{mail.*}', '{mail.sent.*}', '{*}', '{mail,sms.*}',
-                    '{nothing}', '{nothing.*}', '{mail,mail,mail.*}', '{mail.*,*}', '{*,mail}']) WITH ORDINALITY AS u(f, n)
- ORDER BY n;
+CALL pg_temp.claim_topics();
+SELECT coalesce(f::text, 'NULL') AS filter, claimed FROM topic_cases ORDER BY n;
 SELECT f AS filter, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%L, 10, NULL, %L::text[])', 'w', f)) AS result
   FROM unnest(ARRAY['{}', '{NULL}', '{mail,NULL}', '{""}', '{Mail}', '{mail*}', '{.*}', '{*.mail}', '{mail.**}',
                     '{"mail. *"}', '{**}', '{Bad,*}', '{*,Bad}', '{*,NULL}']) WITH ORDINALITY AS u(f, n)
