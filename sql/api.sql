@@ -72,7 +72,7 @@ COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
 'Oldest available first. Each row gets a fresh lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease; attempt counts claims (1 on first delivery). '
 'An event whose subject has an earlier pending, leased or blocking-dead event is not claimable. An expired lease that used the last attempt goes dead with error ''lease expired''. '
 'Arguments: worker (non-empty name, at most 255 chars, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
-'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
+'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease; events a subscription of the log hands out together from one batch share the longest of their topics'' leases), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
 'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
 'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
 'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '

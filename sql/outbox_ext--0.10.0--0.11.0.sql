@@ -1214,6 +1214,18 @@ SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.he
 
 -- Comments, new or changed
 
+COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
+'Lease up to batch_size ready events of one subscription: pending events whose visible time has come, and leased events whose lease expired. '
+'Never waits for another transaction: rows other transactions hold or are changing are skipped, as are rows changed since the claim''s snapshot (outbox._lock_row). '
+'Oldest available first. Each row gets a fresh lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease; attempt counts claims (1 on first delivery). '
+'An event whose subject has an earlier pending, leased or blocking-dead event is not claimable. An expired lease that used the last attempt goes dead with error ''lease expired''. '
+'Arguments: worker (non-empty name, at most 255 chars, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
+'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease; events a subscription of the log hands out together from one batch share the longest of their topics'' leases), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
+'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
+'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
+'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
+'Follows the SKIP LOCKED claim of pgmq, River and Oban, with fencing tokens as in awa and Kleppmann, "How to do distributed locking" (2016).';
+
 COMMENT ON FUNCTION outbox.drop_topic(text, boolean) IS
 'Unregister a topic. Returns true when it was registered, false otherwise. Refuses (55006 object_in_use) while the topic has pending, leased or dead events in any subscription (reads the whole log), '
 'unless force => true; forcing removes only the policy row, never events. Errors: 22004 NULL topic or force; 22023 invalid topic; 55006 undelivered events.';

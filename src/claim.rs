@@ -127,6 +127,7 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
             settings: &settings,
             worker: &worker,
             lease_us,
+            lease_fixed: lease.is_some() || settings.default_lease.is_some(),
             narrow: filter,
         };
         return crate::log::claim::claim(&call, &req, batch as usize);

@@ -1,6 +1,8 @@
-//! A per-backend cache of the topic registry for the publish path.
+//! A per-backend cache of the topic registry for the publish path and the
+//! claims of the log.
 //!
-//! publish() needs the topic's max_attempts. Looking it up in SQL on every call
+//! publish() needs the topic's max_attempts; a claim of the log, the topics'
+//! default leases (src/log/claim.rs). Looking it up in SQL on every call
 //! costs an index-scan node to start and stop per publish (about a tenth of its
 //! time), so each backend keeps `outbox.topics` in memory. Any change to the table
 //! fires a statement trigger that sends a relcache invalidation for it; a copy is
@@ -19,8 +21,16 @@ use crate::sql::topics::LOAD;
 use pgrx::prelude::*;
 use std::collections::HashMap;
 
-/// topic -> max_attempts (None: the topic exists but leaves it to the GUC).
-type Registry = HashMap<String, Option<i32>>;
+/// A registered topic's settings the cache keeps (None: left to the GUC).
+#[derive(Clone, Copy)]
+struct Entry {
+    max_attempts: Option<i32>,
+    /// default_lease in microseconds.
+    default_lease_us: Option<i64>,
+}
+
+/// topic -> its settings.
+type Registry = HashMap<String, Entry>;
 
 thread_local! {
     /// The registry, valid for the count of invalidations of the watched tables
@@ -36,7 +46,12 @@ fn load() -> Registry {
         let mut map = Registry::new();
         rows.for_each(|row| {
             if let Some(name) = row.text(0) {
-                map.insert(name, row.i32(1));
+                let default_lease_us = row
+                    .interval(2)
+                    .as_ref()
+                    .and_then(crate::validate::interval_us)
+                    .and_then(|us| i64::try_from(us).ok());
+                map.insert(name, Entry { max_attempts: row.i32(1), default_lease_us });
             }
         });
         map
@@ -46,7 +61,17 @@ fn load() -> Registry {
 /// The registered state of `topic`: None when unregistered, Some(max_attempts)
 /// when registered (whose inner None means "use outbox.max_attempts").
 pub fn lookup(topic: &str) -> Option<Option<i32>> {
-    CACHE.with(|c| c.with(load, |m| m.get(topic).copied()))
+    CACHE.with(|c| c.with(load, |m| m.get(topic).map(|e| e.max_attempts)))
+}
+
+/// Whether any registered topic sets its own default_lease.
+pub fn any_default_lease() -> bool {
+    CACHE.with(|c| c.with(load, |m| m.values().any(|e| e.default_lease_us.is_some())))
+}
+
+/// The default lease (µs) of `topic` when it is registered with one.
+pub fn default_lease_us(topic: &str) -> Option<i64> {
+    CACHE.with(|c| c.with(load, |m| m.get(topic).and_then(|e| e.default_lease_us)))
 }
 
 /// Trigger body for `outbox._topics_changed()`: invalidate every backend's cache.

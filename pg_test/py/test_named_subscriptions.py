@@ -603,3 +603,45 @@ def test_every_event_names_the_worker_that_holds_it_wherever_it_is(plain):
                      (slow,))[0] == 1, "the slow event did not leave its batch"
     assert row(slow)[:2] == ("leased", "worker-e")
     assert ack(c, r5)
+
+
+def test_a_topics_default_lease_applies_between_the_claims_and_the_subscriptions(plain):
+    """Policy order for a subscription of the log (0.11.0): the call's lease,
+    else the subscription's default_lease, else the topic's, else the GUC. A
+    round of a batch has one expiry: the longest its events' topics ask for;
+    a row of its own (after a failure) takes its own topic's."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_topic('tl.long', default_lease => '1 hour')")
+    c.execute("SELECT outbox.create_subscription('tl')")
+    c.execute("SELECT outbox.create_subscription('tl_sub', default_lease => '2 minutes')")
+
+    def leases(sub, lease=None):
+        """(id, topic, seconds left, token) of a claim of up to 10 events."""
+        return c.execute("SELECT id, topic, extract(epoch FROM lease_expires_at - clock_timestamp())::float8, "
+                         "lease_token FROM outbox.claim('w', 10, %s::interval, NULL, %s) ORDER BY id",
+                         (lease, sub)).fetchall()
+
+    def near(secs, want):
+        return want - 5 < secs <= want
+
+    long_id, plain_id = publish(c, topic="tl.long"), publish(c, topic="tl.plain")
+    # One round with both events: the longest, the topic's hour.
+    got = leases("tl")
+    assert [r[:2] for r in got] == [(long_id, "tl.long"), (plain_id, "tl.plain")], got
+    assert all(near(r[2], 3600) for r in got), got
+    # The subscription's default beats the topic's; the call's beats both.
+    got_sub = leases("tl_sub")
+    assert len(got_sub) == 2 and all(near(r[2], 120) for r in got_sub), got_sub
+    for i, r in enumerate(got_sub):
+        assert fail(c, (r[0], None, r[3]), retry_in="0 s") == "pending"
+    again = leases("tl_sub", lease="7 seconds")
+    assert len(again) == 2 and all(near(r[2], 7) for r in again), again
+    # Rows of their own in 'tl' (no lease of its own): each its topic's, or the GUC's.
+    for r in got:
+        assert fail(c, (r[0], None, r[3]), retry_in="0 s") == "pending"
+    rows = {r[1]: r[2] for r in leases("tl")}
+    assert near(rows["tl.long"], 3600) and near(rows["tl.plain"], 30), rows
+    # A round of plain events alone: the GUC's 30 s.
+    later = publish(c, topic="tl.plain")
+    got = leases("tl")
+    assert [r[0] for r in got] == [later] and near(got[0][2], 30), got

@@ -266,11 +266,33 @@ impl Claim<'_> {
         plans::run_latest(&BATCH_PUT_ROUND_0110, &args, |rows| rows.len()) > 0
     }
 
-    /// Return the events at `picks` of `batch` (lane `lane`) with `token`.
-    fn emit(&self, lane: i16, batch: &Batch, picks: &[usize], token: Token) {
+    /// The lease expiry of a round of the events at `picks` of `batch` (lane
+    /// `lane`). The call's or the subscription's lease when either sets one;
+    /// else each event's is its topic's default_lease, or the GUC's, and the
+    /// round, which has one expiry, takes the longest of them, so no event is
+    /// leased for less than its topic asks.
+    fn round_expires(&self, lane: i16, batch: &Batch, picks: &[usize]) -> i64 {
+        if self.req.lease_fixed || !crate::topics::any_default_lease() {
+            return self.expires;
+        }
+        let ids: Vec<i64> = picks.iter().map(|&p| batch.ids()[p]).collect();
+        let longest = plans::run_latest(&TOPICS_OF, &[lane.into(), ids.into()], |rows| {
+            let mut longest: Option<i64> = None;
+            rows.for_each(|r| {
+                let us = r.text(1).and_then(|t| crate::topics::default_lease_us(&t)).unwrap_or(self.req.lease_us);
+                longest = Some(longest.map_or(us, |l| l.max(us)));
+            });
+            longest
+        });
+        self.now.saturating_add(longest.unwrap_or(self.req.lease_us))
+    }
+
+    /// Return the events at `picks` of `batch` (lane `lane`) with `token`,
+    /// leased until `expires`.
+    fn emit(&self, lane: i16, batch: &Batch, picks: &[usize], token: Token, expires: i64) {
         let ids: Vec<i64> = picks.iter().map(|&p| batch.ids()[p]).collect();
         let uuid = pgrx::Uuid::from_bytes(token.to_bytes());
-        let args = [lane.into(), ids.into(), uuid.into(), plans::ts_param(self.expires)];
+        let args = [lane.into(), ids.into(), uuid.into(), plans::ts_param(expires)];
         plans::run_latest(&FETCH, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
     }
 
@@ -422,11 +444,12 @@ impl Claim<'_> {
                         }
                         return 0;
                     }
-                    let token = b.hand_out(id, &picks, self.now, self.expires, pg::strong_random());
+                    let expires = self.round_expires(l.lane, &b, &picks);
+                    let token = b.hand_out(id, &picks, self.now, expires, pg::strong_random());
                     if !self.store_round(id, &b, token.round, holders.is_some()) {
                         return 0; // dropped meanwhile (drop_subscription)
                     }
-                    self.emit(l.lane, &b, &picks, token);
+                    self.emit(l.lane, &b, &picks, token, expires);
                     return picks.len();
                 }
                 store_batch(id, &b);
@@ -484,7 +507,8 @@ impl Claim<'_> {
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
             // The state does not depend on the batch id, which the insert draws:
             // the token gets it after.
-            let token = b.hand_out(0, &picks, self.now, self.expires, pg::strong_random());
+            let expires = self.round_expires(l.lane, &b, &picks);
+            let token = b.hand_out(0, &picks, self.now, expires, pg::strong_random());
             let mut args = vec![self.req.subscription.into(), l.lane.into(), b.encode().into()];
             let stmt = if batches_have_holders() {
                 args.push(self.req.worker.into());
@@ -503,7 +527,7 @@ impl Claim<'_> {
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
-            self.emit(l.lane, &b, &picks, token);
+            self.emit(l.lane, &b, &picks, token, expires);
             return picks.len();
         }
         if dirty {

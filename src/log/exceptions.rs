@@ -156,7 +156,12 @@ pub struct Request<'a> {
     pub subscription: &'a str,
     pub settings: &'a Settings,
     pub worker: &'a str,
+    /// The lease (µs): the call's, else the subscription's default, else the
+    /// GUC's.
     pub lease_us: i64,
+    /// Whether the call or the subscription set the lease; when neither did,
+    /// an event whose topic sets a default_lease gets that one instead.
+    pub lease_fixed: bool,
     /// The call's own topics (exact, prefixes); None: the subscription's.
     pub narrow: Option<(Vec<String>, Vec<String>)>,
 }
@@ -168,7 +173,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
         None => (None, None),
     };
-    let args: [DatumWithOid<'_>; 10] = [
+    let args: [DatumWithOid<'_>; 11] = [
         req.subscription.into(),
         plans::ts_param(now),
         (left as i32).into(),
@@ -179,6 +184,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         req.worker.into(),
         req.settings.max_attempts.into(),
         req.settings.dead_letter_policy.as_deref().into(),
+        req.lease_fixed.into(),
     ];
     plans::run_latest(&EXC_CLAIM, &args, |rows| {
         let mut n = 0;

@@ -429,7 +429,8 @@ macro_rules! exc_exhausted {
 /// that holds it and no other row leased now (a replayed event may sit before
 /// a later one already out), in (visible_at, id) order, each taken with `_lock_row` (never
 /// waits), narrowed to the topics $6 (exact) and $7 (prefixes) when $6 is not
-/// NULL. They get token $4, lease $5 and worker $8; an expired lease on the
+/// NULL. They get token $4, lease $5 (with $11 false, the lease of the row's
+/// topic when it sets one, else $5) and worker $8; an expired lease on the
 /// last attempt goes dead instead ($10: the subscription's dead-letter
 /// policy). Columns 1-10 are claim's result; 11 is false for a row that went
 /// dead (not returned).
@@ -470,7 +471,8 @@ pub const EXC_CLAIM: Stmt = Stmt {
         " THEN NULL ELSE $4 END, \
              visible_at = CASE WHEN ",
         exc_exhausted!(),
-        " THEN e.visible_at ELSE clock_timestamp() + $5 END, \
+        " THEN e.visible_at ELSE clock_timestamp() + CASE WHEN $11 THEN $5 \
+               ELSE COALESCE((SELECT t.default_lease FROM outbox.topics t WHERE t.topic = e.topic), $5) END END, \
              leased_by = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.leased_by ELSE $8 END, \
@@ -505,6 +507,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
         pg_sys::TEXTOID,
         pg_sys::INT4OID,
         pg_sys::TEXTOID,
+        pg_sys::BOOLOID,
     ],
 };
 

@@ -2,4 +2,4 @@
 
 use crate::pg::plans::Stmt;
 
-pub const LOAD: Stmt = Stmt { sql: "SELECT topic, max_attempts FROM outbox.topics", types: &[] };
+pub const LOAD: Stmt = Stmt { sql: "SELECT topic, max_attempts, default_lease FROM outbox.topics", types: &[] };
