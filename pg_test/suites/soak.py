@@ -127,10 +127,12 @@ def max_attempts_of(topic, sub="default"):
 
 
 def lease_of(topic, sub="default"):
+    """The lease a claim without one gives an event of `topic`; None when it
+    depends on the claim: a subscription of the log without a default_lease
+    gives a batch round the longest lease of its events' topics (0.11.0)."""
     cfg = SUBS.get(sub)
     if cfg:
-        # A subscription of the log: the topic's default_lease does not apply.
-        return float(cfg["default_lease"].split()[0]) if cfg["default_lease"] else GUC_LEASE
+        return float(cfg["default_lease"].split()[0]) if cfg["default_lease"] else None
     t = TOPICS.get(topic)
     return float(t[3].split()[0]) if t and t[3] else GUC_LEASE
 
@@ -291,12 +293,15 @@ def worker_main(dsn, name, until, logdir, seed, chaos, drainfile):
             ncall += 1
             rows = conn.execute(
                 "SELECT id, topic, subject, dispatch_key, payload, attempt, lease_token::text, "
-                "extract(epoch FROM lease_expires_at)::float8 "
+                "extract(epoch FROM lease_expires_at)::float8, extract(epoch FROM clock_timestamp())::float8 "
                 "FROM outbox.claim(%s, %s, %s::float8 * interval '1 s', %s, %s)",
                 (name, rnd.randint(1, 8), lease, topics, None if sub == "default" else sub)).fetchall()
-            for i, topic, subj, key, p, att, tok, exp in rows:
+            for i, topic, subj, key, p, att, tok, exp, after in rows:
                 ls = lease if lease is not None else lease_of(topic, sub)
-                out(k="claim", sub=sub, id=i, att=att, at=exp - ls, exp=exp, topic=topic, subj=subj, key=key,
+                # Where the lease's length depends on the round, the server's
+                # clock after the claim stands for its start (never earlier).
+                at = exp - ls if ls is not None else after
+                out(k="claim", sub=sub, id=i, att=att, at=at, exp=exp, topic=topic, subj=subj, key=key,
                     tx=p.get("tx") if isinstance(p, dict) else None,
                     pj=p.get("j") if isinstance(p, dict) else None,
                     seq=p.get("seq") if isinstance(p, dict) else None, tok=tok, cn=ncall)
@@ -309,8 +314,9 @@ def worker_main(dsn, name, until, logdir, seed, chaos, drainfile):
             idle = 0
             if chaos and not draining and time.time() > crash_at and rnd.random() < 0.5:
                 crash("after claim")
-            for n, (i, topic, subj, key, p, att, tok, exp) in enumerate(rows):
+            for n, (i, topic, subj, key, p, att, tok, exp, after) in enumerate(rows):
                 ls = lease if lease is not None else lease_of(topic, sub)
+                ls = ls if ls is not None else max(exp - after, 0.1)
                 p = p if isinstance(p, dict) else {}
                 if chaos and not draining and time.time() > crash_at:
                     crash(f"in batch at {n}")
