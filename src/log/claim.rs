@@ -180,10 +180,11 @@ pub(super) struct Loaded {
 /// Round workers of a batch ([`Loaded::holders`]).
 pub(super) type Holders = Option<Vec<Option<String>>>;
 
-/// The worker that claimed round `round` of a batch with `holders`, when known.
-pub(super) fn holder(holders: &Holders, round: Option<u16>) -> Option<String> {
+/// The worker that claimed round `round` of a batch whose rounds' workers
+/// are `holders` (round r at r - 1), when known.
+pub(super) fn holder(holders: Option<&[Option<String>]>, round: Option<u16>) -> Option<String> {
     let r = usize::from(round?).checked_sub(1)?;
-    holders.as_ref()?.get(r).cloned().flatten()
+    holders?.get(r).cloned().flatten()
 }
 
 /// True when the installed SQL keeps the workers of a batch's rounds (0.11.0).
@@ -252,6 +253,9 @@ struct Claim<'a> {
     out: &'a SetResult,
     /// Whether this claim moved expired events to the exception table.
     moved: Cell<bool>,
+    /// Whether a round's lease depends on its events' topics: neither the
+    /// call nor the subscription sets one, and some topic does.
+    topic_leases: bool,
 }
 
 impl Claim<'_> {
@@ -272,7 +276,7 @@ impl Claim<'_> {
     /// round, which has one expiry, takes the longest of them, so no event is
     /// leased for less than its topic asks.
     fn round_expires(&self, lane: i16, batch: &Batch, picks: &[usize]) -> i64 {
-        if self.req.lease_fixed || !crate::topics::any_default_lease() {
+        if !self.topic_leases {
             return self.expires;
         }
         let ids: Vec<i64> = picks.iter().map(|&p| batch.ids()[p]).collect();
@@ -314,7 +318,7 @@ impl Claim<'_> {
                 visible_at: self.now,
                 token: if was_out { token_of(b, i) } else { None },
                 error: None,
-                worker: holder(holders, rounds[i]),
+                worker: holder(holders.as_deref(), rounds[i]),
             });
         }
         if !rows.is_empty() {
@@ -337,7 +341,7 @@ impl Claim<'_> {
                     visible_at: expires,
                     token: token_of(b, i),
                     error: None,
-                    worker: holder(holders, round),
+                    worker: holder(holders.as_deref(), round),
                 },
                 None => Moved::parked(b.ids()[i], self.now),
             });
@@ -612,6 +616,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             expires: now.saturating_add(req.lease_us),
             out: &out,
             moved: Cell::new(false),
+            topic_leases: !req.lease_fixed && crate::topics::any_default_lease(),
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
@@ -822,7 +827,7 @@ pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded
                 visible_at: expires,
                 token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
                 error: None,
-                worker: holder(&holders, Some(t.round)),
+                worker: holder(holders.as_deref(), Some(t.round)),
             },
             None => Moved::parked(b.ids()[i], now),
         })
@@ -903,7 +908,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                                 visible_at: now.saturating_add(delay),
                                 token: None,
                                 error: Some(error.to_string()),
-                                worker: holder(&holders, Some(t.round)),
+                                worker: holder(holders.as_deref(), Some(t.round)),
                             }
                         } else {
                             Moved::parked(b.ids()[p], now)

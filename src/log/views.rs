@@ -92,8 +92,8 @@ pub fn log_batch_holders(
             };
             for (i, id) in b.ids().iter().enumerate() {
                 if let State::Out(round) = b.state(i) {
-                    if let Some(Some(w)) = holders.get(usize::from(round).wrapping_sub(1)) {
-                        out.push((*id, w.clone()));
+                    if let Some(w) = super::claim::holder(Some(&holders), Some(round)) {
+                        out.push((*id, w));
                     }
                 }
             }

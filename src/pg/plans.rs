@@ -310,12 +310,7 @@ impl Row {
 
     /// text[] column `i` (0-based), NULL elements dropped; None when NULL or of another type.
     pub fn text_array(&self, i: usize) -> Option<Vec<String>> {
-        if self.types[i] != pg_sys::TEXTARRAYOID {
-            return None;
-        }
-        // SAFETY: a text[] datum of the live tuple table (or NULL).
-        let elems = unsafe { Vec::<Option<String>>::from_datum(self.values[i], self.nulls[i]) }?;
-        Some(elems.into_iter().flatten().collect())
+        Some(self.text_array_with_nulls(i)?.into_iter().flatten().collect())
     }
 
     /// text[] column `i` (0-based) with its NULL elements kept in place (a
