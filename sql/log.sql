@@ -23,7 +23,10 @@
 --         (hash of the subject), events without a subject go to lanes in runs
 --         of 64 ids, so one lane's window reads adjacent heap pages.
 -- Indexes: (lane, id) for a lane's window, (txid, lane) for the events of one
--- transaction that committed late. Both grow at their right edge.
+-- transaction that committed late. Both grow at their right edge. (deliver_at)
+-- of delayed events only (0.12.0): the background worker's wake-up when one
+-- comes due (src/worker.rs); an event published without a delay costs it
+-- nothing.
 DO $$
 BEGIN
     FOR n IN 0..3 LOOP
@@ -43,6 +46,7 @@ BEGIN
             ) WITH (vacuum_truncate = false);
             CREATE INDEX log_%1$s_lane_id ON outbox.log_%1$s (lane, id);
             CREATE INDEX log_%1$s_txid ON outbox.log_%1$s (txid, lane);
+            CREATE INDEX log_%1$s_deliver_at ON outbox.log_%1$s (deliver_at) WHERE deliver_at IS NOT NULL;
         $ddl$, n);
     END LOOP;
 END

@@ -138,7 +138,11 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         return "stale".into_datum().unwrap();
     };
     if let Some(t) = log_token(&tok) {
-        return log::claim::fail(call.required(0, "id"), t, &error, retry_in, permanent).into_datum().unwrap();
+        let state = log::claim::fail(call.required(0, "id"), t, &error, retry_in, permanent);
+        if state == "pending" {
+            wakeup::note_due(); // the worker's next due time may now be the retry's
+        }
+        return state.into_datum().unwrap();
     }
     plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
     let row = plans::run(&FAIL_LOCK, &[id.param(), tok.param()], |t| {

@@ -6,7 +6,8 @@
 //! the worker's argument. Each pass, in its own transaction:
 //! 1. takes the topics committed since the last pass from shared memory (see
 //!    `wakeup`), plus every topic whose delayed events, retries or expired leases
-//!    came due since the last pass, and sends one NOTIFY per topic;
+//!    came due since the last pass, in the queue and in the log
+//!    (src/log/due.rs), and sends one NOTIFY per topic;
 //! 2. checks prepared transactions that published: once committed, it notifies;
 //! 3. computes when the next delayed event comes due and sleeps until then (at
 //!    most 1 s), unless its latch is set first.
@@ -26,7 +27,7 @@ use crate::pg::{self, SharedLatch};
 use crate::registry::{self, Exit, Status, WAKE};
 use crate::sql::worker as sql;
 use crate::wakeup;
-use crate::{gucs, maintenance};
+use crate::{gucs, log, maintenance};
 use pgrx::bgworkers::*;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -312,13 +313,23 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
                 }
             }
         }
-        let next: Option<TimestampWithTimeZone> = c
+        let next: Option<i64> = c
             .select(sql::NEXT_DUE, None, &[now_ts.into()])
             .map_err(|e| e.to_string())?
             .first()
-            .get_one()
-            .map_err(|e| e.to_string())?;
-        Ok::<_, String>(next)
+            .get_one::<TimestampWithTimeZone>()
+            .map_err(|e| e.to_string())?
+            .and_then(|ts| ts.into_datum())
+            .map(|d| d.value() as i64);
+        // The log's subscriptions (0.12.0 SQL): its own due times.
+        if !log::due::readable() {
+            return Ok(next);
+        }
+        let log_next = log::due::pass(c, since, now, sweep_all, &mut topics)?;
+        Ok::<_, String>(match (next, log_next) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        })
     });
     for t in &topics {
         wakeup::notify_now(t);
@@ -327,10 +338,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         debug1!("outbox worker: notified {} topic(s)", topics.len());
     }
     match next {
-        Ok(Some(ts)) => {
-            let at: i64 = ts.into_datum().map(|d| d.value() as i64).unwrap_or(i64::MAX);
-            Some(at.saturating_sub(now))
-        }
+        Ok(Some(at)) => Some(at.saturating_sub(now)),
         Ok(None) => None,
         Err(e) if e.is_empty() => {
             ABSENT.set(true);

@@ -74,7 +74,7 @@ class DB:
         with connect(self.dsn) as c:
             # A leftover lock would make TRUNCATE hang: fail loudly instead.
             c.execute("SET lock_timeout = '10s'")
-            c.execute(f"TRUNCATE {', '.join([TABLES, *READER_TABLES, *extra])}")
+            c.execute(f"TRUNCATE {', '.join([TABLES, *READER_TABLES, *LOG_TABLES, *extra])}")
             # Subscriptions of the log go, a 'default' of the log (0.10.0) too;
             # the install's 'default', which reads the queue, stays or comes back.
             c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default' OR storage = 'log'")
@@ -176,9 +176,9 @@ def plain(plain_dsn):
 
 @pytest.fixture
 def logdb(plain_dsn):
-    """`plain`, with the log ring and its readers emptied too."""
+    """`plain` (every clean() empties the log ring and its readers too)."""
     db = DB(plain_dsn, "plain")
-    db.clean(extra=LOG_TABLES)
+    db.clean()
     yield db
     db.close()
 

@@ -347,6 +347,34 @@ def test_a_slow_handler_holds_its_lane_only_for_a_moment(plain):
                      (slow[0],))[0] == "delivered"
 
 
+def test_a_claimable_event_never_waits_for_another_events_lease(plain):
+    """Events without a subject share lanes in runs of 64 ids, so consecutive
+    events meet in one lane's batch. A claim that would come back short does
+    not wait for the batch's events out under another worker's lease (0.12.0,
+    src/log/claim.rs): it moves them aside, still leased to their holder, and
+    hands out the lane's newer events, as the queue would. A subject's own
+    later event still waits for its earlier one."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('nw')")
+    e1 = publish(c)
+    (r1,) = claim(c, "nw", n=1, lease="1 hour", worker="slow")
+    assert r1[0] == e1
+    e2, e3 = publish(c), publish(c)
+    assert [r[0] for r in claim(c, "nw", n=10, worker="quick")] == [e2, e3]
+    # The first holder keeps its lease and token.
+    assert plain.one("SELECT state, leased_by FROM outbox.deliveries WHERE subscription = 'nw' AND event_id = %s",
+                     (e1,)) == ("leased", "slow")
+    assert ack(c, r1)
+    # With a subject: the later event waits for the earlier one's lease.
+    s1 = publish(c, subject="acct")
+    (r,) = claim(c, "nw", n=1, lease="1 hour")
+    assert r[0] == s1
+    s2 = publish(c, subject="acct")
+    assert claim(c, "nw") == []
+    assert ack(c, r)
+    assert drain(c, "nw") == [s2]
+
+
 def test_a_claim_racing_a_drop_never_brings_the_subscription_back(plain):
     """A claim that passed the catalog check before drop_subscription committed
     must not recreate the dropped subscription's lanes (they would hold the

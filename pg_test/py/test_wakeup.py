@@ -39,6 +39,20 @@ def set_mode(conn, mode):
     assert conn.execute("SHOW outbox.notify").fetchone()[0] == mode
 
 
+# What a claim reads: the install's 'default' (NULL), and a named subscription,
+# which reads the log (its due times come from src/log/due.rs, 0.12.0).
+SUBSCRIPTIONS = [None, "wk_log"]
+
+
+def subscribe(db, sub):
+    """Create `sub` (a subscription of the log) unless it is the default; then
+    without 'default' (clean() brings it back), so that only the log holds
+    the events and only its due times can announce them."""
+    if sub is not None:
+        db.one("SELECT outbox.create_subscription(%s)", (sub,))
+        db.one("SELECT outbox.drop_subscription('default', true)")
+
+
 @pytest.mark.parametrize("where,mode", MODE_CASES, ids=[f"{w}-{m}" for w, m in MODE_CASES])
 def test_notifications_follow_commit_not_rollback(request, listen, where, mode):
     db = request.getfixturevalue(where)
@@ -221,7 +235,9 @@ def gids(preload_dsn):
             c.execute(f"ROLLBACK PREPARED '{g}'")
 
 
-def test_prepared_transaction_background_wakes_on_commit_prepared(prepared_ok, preload, listen, gids):
+@pytest.mark.parametrize("sub", SUBSCRIPTIONS)
+def test_prepared_transaction_background_wakes_on_commit_prepared(prepared_ok, preload, listen, gids, sub):
+    subscribe(preload, sub)
     lst = listen(preload.dsn)
     p = preload.conn()
     o = preload.conn()
@@ -232,14 +248,14 @@ def test_prepared_transaction_background_wakes_on_commit_prepared(prepared_ok, p
     (eid,) = p.execute("SELECT outbox.publish('wk.2pc', '{}')").fetchone()
     p.execute("PREPARE TRANSACTION 'outbox_py_2pc_commit'")
     assert lst.collect(0.5) == [], "notified for a transaction that is only prepared"
-    assert o.execute("SELECT count(*) FROM outbox.claim('w')").fetchone()[0] == 0
+    assert o.execute("SELECT count(*) FROM outbox.claim('w', subscription => %s)", (sub,)).fetchone()[0] == 0
     t0 = time.monotonic()
     o.execute("COMMIT PREPARED 'outbox_py_2pc_commit'")  # from another session
     n = lst.first(3)
     assert n is not None, "COMMIT PREPARED did not wake the listener"
     assert n[0] == "wk.2pc"
     print(f"[preload/background] COMMIT PREPARED -> notification {1000 * (n[2] - t0):.1f} ms")
-    assert [r[0] for r in o.execute("SELECT id FROM outbox.claim('w')").fetchall()] == [eid]
+    assert [r[0] for r in o.execute("SELECT id FROM outbox.claim('w', subscription => %s)", (sub,)).fetchall()] == [eid]
     assert payloads(lst.collect(QUIET)) == Counter(), "more than one notification"
 
     gids.append("outbox_py_2pc_abort")
@@ -333,10 +349,12 @@ def test_worker_restarts_after_terminate_and_wakeups_resume(preload, listen, wor
     assert payloads(lst.collect(QUIET)) == Counter()
 
 
+@pytest.mark.parametrize("sub", SUBSCRIPTIONS)
 @pytest.mark.parametrize("mode", ["background", "transaction"])
-def test_delayed_event_wakes_listener_when_due(preload, listen, mode):
+def test_delayed_event_wakes_listener_when_due(preload, listen, mode, sub):
     """deliver_at = +300 ms: no notification at commit, one when it comes due. In
     'transaction' mode only the worker's due sweep (at most 1 s apart) sees it."""
+    subscribe(preload, sub)
     lst = listen(preload.dsn)
     p = preload.conn()
     set_mode(p, mode)
@@ -351,17 +369,19 @@ def test_delayed_event_wakes_listener_when_due(preload, listen, mode):
     print(f"[preload/{mode}] delayed event (300 ms) notified {dt * 1000:.0f} ms after COMMIT")
     assert 0.25 <= dt <= 1.3, times
     w = preload.conn()
-    assert w.execute("SELECT count(*) FROM outbox.claim('w')").fetchone()[0] == 1
+    assert w.execute("SELECT count(*) FROM outbox.claim('w', subscription => %s)", (sub,)).fetchone()[0] == 1
 
 
+@pytest.mark.parametrize("sub", SUBSCRIPTIONS)
 @pytest.mark.parametrize("mode", ["background", "transaction"])
-def test_retry_wakes_listener_when_due(preload, listen, mode):
+def test_retry_wakes_listener_when_due(preload, listen, mode, sub):
+    subscribe(preload, sub)
     lst = listen(preload.dsn)
     p = preload.conn()
     set_mode(p, mode)
     (eid,) = p.execute("SELECT outbox.publish('wk.retry', '{}')").fetchone()
     lst.collect(QUIET)  # the publish's own wake-up(s)
-    (tok,) = p.execute("SELECT lease_token FROM outbox.claim('w', 1, '1 min')").fetchone()
+    (tok,) = p.execute("SELECT lease_token FROM outbox.claim('w', 1, '1 min', subscription => %s)", (sub,)).fetchone()
     assert p.execute("SELECT outbox.fail(%s, %s, 'boom', retry_in => '300 ms')", (eid, tok)).fetchone()[0] == "pending"
     t0 = time.monotonic()
     got = lst.collect(1.6)
@@ -370,8 +390,35 @@ def test_retry_wakes_listener_when_due(preload, listen, mode):
     dt = got[0][2] - t0
     print(f"[preload/{mode}] retry (300 ms) notified {dt * 1000:.0f} ms after fail()")
     assert 0.25 <= dt <= 1.3, times
-    (attempt,) = p.execute("SELECT attempt FROM outbox.claim('w', 1)").fetchone()
+    (attempt,) = p.execute("SELECT attempt FROM outbox.claim('w', 1, subscription => %s)", (sub,)).fetchone()
     assert attempt == 2
+
+
+@pytest.mark.parametrize("sub", SUBSCRIPTIONS)
+def test_expired_lease_wakes_listener_when_due(preload, listen, sub):
+    """A lease that runs out makes its event claimable with no commit to
+    announce it: the worker's due pass does, within its 1 s sweep. Twice: the
+    first lease is (for the log) a batch round, the second a lease of the
+    event's row of its own."""
+    subscribe(preload, sub)
+    lst = listen(preload.dsn)
+    p = preload.conn()
+    set_mode(p, "background")
+    (eid,) = p.execute("SELECT outbox.publish('wk.expired', '{}')").fetchone()
+    lst.collect(QUIET)
+    for attempt in (1, 2):
+        (got, n) = p.execute("SELECT id, attempt FROM outbox.claim('w', 1, '400 ms', subscription => %s)",
+                             (sub,)).fetchone()
+        assert (got, n) == (eid, attempt)
+        t0 = time.monotonic()
+        heard = lst.collect(1.8)
+        times = [(t, round(at - t0, 3)) for t, _, at in heard]
+        assert payloads(heard) == Counter({"wk.expired": 1}), times
+        dt = heard[0][2] - t0
+        print(f"[preload/{sub}] lease {attempt} (400 ms) expiry notified {dt * 1000:.0f} ms after the claim")
+        assert 0.35 <= dt <= 1.6, times
+    (n,) = p.execute("SELECT attempt FROM outbox.claim('w', 1, subscription => %s)", (sub,)).fetchone()
+    assert n == 3
 
 
 def test_wakeup_coalesce_batches_a_stream_but_not_the_first_commit(preload, listen):

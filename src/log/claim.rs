@@ -16,7 +16,10 @@
 //!       waiting ([`BATCH_LOCK_KEY`]), move its expired events to the exception
 //!       table ([`Batch::expire`]), and, when nothing else of it can go while
 //!       the lane has newer events, its events out for longer than
-//!       [`LANE_HOLD_US`] (still leased to their holder: [`Batch::release`]);
+//!       [`LANE_HOLD_US`] (still leased to their holder: [`Batch::release`]),
+//!       or out at all when the claim would otherwise come back short (a
+//!       second pass over those lanes: an event waits for its own subject's
+//!       earlier events, never for another worker's lease);
 //!       send events outside the call's topics there too; hand out what the
 //!       batch allows now ([`Batch::handable`]) as a new round;
 //!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
@@ -84,7 +87,9 @@ pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
 /// (still leased to their holder) to the exception table, so that the lane
 /// goes on (µs). A handler slower than this, on a lane with a backlog, costs
 /// one row per slow event; the lane's other subjects wait at most this long
-/// for it, not for its whole lease.
+/// for it, not for its whole lease, even while other lanes keep every claim
+/// full. A claim that would come back short does not wait at all (0.12.0):
+/// it moves them aside at once and serves the lane's newer events.
 pub const LANE_HOLD_US: i64 = 1_000_000;
 
 /// How many window pieces one claim reads in one lane before it moves on: a
@@ -256,6 +261,13 @@ struct Claim<'a> {
     /// Whether a round's lease depends on its events' topics: neither the
     /// call nor the subscription sets one, and some topic does.
     topic_leases: bool,
+    /// How long a batch's events must have been out before this pass moves
+    /// them aside for the lane's newer events ([`Batch::release`]):
+    /// [`LANE_HOLD_US`], then 0 for a claim that would come back short.
+    hold: Cell<i64>,
+    /// Lanes whose batch held newer events back, its events out for less
+    /// than `hold`: a claim that comes back short serves them again.
+    held: std::cell::RefCell<Vec<i16>>,
 }
 
 impl Claim<'_> {
@@ -328,7 +340,11 @@ impl Claim<'_> {
         let stuck = b.handable().is_empty() && !b.finished();
         let released =
             if stuck && plans::one::<bool>(&LANE_HAS_MORE, &[lane.into(), pos.unwrap_or(0).into()]) == Some(true) {
-                b.release(self.now.saturating_sub(LANE_HOLD_US))
+                let released = b.release(self.now.saturating_sub(self.hold.get()));
+                if b.handable().is_empty() && !b.finished() {
+                    self.held.borrow_mut().push(lane);
+                }
+                released
             } else {
                 vec![]
             };
@@ -617,6 +633,8 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             out: &out,
             moved: Cell::new(false),
             topic_leases: !req.lease_fixed && crate::topics::any_default_lease(),
+            hold: Cell::new(LANE_HOLD_US),
+            held: Default::default(),
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
@@ -625,6 +643,19 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
                 break;
             }
             left -= claim.serve(l, relid, left);
+        }
+        // Short: the lanes whose batch held newer events back go on now,
+        // whatever the age of the events out (claimable events never wait for
+        // another worker's lease, only for their own subject's earlier ones).
+        let held = claim.held.take();
+        if left > 0 && !held.is_empty() {
+            claim.hold.set(0);
+            for l in lanes(req.subscription).into_iter().filter(|l| held.contains(&l.lane)) {
+                if left == 0 {
+                    break;
+                }
+                left -= claim.serve(l, relid, left);
+            }
         }
         if left > 0 && claim.moved.get() {
             // Expired events it moved are due now: hand them out at once.

@@ -80,6 +80,7 @@
 pub mod batch;
 pub mod cancel;
 pub mod claim;
+pub mod due;
 pub mod exceptions;
 pub mod restore;
 pub mod views;
