@@ -10,7 +10,13 @@ import random
 import threading
 import time
 
+import pytest
+
 from conftest import connect
+
+# The mark is the queue's (src/lowwater.rs): the log reads in commit order by
+# snapshots, with no mark (src/log/mod.rs).
+pytestmark = pytest.mark.queue
 
 # -infinity (no mark yet) comes back as NULL: Python's datetime has no infinity.
 MARK = ("SELECT NULLIF(low_water_at, '-infinity'), low_water_id, NULLIF(publish_floor, '-infinity'), resets "

@@ -82,6 +82,7 @@ def ids_in(c, sql, params=None):
     return sorted(r[0] for r in c.execute(sql, params).fetchall())
 
 
+@pytest.mark.queue
 def test_purge_never_removes_undelivered_events(plain):
     c = plain.conn()
     # Undelivered events of every kind, all a year old.
@@ -136,6 +137,7 @@ def test_purge_never_removes_undelivered_events(plain):
     assert behind[0] in ids_in(c, "SELECT id FROM outbox.claim('w2', 100, topics => ARRAY['ret.subj'])")
 
 
+@pytest.mark.queue
 @pytest.mark.parametrize("call", ["purge('1 day')", "purge_dead('1 day')", "run_maintenance()"])
 def test_purge_as_first_call_of_a_session(plain, call):
     """pg_cron and cron-like schedulers open a fresh session per run: the first
@@ -191,6 +193,7 @@ def wait_until_waiting(c, pid, timeout=10):
     return False
 
 
+@pytest.mark.queue
 def test_purge_commits_each_batch(plain, purge_probe):
     """While a purge with batch_size 10 is held in its 5th batch, another session
     already sees the first 4 batches gone; each transaction deleted at most 10."""
@@ -227,6 +230,7 @@ def test_purge_commits_each_batch(plain, purge_probe):
     assert c.execute("SELECT count(*) FROM outbox.event_archive").fetchone()[0] == 0
 
 
+@pytest.mark.queue
 @pytest.mark.parametrize("proc", ["purge", "purge_dead"])
 def test_concurrent_purges_count_each_row_once(plain, proc):
     c = plain.conn()
@@ -265,6 +269,7 @@ def test_concurrent_purges_count_each_row_once(plain, proc):
     assert sum(r for _, r in rounds) == n, f"reported {rounds}, removed {n}"
 
 
+@pytest.mark.queue
 def test_purge_never_waits_on_inflight_work(plain):
     """Claims, acks, replays, cancels and readers holding row locks are in flight:
     purge and purge_dead skip what is locked instead of waiting (lock_timeout
@@ -318,6 +323,7 @@ def test_purge_never_waits_on_inflight_work(plain):
     assert sorted(i for i, s in states.items() if s in ("pending", "leased")) == sorted(pending[2:] + [old_dead[0]])
 
 
+@pytest.mark.queue
 def test_purge_dead_of_blocking_letter_does_not_wait_for_publisher(plain):
     """Purging a dead letter that blocks its subject promotes the next event, which
     needs the subject lock; an open publisher transaction of that subject must
@@ -343,6 +349,7 @@ def test_purge_dead_of_blocking_letter_does_not_wait_for_publisher(plain):
 # ---------------------------------------------------------------------------
 # Scheduled retention
 # ---------------------------------------------------------------------------
+@pytest.mark.queue
 def test_background_worker_runs_maintenance(preload):
     c = preload.conn()
     c.execute("TRUNCATE outbox.maintenance_runs")
@@ -415,6 +422,7 @@ def test_pg_cron_schedules_maintenance_without_preload(cron_cluster):
         assert c.execute("SELECT state FROM outbox.event_queue").fetchall() == [("pending",)]
 
 
+@pytest.mark.queue
 def test_purge_pauses_between_batches(plain):
     """outbox.purge_delay: a pause after every committed batch except the last."""
     c = loaded(plain.conn())

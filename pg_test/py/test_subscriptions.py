@@ -115,7 +115,8 @@ def test_subscription_max_attempts_and_backoff_override_the_topic(plain):
     (r,) = claim(c)
     assert c.execute("SELECT outbox.fail(%s, %s, 'boom')", (r[0], r[1])).fetchone()[0] == "pending"
     # The subscription's 1 s backoff, not the topic's hour (equal jitter: 0.5 .. 1 s).
-    wait = c.execute("SELECT visible_at - clock_timestamp() FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()[0]
+    wait = c.execute("SELECT available_at - clock_timestamp() FROM outbox.deliveries "
+                     "WHERE subscription = 'default' AND event_id = %s", (eid,)).fetchone()[0]
     assert wait.total_seconds() <= 1.0, wait
     time.sleep(max(wait.total_seconds(), 0) + 0.05)
     (r,) = claim(c)
@@ -131,7 +132,8 @@ def test_subscription_max_attempts_applies_to_expired_leases(plain):
     (r,) = claim(c, lease="50 ms")
     time.sleep(0.1)
     assert claim(c) == []  # the expired last attempt goes dead, it is not handed out again
-    state, err = c.execute("SELECT state, last_error FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+    state, err = c.execute("SELECT state, last_error FROM outbox.deliveries "
+                           "WHERE subscription = 'default' AND event_id = %s", (eid,)).fetchone()
     assert (state, err) == ("dead", "lease expired")
 
 
@@ -146,7 +148,8 @@ def test_a_lowered_max_attempts_is_never_exceeded_by_a_claim(plain):
         assert c.execute("SELECT outbox.fail(%s, %s, 'x', retry_in => '0')", (r[0], r[1])).fetchone()[0] == "pending"
     c.execute("SELECT outbox.alter_subscription('default', max_attempts => 2)")
     assert claim(c) == []
-    state, attempts = c.execute("SELECT state, attempts FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+    state, attempts = c.execute("SELECT state, attempts FROM outbox.deliveries "
+                                "WHERE subscription = 'default' AND event_id = %s", (eid,)).fetchone()
     assert (state, attempts) == ("dead", 3)
     assert c.execute("SELECT max_attempts FROM outbox.deliveries WHERE event_id = %s", (eid,)).fetchone()[0] == 2
 
@@ -220,7 +223,8 @@ def test_unknown_and_malformed_subscriptions_are_refused_before_any_change(plain
         ("SELECT outbox.alter_subscription('nope', max_attempts => 1)", "42704"),
     ]:
         assert sqlstate(c, sql) == state, sql
-    assert c.execute("SELECT state FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()[0] == "dead"
+    assert c.execute("SELECT state FROM outbox.deliveries WHERE subscription = 'default' AND event_id = %s",
+                     (eid,)).fetchone()[0] == "dead"
     assert c.execute("SELECT outbox.replay(%s, 'default')", (eid,)).fetchone()[0] is True
 
 

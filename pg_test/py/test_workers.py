@@ -29,6 +29,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from conftest import DB
+
 REPO = Path(__file__).resolve().parents[2]
 WORKERS_DIR = REPO / "examples" / "workers"
 # Worker logs and delivery logs, kept after the run for post-mortems. Not under
@@ -163,9 +165,18 @@ def wait_until(pred, timeout, what, workers=()):
 
 # ---------------------------------------------------------------- fixtures
 
-def _clean(conn):
-    conn.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+def _clean(dsn, conn):
+    DB(dsn, "preload").clean()  # whichever storage 'default' reads
     conn.execute("DELETE FROM outbox.topics WHERE topic LIKE 'wk.%'")
+
+
+def unfinished(conn, topic, dead=False):
+    """The default subscription's events of `topic` not delivered yet (pending
+    or leased; dead ones too when `dead`), from outbox.deliveries, whichever
+    storage it reads."""
+    states = ["pending", "leased"] + (["dead"] if dead else [])
+    return conn.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' "
+                        "AND topic = %s AND state = ANY (%s)", (topic, states)).fetchone()[0]
 
 
 @pytest.fixture
@@ -184,9 +195,9 @@ def db(dsn):
     if not running:
         # Without the background worker, notify from the publishing transaction.
         conn.execute("SET outbox.notify = 'transaction'")
-    _clean(conn)
+    _clean(dsn, conn)
     yield conn
-    _clean(conn)
+    _clean(dsn, conn)
     conn.close()
 
 
@@ -263,8 +274,7 @@ def test_two_workers_deliver_everything_in_order(lang, db, spawn):
     workers = (a, b)
 
     def drained():
-        return fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s AND state <> 'dead'",
-                     topic)[0][0] == 0
+        return unfinished(db, topic) == 0
     wait_until(drained, 90, "the outbox to drain", workers)
     drain_s = time.monotonic() - t_start
     codes = [w.terminate() for w in workers]
@@ -366,7 +376,7 @@ def test_killed_worker_events_redelivered_after_lease(lang, db, spawn):
     assert left == 0, f"{b.name} exited with {left} events still leased\n{b.tail()}"
 
     def drained():
-        return fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s", topic)[0][0] == 0
+        return unfinished(db, topic, dead=True) == 0
     wait_until(drained, 40, "all events delivered", (a2,))
     assert a2.terminate() == 0
 
@@ -496,8 +506,7 @@ def test_webhook_handler(lang, db, spawn):
         url = f"http://127.0.0.1:{server.server_address[1]}/hook"
         w = spawn(lang, sid(lang, "hook"), OUTBOX_HANDLER="webhook", OUTBOX_WEBHOOK_URL=url,
                   OUTBOX_TOPICS="wk.hook", OUTBOX_BATCH_SIZE=10, OUTBOX_CONCURRENCY=4)
-        wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.hook' "
-                                     "AND state <> 'dead'")[0][0] == 0, 40, "webhook deliveries", (w,))
+        wait_until(lambda: unfinished(db, "wk.hook") == 0, 40, "webhook deliveries", (w,))
         assert w.terminate() == 0
     finally:
         server.shutdown()
@@ -528,8 +537,7 @@ def test_stdout_handler(lang, db, spawn):
     texts = ['{"hello": "wörld"}', '[1, 2.50, {"x": null}]', '"s"']
     ids = publish_batch(db, "wk.print", texts, ["a", "a", None])
     w = spawn(lang, sid(lang, "print"), OUTBOX_HANDLER="stdout")
-    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.print'")[0][0] == 0,
-               20, "stdout deliveries", (w,))
+    wait_until(lambda: unfinished(db, "wk.print", dead=True) == 0, 20, "stdout deliveries", (w,))
     assert w.terminate() == 0
     lines = [json.loads(x) for x in w.out.read_text().splitlines() if x.strip()]
     assert sorted(x["id"] for x in lines) == ids, lines
@@ -604,8 +612,7 @@ def test_inbox_handler_applies_effects_exactly_once(lang, db, spawn, inbox_db):
                   OUTBOX_BATCH_SIZE=6, OUTBOX_CONCURRENCY=3, OUTBOX_POLL_INTERVAL=0.5)
     a = spawn(lang, sid(lang, "inbox-a"), OUTBOX_INBOX_DSN=inbox_db, **common)
     b = spawn(lang, sid(lang, "inbox-b"), OUTBOX_INBOX_DSN=serializable, **common)
-    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = %s", topic)[0][0] == 0,
-               40, "the inbox events to drain", (a, b))
+    wait_until(lambda: unfinished(db, topic, dead=True) == 0, 40, "the inbox events to drain", (a, b))
     assert [a.terminate(), b.terminate()] == [0, 0]
     ctx = a.tail() + "\n" + b.tail()
 
@@ -847,8 +854,7 @@ def test_handler_module_uses_process_once(lang, db, spawn, inbox_db, tmp_path):
     oid = str(fetch(db, "SELECT outbox.outbox_id()")[0][0])
     ids = publish_batch(db, "wk.mod", [json.dumps({"n": i}) for i in range(20)] + ['{"bad": 1}'])
     w = spawn(lang, sid(lang, "mod"), OUTBOX_POLL_INTERVAL=0.5, **settings)
-    wait_until(lambda: fetch(db, "SELECT count(*) FROM outbox.event_queue WHERE topic = 'wk.mod' "
-                                 "AND state <> 'dead'")[0][0] == 0, 20, "the handler module's events", (w,))
+    wait_until(lambda: unfinished(db, "wk.mod") == 0, 20, "the handler module's events", (w,))
     assert w.terminate() == 0
     with psycopg.connect(inbox_db, autocommit=True) as c:
         effects = sorted(fetch(c, "SELECT event_id, message_id FROM outbox_effects"))
