@@ -178,6 +178,11 @@ COMMENT ON FUNCTION outbox._log_batch_holders(text) IS
 'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events; 0.11.0): one row per event out in one of the subscription''s batches in flight whose round''s worker is known: '
 'id and leased_by, the worker that claimed it. Errors: 22004 NULL subscription.';
 
+COMMENT ON FUNCTION outbox._log_backlog(text, timestamptz) IS
+'Internal (outbox.health()''s backlog check; 0.12.0): how many of the named subscription''s events (bigint) have been claimable, or waiting only behind an earlier event of their subject, '
+'since published_by or earlier: unread events and events waiting in a batch published (and due, if delayed) by then, and rows of their own pending since then. '
+'Events out under a lease are not counted. Errors: 22004 NULL argument.';
+
 COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
 'Internal (outbox._log_deliveries): one row per event acked from one of the subscription''s finished batches (outbox.log_delivered) that finished at or after since (NULL: every one kept): '
 'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';

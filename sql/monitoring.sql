@@ -100,8 +100,11 @@ BEGIN
         RAISE EXCEPTION 'outbox: health() counts must not be negative' USING ERRCODE = '22023';
     END IF;
     -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
+    -- Every subscription's (0.12.0: those of the log too; an event two of them owe counts twice).
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    n := n + COALESCE((SELECT sum(outbox._log_backlog(c.name, now() - backlog_age))
+                         FROM outbox.subscription_catalog c WHERE c.storage = 'log'), 0);
     check_name := 'backlog_age'; value := n;
     status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s ready events waiting longer than %s', n, backlog_age);
@@ -110,14 +113,21 @@ BEGIN
     -- 2. Dead letters in the last hour.
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    n := n + (SELECT count(*) FROM outbox.log_exceptions x
+               WHERE x.state = 'dead' AND x.dead_at > now() - interval '1 hour');
     check_name := 'dead_letters'; value := n;
     status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s events dead-lettered in the last hour', n);
     RETURN NEXT;
 
-    -- 3. Expired leases: workers died or handlers outlive their lease.
+    -- 3. Expired leases: workers died or handlers outlive their lease. In the
+    -- log (0.12.0): rows of their own, and events still out in a batch round
+    -- that expired (until a claim moves them).
     SELECT count(*) INTO n FROM outbox.event_queue e
      WHERE e.state = 'leased' AND e.visible_at <= now();
+    n := n + (SELECT count(*) FROM outbox.log_exceptions x WHERE x.state = 'leased' AND x.visible_at <= now())
+           + (SELECT count(*) FROM outbox.subscription_catalog c, LATERAL outbox._log_batch_states(c.name) b
+               WHERE c.storage = 'log' AND b.state = 'leased' AND b.lease_expires_at <= now());
     check_name := 'expired_leases'; value := n;
     status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s leases expired without ack or fail', n);
@@ -275,8 +285,8 @@ $$;
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
-'Checks: backlog_age (ready events older than backlog_age; critical at backlog_critical), dead_letters (last hour), '
-'expired_leases (workers dying), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
+'Checks: backlog_age (ready events older than backlog_age, summed over every subscription, the log''s included (0.12.0); critical at backlog_critical), dead_letters (last hour, every subscription), '
+'expired_leases (workers dying; every subscription), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '

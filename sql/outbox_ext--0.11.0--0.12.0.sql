@@ -16,6 +16,245 @@ BEGIN
 END
 $$;
 
+-- Functions and procedures, new or changed
+
+CREATE OR REPLACE FUNCTION "_log_backlog"(
+	"subscription" TEXT, /* Option < & str > */
+	"published_by" timestamp with time zone /* Option < TimestampWithTimeZone > */
+) RETURNS bigint /* i64 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'log_backlog_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox.health(
+    backlog_age        interval DEFAULT '60 seconds',
+    backlog_critical   bigint   DEFAULT 1000,
+    xmin_warn          interval DEFAULT '5 minutes',
+    xmin_critical      interval DEFAULT '1 hour',
+    dead_tuples_warn   bigint   DEFAULT 100000
+) RETURNS TABLE (check_name text, status text, value numeric, message text)
+LANGUAGE plpgsql STABLE SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint;
+    r record;
+    w record;
+    keep interval;
+    why text;
+BEGIN
+    IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
+       OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
+        RAISE EXCEPTION 'outbox: health() thresholds must not be NULL' USING ERRCODE = '22004';
+    END IF;
+    IF backlog_age < interval '0' OR backlog_age > interval '100 years'
+       OR xmin_warn < interval '0' OR xmin_warn > interval '100 years'
+       OR xmin_critical < interval '0' OR xmin_critical > interval '100 years' THEN
+        RAISE EXCEPTION 'outbox: health() intervals must be between 0 and 100 years' USING ERRCODE = '22023';
+    END IF;
+    IF backlog_critical < 0 OR dead_tuples_warn < 0 THEN
+        RAISE EXCEPTION 'outbox: health() counts must not be negative' USING ERRCODE = '22023';
+    END IF;
+    -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
+    -- Every subscription's (0.12.0: those of the log too; an event two of them owe counts twice).
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    n := n + COALESCE((SELECT sum(outbox._log_backlog(c.name, now() - backlog_age))
+                         FROM outbox.subscription_catalog c WHERE c.storage = 'log'), 0);
+    check_name := 'backlog_age'; value := n;
+    status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s ready events waiting longer than %s', n, backlog_age);
+    RETURN NEXT;
+
+    -- 2. Dead letters in the last hour.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
+    n := n + (SELECT count(*) FROM outbox.log_exceptions x
+               WHERE x.state = 'dead' AND x.dead_at > now() - interval '1 hour');
+    check_name := 'dead_letters'; value := n;
+    status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s events dead-lettered in the last hour', n);
+    RETURN NEXT;
+
+    -- 3. Expired leases: workers died or handlers outlive their lease. In the
+    -- log (0.12.0): rows of their own, and events still out in a batch round
+    -- that expired (until a claim moves them).
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'leased' AND e.visible_at <= now();
+    n := n + (SELECT count(*) FROM outbox.log_exceptions x WHERE x.state = 'leased' AND x.visible_at <= now())
+           + (SELECT count(*) FROM outbox.subscription_catalog c, LATERAL outbox._log_batch_states(c.name) b
+               WHERE c.storage = 'log' AND b.state = 'leased' AND b.lease_expires_at <= now());
+    check_name := 'expired_leases'; value := n;
+    status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
+    message := format('%s leases expired without ack or fail', n);
+    RETURN NEXT;
+
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+      INTO r
+      FROM pg_stat_activity a
+     WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
+     ORDER BY a.xact_start
+     LIMIT 1;
+    check_name := 'xmin_horizon';
+    IF r.pid IS NULL THEN
+        value := 0; status := 'ok'; message := 'no other session holds the xmin horizon';
+    ELSE
+        value := round(extract(epoch FROM r.age)::numeric, 3);
+        status := CASE WHEN r.age >= xmin_critical THEN 'critical' WHEN r.age >= xmin_warn THEN 'warn' ELSE 'ok' END;
+        message := format('oldest snapshot held for %s by pid %s (user %s, application %L, %s)',
+                          date_trunc('second', r.age), r.pid, r.usename, r.application_name, r.state);
+    END IF;
+    RETURN NEXT;
+    FOR r IN SELECT gid, now() - prepared AS age FROM pg_prepared_xacts ORDER BY prepared LIMIT 1 LOOP
+        IF r.age >= xmin_warn THEN
+            check_name := 'xmin_horizon'; value := round(extract(epoch FROM r.age)::numeric, 3);
+            status := CASE WHEN r.age >= xmin_critical THEN 'critical' ELSE 'warn' END;
+            message := format('prepared transaction %L open for %s', r.gid, date_trunc('second', r.age));
+            RETURN NEXT;
+        END IF;
+    END LOOP;
+
+    -- 5. Dead tuples in the hot relation.
+    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
+    status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
+                        AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
+    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    RETURN NEXT;
+
+    -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
+    -- which a sequence cache breaks (each backend pre-allocates a block of ids).
+    -- sql/guard.sql refuses ALTER SEQUENCE ... CACHE; this catches a bypass.
+    SELECT s.seqcache INTO n FROM pg_sequence s WHERE s.seqrelid = 'outbox.event_id_seq'::regclass;
+    check_name := 'id_sequence'; value := n;
+    IF n > 1 THEN
+        status := 'critical';
+        message := format('outbox.event_id_seq has CACHE %s: ids no longer follow the subject lock order, so per-subject delivery order can break; run ALTER SEQUENCE outbox.event_id_seq CACHE 1', n);
+    ELSE
+        status := 'ok';
+        message := 'outbox.event_id_seq draws ids one at a time (CACHE 1)';
+    END IF;
+    RETURN NEXT;
+
+    -- 7. The background worker of this database (src/launcher.rs).
+    SELECT * INTO w FROM outbox.wakeup_status();
+    check_name := 'background_worker'; value := w.worker_pid;
+    IF NOT w.preloaded THEN
+        status := 'warn';
+        message := 'outbox_ext is not in shared_preload_libraries: no background wake-ups or maintenance (schedule CALL outbox.run_maintenance() with pg_cron)';
+    ELSIF w.state = 'serving' THEN
+        status := 'ok';
+        message := format('background worker pid %s, %s passes', w.worker_pid, w.passes);
+    ELSIF w.launcher_pid = 0 THEN
+        status := 'critical';
+        message := 'the outbox_ext launcher is not running, so no background worker serves this database (the postmaster restarts it within seconds; see the server log)';
+    ELSIF (SELECT d.datistemplate FROM pg_catalog.pg_database d WHERE d.datname = pg_catalog.current_database()) THEN
+        status := 'warn';
+        message := 'this database is a template (datistemplate): templates are never served, so that CREATE DATABASE from them works; the copies are';
+    ELSIF NOT EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                       WHERE pg_catalog.btrim(l.name, E' \t\r\n') <> '')
+          OR EXISTS (SELECT 1 FROM pg_catalog.regexp_split_to_table(outbox._setting('outbox.databases'), ',') AS l(name)
+                      WHERE pg_catalog.btrim(l.name, E' \t\r\n') = pg_catalog.current_database()) THEN
+        status := 'critical';
+        message := CASE w.state
+            WHEN 'waiting' THEN format('no background worker process is free for this database (max_worker_processes = %s, shared with parallel query); the launcher retries every second', pg_catalog.current_setting('max_worker_processes'))
+            WHEN 'starting' THEN 'the background worker of this database is starting'
+            WHEN 'stopped' THEN 'the background worker of this database stopped; the launcher starts another'
+            ELSE 'no background worker serves this database yet (the launcher looks at new databases every second, and serves at most 64 at once; see the server log)' END;
+    ELSE
+        status := 'warn';
+        message := format('outbox.databases (%L) does not include this database: no background wake-ups or maintenance here, and publishers notify at commit', outbox._setting('outbox.databases'));
+    END IF;
+    RETURN NEXT;
+
+    -- 8. Each subscription: paused, or not claimed from while its events wait.
+    SELECT count(*) INTO n FROM outbox.event_queue e
+     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at, s.storage,
+                    s.max_lag, s.lost_events, s.lost_at
+               FROM outbox.subscriptions s ORDER BY s.name LOOP
+        check_name := 'subscription'; value := r.lag_events;
+        IF r.paused THEN
+            status := 'warn';
+            message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
+                              date_trunc('second', r.paused_at), r.lag_events);
+        ELSIF r.lost_at > now() - interval '1 day' THEN
+            -- Its max_lag let retention remove events it had not read.
+            status := 'warn';
+            message := format('subscription %L lagged past its max_lag (%s): retention removed %s events it had not read, the last at %s',
+                              r.name, r.max_lag, r.lost_events, date_trunc('second', r.lost_at));
+        ELSIF r.storage = 'queue' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            status := 'warn';
+            message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSIF r.storage = 'log' AND r.lag > backlog_age
+              AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
+            -- A subscription of the log holds the log's retention while it lags.
+            status := 'warn';
+            message := format('subscription %L has %s undelivered events, the oldest published %s ago, and no claim since %s; '
+                              'it holds the log''s retention (drop it if it is gone for good)', r.name, r.lag_events,
+                              date_trunc('second', r.lag),
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
+        ELSE
+            status := 'ok';
+            message := format('subscription %L: %s events not yet delivered, last claim %s', r.name, r.lag_events,
+                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'never'));
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+
+    -- 9. The log ring (0.8.0): a sealed table its retention should have
+    -- truncated, or an open table its rotation should have sealed, and why.
+    -- Ten minutes of slack cover the maintenance interval and a few busy runs.
+    keep := outbox._retention_guc('outbox.retention_delivered');
+    check_name := 'log_ring'; value := 0; status := 'ok'; message := NULL;
+    FOR r IN SELECT s.n, s.opened_at, s.sealed_at FROM outbox.log_state s ORDER BY s.n LOOP
+        IF r.sealed_at IS NOT NULL AND r.sealed_at < now() - keep - interval '10 minutes' THEN
+            why := CASE WHEN NOT outbox._log_readers_passed(r.n) THEN 'a log reader has not read past its events'
+                        ELSE 'no maintenance run got its lock within 20 ms, or rows were written to it after its seal' END;
+            message := concat_ws('; ', message, format('outbox.log_%s, sealed %s, is not truncated: %s',
+                                                       r.n, date_trunc('second', r.sealed_at), why));
+        ELSIF r.sealed_at IS NULL AND r.opened_at < now() - keep - interval '10 minutes' THEN
+            message := concat_ws('; ', message, format('outbox.log_%s, open since %s, is not sealed: the next ring table is not free yet',
+                                                       r.n, date_trunc('second', r.opened_at)));
+        ELSE
+            CONTINUE;
+        END IF;
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
+    -- A log restored from a dump waits for its rebase (0.11.0, sql/restore.sql)
+    -- and its retention with it.
+    FOR r IN SELECT x.restored_at FROM outbox.log_restore x LOOP
+        message := concat_ws('; ', message, format('the log was restored from a dump at %s and waits for its rebase (the first claim of a subscription of the log, '
+                                                   'or maintenance once the restore is over); its retention waits too', date_trunc('second', r.restored_at)));
+        value := value + 1;
+        status := 'warn';
+    END LOOP;
+    message := COALESCE(message, 'the log ring rotates and truncates on time');
+    RETURN NEXT;
+END
+$$;
+
+-- Comments, new or changed
+
+COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
+'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
+'Checks: backlog_age (ready events older than backlog_age, summed over every subscription, the log''s included (0.12.0); critical at backlog_critical), dead_letters (last hour, every subscription), '
+'expired_leases (workers dying; every subscription), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
+'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
+'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
+'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
+'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years, or a negative backlog_critical or dead_tuples_warn.';
+
+COMMENT ON FUNCTION outbox._log_backlog(text, timestamptz) IS
+'Internal (outbox.health()''s backlog check; 0.12.0): how many of the named subscription''s events (bigint) have been claimable, or waiting only behind an earlier event of their subject, '
+'since published_by or earlier: unread events and events waiting in a batch published (and due, if delayed) by then, and rows of their own pending since then. '
+'Events out under a lease are not counted. Errors: 22004 NULL argument.';
+
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
 -- Privileges. Three NOLOGIN roles, created if missing (roles are
@@ -99,6 +338,7 @@ ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_batch_states(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_batch_holders(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_backlog(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
@@ -121,7 +361,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
@@ -143,7 +383,7 @@ GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.deliver
     TO outbox_admin, outbox_monitor;
 GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
     outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text),
-    outbox._log_delivered(text, timestamptz), outbox._topic_matches(text, text), outbox._pattern_kind(text)
+    outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._topic_matches(text, text), outbox._pattern_kind(text)
     TO outbox_monitor;
 GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,

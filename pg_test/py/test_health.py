@@ -20,18 +20,20 @@ def health(conn, **kw):
     return {r[0]: r[1:] for r in rows}
 
 
-def make_states(c, topic):
-    """ready x2, scheduled, leased, expired lease, dead, delivered, cancelled."""
+def make_states(c, topic, sub=None):
+    """ready x2, scheduled, leased, expired lease, dead, delivered, cancelled,
+    for subscription `sub` (None: the default)."""
     c.execute("SELECT outbox.publish_batch(%s, array_fill('{}'::jsonb, ARRAY[7]))", (topic,))
     c.execute("SELECT outbox.publish(%s, '{}', deliver_at => now() + interval '1 hour')", (topic,))
-    rows = c.execute("SELECT id, lease_token FROM outbox.claim('h', 4, '10 min', ARRAY[%s])", (topic,)).fetchall()
+    rows = c.execute("SELECT id, lease_token FROM outbox.claim('h', 4, '10 min', ARRAY[%s], %s)", (topic, sub)).fetchall()
     assert len(rows) == 4
     c.execute("SELECT outbox.ack(%s, %s)", rows[0])
     c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", rows[1])
     c.execute("SELECT outbox.fail(%s, %s, 'x', '1 hour')", rows[2])
-    c.execute("SELECT outbox.cancel(%s)", (rows[2][0],))
+    c.execute("SELECT outbox.cancel(%s, %s)", (rows[2][0], sub))
     # rows[3] stays leased; one more with a lease that runs out at once
-    (i, _tok) = c.execute("SELECT id, lease_token FROM outbox.claim('h', 1, '1 ms', ARRAY[%s])", (topic,)).fetchone()
+    (i, _tok) = c.execute("SELECT id, lease_token FROM outbox.claim('h', 1, '1 ms', ARRAY[%s], %s)",
+                          (topic, sub)).fetchone()
     return i
 
 
@@ -55,9 +57,15 @@ def test_health_background_worker_ok_when_preloaded(preload):
     assert h["background_worker"][0] == "ok" and h["background_worker"][1] == pid
 
 
-def test_health_reports_backlog_dead_letters_and_expired_leases(plain):
+@pytest.mark.parametrize("sub", [None, "hl_log"])
+def test_health_reports_backlog_dead_letters_and_expired_leases(plain, sub):
+    """The same counts whichever storage the subscription reads (a named one
+    reads the log: 0.12.0), with no other subscription to count."""
     c = plain.conn()
-    make_states(c, "hl.t")
+    if sub:
+        c.execute("SELECT outbox.create_subscription(%s)", (sub,))
+        c.execute("SELECT outbox.drop_subscription('default', true)")
+    make_states(c, "hl.t", sub)
     time.sleep(0.05)
     h = health(c, backlog_age="0 s", backlog_critical=3)
     assert h["backlog_age"][:2] == ("warn", 2), h["backlog_age"]

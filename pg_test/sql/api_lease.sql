@@ -2,19 +2,21 @@
 -- of a leased event and every fencing refusal.
 \i sql/prologue.inc
 
--- Fresh set of claimed events: publishes n events of topic t and claims them.
-CREATE FUNCTION pg_temp.fresh(n int, t text DEFAULT 'lease') RETURNS void LANGUAGE plpgsql AS $$
+-- Fresh set of claimed events: publishes n events of topic t, commits them
+-- (a claim of the log sees committed events only) and claims them.
+CREATE PROCEDURE pg_temp.fresh(n int, t text DEFAULT 'lease') LANGUAGE plpgsql AS $$
 BEGIN
     CALL pg_temp.reset(restart => true);
     DROP TABLE IF EXISTS cl;
     PERFORM outbox.publish_batch(t, (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, n) g));
+    COMMIT;
     CREATE TEMP TABLE cl AS SELECT * FROM outbox.claim('w', n, interval '10 minutes');
 END $$;
 
 -- ---------------------------------------------------------------------------
 -- ack(id, token)
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.fresh(3);
+CALL pg_temp.fresh(3);
 SELECT outbox.ack(id, lease_token) AS ack FROM cl WHERE id = 1;
 SELECT id, state, attempts, leased_by, delivered_at IS NOT NULL AS has_delivered_at,
        lease_expires_at IS NULL AS no_lease
@@ -43,7 +45,7 @@ SELECT id, state FROM outbox.events ORDER BY id;
 -- ---------------------------------------------------------------------------
 -- ack(ids[], tokens[])
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.fresh(6);
+CALL pg_temp.fresh(6);
 SELECT outbox.ack(array_agg(id ORDER BY id), array_agg(lease_token ORDER BY id)) AS acked
   FROM cl WHERE id <= 3;
 -- already acked pairs, a wrong token and an unknown id count 0; current pairs count
@@ -55,7 +57,7 @@ SELECT outbox.ack(ARRAY[5, 5], ARRAY[(SELECT lease_token FROM cl WHERE id = 5), 
 SELECT outbox.ack(ARRAY[]::bigint[], ARRAY[]::uuid[]) AS empty;
 SELECT id, state FROM outbox.events ORDER BY id;
 -- errors: nothing is applied
-SELECT pg_temp.fresh(2);
+CALL pg_temp.fresh(2);
 SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'NULL ids', $$SELECT outbox.ack(NULL::bigint[], ARRAY[gen_random_uuid()])$$),
@@ -76,7 +78,7 @@ SELECT id, state FROM outbox.events ORDER BY id;
 -- ---------------------------------------------------------------------------
 -- fail: retry with backoff, retry_in, permanent, max attempts, stale.
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.fresh(4);
+CALL pg_temp.fresh(4);
 SET outbox.backoff_base = '10s';
 SET outbox.backoff_max = '15s';
 -- default backoff after attempt 1: base * 2^0 = 10s, equal jitter: [5s, 10s]
@@ -134,7 +136,7 @@ SELECT state, attempts, max_attempts, last_error, jsonb_path_query_array(errors,
 SELECT count(*) AS claimable FROM outbox.claim('w', 1, topics => ARRAY['lease.twice']);
 
 -- error text: NULL is stored as '(no error text)'; over 8 kB is cut at a character boundary
-SELECT pg_temp.fresh(3);
+CALL pg_temp.fresh(3);
 SELECT outbox.fail(id, lease_token, NULL, retry_in => '1 hour') FROM cl WHERE id = 1;
 SELECT outbox.fail(id, lease_token, repeat('x', 10000), retry_in => '1 hour') FROM cl WHERE id = 2;
 SELECT outbox.fail(id, lease_token, 'x' || repeat('é', 5000), retry_in => '1 hour') FROM cl WHERE id = 3;
@@ -143,7 +145,7 @@ SELECT id, left(last_error, 16) AS starts, octet_length(last_error) AS bytes, le
   FROM outbox.events ORDER BY id;
 
 -- argument errors
-SELECT pg_temp.fresh(1);
+CALL pg_temp.fresh(1);
 SELECT label, pg_temp.try_result(stmt) AS result
   FROM (VALUES
     (1, 'negative retry_in', $$SELECT outbox.fail(1, (SELECT lease_token FROM cl), 'e', retry_in => '-1 second')$$),
@@ -160,7 +162,7 @@ SELECT state, attempts, available_at > now() + interval '364 days' AS in_365_day
 -- ---------------------------------------------------------------------------
 -- extend_lease
 -- ---------------------------------------------------------------------------
-SELECT pg_temp.fresh(2);
+CALL pg_temp.fresh(2);
 SELECT outbox.extend_lease(id, lease_token, '1 hour') > clock_timestamp() + interval '59 minutes' AS extended
   FROM cl WHERE id = 1;
 SELECT lease_expires_at > clock_timestamp() + interval '59 minutes' AS view_shows_new_expiry FROM outbox.events WHERE id = 1;

@@ -67,9 +67,9 @@ use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
     BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_IDS, BATCH_INSERT, BATCH_INSERT_0110, BATCH_PUT,
-    BATCH_PUT_ROUND_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_STATS, FAIL_INFO, FETCH, LANES, LANES_0100,
-    LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, SUBSCRIBE, SUBSCRIBE_0100,
-    SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
+    BATCH_PUT_ROUND_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH,
+    LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY,
+    SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -770,7 +770,7 @@ pub fn log_subscription_stats(
         }
     };
     for l in lanes(subscription) {
-        let (n, min) = super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), &filter);
+        let (n, min) = super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), &filter, None);
         lag += n;
         note(min, l.lane);
         if let Some(Loaded { batch: b, .. }) = l.batch.and_then(load_batch) {
@@ -802,6 +802,38 @@ pub fn log_subscription_stats(
         }
     }
     TableIterator::once((lag, oldest_id, oldest_at, in_flight + exc_leased, dead))
+}
+
+/// `outbox._log_backlog(subscription text, published_by timestamptz) -> bigint`
+/// (0.12.0, for `outbox.health()`): how many of the subscription's events
+/// are claimable, or wait only behind an earlier event of their subject, and
+/// have been since `published_by` or earlier: unread ones and ones waiting
+/// in a batch published (and due, if delayed) by then (the lanes' windows up
+/// to a cursor taken now, as [`log_subscription_stats`] reads them), and
+/// exception rows pending since then. Events out under a lease are not counted, expired
+/// or not (`health()` counts expired leases apart), nor delayed ones before
+/// their time. 22004 for a NULL argument.
+#[pg_extern(name = "_log_backlog", volatile, parallel_unsafe)]
+pub fn log_backlog(subscription: Option<&str>, published_by: Option<TimestampWithTimeZone>) -> i64 {
+    let need = |what: &str| -> ! { errors::raise(errors::NULL_VALUE, format!("{what} must not be NULL")) };
+    let subscription = subscription.unwrap_or_else(|| need("subscription"));
+    let by: i64 =
+        published_by.unwrap_or_else(|| need("published_by")).into_datum().map(|d| d.value() as i64).unwrap_or(i64::MIN);
+    let hi = cursor();
+    let filter = crate::subscriptions::lookup(subscription).as_ref().and_then(own_filter);
+    let mut n = 0i64;
+    for l in lanes(subscription) {
+        n += super::window_count(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), &filter, Some(by)).0;
+        if let Some(Loaded { batch: b, .. }) = l.batch.and_then(load_batch) {
+            let waiting: Vec<i64> =
+                (0..b.len()).filter(|&i| b.state(i) == super::batch::State::Waiting).map(|i| b.ids()[i]).collect();
+            if !waiting.is_empty() {
+                n += plans::one::<i64>(&PUBLISHED_BY, &[l.lane.into(), waiting.into(), plans::ts_param(by)])
+                    .unwrap_or(0);
+            }
+        }
+    }
+    n + plans::one::<i64>(&EXC_READY_SINCE, &[subscription.into(), plans::ts_param(by)]).unwrap_or(0)
 }
 
 /// `outbox._log_detach_subject(subscription text, subject text) -> integer`:

@@ -275,20 +275,23 @@ pub fn window(lane: i16, lo: &Cursor, hi: &str, after: i64, limit: Option<i32>) 
 
 /// How many events of lane `lane` are between `lo` and the snapshot `hi`
 /// above `after`, and the smallest id among them; with `filter` (exact
-/// topics, prefixes), only events whose topic it passes.
+/// topics, prefixes), only events whose topic it passes; with
+/// `published_by` (TimestampTz µs), only events available by then (published,
+/// and due if delayed).
 pub fn window_count(
     lane: i16,
     lo: &Cursor,
     hi: &str,
     after: i64,
     filter: &Option<(Vec<String>, Vec<String>)>,
+    published_by: Option<i64>,
 ) -> (i64, Option<i64>) {
     let xn = lo.xn.to_string();
     let (exact, prefixes) = match filter {
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
         None => (None, None),
     };
-    let args: [DatumWithOid<'_>; 9] = [
+    let args: [DatumWithOid<'_>; 10] = [
         lane.into(),
         lo.snapshot.as_str().into(),
         lo.m.into(),
@@ -298,6 +301,7 @@ pub fn window_count(
         None::<i32>.into(),
         exact.into(),
         prefixes.into(),
+        published_by.map(pg::timestamptz).into(),
     ];
     plans::run_latest(&WINDOW_COUNT, &args, |rows| {
         let mut out = (0, None);

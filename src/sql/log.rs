@@ -62,19 +62,19 @@ macro_rules! window_sql {
             "/* generic plan */ SELECT ",
             $cols,
             " FROM ( \
-               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+               (SELECT e.id, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
                  WHERE e.lane = $1 AND e.id > greatest($3, $6) \
                    AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
                    AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot)) \
                  ORDER BY e.id LIMIT $7) \
                UNION ALL \
-               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+               (SELECT e.id, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
                  WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) AND e.lane = $1 \
                    AND e.id + 0 > $6 AND e.id + 0 <= $3 \
                    AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
                    AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot))) \
                UNION ALL \
-               (SELECT e.id, e.subject, e.topic, e.deliver_at FROM outbox.log e \
+               (SELECT e.id, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
                  WHERE e.txid >= pg_snapshot_xmax((SELECT $2::pg_snapshot)) AND e.txid < $4::xid8 AND e.lane = $1 \
                    AND e.id + 0 > $6 AND e.id + 0 <= $3 \
                    AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
@@ -103,12 +103,15 @@ pub const WINDOW: Stmt =
 
 /// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id,
 /// of those a subscription's topic filter passes ($8 exact topics, $9
-/// prefixes; both NULL: every topic; the filter of src/log/claim.rs `passes`).
+/// prefixes; both NULL: every topic; the filter of src/log/claim.rs `passes`)
+/// that were available (published, and due if delayed) at or before $10
+/// (NULL: whenever).
 pub const WINDOW_COUNT: Stmt = Stmt {
     sql: window_sql!(
         "count(*), min(w.id)",
-        "WHERE ($8::text[] IS NULL AND $9::text[] IS NULL) OR w.topic = ANY ($8::text[]) \
-         OR EXISTS (SELECT 1 FROM unnest($9::text[]) AS p(prefix) WHERE starts_with(w.topic, p.prefix))"
+        "WHERE (($8::text[] IS NULL AND $9::text[] IS NULL) OR w.topic = ANY ($8::text[]) \
+         OR EXISTS (SELECT 1 FROM unnest($9::text[]) AS p(prefix) WHERE starts_with(w.topic, p.prefix))) \
+         AND ($10::timestamptz IS NULL OR greatest(w.published_at, w.deliver_at) <= $10::timestamptz)"
     ),
     types: &[
         pg_sys::INT2OID,
@@ -120,6 +123,7 @@ pub const WINDOW_COUNT: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TEXTARRAYOID,
         pg_sys::TEXTARRAYOID,
+        pg_sys::TIMESTAMPTZOID,
     ],
 };
 
@@ -587,6 +591,21 @@ pub const EXC_IN_FLIGHT: Stmt = Stmt {
 };
 
 /// When event $2 of lane $1 was published.
+/// How many of events $2 of lane $1 were available (published, and due if
+/// delayed) at or before $3.
+pub const PUBLISHED_BY: Stmt = Stmt {
+    sql: "SELECT count(*) FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) \
+          AND greatest(l.published_at, l.deliver_at) <= $3",
+    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// Subscription $1's exception rows pending since $2 or earlier.
+pub const EXC_READY_SINCE: Stmt = Stmt {
+    sql: "SELECT count(*) FROM outbox.log_exceptions e \
+           WHERE e.subscription = $1 AND e.state = 'pending' AND e.visible_at <= $2",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
 pub const PUBLISHED_AT: Stmt = Stmt {
     sql: "SELECT l.published_at FROM outbox.log l WHERE l.lane = $1 AND l.id = $2",
     types: &[pg_sys::INT2OID, pg_sys::INT8OID],
