@@ -29,6 +29,8 @@ pub const CONFIGURATION_LIMIT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_CONFIGUR
 pub const OBJECT_IN_USE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_OBJECT_IN_USE;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
 pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
+/// 40001: a change under REPEATABLE READ or SERIALIZABLE met a concurrent one.
+pub const SERIALIZATION_FAILURE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_T_R_SERIALIZATION_FAILURE;
 
 /// Raise an ERROR with the given SQLSTATE; never returns.
 ///

@@ -28,10 +28,16 @@ struct Pending {
     topics: Vec<(pg_sys::SubTransactionId, String)>,
     any: Option<pg_sys::SubTransactionId>,
     due: bool,
+    /// Delayed events' topics with their `deliver_at` (µs): one whose time
+    /// has passed by the commit is announced by it, as an immediate publish
+    /// is (the worker's due-time pass looks only at times after its last one).
+    delayed: Vec<(pg_sys::SubTransactionId, String, i64)>,
 }
 
+const NOTHING: Pending = Pending { topics: Vec::new(), any: None, due: false, delayed: Vec::new() };
+
 thread_local! {
-    static PENDING: RefCell<Pending> = const { RefCell::new(Pending { topics: Vec::new(), any: None, due: false }) };
+    static PENDING: RefCell<Pending> = const { RefCell::new(NOTHING) };
     static WARNED: Cell<bool> = const { Cell::new(false) };
     static ANNOUNCE: Cell<bool> = const { Cell::new(false) };
 }
@@ -74,7 +80,8 @@ pub fn notify_now(topic: &str) {
 /// raw timestamptz argument, if any: a future time only needs the worker to
 /// recompute its next due time.
 pub fn note_publish(topic: &str, deliver_at: Option<pg_sys::Datum>) {
-    let future = deliver_at.is_some_and(|d| (d.value() as i64) > pg::now());
+    let at = deliver_at.map(|d| d.value() as i64);
+    let future = at.is_some_and(|at| at > pg::now());
     match effective_mode() {
         NotifyMode::Off => {}
         NotifyMode::Transaction => {
@@ -88,6 +95,11 @@ pub fn note_publish(topic: &str, deliver_at: Option<pg_sys::Datum>) {
                 let mut p = p.borrow_mut();
                 if future {
                     p.due = true;
+                    let at = at.unwrap_or(i64::MAX);
+                    match p.delayed.iter_mut().find(|(s, t, _)| *s == sub && t == topic) {
+                        Some(d) => d.2 = d.2.min(at),
+                        None => p.delayed.push((sub, topic.to_string(), at)),
+                    }
                 } else if !p.topics.iter().any(|(s, t)| *s == sub && t == topic) {
                     p.topics.push((sub, topic.to_string()));
                 }
@@ -128,16 +140,23 @@ fn take_pending() -> Option<Pending> {
         if p.topics.is_empty() && p.any.is_none() && !p.due {
             return None;
         }
-        Some(std::mem::replace(&mut *p, Pending { topics: Vec::new(), any: None, due: false }))
+        Some(std::mem::replace(&mut *p, NOTHING))
     })
 }
 
 /// Publish the committed transaction's topics to its database's slot and wake
 /// the worker. No slot, or a slot that changed hands meanwhile: the next worker
 /// of this database announces the commit (src/registry.rs, invariant 3).
-fn flush_committed(p: Pending) {
+fn flush_committed(mut p: Pending) {
     let Some(i) = registry::my_slot() else { return };
     let db = pg::database_id();
+    // Delayed events whose time passed while their transaction was open.
+    let now = pg::now();
+    for (s, t, at) in std::mem::take(&mut p.delayed) {
+        if at <= now && !p.topics.iter().any(|(_, x)| *x == t) {
+            p.topics.push((s, t));
+        }
+    }
     if p.any.is_none() && !p.due && p.topics.iter().all(|(_, t)| registry::already_pending(i, db, t.as_bytes())) {
         return;
     }
@@ -167,7 +186,9 @@ fn flush_committed(p: Pending) {
 /// database watches the prepared transactions it finds.
 fn flush_prepared(p: Pending) {
     let xid = pg::top_xid_if_any();
-    if p.topics.is_empty() && p.any.is_none() {
+    // A delayed event too: its time may pass before COMMIT PREPARED, and the
+    // sweep after it finds every due event.
+    if p.topics.is_empty() && p.any.is_none() && p.delayed.is_empty() {
         return;
     }
     let Some(i) = registry::my_slot() else { return };
@@ -248,12 +269,18 @@ pub fn on_subxact_event(
         match event {
             SUBXACT_EVENT_ABORT_SUB => {
                 p.topics.retain(|(s, _)| *s != my);
+                p.delayed.retain(|(s, _, _)| *s != my);
                 if p.any == Some(my) {
                     p.any = None;
                 }
             }
             SUBXACT_EVENT_COMMIT_SUB => {
                 for (s, _) in p.topics.iter_mut() {
+                    if *s == my {
+                        *s = parent;
+                    }
+                }
+                for (s, _, _) in p.delayed.iter_mut() {
                     if *s == my {
                         *s = parent;
                     }

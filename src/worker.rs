@@ -510,7 +510,9 @@ fn serve() -> Exit {
     let mut maintenance: Option<MaintenanceRun> = None;
     let mut next_batch_at = Instant::now();
     let mut sleep = Duration::ZERO;
-    let mut last_pass = Instant::now();
+    // When the last pass that announced commits ran: coalescing counts from
+    // there, so a due-time sweep in a quiet spell delays no commit.
+    let mut last_announce = Instant::now();
     let mut untracked = Untracked::starting();
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
@@ -524,9 +526,10 @@ fn serve() -> Exit {
         // one NOTIFY per topic) per commit; at 1 ms the worker stays under 1,000
         // passes a second however fast publishers commit. Commits arriving
         // meanwhile find their topic pending and skip the lock. A worker woken after
-        // a quiet moment does not wait at all.
+        // a quiet moment (no commit announced within the interval: a due-time
+        // sweep does not count) does not wait at all.
         let coalesce = Duration::from_millis(gucs::wakeup_coalesce_ms() as u64);
-        let since = last_pass.elapsed();
+        let since = last_announce.elapsed();
         if since < coalesce {
             std::thread::sleep(coalesce - since);
         }
@@ -588,7 +591,9 @@ fn serve() -> Exit {
         if ABSENT.get() {
             return Exit::Absent;
         }
-        last_pass = Instant::now();
+        if !taken.topics.is_empty() || taken.overflow {
+            last_announce = Instant::now();
+        }
 
         let interval = gucs::maintenance_interval_ms();
         if maintenance.is_none() && interval > 0 && last_maintenance.elapsed() >= Duration::from_millis(interval as u64)

@@ -351,8 +351,9 @@ def test_a_claimable_event_never_waits_for_another_events_lease(plain):
     """Events without a subject share lanes in runs of 64 ids, so consecutive
     events meet in one lane's batch. A claim that would come back short does
     not wait for the batch's events out under another worker's lease (0.12.0,
-    src/log/claim.rs): it moves them aside, still leased to their holder, and
-    hands out the lane's newer events, as the queue would. A subject's own
+    src/log/claim.rs): outside a transaction block it moves them aside, still
+    leased to their holder, and hands out the lane's newer events, as the
+    queue would. A subject's own
     later event still waits for its earlier one."""
     c = plain.conn()
     c.execute("SELECT outbox.create_subscription('nw')")
@@ -365,6 +366,20 @@ def test_a_claimable_event_never_waits_for_another_events_lease(plain):
     assert plain.one("SELECT state, leased_by FROM outbox.deliveries WHERE subscription = 'nw' AND event_id = %s",
                      (e1,)) == ("leased", "slow")
     assert ack(c, r1)
+    # In a transaction block the claim leaves the batch alone (for up to
+    # LANE_HOLD_US): moving its events aside would lock it until that
+    # transaction ends, and their holder's ack would wait for it.
+    e4 = publish(c)
+    (r4,) = claim(c, "nw", n=1, lease="1 hour", worker="slow")
+    assert r4[0] == e4
+    publish(c)
+    t = plain.conn()
+    t.execute("BEGIN")
+    assert claim(t, "nw") == []
+    c.execute("SET lock_timeout = '2s'")
+    assert ack(c, r4)
+    t.execute("ROLLBACK")
+    drain(c, "nw")
     # With a subject: the later event waits for the earlier one's lease.
     s1 = publish(c, subject="acct")
     (r,) = claim(c, "nw", n=1, lease="1 hour")
@@ -373,6 +388,50 @@ def test_a_claimable_event_never_waits_for_another_events_lease(plain):
     assert claim(c, "nw") == []
     assert ack(c, r)
     assert drain(c, "nw") == [s2]
+
+
+@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
+@pytest.mark.parametrize("op", ["ack", "extend", "fail"])
+def test_a_stale_token_waiting_for_a_reclaim_is_refused_not_a_serialization_failure(plain, op, isolation):
+    """An event with a row of its own (after a retry), its lease expired and
+    claimed again by a transaction still open: an ack, extend_lease or fail
+    with the old token waits for that claim, and once it commits is refused
+    as stale at every isolation level (found by a helper's stress run: 40001
+    at REPEATABLE READ before 0.12.0, src/log/exceptions.rs `by_token`)."""
+    c, holder = plain.conn(), plain.conn()
+    c.execute("SELECT outbox.create_subscription('rr')")
+    e = publish(c)
+    (r,) = claim(c, "rr", n=1)
+    assert fail(c, r) == "pending"
+    (old,) = claim(c, "rr", n=1, lease="200 ms")
+    assert old[0] == e
+    time.sleep(0.4)
+    holder.execute("BEGIN")
+    (new,) = claim(holder, "rr", n=1)
+    assert new[0] == e and new[2] != old[2]
+    w = connect(plain.dsn)
+    w.execute(f"SET default_transaction_isolation = '{isolation.lower()}'")
+    sql = {"ack": "SELECT outbox.ack(%s::bigint, %s::uuid)",
+           "extend": "SELECT outbox.extend_lease(%s, %s, '1 min')",
+           "fail": "SELECT outbox.fail(%s, %s, 'late')"}[op]
+    got = {}
+
+    def stale():
+        try:
+            got["value"] = w.execute(sql, (old[0], old[2])).fetchone()[0]
+        except psycopg.Error as ex:
+            got["error"] = ex.sqlstate
+
+    t = threading.Thread(target=stale)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive(), "the stale call did not wait for the open claim"
+    holder.execute("COMMIT")
+    t.join(10)
+    w.close()
+    assert got == {"value": {"ack": False, "extend": None, "fail": "stale"}[op]}
+    # The new holder's lease is untouched.
+    assert ack(c, new)
 
 
 def test_a_claim_racing_a_drop_never_brings_the_subscription_back(plain):

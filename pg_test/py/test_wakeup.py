@@ -373,6 +373,27 @@ def test_delayed_event_wakes_listener_when_due(preload, listen, mode, sub):
 
 
 @pytest.mark.parametrize("sub", SUBSCRIPTIONS)
+def test_a_delayed_event_committed_after_its_time_is_announced_by_its_commit(preload, listen, sub):
+    """deliver_at passes while the publishing transaction is still open: the
+    worker's due-time pass has looked past that moment already, so the commit
+    announces the event, as an immediate publish (found by a helper)."""
+    subscribe(preload, sub)
+    lst = listen(preload.dsn)
+    p = preload.conn()
+    set_mode(p, "background")
+    p.execute("BEGIN")
+    p.execute("SELECT outbox.publish('wk.late', '{}', deliver_at => clock_timestamp() + interval '200 ms')")
+    time.sleep(1.2)  # past its time, and past a due-time sweep of the worker
+    t0 = time.monotonic()
+    p.execute("COMMIT")
+    got = lst.collect(1.0)
+    assert payloads(got) == Counter({"wk.late": 1}), got
+    assert got[0][2] - t0 < 0.5, f"announced {got[0][2] - t0:.3f}s after the commit"
+    w = preload.conn()
+    assert w.execute("SELECT count(*) FROM outbox.claim('w', subscription => %s)", (sub,)).fetchone()[0] == 1
+
+
+@pytest.mark.parametrize("sub", SUBSCRIPTIONS)
 @pytest.mark.parametrize("mode", ["background", "transaction"])
 def test_retry_wakes_listener_when_due(preload, listen, mode, sub):
     subscribe(preload, sub)

@@ -232,6 +232,19 @@ impl Batch {
         self.rounds[round as usize - 1].expires <= now
     }
 
+    /// Whether a claim at `now` has anything to do with this batch: it is
+    /// finished (the lane moves on), an event is handable, a round's lease
+    /// expired ([`Batch::expire`]), or an event has been out since
+    /// `out_before` or earlier ([`Batch::release`]). A claim that finds none
+    /// of these leaves the batch, and its lock, alone.
+    pub fn wants_claim(&self, now: i64, out_before: i64) -> bool {
+        self.finished()
+            || !self.handable().is_empty()
+            || self.state.iter().any(|s| {
+                matches!(s, State::Out(r) if self.expired(*r, now) || self.rounds[*r as usize - 1].handed <= out_before)
+            })
+    }
+
     /// Positions a claim may hand out, in id order: waiting events whose
     /// subject's previous event is done. (An event whose lease expired is not
     /// handed out again from the batch: [`Batch::expire`] moves it out first.)

@@ -17,9 +17,10 @@
 //!       table ([`Batch::expire`]), and, when nothing else of it can go while
 //!       the lane has newer events, its events out for longer than
 //!       [`LANE_HOLD_US`] (still leased to their holder: [`Batch::release`]),
-//!       or out at all when the claim would otherwise come back short (a
-//!       second pass over those lanes: an event waits for its own subject's
-//!       earlier events, never for another worker's lease);
+//!       or out at all when the claim would otherwise come back short and
+//!       runs outside a transaction block (a second pass over those lanes:
+//!       an event waits for its own subject's earlier events, never for
+//!       another worker's lease);
 //!       send events outside the call's topics there too; hand out what the
 //!       batch allows now ([`Batch::handable`]) as a new round;
 //!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
@@ -88,8 +89,9 @@ pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
 /// goes on (µs). A handler slower than this, on a lane with a backlog, costs
 /// one row per slow event; the lane's other subjects wait at most this long
 /// for it, not for its whole lease, even while other lanes keep every claim
-/// full. A claim that would come back short does not wait at all (0.12.0):
-/// it moves them aside at once and serves the lane's newer events.
+/// full. A claim that would come back short does not wait at all (0.12.0),
+/// outside a transaction block: it moves them aside at once and serves the
+/// lane's newer events.
 pub const LANE_HOLD_US: i64 = 1_000_000;
 
 /// How many window pieces one claim reads in one lane before it moves on: a
@@ -451,6 +453,17 @@ impl Claim<'_> {
         };
         let mut dirty = false;
         if let Some(id) = l.batch {
+            // A look without the lock first: a batch this claim has nothing to
+            // do with (its events out, none for long) is left alone, lock and
+            // all, so that a claim in a transaction block does not hold it, and
+            // its holder's acks, until that transaction ends. Seen out of date,
+            // the next claim serves it.
+            if let Some(Loaded { batch: b, .. }) = load_batch(id) {
+                if !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get())) {
+                    self.held.borrow_mut().push(l.lane);
+                    return 0;
+                }
+            }
             if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
                 return 0; // an ack is changing it: the next claim serves it
             }
@@ -647,8 +660,11 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         // Short: the lanes whose batch held newer events back go on now,
         // whatever the age of the events out (claimable events never wait for
         // another worker's lease, only for their own subject's earlier ones).
+        // Not in a transaction block: moving events aside changes their batch,
+        // which would then stay locked until that transaction ends, and its
+        // holder's ack would wait for it (README, "Transactional workers").
         let held = claim.held.take();
-        if left > 0 && !held.is_empty() {
+        if left > 0 && !held.is_empty() && !pg::in_transaction_block() {
             claim.hold.set(0);
             for l in lanes(req.subscription).into_iter().filter(|l| held.contains(&l.lane)) {
                 if left == 0 {

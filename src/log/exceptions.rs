@@ -198,6 +198,21 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
     })
 }
 
+/// Run a change of exception rows found by their token. Each statement reads
+/// under a snapshot taken now ([`plans::run_latest`]), but one that waits for
+/// a concurrent claim of the row (which gives it a new token) still raises
+/// 40001 at REPEATABLE READ and SERIALIZABLE once that claim commits: the row
+/// it found changed after its snapshot. There the change runs in a
+/// subtransaction and, after such a failure, once more: its new snapshot sees
+/// the claim, so a stale token matches nothing (ack false, fail 'stale',
+/// extend NULL), as at READ COMMITTED, and a current one goes through.
+fn by_token<R>(f: impl Fn() -> R) -> R {
+    if !pg::uses_xact_snapshot() {
+        return f();
+    }
+    pg::catching(crate::errors::SERIALIZATION_FAILURE, &f).unwrap_or_else(f)
+}
+
 /// Ack the exception rows among (`ids`, `tokens`); returns the ids acked. A
 /// delivered row keeps the event's attempt history for `retention_delivered`
 /// (the maintenance step `delivered`), unless `outbox.keep_delivered` is off.
@@ -206,10 +221,12 @@ pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
         return vec![];
     }
     let stmt = if gucs::keep_delivered() { &EXC_ACK } else { &EXC_ACK_DROP };
-    plans::run_latest(stmt, &[ids.into(), tokens.into()], |rows| {
-        let mut out = Vec::new();
-        rows.for_each(|r| out.extend(r.i64(0)));
-        out
+    by_token(|| {
+        plans::run_latest(stmt, &[ids.clone().into(), tokens.clone().into()], |rows| {
+            let mut out = Vec::new();
+            rows.for_each(|r| out.extend(r.i64(0)));
+            out
+        })
     })
 }
 
@@ -218,18 +235,20 @@ pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
 pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, permanent: bool) -> Option<&'static str> {
     // Under a snapshot taken now (as every exception-row change here): a
     // stale token at REPEATABLE READ is 'stale', not a serialization failure.
-    let row = plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
-        let mut out = None;
-        rows.for_each(|r| {
-            out = Some((
-                r.i32(0).unwrap_or(1).max(1),
-                r.i32(1).unwrap_or(1),
-                r.interval(2),
-                r.interval(3),
-                r.text(4).unwrap_or_default(),
-            ))
-        });
-        out
+    let row = by_token(|| {
+        plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
+            let mut out = None;
+            rows.for_each(|r| {
+                out = Some((
+                    r.i32(0).unwrap_or(1).max(1),
+                    r.i32(1).unwrap_or(1),
+                    r.interval(2),
+                    r.interval(3),
+                    r.text(4).unwrap_or_default(),
+                ))
+            });
+            out
+        })
     })?;
     let (attempts, max_attempts, base, cap, sub) = row;
     let settings = crate::subscriptions::lookup(&sub).unwrap_or_default();
@@ -248,9 +267,11 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
 
 /// extend_lease on the exception row `id` that `token` holds: the new expiry.
 pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval) -> Option<TimestampWithTimeZone> {
-    plans::run_latest(&EXC_EXTEND, &[id.into(), token.into(), lease.into()], |rows| {
-        let mut out = None;
-        rows.for_each(|r| out = r.timestamptz(0).map(pg::timestamptz));
-        out
+    by_token(|| {
+        plans::run_latest(&EXC_EXTEND, &[id.into(), token.into(), lease.into()], |rows| {
+            let mut out = None;
+            rows.for_each(|r| out = r.timestamptz(0).map(pg::timestamptz));
+            out
+        })
     })
 }

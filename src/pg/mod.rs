@@ -269,6 +269,14 @@ pub fn uses_xact_snapshot() -> bool {
     unsafe { pg_sys::XactIsoLevel >= pg_sys::XACT_REPEATABLE_READ as i32 }
 }
 
+/// True inside an explicit transaction block (BEGIN ... COMMIT), or a
+/// procedure's or function's transaction that outlives the statement: what a
+/// statement locks then stays locked after it returns.
+pub fn in_transaction_block() -> bool {
+    // SAFETY: reads backend-local transaction state.
+    unsafe { pg_sys::IsTransactionBlock() }
+}
+
 /// The current subtransaction's id (callbacks track what it took).
 pub fn subxact_id() -> pg_sys::SubTransactionId {
     // SAFETY: reads backend-local transaction state.
@@ -405,6 +413,47 @@ pub fn xid_status(xid: u32) -> XidStatus {
         } else {
             XidStatus::Aborted
         }
+    }
+}
+
+/// Run `f` in a subtransaction, as a PL/pgSQL block with an EXCEPTION clause
+/// does (pl_exec.c, `exec_stmt_block`): its effects are kept when it returns,
+/// undone when it raises an error whose SQLSTATE is `code` (then None); any
+/// other error goes on up.
+pub fn catching<R>(code: PgSqlErrorCode, f: impl FnOnce() -> R) -> Option<R> {
+    // SAFETY: the subtransaction is begun and ended here, in the memory context
+    // and resource owner of the caller, restored on both paths as pl_exec.c
+    // restores them; an error other than `code` is re-raised after the
+    // subtransaction is rolled back, so the caller's state is as before.
+    unsafe {
+        let context = pg_sys::CurrentMemoryContext;
+        let owner = pg_sys::CurrentResourceOwner;
+        pg_sys::BeginInternalSubTransaction(std::ptr::null());
+        pg_sys::MemoryContextSwitchTo(context);
+        let restore = || {
+            pg_sys::MemoryContextSwitchTo(context);
+            pg_sys::CurrentResourceOwner = owner;
+        };
+        // The closure's captures are not touched again after an error: the
+        // subtransaction's rollback undoes what it did in the database.
+        let f = std::panic::AssertUnwindSafe(f);
+        PgTryBuilder::new(move || {
+            let r = f();
+            pg_sys::ReleaseCurrentSubTransaction();
+            restore();
+            Some(r)
+        })
+        .catch_when(code, |_| {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            None
+        })
+        .catch_others(|e| {
+            pg_sys::RollbackAndReleaseCurrentSubTransaction();
+            restore();
+            e.rethrow()
+        })
+        .execute()
     }
 }
 
