@@ -313,14 +313,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
                 }
             }
         }
-        let next: Option<i64> = c
-            .select(sql::NEXT_DUE, None, &[now_ts.into()])
-            .map_err(|e| e.to_string())?
-            .first()
-            .get_one::<TimestampWithTimeZone>()
-            .map_err(|e| e.to_string())?
-            .and_then(|ts| ts.into_datum())
-            .map(|d| d.value() as i64);
+        let next = log::due::next_due(c, sql::NEXT_DUE, now)?;
         // The log's subscriptions (0.12.0 SQL): its own due times.
         if !log::due::readable() {
             return Ok(next);

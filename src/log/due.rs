@@ -107,6 +107,18 @@ pub fn readable() -> bool {
     pg::catalog::outbox_relid(c"log_0_deliver_at").is_some()
 }
 
+/// The timestamptz (µs) that `sql`, a query of one column and at most one
+/// row, returns for `now` ($1), if any: when the next event comes due.
+pub fn next_due(c: &SpiClient<'_>, sql: &str, now: i64) -> Result<Option<i64>, String> {
+    Ok(c.select(sql, None, &[pg::timestamptz(now).into()])
+        .map_err(|e| e.to_string())?
+        .first()
+        .get_one::<TimestampWithTimeZone>()
+        .map_err(|e| e.to_string())?
+        .and_then(|ts| ts.into_datum())
+        .map(|d| d.value() as i64))
+}
+
 /// Add to `topics` the topics of the log that came due in (`since`, `now`]
 /// (TimestampTz microseconds), or, on a sweep, every topic with an event some
 /// subscription may claim now; return when the next event comes due after
@@ -140,14 +152,7 @@ pub fn pass(
         add(EXC_DUE_BY_CLOCK, &[since_ts.into(), now_ts.into()])?;
         add(RING_DUE_BY_CLOCK, &[since_ts.into(), now_ts.into()])?;
     }
-    let mut next: Option<i64> = c
-        .select(NEXT_DUE, None, &[now_ts.into()])
-        .map_err(|e| e.to_string())?
-        .first()
-        .get_one::<TimestampWithTimeZone>()
-        .map_err(|e| e.to_string())?
-        .and_then(|ts| ts.into_datum())
-        .map(|d| d.value() as i64);
+    let mut next = next_due(c, NEXT_DUE, now)?;
     // Batch rounds: an expiry in (since, now] wakes the topics of the events
     // still out in it (on a sweep they are unread, so listed already).
     let mut expired: Vec<(i16, Vec<i64>)> = Vec::new();
