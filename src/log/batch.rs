@@ -232,6 +232,13 @@ impl Batch {
         self.rounds[round as usize - 1].expires <= now
     }
 
+    /// True when an event of the batch waits to be handed out (behind its
+    /// subject's earlier event, when none is handable): moving the events out
+    /// aside ([`Batch::release`]) would park those too, one row each.
+    pub fn has_waiting(&self) -> bool {
+        self.state.contains(&State::Waiting)
+    }
+
     /// Whether a claim at `now` has anything to do with this batch: it is
     /// finished (the lane moves on), an event is handable, a round's lease
     /// expired ([`Batch::expire`]), or an event has been out since

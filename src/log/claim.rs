@@ -342,8 +342,12 @@ impl Claim<'_> {
         let stuck = b.handable().is_empty() && !b.finished();
         let released =
             if stuck && plans::one::<bool>(&LANE_HAS_MORE, &[lane.into(), pos.unwrap_or(0).into()]) == Some(true) {
-                let released = b.release(self.now.saturating_sub(self.hold.get()));
-                if b.handable().is_empty() && !b.finished() {
+                let released = if self.hold.get() == 0 && b.has_waiting() {
+                    vec![] // the second pass moves no subject's later events (see claim())
+                } else {
+                    b.release(self.now.saturating_sub(self.hold.get()))
+                };
+                if b.handable().is_empty() && !b.finished() && !b.has_waiting() {
                     self.held.borrow_mut().push(lane);
                 }
                 released
@@ -460,7 +464,9 @@ impl Claim<'_> {
             // the next claim serves it.
             if let Some(Loaded { batch: b, .. }) = load_batch(id) {
                 if !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get())) {
-                    self.held.borrow_mut().push(l.lane);
+                    if !b.has_waiting() {
+                        self.held.borrow_mut().push(l.lane);
+                    }
                     return 0;
                 }
             }
@@ -658,8 +664,13 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             left -= claim.serve(l, relid, left);
         }
         // Short: the lanes whose batch held newer events back go on now,
-        // whatever the age of the events out (claimable events never wait for
-        // another worker's lease, only for their own subject's earlier ones).
+        // whatever the age of the events out, when that batch has nothing
+        // left to hand out (its events are all out or done): the events out
+        // move aside, one row each, and the lane's newer events, which wait
+        // for no earlier event of theirs, go out. A batch with events waiting
+        // behind their subject's event out is left to LANE_HOLD_US: moving it
+        // aside now would write a row for each of those too, and under a
+        // steady drain of many subjects every claim would.
         // Not in a transaction block: moving events aside changes their batch,
         // which would then stay locked until that transaction ends, and its
         // holder's ack would wait for it (README, "Transactional workers").
