@@ -121,6 +121,12 @@ COMMENT ON FUNCTION outbox._log_lanes_restored() IS
 'Internal statement trigger function (AFTER INSERT) on outbox.log_lanes: a top-level COPY or INSERT into outbox.log_lanes (a restore of a dump; the extension writes lanes only inside its own functions) '
 'marks the log as restored in outbox.log_restore (upto 0 unless a ring table set it), so lanes restored without any event are rebased too (sql/restore.sql). No errors of its own.';
 
+COMMENT ON FUNCTION outbox._log_lanes_restoring() IS
+'Internal (the restore triggers on outbox.log_lanes): whether the top-level statement is a COPY or INSERT into outbox.log_lanes, which is what a restore of a dump sends (boolean). No errors.';
+
+COMMENT ON FUNCTION outbox._log_lane_restore() IS
+'Internal row trigger function (BEFORE INSERT) on outbox.log_lanes (0.12.0): a lane row restored from a dump replaces the one of the same subscription and lane that CREATE EXTENSION made for ''default''. No errors of its own.';
+
 COMMENT ON FUNCTION outbox._log_state_restore() IS
 'Internal trigger function on outbox.log_state: an inserted row replaces the row of the same ring table (pg_restore into a database whose maintenance already wrote the ring''s state).';
 
@@ -201,12 +207,26 @@ COMMENT ON FUNCTION outbox._queue_clear(boolean) IS
 'Internal (drop_subscription of the ''default'' made at install, under its lock on outbox.event_queue): raise 55006 when a lease of the queue has not expired and force is false, '
 'else empty outbox.event_queue and outbox.subject_repairs under a snapshot taken now (at every isolation level). Returns the events removed (bigint). Errors: 22004 NULL force; 55006.';
 
+COMMENT ON FUNCTION outbox._queue_to_log(text) IS
+'Internal (outbox._default_to_log, 0.12.0, under its lock on outbox.event_queue): move every event of the queue, and the archive''s cancelled ones, into rows of their own of the named subscription of the log, '
+'each in its state (pending, leased with its token and expiry, dead holding its subject as on the queue, cancelled), with attempts, error history and visible_at; empty outbox.subject_repairs. '
+'Under a snapshot taken now, at every isolation level. Returns the events moved (bigint). Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._default_to_log() IS
+'Internal (the upgrade to 0.12.0, and the rebase of a restored dump of 0.11.0 or older): move the ''default'' that reads outbox.event_queue to the log, keeping its name, policy and pause. '
+'Under SHARE ROW EXCLUSIVE on the queue (every publish, claim, ack and fail that writes it has finished, and later ones read the catalog without it), its lanes start at a cursor taken after that lock, '
+'and every event of the queue becomes a row of its own in its state (outbox._queue_to_log): nothing committed is skipped or delivered twice by the move. Tokens the queue handed out keep acking, failing and extending. '
+'Returns the events moved (bigint), NULL when no subscription reads the queue. No errors of its own.';
+
+COMMENT ON FUNCTION outbox._lane(bigint, text) IS
+'Internal: the lane (smallint, 0-15) of event id with subject, as publish places it in the log: hashtext(subject) & 15, or (id / 64) % 16 without a subject. No errors.';
+
 COMMENT ON FUNCTION outbox._log_retains(bigint) IS
 'Internal (retention of dispatch keys): whether a subscription of the log exists and event id is in the log or in a subscription''s row of its own (boolean). '
 'A key stays while its event is retained there, in the queue or in the archive. One index probe per lane. No errors.';
 
 COMMENT ON FUNCTION outbox._storage(text) IS
-'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''queue'' for the ''default'' made at install, ''log'' for every other; NULL when it does not exist.';
+'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''log'', or ''queue'' for the ''default'' of an install before 0.12.0 until the upgrade moves it; NULL when it does not exist.';
 
 COMMENT ON VIEW outbox._log_deliveries IS
 'Internal (outbox.deliveries, outbox.events): one row per subscription of the log and event it receives, with its delivery state (see outbox.deliveries), and the event''s lane, dispatch_key, payload, headers and published_at.';

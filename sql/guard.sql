@@ -32,7 +32,12 @@ BEGIN
     IF NOT names_us OR cascade OR allow IN ('on', 'true', 'yes', '1', 't', 'y', 'tr', 'tru', 'ye') THEN
         RETURN;
     END IF;
-    SELECT count(*) INTO n FROM outbox.event_queue e;
+    -- The queue's 'default' (an install before 0.12.0), and (0.12.0) every
+    -- subscription of the log: what it has not delivered, and its dead letters.
+    SELECT (SELECT count(*) FROM outbox.event_queue e)
+           + COALESCE((SELECT sum(s.lag_events + s.dead_letters) FROM outbox.subscriptions s
+                        WHERE s.storage = 'log'), 0)
+      INTO n;
     IF n > 0 THEN
         RAISE EXCEPTION 'outbox: % undelivered events (pending, leased or dead) would be lost by DROP EXTENSION outbox_ext', n
             USING ERRCODE = '55006',
@@ -42,7 +47,7 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox._drop_guard() IS
-'Event trigger function: refuses DROP EXTENSION outbox_ext (SQLSTATE 55006) while pending, leased or dead events exist, unless the DROP EXTENSION statement says CASCADE or outbox.allow_drop = on.';
+'Event trigger function: refuses DROP EXTENSION outbox_ext (SQLSTATE 55006) while a subscription has pending, leased or dead events (not yet read from the log included), unless the DROP EXTENSION statement says CASCADE or outbox.allow_drop = on.';
 
 CREATE EVENT TRIGGER outbox_drop_guard ON ddl_command_start
     WHEN TAG IN ('DROP EXTENSION')

@@ -63,6 +63,18 @@ COMMENT ON VIEW outbox.log IS
 'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Every event published since 0.9.0 (with the SQL of 0.8.0, only while outbox.log_write is on), '
 'until retention empties its ring table.';
 
+-- The lane of event `id` with `subject` (src/log/mod.rs, `lane`, the one
+-- publish uses): hashtext(subject) & 15, or for an event without a subject
+-- its run of 64 ids, 16 lanes round. For SQL that places events the log
+-- never held (the move of the queue's 'default', 0.12.0) or looks one up.
+CREATE FUNCTION outbox._lane(id bigint, subject text) RETURNS smallint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN subject IS NULL THEN ((id OPERATOR(pg_catalog./) 64) OPERATOR(pg_catalog.%) 16)::smallint
+                ELSE (pg_catalog.hashtext(subject) OPERATOR(pg_catalog.&) 15)::smallint END
+$$;
+
 -- The ring's state: one row per ring table in use. The open table (opened,
 -- not sealed) is the one publishers append to; with no row at all (a fresh
 -- install, before the first rotation) that is log_0. A sealed table takes no

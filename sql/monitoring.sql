@@ -66,8 +66,9 @@ SELECT d.topic,
 COMMENT ON VIEW outbox.stats IS
 'Per topic and subscription: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
 'oldest_ready_age and oldest_lease_age (interval; the lease age only for the queue''s ''default''), dead_last_hour, delivered_last_minute, delivered_last_hour, and subscription (0.10.0). '
-'The ''default'' made at install counts its queue and archive; a subscription of the log counts its retained events (outbox.deliveries), and an event acked from a batch on the first try '
-'counts as delivered when its batch finished (batch precision). Reads the whole queue, archive and log: poll it every 15 s or slower on large archives.';
+'A subscription of the log (every one from 0.12.0) counts its retained events (outbox.deliveries), and an event acked from a batch on the first try '
+'counts as delivered when its batch finished (batch precision); ''default'' also counts what the archive keeps of its days on the queue. The ''default'' of an install before 0.12.0, until the upgrade moves it, counts its queue and archive. '
+'Reads the whole queue, archive and log: poll it every 15 s or slower on large archives.';
 
 -- Thresholds are arguments so operators can tune alerts without a new version.
 CREATE FUNCTION outbox.health(
@@ -405,7 +406,8 @@ BEGIN
         SELECT c.name AS sub, a.topic AS top, a.finished_at AS at
           FROM outbox.subscription_catalog c
           JOIN outbox.event_archive a ON a.state = 'delivered' AND a.finished_at >= first_minute
-         WHERE c.storage = 'queue' AND (only_sub IS NULL OR c.name = only_sub)
+         -- The queue's 'default', or (0.12.0) its history once it moved to the log.
+         WHERE c.name = 'default' AND (only_sub IS NULL OR c.name = only_sub)
         UNION ALL
         SELECT c.name, l.topic, f.delivered_at
           FROM outbox.subscription_catalog c

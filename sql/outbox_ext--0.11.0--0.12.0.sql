@@ -26,6 +26,184 @@ VOLATILE PARALLEL UNSAFE
 LANGUAGE c /* Rust */
 AS 'MODULE_PATHNAME', 'log_backlog_wrapper';
 
+CREATE OR REPLACE FUNCTION "_queue_to_log"(
+	"subscription" TEXT /* Option < & str > */
+) RETURNS bigint /* i64 */
+VOLATILE PARALLEL UNSAFE 
+LANGUAGE c /* Rust */
+AS 'MODULE_PATHNAME', 'queue_to_log_wrapper';
+
+CREATE OR REPLACE FUNCTION outbox._lane(id bigint, subject text) RETURNS smallint
+LANGUAGE sql IMMUTABLE PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT CASE WHEN subject IS NULL THEN ((id OPERATOR(pg_catalog./) 64) OPERATOR(pg_catalog.%) 16)::smallint
+                ELSE (pg_catalog.hashtext(subject) OPERATOR(pg_catalog.&) 15)::smallint END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._subscription_restore() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- A dump of 0.11.0 or older: its 'default' read the queue, whose rows the
+    -- dump restores. The lanes this install gave it go; the rebase that
+    -- follows the restore moves it to the log (outbox._default_to_log).
+    IF NEW.storage OPERATOR(pg_catalog.=) 'queue' THEN
+        DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) NEW.name;
+    END IF;
+    UPDATE outbox.subscription_catalog c
+       SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
+           backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
+           paused = NEW.paused, paused_at = NEW.paused_at,
+           created_at = NEW.created_at, updated_at = NEW.updated_at,
+           topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy,
+           storage = NEW.storage, max_lag = NEW.max_lag
+     WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
+    IF FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._default_to_log() RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    sub text;
+BEGIN
+    SELECT c.name INTO sub FROM outbox.subscription_catalog c
+     WHERE c.storage OPERATOR(pg_catalog.=) 'queue' FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- As drop_subscription: the activity row before the lock on the queue.
+    PERFORM outbox._log_forget(sub, false);
+    LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+    UPDATE outbox.subscription_catalog c SET storage = 'log', updated_at = pg_catalog.now()
+     WHERE c.name OPERATOR(pg_catalog.=) sub;
+    INSERT INTO outbox.subscription_activity (name) VALUES (sub) ON CONFLICT DO NOTHING;
+    PERFORM outbox._log_forget(sub, true);  -- no lanes of an earlier life of the name
+    PERFORM outbox._log_rebase();  -- as create_subscription: a restored log first
+    PERFORM outbox._log_subscribe(sub, 'now');
+    RETURN outbox._queue_to_log(sub);
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._log_lanes_restoring() RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT pg_catalog.current_query() OPERATOR(pg_catalog.~*)
+           '^\s*(copy|insert\s+into)\s+("?outbox"?\s*\.\s*)?"?log_lanes"?[\s(]'
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._log_lanes_restored() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT outbox._log_lanes_restoring() THEN
+        RETURN NULL;
+    END IF;
+    INSERT INTO outbox.log_restore AS r (upto) VALUES (0)
+        ON CONFLICT (one) DO UPDATE SET restored_at = now();
+    RETURN NULL;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._log_lane_restore() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF outbox._log_lanes_restoring() THEN
+        DELETE FROM outbox.log_lanes l
+         WHERE l.subscription OPERATOR(pg_catalog.=) NEW.subscription AND l.lane OPERATOR(pg_catalog.=) NEW.lane;
+    END IF;
+    RETURN NEW;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._log_rebase() RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    upto  bigint;
+    cur   record;
+    moved bigint;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
+        RETURN NULL;  -- the common case: no lock taken
+    END IF;
+    -- One rebase: the others wait here, then find no row. At REPEATABLE READ
+    -- or SERIALIZABLE a row deleted by a rebase this snapshot does not see
+    -- raises 40001 here, before anything is changed.
+    LOCK TABLE outbox.log_restore IN SHARE ROW EXCLUSIVE MODE;
+    DELETE FROM outbox.log_restore RETURNING log_restore.upto INTO upto;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- Readers wait for the rebase, and it for them: lanes and batches change.
+    LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
+
+    -- The lanes' new cursor, taken first: the events it sees get rows of
+    -- their own below, and the lanes read everything it does not see.
+    cur := outbox._log_cursor();
+    -- Rows of their own for what each subscription has not finished: the
+    -- restored events, decided in the dump's own ids (before their txids are
+    -- rewritten below) as outbox._log_deliveries shows them; and the events
+    -- published here since the restore that committed before the cursor,
+    -- which the dump's cursors cannot place and the new one counts as read,
+    -- for every subscription of their topic. Those not committed yet are read
+    -- by the lanes.
+    INSERT INTO outbox.log_exceptions AS x
+           (subscription, id, lane, topic, subject, dispatch_key, payload, headers,
+            max_attempts, published_at, state, attempts, visible_at)
+    SELECT d.subscription, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
+           l.max_attempts, l.published_at, 'pending', d.attempts, GREATEST(now(), l.deliver_at)
+      FROM outbox._log_deliveries d
+      JOIN outbox.log l ON l.id = d.event_id
+     WHERE d.event_id <= upto
+       AND d.state IN ('pending', 'leased')
+       AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions e
+                        WHERE e.subscription = d.subscription AND e.id = d.event_id)
+    UNION ALL
+    SELECT c.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
+           l.max_attempts, l.published_at, 'pending', 0, GREATEST(now(), l.deliver_at)
+      FROM outbox.subscription_catalog c
+      JOIN outbox.log l
+        ON c.topics IS NULL
+           OR EXISTS (SELECT 1 FROM pg_catalog.unnest(c.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
+     WHERE c.storage = 'log' AND l.id > upto AND pg_catalog.pg_visible_in_snapshot(l.txid, cur.snap)
+    ON CONFLICT DO NOTHING;
+    GET DIAGNOSTICS moved = ROW_COUNT;
+
+    -- Into this cluster's ids.
+    FOR n IN 0..3 LOOP
+        EXECUTE pg_catalog.format('UPDATE outbox.%I SET txid = ''2'' WHERE id <= $1 AND txid <> ''2''', 'log_' || n)
+          USING upto;
+    END LOOP;
+    DELETE FROM outbox.log_batches;
+    INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn)
+    SELECT c.name, g, cur.snap, cur.m, cur.xn
+      FROM outbox.subscription_catalog c, pg_catalog.generate_series(0, 15) AS g
+     WHERE c.storage = 'log'
+    ON CONFLICT DO NOTHING;
+    UPDATE outbox.log_lanes
+       SET lo_snap = cur.snap, lo_m = cur.m, lo_xn = cur.xn, hi_snap = NULL, hi_m = NULL, hi_xn = NULL,
+           pos = NULL, batch = NULL, start_snap = NULL, skips = NULL;
+    UPDATE outbox.log_state SET sealed_snap = cur.snap WHERE sealed_snap IS NOT NULL;
+    -- A dump of 0.11.0 or older restored its 'default' on the queue: it moves
+    -- to the log now, as the upgrade to 0.12.0 moves it.
+    PERFORM outbox._default_to_log();
+    RETURN moved;
+END
+$$;
+
 CREATE OR REPLACE FUNCTION outbox.health(
     backlog_age        interval DEFAULT '60 seconds',
     backlog_critical   bigint   DEFAULT 1000,
@@ -239,7 +417,267 @@ BEGIN
 END
 $$;
 
+CREATE OR REPLACE FUNCTION outbox.delivered_per_minute(minutes integer DEFAULT 60, only_subscription text DEFAULT NULL)
+RETURNS TABLE (subscription text, topic text, minute timestamptz, delivered bigint)
+LANGUAGE plpgsql STABLE
+SET search_path = pg_catalog, pg_temp
+SET jit = off
+AS $$
+DECLARE
+    only_sub text;
+    first_minute timestamptz;
+BEGIN
+    IF minutes IS NULL OR minutes < 1 OR minutes > 1440 THEN
+        RAISE EXCEPTION 'outbox: delivered_per_minute() minutes must be between 1 and 1440, got %', minutes
+            USING ERRCODE = '22023';
+    END IF;
+    IF only_subscription IS NOT NULL THEN
+        only_sub := outbox._subscription(only_subscription);
+    END IF;
+    first_minute := pg_catalog.date_trunc('minute', pg_catalog.now()) - (minutes - 1) * interval '1 minute';
+    RETURN QUERY
+    WITH d AS (
+        SELECT c.name AS sub, a.topic AS top, a.finished_at AS at
+          FROM outbox.subscription_catalog c
+          JOIN outbox.event_archive a ON a.state = 'delivered' AND a.finished_at >= first_minute
+         -- The queue's 'default', or (0.12.0) its history once it moved to the log.
+         WHERE c.name = 'default' AND (only_sub IS NULL OR c.name = only_sub)
+        UNION ALL
+        SELECT c.name, l.topic, f.delivered_at
+          FROM outbox.subscription_catalog c
+         CROSS JOIN LATERAL outbox._log_delivered(c.name, first_minute) f
+          JOIN outbox.log l ON l.id = f.id
+         WHERE c.storage = 'log' AND (only_sub IS NULL OR c.name = only_sub)
+        UNION ALL
+        SELECT x.subscription, x.topic, x.delivered_at
+          FROM outbox.log_exceptions x
+         WHERE x.state = 'delivered' AND x.delivered_at >= first_minute
+           AND (only_sub IS NULL OR x.subscription = only_sub)
+    ), counted AS (
+        SELECT d.sub, d.top, pg_catalog.date_trunc('minute', d.at) AS m, pg_catalog.count(*) AS n
+          FROM d GROUP BY 1, 2, 3
+    )
+    SELECT k.sub, k.top, g.m, COALESCE(n.n, 0)
+      FROM (SELECT DISTINCT c.sub, c.top FROM counted c) k
+     CROSS JOIN pg_catalog.generate_series(first_minute, pg_catalog.date_trunc('minute', pg_catalog.now()), interval '1 minute') AS g(m)
+      LEFT JOIN counted n ON n.sub = k.sub AND n.top = k.top AND n.m = g.m
+     ORDER BY 1, 2, 3;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._drop_guard() RETURNS event_trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- The command text without comments, lowercased; then only the DROP EXTENSION
+    -- statements that name outbox_ext, so a CASCADE elsewhere in a multi-statement
+    -- string does not count.
+    q text := lower(regexp_replace(regexp_replace(COALESCE(current_query(), ''),
+                                                  '/\*.*?\*/', ' ', 'g'),
+                                   '--[^\n]*', ' ', 'g'));
+    stmt text;
+    names_us boolean := false;
+    cascade boolean := false;
+    allow text := lower(COALESCE(current_setting('outbox.allow_drop', true), 'off'));
+    n bigint;
+BEGIN
+    FOR stmt IN SELECT m[1] FROM regexp_matches(q, '(drop\s+extension\s[^;]*)', 'g') AS m LOOP
+        IF stmt ~ '\moutbox_ext\M' THEN
+            names_us := true;
+            cascade := cascade OR stmt ~ '\mcascade\M\s*$';
+        END IF;
+    END LOOP;
+    IF NOT names_us OR cascade OR allow IN ('on', 'true', 'yes', '1', 't', 'y', 'tr', 'tru', 'ye') THEN
+        RETURN;
+    END IF;
+    -- The queue's 'default' (an install before 0.12.0), and (0.12.0) every
+    -- subscription of the log: what it has not delivered, and its dead letters.
+    SELECT (SELECT count(*) FROM outbox.event_queue e)
+           + COALESCE((SELECT sum(s.lag_events + s.dead_letters) FROM outbox.subscriptions s
+                        WHERE s.storage = 'log'), 0)
+      INTO n;
+    IF n > 0 THEN
+        RAISE EXCEPTION 'outbox: % undelivered events (pending, leased or dead) would be lost by DROP EXTENSION outbox_ext', n
+            USING ERRCODE = '55006',
+                  HINT = 'Drain, cancel or purge them first, or say DROP EXTENSION outbox_ext CASCADE, or SET outbox.allow_drop = on.';
+    END IF;
+END
+$$;
+
+-- Views, changed
+
+CREATE OR REPLACE VIEW outbox.subscriptions AS
+WITH q AS (
+    SELECT pg_catalog.count(*) FILTER (WHERE e.state <> 'dead') AS undelivered,
+           -- What a claim could take now: subject heads whose time has come,
+           -- expired leases included (the claim index's rows).
+           pg_catalog.count(*) FILTER (WHERE e.state <> 'dead' AND e.is_head AND e.visible_at <= pg_catalog.now()) AS ready,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
+           pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
+           pg_catalog.min(e.id) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_id,
+           pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
+      FROM outbox.event_queue e
+)
+-- The install's 'default' is the queue's; a subscription of the log has its
+-- numbers from the log (src/log/claim.rs, outbox._log_subscription_stats).
+SELECT c.name, c.topics, c.paused, c.paused_at,
+       COALESCE(l.lag_events, q.undelivered) AS lag_events,
+       pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
+       COALESCE(l.oldest_id, q.oldest_undelivered_id) AS oldest_undelivered_id,
+       COALESCE(l.oldest_at, q.oldest_undelivered_at) AS oldest_undelivered_at,
+       CASE WHEN c.storage OPERATOR(pg_catalog.=) 'log' THEN outbox._log_backlog(c.name, pg_catalog.now()) ELSE q.ready END AS ready,
+       COALESCE(l.leases_in_flight, q.leased) AS leases_in_flight,
+       COALESCE(l.dead_letters, q.dead) AS dead_letters,
+       a.last_claim_at,
+       c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
+       c.created_at, c.updated_at, c.dead_letter_policy, c.storage,
+       c.max_lag, COALESCE(a.lost_events, 0) AS lost_events, a.lost_at
+  FROM outbox.subscription_catalog c
+  LEFT JOIN outbox.subscription_activity a ON a.name = c.name
+  LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
+                      WHERE c.storage OPERATOR(pg_catalog.=) 'log') l ON true
+  LEFT JOIN q ON c.storage OPERATOR(pg_catalog.=) 'queue';
+
+CREATE OR REPLACE VIEW outbox._log_deliveries AS
+WITH subs AS MATERIALIZED (
+    SELECT c.name, c.topics, c.max_attempts FROM outbox.subscription_catalog c
+     WHERE c.storage OPERATOR(pg_catalog.=) 'log'
+), b AS MATERIALIZED (
+    SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
+      FROM subs s, LATERAL outbox._log_batch_states(s.name) st
+), h AS MATERIALIZED (
+    SELECT s.name, bh.id, bh.leased_by
+      FROM subs s, LATERAL outbox._log_batch_holders(s.name) bh
+), f AS MATERIALIZED (
+    SELECT s.name, fd.id, pg_catalog.min(fd.delivered_at) AS delivered_at
+      FROM subs s, LATERAL outbox._log_delivered(s.name, NULL) fd
+     GROUP BY s.name, fd.id
+)
+SELECT x.subscription, x.id AS event_id, x.lane, x.topic, x.subject, x.dispatch_key, x.payload, x.headers, x.published_at,
+       x.state, x.attempts, COALESCE(s.max_attempts, x.max_attempts) AS max_attempts, x.leased_by,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END AS lease_expires_at,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END AS available_at,
+       x.last_error, x.errors, x.delivered_at, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+  JOIN subs s ON s.name = x.subscription
+UNION ALL
+SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.published_at,
+       COALESCE(b.state, CASE WHEN r.seen THEN 'delivered' ELSE 'pending' END),
+       COALESCE(b.attempts, CASE WHEN r.seen THEN 1 ELSE 0 END),
+       COALESCE(s.max_attempts, l.max_attempts), h.leased_by,
+       b.lease_expires_at,
+       CASE WHEN b.state = 'pending' OR (b.state IS NULL AND NOT r.seen)
+            THEN GREATEST(l.published_at, l.deliver_at) END,
+       NULL::text, NULL::jsonb, f.delivered_at, NULL::timestamptz, NULL::timestamptz
+  FROM subs s
+  JOIN outbox.log l
+    ON s.topics IS NULL
+       OR EXISTS (SELECT 1 FROM pg_catalog.unnest(s.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
+  LEFT JOIN outbox.log_lanes n ON n.subscription = s.name AND n.lane = l.lane
+  LEFT JOIN b ON b.name = s.name AND b.id = l.id
+  LEFT JOIN h ON h.name = s.name AND h.id = l.id
+  LEFT JOIN f ON f.name = s.name AND f.id = l.id AND b.id IS NULL
+  CROSS JOIN LATERAL (
+      SELECT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.lo_snap)
+                      OR (pg_catalog.pg_visible_in_snapshot(l.txid, n.hi_snap) AND l.id <= n.pos), false) AS seen
+  ) r
+ WHERE NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false)
+   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id)
+UNION ALL
+-- 0.12.0: a 'default' moved from the queue (outbox._default_to_log) keeps the
+-- queue's history: the archive's delivered events, until retention removes
+-- them. Each was committed before the move's cursor, so the branch above
+-- leaves it out (its first cursor, start_snap, sees it); one that branch
+-- lists anyway (lanes placed again by the rebase of a restore) is not listed twice.
+SELECT 'default'::text, a.id, outbox._lane(a.id, a.subject), a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       a.published_at, a.state, a.attempts, COALESCE(s.max_attempts, a.max_attempts), a.leased_by,
+       NULL::timestamptz, NULL::timestamptz, a.last_error, a.errors,
+       CASE WHEN a.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
+       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
+  FROM subs s
+  JOIN outbox.event_archive a ON s.name = 'default'
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.log l
+                     JOIN outbox.log_lanes n ON n.subscription = 'default' AND n.lane = l.lane
+                    WHERE l.id = a.id
+                      AND NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false));
+
+CREATE OR REPLACE VIEW outbox.events AS
+-- The install's 'default' reads the queue: the hot queue and the archive.
+SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,
+       q.state, q.attempts, q.max_attempts,
+       CASE WHEN q.state = 'pending' THEN q.visible_at END AS available_at,
+       CASE WHEN q.state = 'leased' THEN q.visible_at END AS lease_expires_at,
+       q.leased_by, q.last_error, q.errors, q.published_at,
+       NULL::timestamptz AS delivered_at,
+       q.dead_at,
+       NULL::timestamptz AS cancelled_at
+  FROM outbox.event_queue q
+ WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       a.state, a.attempts, a.max_attempts,
+       NULL::timestamptz, NULL::timestamptz,
+       a.leased_by, a.last_error, a.errors, a.published_at,
+       CASE WHEN a.state = 'delivered' THEN a.finished_at END,
+       NULL::timestamptz,
+       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
+  FROM outbox.event_archive a
+ WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+-- Once it is dropped: every event of the log, with the state of a 'default'
+-- of the log where there is one and the event is its own.
+SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
+       d.state, d.attempts, l.max_attempts, d.available_at, d.lease_expires_at,
+       d.leased_by, d.last_error, d.errors, l.published_at, d.delivered_at, d.dead_at, d.cancelled_at
+  FROM outbox.log l
+  LEFT JOIN outbox._log_deliveries d ON d.subscription = 'default' AND d.event_id = l.id
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+UNION ALL
+-- ... and the events whose ring table retention has emptied while 'default'
+-- still keeps a row for them (a dead letter, say).
+SELECT x.id, x.topic, x.subject, x.dispatch_key, x.payload, x.headers,
+       x.state, x.attempts, x.max_attempts,
+       CASE WHEN x.state = 'pending' THEN x.visible_at END,
+       CASE WHEN x.state = 'leased' THEN x.visible_at END,
+       x.leased_by, x.last_error, x.errors, x.published_at, x.delivered_at, x.dead_at, x.cancelled_at
+  FROM outbox.log_exceptions x
+ WHERE x.subscription = 'default'
+   AND NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+UNION ALL
+-- ... and (0.12.0) the archive's events the log does not hold (published
+-- before 0.9.0, or their ring table emptied): the history of a 'default'
+-- moved from the queue, with their state there while 'default' exists.
+SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       d.state, d.attempts, a.max_attempts, NULL::timestamptz, NULL::timestamptz,
+       d.leased_by, d.last_error, d.errors, a.published_at,
+       CASE WHEN d.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
+       CASE WHEN d.state = 'cancelled' THEN a.finished_at END
+  FROM outbox.event_archive a
+  LEFT JOIN LATERAL (SELECT a.state, a.attempts, a.leased_by, a.last_error, a.errors
+                      WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c
+                                     WHERE c.name = 'default' AND c.storage = 'log')) d ON true
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = outbox._lane(a.id, a.subject) AND l.id = a.id);
+
 -- Comments, new or changed
+
+COMMENT ON VIEW outbox.subscriptions IS
+'One row per subscription: name, topics (its topic filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: on the queue, subject heads whose time has come, expired leases included; on the log, events published and due that are not out under a lease, counted as outbox.health() counts the backlog, later events of a subject included), leases_in_flight, dead_letters, '
+'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
+'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
+'storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0), '
+'max_lag (NULL: none; see create_subscription), lost_events and lost_at (events retention removed before the subscription read them because it lagged past max_lag, and the last time; 0 and NULL when none). '
+'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
+
+COMMENT ON VIEW outbox.events IS
+'Every retained event, one row each. Columns: id, topic, subject, dispatch_key, payload, headers, then the state of the default subscription (NULL when there is none, '
+'or the event is not its own): state, attempts, max_attempts (the event''s), available_at (pending only), lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), '
+'published_at, delivered_at, dead_at, cancelled_at. ''default'' reads the log (0.12.0): the events of the log, with its state there (outbox.deliveries explains the states; an event acked on its first try has its batch''s delivered_at), '
+'and the events delivered before a ''default'' of an older install moved from the queue to the log, from the archive until retention removes them. '
+'While a ''default'' of an install before 0.12.0 still reads the queue: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled).';
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
@@ -250,10 +688,33 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
 'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years, or a negative backlog_critical or dead_tuples_warn.';
 
+COMMENT ON FUNCTION outbox._drop_guard() IS
+'Event trigger function: refuses DROP EXTENSION outbox_ext (SQLSTATE 55006) while a subscription has pending, leased or dead events (not yet read from the log included), unless the DROP EXTENSION statement says CASCADE or outbox.allow_drop = on.';
+
+COMMENT ON FUNCTION outbox._log_lanes_restoring() IS
+'Internal (the restore triggers on outbox.log_lanes): whether the top-level statement is a COPY or INSERT into outbox.log_lanes, which is what a restore of a dump sends (boolean). No errors.';
+
+COMMENT ON FUNCTION outbox._log_lane_restore() IS
+'Internal row trigger function (BEFORE INSERT) on outbox.log_lanes (0.12.0): a lane row restored from a dump replaces the one of the same subscription and lane that CREATE EXTENSION made for ''default''. No errors of its own.';
+
 COMMENT ON FUNCTION outbox._log_backlog(text, timestamptz) IS
 'Internal (outbox.health()''s backlog check; 0.12.0): how many of the named subscription''s events (bigint) have been claimable, or waiting only behind an earlier event of their subject, '
 'since published_by or earlier: unread events and events waiting in a batch published (and due, if delayed) by then, and rows of their own pending since then. '
 'Events out under a lease are not counted. Errors: 22004 NULL argument.';
+
+COMMENT ON FUNCTION outbox._queue_to_log(text) IS
+'Internal (outbox._default_to_log, 0.12.0, under its lock on outbox.event_queue): move every event of the queue, and the archive''s cancelled ones, into rows of their own of the named subscription of the log, '
+'each in its state (pending, leased with its token and expiry, dead holding its subject as on the queue, cancelled), with attempts, error history and visible_at; empty outbox.subject_repairs. '
+'Under a snapshot taken now, at every isolation level. Returns the events moved (bigint). Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._default_to_log() IS
+'Internal (the upgrade to 0.12.0, and the rebase of a restored dump of 0.11.0 or older): move the ''default'' that reads outbox.event_queue to the log, keeping its name, policy and pause. '
+'Under SHARE ROW EXCLUSIVE on the queue (every publish, claim, ack and fail that writes it has finished, and later ones read the catalog without it), its lanes start at a cursor taken after that lock, '
+'and every event of the queue becomes a row of its own in its state (outbox._queue_to_log): nothing committed is skipped or delivered twice by the move. Tokens the queue handed out keep acking, failing and extending. '
+'Returns the events moved (bigint), NULL when no subscription reads the queue. No errors of its own.';
+
+COMMENT ON FUNCTION outbox._lane(bigint, text) IS
+'Internal: the lane (smallint, 0-15) of event id with subject, as publish places it in the log: hashtext(subject) & 15, or (id / 64) % 16 without a subject. No errors.';
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 
@@ -364,7 +825,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
-    outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
+    outbox._lane(bigint, text), outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(), outbox._log_rebase(), outbox._log_restore_quiet()
     TO outbox_admin;
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),
@@ -383,12 +844,27 @@ GRANT EXECUTE ON FUNCTION outbox.blocked_subjects(text, integer), outbox.deliver
     TO outbox_admin, outbox_monitor;
 GRANT EXECUTE ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(),
     outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text),
-    outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._topic_matches(text, text), outbox._pattern_kind(text)
+    outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._topic_matches(text, text), outbox._pattern_kind(text),
+    outbox._lane(bigint, text)
     TO outbox_monitor;
 GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.topics, outbox.maintenance_log TO outbox_monitor;
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,
               last_error, errors, published_at, delivered_at, dead_at, cancelled_at)
     ON outbox.events TO outbox_monitor;
+
+-- sql/upgrade/0.11.0--0.12.0.post.sql
+-- 0.11.0 -> 0.12.0, after the new definitions.
+
+-- A lane row restored from a dump replaces the one CREATE EXTENSION made for
+-- 'default' (sql/restore.sql).
+CREATE TRIGGER log_lane_restore BEFORE INSERT ON outbox.log_lanes
+    FOR EACH ROW EXECUTE FUNCTION outbox._log_lane_restore();
+ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lane_restore;
+
+-- 'default' moves from the queue to the log, with every event of the queue in
+-- its state (outbox._default_to_log, sql/subscriptions.sql). It waits for the
+-- transactions that write the queue, prepared ones included.
+SELECT outbox._default_to_log();
 
 -- sql/announce.sql
 

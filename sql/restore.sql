@@ -83,13 +83,20 @@ $$;
 -- lanes only inside its functions (create_subscription, claim, the rebase),
 -- never from a top-level COPY or INSERT into outbox.log_lanes, which is what
 -- pg_restore and psql running a dump send.
+CREATE FUNCTION outbox._log_lanes_restoring() RETURNS boolean
+LANGUAGE sql STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT pg_catalog.current_query() OPERATOR(pg_catalog.~*)
+           '^\s*(copy|insert\s+into)\s+("?outbox"?\s*\.\s*)?"?log_lanes"?[\s(]'
+$$;
+
 CREATE FUNCTION outbox._log_lanes_restored() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF pg_catalog.current_query() OPERATOR(pg_catalog.!~*)
-       '^\s*(copy|insert\s+into)\s+("?outbox"?\s*\.\s*)?"?log_lanes"?[\s(]' THEN
+    IF NOT outbox._log_lanes_restoring() THEN
         RETURN NULL;
     END IF;
     INSERT INTO outbox.log_restore AS r (upto) VALUES (0)
@@ -100,6 +107,25 @@ $$;
 CREATE TRIGGER log_lanes_restored AFTER INSERT ON outbox.log_lanes
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._log_lanes_restored();
 ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lanes_restored;
+
+-- 0.12.0: CREATE EXTENSION on the restoring side gave 'default' its lanes; a
+-- dumped lane row replaces the one of the same key instead of failing the
+-- restore's COPY (the rebase then places every lane again).
+CREATE FUNCTION outbox._log_lane_restore() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF outbox._log_lanes_restoring() THEN
+        DELETE FROM outbox.log_lanes l
+         WHERE l.subscription OPERATOR(pg_catalog.=) NEW.subscription AND l.lane OPERATOR(pg_catalog.=) NEW.lane;
+    END IF;
+    RETURN NEW;
+END
+$$;
+CREATE TRIGGER log_lane_restore BEFORE INSERT ON outbox.log_lanes
+    FOR EACH ROW EXECUTE FUNCTION outbox._log_lane_restore();
+ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lane_restore;
 
 DO $$
 BEGIN
@@ -222,6 +248,9 @@ BEGIN
        SET lo_snap = cur.snap, lo_m = cur.m, lo_xn = cur.xn, hi_snap = NULL, hi_m = NULL, hi_xn = NULL,
            pos = NULL, batch = NULL, start_snap = NULL, skips = NULL;
     UPDATE outbox.log_state SET sealed_snap = cur.snap WHERE sealed_snap IS NOT NULL;
+    -- A dump of 0.11.0 or older restored its 'default' on the queue: it moves
+    -- to the log now, as the upgrade to 0.12.0 moves it.
+    PERFORM outbox._default_to_log();
     RETURN moved;
 END
 $$;

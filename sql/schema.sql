@@ -53,15 +53,17 @@ CREATE TABLE outbox.subscription_catalog (
     -- dead-letter policy (NULL: the topic's) of a named subscription.
     topics              text[],
     dead_letter_policy  text CHECK (dead_letter_policy IN ('block', 'skip')),
-    -- 0.10.0: which storage the subscription reads. Only the install's
-    -- 'default' reads the queue, and no function makes another one: once it is
-    -- dropped, publish writes the log alone (src/publish.rs).
+    -- 0.10.0: which storage the subscription reads. Only the 'default' made
+    -- by an install before 0.12.0 reads the queue, until the upgrade moves it
+    -- (outbox._default_to_log), and no function makes another one: once none
+    -- does, publish writes the log alone (src/publish.rs).
     storage             text NOT NULL DEFAULT 'log' CHECK (storage IN ('queue', 'log')),
     -- 0.10.0: the age past which a subscription of the log no longer holds
     -- the log's retention (NULL: it holds it until it has read every event).
     max_lag             interval CHECK (max_lag > interval '0')
 ) WITH (vacuum_truncate = false);  -- read by every claim: see event_queue
-INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue');
+-- 0.12.0: 'default' reads the log (its lanes: sql/subscriptions.sql).
+INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'log');
 
 -- When each subscription was last claimed from. Kept apart from the catalog so
 -- that a claim's write (at most once a second per session, and only when no other

@@ -1,8 +1,8 @@
 -- Subscriptions (consumer groups): their policy, pausing, and where operators
--- look. The 'default' made at install reads outbox.event_queue (storage
--- 'queue'); every other subscription reads the log (sql/log.sql, src/log/):
--- named ones (0.9.0), and a 'default' created again after that one was dropped
--- (0.10.0).
+-- look. Every subscription reads the log (sql/log.sql, src/log/), the
+-- 'default' made at install too (0.12.0). Before 0.12.0 the install's
+-- 'default' read outbox.event_queue (storage 'queue'); the upgrade moves it
+-- (outbox._default_to_log), and the queue's code serves it until then.
 --
 -- Precedence of a setting (max_attempts, backoff, default lease, dead-letter
 -- policy): the subscription's, else the topic's (outbox.create_topic), else the
@@ -52,6 +52,12 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
+    -- A dump of 0.11.0 or older: its 'default' read the queue, whose rows the
+    -- dump restores. The lanes this install gave it go; the rebase that
+    -- follows the restore moves it to the log (outbox._default_to_log).
+    IF NEW.storage OPERATOR(pg_catalog.=) 'queue' THEN
+        DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) NEW.name;
+    END IF;
     UPDATE outbox.subscription_catalog c
        SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
@@ -139,7 +145,7 @@ COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, inte
 'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
 '(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
 'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
-'name may be ''default'' once the install''s default subscription (which reads outbox.event_queue) has been dropped: claims without a subscription then read this one. '
+'name may be ''default'' once ''default'' has been dropped: claims without a subscription then read this one. '
 'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
 'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs; max_lag (interval > 0, <= 100 years; NULL, the default: none): '
@@ -212,10 +218,9 @@ $$;
 
 COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
 'Drop a subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
-'Dropping the install''s ''default'' (which reads outbox.event_queue) empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
+'Claims without a subscription raise 42704 once ''default'' is dropped, until it is created again with create_subscription. '
+'Dropping the ''default'' of an install before 0.12.0 that still reads outbox.event_queue empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
 'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
-'Claims without a subscription then raise 42704 until ''default'' is created again with create_subscription, over the log. '
-'pg_dump keeps the queue but not the log (0.10.0): after this drop a logical dump keeps no undelivered event. '
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
 'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
 '55006 leases in flight without force. Nothing is dropped on error.';
@@ -297,6 +302,42 @@ BEGIN
 END
 $$;
 
+-- 0.12.0: the install's 'default' reads the log. A database made before
+-- keeps its 'default' on the queue until this moves it there: the upgrade
+-- calls it, and so does the rebase of a restored dump of 0.11.0 or older.
+-- It is drop_subscription's path for the queue followed by
+-- create_subscription's, in one transaction, with the queue's events kept:
+-- the lock on the queue makes every writer of it finish first and every later
+-- one read the catalog without it (src/publish.rs); the lanes' cursor is
+-- taken after that lock, so an event whose transaction committed before it
+-- is in the queue (and moves to a row of its own) and counts as read by the
+-- lanes, and one that commits after it was never written to the queue and is
+-- read by the lanes. Neither is skipped or delivered twice.
+CREATE FUNCTION outbox._default_to_log() RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    sub text;
+BEGIN
+    SELECT c.name INTO sub FROM outbox.subscription_catalog c
+     WHERE c.storage OPERATOR(pg_catalog.=) 'queue' FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    -- As drop_subscription: the activity row before the lock on the queue.
+    PERFORM outbox._log_forget(sub, false);
+    LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+    UPDATE outbox.subscription_catalog c SET storage = 'log', updated_at = pg_catalog.now()
+     WHERE c.name OPERATOR(pg_catalog.=) sub;
+    INSERT INTO outbox.subscription_activity (name) VALUES (sub) ON CONFLICT DO NOTHING;
+    PERFORM outbox._log_forget(sub, true);  -- no lanes of an earlier life of the name
+    PERFORM outbox._log_rebase();  -- as create_subscription: a restored log first
+    PERFORM outbox._log_subscribe(sub, 'now');
+    RETURN outbox._queue_to_log(sub);
+END
+$$;
+
 CREATE FUNCTION outbox.pause_subscription(name text) RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -334,7 +375,7 @@ SELECT c.name, c.topics, c.paused, c.paused_at,
        pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
        COALESCE(l.oldest_id, q.oldest_undelivered_id) AS oldest_undelivered_id,
        COALESCE(l.oldest_at, q.oldest_undelivered_at) AS oldest_undelivered_at,
-       q.ready,
+       CASE WHEN c.storage OPERATOR(pg_catalog.=) 'log' THEN outbox._log_backlog(c.name, pg_catalog.now()) ELSE q.ready END AS ready,
        COALESCE(l.leases_in_flight, q.leased) AS leases_in_flight,
        COALESCE(l.dead_letters, q.dead) AS dead_letters,
        a.last_claim_at,
@@ -349,10 +390,10 @@ SELECT c.name, c.topics, c.paused, c.paused_at,
 
 COMMENT ON VIEW outbox.subscriptions IS
 'One row per subscription: name, topics (its topic filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (the queue''s ''default'' only: what a claim could take now: subject heads whose time has come, expired leases included), leases_in_flight, dead_letters, '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: on the queue, subject heads whose time has come, expired leases included; on the log, events published and due that are not out under a lease, counted as outbox.health() counts the backlog, later events of a subject included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
 'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
-'storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0), '
+'storage (''log'': every subscription from 0.12.0; ''queue'': the ''default'' of an install before 0.12.0, which reads outbox.event_queue until the upgrade moves it), '
 'max_lag (NULL: none; see create_subscription), lost_events and lost_at (events retention removed before the subscription read them because it lagged past max_lag, and the last time; 0 and NULL when none). '
 'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
 
@@ -412,7 +453,24 @@ SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.he
                       OR (pg_catalog.pg_visible_in_snapshot(l.txid, n.hi_snap) AND l.id <= n.pos), false) AS seen
   ) r
  WHERE NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false)
-   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id);
+   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id)
+UNION ALL
+-- 0.12.0: a 'default' moved from the queue (outbox._default_to_log) keeps the
+-- queue's history: the archive's delivered events, until retention removes
+-- them. Each was committed before the move's cursor, so the branch above
+-- leaves it out (its first cursor, start_snap, sees it); one that branch
+-- lists anyway (lanes placed again by the rebase of a restore) is not listed twice.
+SELECT 'default'::text, a.id, outbox._lane(a.id, a.subject), a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       a.published_at, a.state, a.attempts, COALESCE(s.max_attempts, a.max_attempts), a.leased_by,
+       NULL::timestamptz, NULL::timestamptz, a.last_error, a.errors,
+       CASE WHEN a.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
+       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
+  FROM subs s
+  JOIN outbox.event_archive a ON s.name = 'default'
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.log l
+                     JOIN outbox.log_lanes n ON n.subscription = 'default' AND n.lane = l.lane
+                    WHERE l.id = a.id
+                      AND NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false));
 
 CREATE VIEW outbox.events AS
 -- The install's 'default' reads the queue: the hot queue and the archive.
@@ -456,13 +514,29 @@ SELECT x.id, x.topic, x.subject, x.dispatch_key, x.payload, x.headers,
   FROM outbox.log_exceptions x
  WHERE x.subscription = 'default'
    AND NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
-   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id);
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+UNION ALL
+-- ... and (0.12.0) the archive's events the log does not hold (published
+-- before 0.9.0, or their ring table emptied): the history of a 'default'
+-- moved from the queue, with their state there while 'default' exists.
+SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
+       d.state, d.attempts, a.max_attempts, NULL::timestamptz, NULL::timestamptz,
+       d.leased_by, d.last_error, d.errors, a.published_at,
+       CASE WHEN d.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
+       CASE WHEN d.state = 'cancelled' THEN a.finished_at END
+  FROM outbox.event_archive a
+  LEFT JOIN LATERAL (SELECT a.state, a.attempts, a.leased_by, a.last_error, a.errors
+                      WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c
+                                     WHERE c.name = 'default' AND c.storage = 'log')) d ON true
+ WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = outbox._lane(a.id, a.subject) AND l.id = a.id);
 
 COMMENT ON VIEW outbox.events IS
 'Every retained event, one row each. Columns: id, topic, subject, dispatch_key, payload, headers, then the state of the default subscription (NULL when there is none, '
 'or the event is not its own): state, attempts, max_attempts (the event''s), available_at (pending only), lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), '
-'published_at, delivered_at, dead_at, cancelled_at. While the ''default'' made at install exists: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled). '
-'Once it is dropped (0.10.0): the events of the log, with the state of a ''default'' created over the log (outbox.deliveries explains its states; an event acked on its first try has its batch''s delivered_at).';
+'published_at, delivered_at, dead_at, cancelled_at. ''default'' reads the log (0.12.0): the events of the log, with its state there (outbox.deliveries explains the states; an event acked on its first try has its batch''s delivered_at), '
+'and the events delivered before a ''default'' of an older install moved from the queue to the log, from the archive until retention removes them. '
+'While a ''default'' of an install before 0.12.0 still reads the queue: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled).';
 
 CREATE VIEW outbox.deliveries AS
 SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
@@ -483,3 +557,6 @@ COMMENT ON VIEW outbox.deliveries IS
 'one in a batch in flight is pending, leased or delivered there (attempts 1; leased_by the worker that claimed it while it is leased, from 0.11.0); '
 'one acked from its batch on the first try is delivered, delivered_at the time its batch finished (batch precision: no row is written per event; NULL while the batch is in flight or after outbox.retention_delivered); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
 'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';
+
+-- 0.12.0: the install's 'default' reads the log, from its first event.
+SELECT outbox._log_subscribe('default', 'earliest');

@@ -99,10 +99,13 @@ fn uuid_of(v: &Value) -> pgrx::Uuid {
     unsafe { pgrx::Uuid::from_datum(v.datum(), false) }.unwrap_or_else(|| errors::raise(NULL_VALUE, "NULL token"))
 }
 
-/// The token, when a claim over the log handed it out (src/log/claim.rs).
+/// The token, when the log holds its lease: a claim over the log handed it
+/// out (src/log/claim.rs), or no subscription reads the queue any more, so a
+/// token the queue handed out can only lease a row the move to the log made
+/// (`outbox._queue_to_log`, 0.12.0), which keeps it.
 fn log_token(v: &Value) -> Option<pgrx::Uuid> {
     let t = uuid_of(v);
-    log::claim::is_log_token(&t).then_some(t)
+    (log::claim::is_log_token(&t) || !subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION)).then_some(t)
 }
 
 /// Rows acknowledged and the subjects whose head they were.

@@ -159,9 +159,6 @@ struct LogEvent<'a> {
 /// With SQL older than 0.10.0, `default` reads the queue, and before 0.7.0
 /// there is no catalog: the queue always.
 fn queue_default() -> bool {
-    if pg::catalog::outbox_relid(c"subscription_catalog").is_none() {
-        return true;
-    }
     let cached = || subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION);
     if !cached() {
         return false;

@@ -27,8 +27,8 @@
 use crate::pg;
 use crate::pg::plans;
 use crate::sql::claim::{
-    FORGET_BATCHES, FORGET_LANES, FORGET_REST, QUEUE_CLEAR, QUEUE_LEASED, SUBSCRIPTIONS, SUBSCRIPTIONS_0100,
-    SUBSCRIPTIONS_090,
+    FORGET_BATCHES, FORGET_LANES, FORGET_REST, QUEUE_CLEAR, QUEUE_LEASED, QUEUE_TO_LOG, SUBSCRIPTIONS,
+    SUBSCRIPTIONS_0100, SUBSCRIPTIONS_090,
 };
 use crate::{backoff, errors, gucs, validate};
 use pgrx::prelude::*;
@@ -131,7 +131,11 @@ impl Settings {
 
 /// True when subscription `name` exists and reads `outbox.event_queue`: the
 /// [`lookup`] that publish makes on every call, without copying the settings.
+/// With SQL older than 0.7.0 there is no catalog: `default` reads the queue.
 pub fn reads_queue(name: &str) -> bool {
+    if pg::catalog::outbox_relid(c"subscription_catalog").is_none() {
+        return name == validate::DEFAULT_SUBSCRIPTION;
+    }
     pg::accept_invalidations();
     CACHE.with(|c| c.with(load, |m| m.get(name).is_some_and(|s| s.queue)))
 }
@@ -172,6 +176,26 @@ pub fn queue_clear(force: Option<bool>) -> i64 {
         );
     }
     plans::run_latest(&QUEUE_CLEAR, &[], count)
+}
+
+/// `outbox._queue_to_log(subscription text) -> bigint`: for
+/// `outbox._default_to_log()`, which holds SHARE ROW EXCLUSIVE on the queue
+/// (every writer of it has finished) and has given `subscription` its lanes
+/// at a cursor taken after that lock: move every event of the queue, and the
+/// archive's cancelled ones, into rows of their own of `subscription`
+/// ([`QUEUE_TO_LOG`]); returns how many. Under a snapshot taken now, as
+/// [`queue_clear`], so that at REPEATABLE READ or SERIALIZABLE the rows
+/// publishers committed before the lock move too: the cursor, taken later,
+/// counts their events as read.
+#[pg_extern(name = "_queue_to_log", volatile, parallel_unsafe)]
+pub fn queue_to_log(subscription: Option<&str>) -> i64 {
+    let subscription =
+        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
+    plans::run_latest(&QUEUE_TO_LOG, &[subscription.into()], |rows| {
+        let mut n = 0;
+        rows.for_each(|r| n = r.i64(0).unwrap_or(0));
+        n
+    })
 }
 
 /// `outbox._log_forget(subscription text, lanes boolean)`: for

@@ -32,9 +32,12 @@ DSN_PRELOAD = (
 REPO = Path(os.environ.get("OUTBOX_REPO") or Path(__file__).resolve().parents[2])
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or str(REPO / "scripts" / "pgcluster.sh")
 
-# OUTBOX_TEST_DEFAULT=log: every test runs against a 'default' of the log (what
-# a fresh install will make), to show which tests still depend on the storage.
-DEFAULT_ON_LOG = os.environ.get("OUTBOX_TEST_DEFAULT") == "log"
+# 'default' reads the log (0.12.0), as a fresh install makes it. Tests marked
+# `queue` run against a 'default' that reads outbox.event_queue, as an install
+# before 0.12.0 has until the upgrade moves it: the queue's code serves such a
+# database (and a restored dump of one) until then. OUTBOX_TEST_DEFAULT=queue
+# runs every test that way.
+DEFAULT_ON_QUEUE = os.environ.get("OUTBOX_TEST_DEFAULT") == "queue"
 
 TABLES = "outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics, outbox.subject_repairs"
 
@@ -70,27 +73,29 @@ class DB:
         with connect(self.dsn) as c:
             return c.execute(sql, params).fetchall()
 
-    def clean(self, extra=()):
+    def clean(self, extra=(), queue=False):
+        """Empty every table and put 'default' back in its install state: on the
+        log, with its lanes from the first event; `queue` (or
+        OUTBOX_TEST_DEFAULT=queue): reading outbox.event_queue, as an install
+        before 0.12.0 has it."""
+        queue = queue or DEFAULT_ON_QUEUE
         with connect(self.dsn) as c:
             # A leftover lock would make TRUNCATE hang: fail loudly instead.
             c.execute("SET lock_timeout = '10s'")
             c.execute(f"TRUNCATE {', '.join([TABLES, *READER_TABLES, *LOG_TABLES, *extra])}")
-            # Subscriptions of the log go, a 'default' of the log (0.10.0) too;
-            # the install's 'default', which reads the queue, stays or comes back.
-            c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default' OR storage = 'log'")
+            c.execute("DELETE FROM outbox.subscription_catalog WHERE name <> 'default'")
             c.execute("DELETE FROM outbox.subscription_activity a WHERE NOT EXISTS "
                       "(SELECT 1 FROM outbox.subscription_catalog s WHERE s.name = a.name)")
-            c.execute("INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') "
-                      "ON CONFLICT DO NOTHING")
+            c.execute("INSERT INTO outbox.subscription_catalog (name) VALUES ('default') ON CONFLICT DO NOTHING")
             c.execute("INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING")
             # The default subscription back to its install state.
             c.execute("UPDATE outbox.subscription_catalog SET max_attempts = NULL, backoff_base = NULL, "
-                      "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL "
-                      "WHERE name = 'default'")
-            c.execute("UPDATE outbox.subscription_activity SET last_claim_at = NULL")
-            if DEFAULT_ON_LOG:
-                c.execute("SELECT outbox.drop_subscription('default', true)")
-                c.execute("SELECT outbox.create_subscription('default')")
+                      "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL, topics = NULL, "
+                      "dead_letter_policy = NULL, max_lag = NULL, storage = %s WHERE name = 'default'",
+                      ("queue" if queue else "log",))
+            c.execute("UPDATE outbox.subscription_activity SET last_claim_at = NULL, lost_events = 0, lost_at = NULL")
+            if not queue:
+                c.execute("SELECT outbox._log_subscribe('default', 'earliest')")
 
     def close(self):
         for c in self._conns:
@@ -166,30 +171,54 @@ def restart_preload_cluster(reason):
     return True
 
 
+def put_default_on_queue(dsn):
+    """Make 'default' read outbox.event_queue, as an install before 0.12.0 has it
+    until the upgrade moves it (its lanes go: the queue's 'default' has none)."""
+    with connect(dsn) as c:
+        c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
+        c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
+
+
+def on_queue(request):
+    """Whether the test runs against a 'default' that reads the queue."""
+    return request.node.get_closest_marker("queue") is not None
+
+
+class Cleaner(DB):
+    """A DB whose clean() keeps the test's storage for 'default' (`queue` marker)."""
+
+    def __init__(self, dsn, name, queue):
+        super().__init__(dsn, name)
+        self.queue = queue
+
+    def clean(self, extra=(), queue=None):
+        super().clean(extra, self.queue if queue is None else queue)
+
+
 @pytest.fixture
-def plain(plain_dsn):
-    db = DB(plain_dsn, "plain")
+def plain(plain_dsn, request):
+    db = Cleaner(plain_dsn, "plain", on_queue(request))
     db.clean()
     yield db
     db.close()
 
 
 @pytest.fixture
-def logdb(plain_dsn):
+def logdb(plain_dsn, request):
     """`plain` (every clean() empties the log ring and its readers too), with
-    no subscription reading the log: a 'default' of the log
-    (OUTBOX_TEST_DEFAULT=log) is dropped, as the queue's holds nothing there."""
-    db = DB(plain_dsn, "plain")
+    no subscription reading the log: the install's 'default' of the log is
+    dropped (one reading the queue, `queue` marker, stays)."""
+    db = Cleaner(plain_dsn, "plain", on_queue(request))
     db.clean()
-    if DEFAULT_ON_LOG:
+    if not (db.queue or DEFAULT_ON_QUEUE):
         db.one("SELECT outbox.drop_subscription('default', true)")
     yield db
     db.close()
 
 
 @pytest.fixture
-def preload(preload_dsn):
-    db = DB(preload_dsn, "preload")
+def preload(preload_dsn, request):
+    db = Cleaner(preload_dsn, "preload", on_queue(request))
     db.clean()
     yield db
     db.close()
@@ -330,6 +359,8 @@ class CronCluster:
         with connect(self.dsn) as c:
             c.execute("CREATE EXTENSION pg_cron")
             c.execute("CREATE EXTENSION outbox_ext")
+        put_default_on_queue(self.dsn)  # the archive's counts below are the queue's
+        with connect(self.dsn) as c:
             self.info["pg_cron_version"] = c.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'pg_cron'"
             ).fetchone()[0]
@@ -364,13 +395,6 @@ _CRON = CronCluster()
 
 
 def pytest_collection_modifyitems(session, config, items):
-    # Tests of the queue's own storage have nothing to read when 'default'
-    # reads the log.
-    if DEFAULT_ON_LOG:
-        skip = pytest.mark.skip(reason="reads the queue's own tables; 'default' reads the log (OUTBOX_TEST_DEFAULT=log)")
-        for it in items:
-            if it.get_closest_marker("queue"):
-                it.add_marker(skip)
     # Tests that disrupt the preload cluster (killing its worker) go after the
     # others; the pg_cron test waits for a cron tick, so it runs last and its
     # wait overlaps with everything else.
@@ -394,8 +418,8 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cron_last: uses the pg_cron cluster; run at the end")
     config.addinivalue_line("markers", "disruptive: may leave the preload cluster without its worker; run late")
-    config.addinivalue_line("markers", "queue: reads the queue's own tables (event_queue, is_head, the low-water "
-                            "mark); skipped when 'default' reads the log")
+    config.addinivalue_line("markers", "queue: runs against a 'default' that reads outbox.event_queue, as an install "
+                            "before 0.12.0 has until the upgrade moves it (its tables, is_head, the low-water mark)")
 
 
 @pytest.fixture

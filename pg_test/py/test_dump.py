@@ -12,7 +12,7 @@ from collections import Counter
 import psycopg
 import pytest
 
-from conftest import connect
+from conftest import connect, put_default_on_queue
 from scratch_db import create_db, drop_db
 
 PG_BIN = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
@@ -123,8 +123,13 @@ def snapshot(dsn):
 
 @pytest.fixture(scope="module")
 def dumped(plain_dsn, tmp_path_factory):
-    """The source database, built once, dumped in custom and plain format."""
+    """The source database, built once, dumped in custom and plain format. Its
+    'default' reads the queue, as an install before 0.12.0 has it: a dump of one
+    restored here brings it back on the queue, and the rebase that follows the
+    restore moves it to the log (the end of the round trip below). Subscriptions
+    of the log through a dump: test_log_subscriptions_survive_dump_and_restore."""
     src = create_db(plain_dsn, SRC_DB)
+    put_default_on_queue(src)
     ids = build_source(src)
     d = tmp_path_factory.mktemp("dump")
     files = {"custom": d / "src.dump", "plain": d / "src.sql"}
@@ -223,6 +228,20 @@ def test_dump_restore_round_trip_and_drain(plain_dsn, dumped, fmt):
             assert states == {"delivered": len(got["event_archive"]) - 1 + len(undelivered), "cancelled": 1}
             # The reclaimed lease counts as the leased event's second attempt.
             assert one(c, "SELECT attempts FROM outbox.events WHERE id = %s", (ids["leased"],)) == 2
+
+            # The rebase of the restore (here called at once; a claim of a
+            # subscription of the log or the background worker runs it) moves
+            # 'default' to the log, as the upgrade to 0.12.0 does: the queue's
+            # last event in its state, and the history kept.
+            last = one(c, "SELECT outbox.publish('d.last', '{}')")
+            before = c.execute("SELECT id, state, attempts FROM outbox.events ORDER BY id").fetchall()
+            c.execute("SELECT outbox._log_rebase()")
+            assert one(c, "SELECT storage FROM outbox.subscription_catalog WHERE name = 'default'") == "log"
+            assert one(c, "SELECT count(*) FROM outbox.event_queue") == 0
+            assert c.execute("SELECT id, state, attempts FROM outbox.events ORDER BY id").fetchall() == before
+            (i, tok), = c.execute("SELECT id, lease_token FROM outbox.claim('drain', 100, '1 min')").fetchall()
+            assert i == last and one(c, "SELECT outbox.ack(%s, %s)", (i, tok))
+            assert c.execute("SELECT * FROM outbox.claim('drain', 100, '1 min')").fetchall() == []
         finally:
             c.close()
     finally:

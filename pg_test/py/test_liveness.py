@@ -14,6 +14,11 @@ the preload cluster on purpose (it needs the background worker).
 
 Every connection has a lock_timeout and a statement_timeout, so a statement that
 would wait for ever fails instead, and every wait loop has a deadline.
+
+These are the queue's holes (heads, the low-water mark, its row locks): every
+test runs against a 'default' that reads outbox.event_queue (`queue` marker), as
+an install before 0.12.0 has it until the upgrade moves it. The log's own
+schedules are in test_log_claim.py, test_log_reader.py and the isolation specs.
 """
 
 import hashlib
@@ -28,8 +33,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import PGCLUSTER, connect
+from conftest import DEFAULT_ON_QUEUE, PGCLUSTER, connect, on_queue, put_default_on_queue
 from scratch_db import create_db, drop_db
+
+pytestmark = pytest.mark.queue
 
 CLUSTERS = ["plain", "preload"]
 
@@ -50,10 +57,12 @@ def _db_name(node_name):
 class Scratch:
     """A scratch database with the extension, its tracked connections, and cleanup."""
 
-    def __init__(self, admin_dsn, name, maintenance_allowed=False):
+    def __init__(self, admin_dsn, name, maintenance_allowed=False, queue=False):
         self.admin_dsn = admin_dsn
         self.name = name
         self.dsn = create_db(admin_dsn, name)
+        if queue or DEFAULT_ON_QUEUE:
+            put_default_on_queue(self.dsn)
         self._conns = []
         self.maintenance_allowed = maintenance_allowed
 
@@ -96,7 +105,7 @@ def scratch(request):
 
     def make(cluster):
         admin = request.getfixturevalue(f"{cluster}_dsn")
-        db = Scratch(admin, _db_name(request.node.name), "run_maintenance" in request.node.name)
+        db = Scratch(admin, _db_name(request.node.name), "run_maintenance" in request.node.name, on_queue(request))
         made.append(db)
         return db
 
@@ -763,6 +772,7 @@ def test_clock_set_back_while_step_b_is_stalled_does_not_delay_events(faketime_c
     admin, ts_file = faketime_cluster
     name = "liveness_clock_back"
     dsn = create_db(admin, name)
+    put_default_on_queue(dsn)
     holder = None
     try:
         opts = "-c lock_timeout=5s -c statement_timeout=30s -c outbox.notify=off"
@@ -1011,6 +1021,7 @@ def bt_dsn():
             pass  # cannot inspect the server's environment: trust pgcluster.sh
         with connect(dsn) as c:
             c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
+        put_default_on_queue(dsn)
         yield dsn
     finally:
         subprocess.run(["bash", PGCLUSTER, "destroy", BT_CLUSTER], capture_output=True, timeout=120)

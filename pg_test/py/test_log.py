@@ -153,7 +153,8 @@ def test_publish_has_its_transaction_id_before_it_draws_an_event_id(logdb):
     assign it only after the wait). Without the queue's 'default' (0.10.0), so
     that no insert into the queue gives the transaction its id first."""
     locker, pub, watch = logdb.conn(), logging_conn(logdb), logdb.conn()
-    watch.execute("SELECT outbox.drop_subscription('default')")
+    watch.execute("SELECT outbox.drop_subscription(name) FROM outbox.subscription_catalog "
+                  "WHERE name = 'default' AND storage = 'queue'")
     pub.execute("SELECT outbox.publish('log.order', '{}')")  # caches warm: no statement runs below
     pid = pub.execute("SELECT pg_backend_pid()").fetchone()[0]
     before = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import connect
+from conftest import connect, put_default_on_queue
 
 # The mark is the queue's (src/lowwater.rs): the log reads in commit order by
 # snapshots, with no mark (src/log/mod.rs).
@@ -324,7 +324,8 @@ def test_mark_stays_off_until_the_sql_is_upgraded(preload_dsn):
                 "VALUES ('lw.manual', '{}', 5, now() - interval '1 hour') RETURNING id").fetchone()
             got = [r[0] for r in c.execute("SELECT id FROM outbox.claim('lw-test', 10, topics => ARRAY['lw.manual'])")]
             assert got == [eid], "a 0.2.0 schema served by the new library used a low-water mark"
-            c.execute("ALTER EXTENSION outbox_ext UPDATE")
+            # The last version whose 'default' reads the queue (0.12.0 moves it to the log).
+            c.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.11.0'")
         with connect(dsn) as c:  # a new session, as after the upgrade
             c.execute("SET outbox.notify = off")
             _step_a_while(c, "lw.v3")
@@ -343,6 +344,7 @@ def test_recreated_extension_starts_without_a_mark(preload_dsn):
 
     name = "outbox_lw_recreate"
     dsn = create_db(preload_dsn, name)
+    put_default_on_queue(dsn)
     try:
         with connect(dsn) as c:
             c.execute("SET outbox.notify = off")
@@ -350,6 +352,7 @@ def test_recreated_extension_starts_without_a_mark(preload_dsn):
             assert mark(c)[0] is not None
             c.execute("DROP EXTENSION outbox_ext CASCADE")
             c.execute("CREATE EXTENSION outbox_ext")
+            put_default_on_queue(dsn)
             m = mark(c)
             assert m[0] is None and m[3] == 0, f"a re-created outbox shows the old table's mark: {m}"
             (eid,) = c.execute(

@@ -44,11 +44,11 @@ def blocked(c, sub=None):
     return {(r[0], r[1]): r[2:] for r in rows}
 
 
-@pytest.mark.parametrize("storage", ["queue", "log"])
-def test_blocked_subjects_names_the_holding_event_and_why(logdb, storage):
-    c = logdb.conn()
+@pytest.mark.parametrize("which", ["default", "named"])
+def test_blocked_subjects_names_the_holding_event_and_why(plain, which):
+    c = plain.conn()
     sub = None
-    if storage == "log":
+    if which == "named":
         c.execute("SELECT outbox.create_subscription('mon', start => 'now')")
         sub = "mon"
     ids = make_blocked(c, "mon.t", sub)
@@ -63,13 +63,13 @@ def test_blocked_subjects_names_the_holding_event_and_why(logdb, storage):
     # Most waiting first, and max_rows bounds the answer.
     first = c.execute("SELECT subject FROM outbox.blocked_subjects(%s, max_rows => 1)", (sub,)).fetchall()
     assert first == [("retry",)]
-    # NULL = every subscription: the log's named one and the queue's 'default' side by side.
+    # NULL = every subscription: the named one and 'default' side by side.
     every = blocked(c)
     assert (name, "retry") in every
 
 
-def test_blocked_subjects_skip_policy_releases_dead_letters(logdb):
-    c = logdb.conn()
+def test_blocked_subjects_skip_policy_releases_dead_letters(plain):
+    c = plain.conn()
     c.execute("SELECT outbox.create_topic('mon.skip', dead_letter_policy => 'skip')")
     c.execute("SELECT outbox.publish('mon.skip', '{}', subject => 's')")
     c.execute("SELECT outbox.publish('mon.skip', '{}', subject => 's')")
@@ -95,11 +95,11 @@ def test_blocked_subjects_bad_input(logdb):
         assert e.value.sqlstate == state, stmt
 
 
-@pytest.mark.parametrize("storage", ["queue", "log"])
-def test_delivered_per_minute_counts_this_minute_and_fills_the_rest(logdb, storage):
-    c = logdb.conn()
+@pytest.mark.parametrize("which", ["default", "named"])
+def test_delivered_per_minute_counts_this_minute_and_fills_the_rest(plain, which):
+    c = plain.conn()
     sub = None
-    if storage == "log":
+    if which == "named":
         c.execute("SELECT outbox.create_subscription('mon', start => 'now')")
         sub = "mon"
     c.execute("SELECT outbox.publish_batch('mon.a', array_fill('{}'::jsonb, ARRAY[5]))")
@@ -133,11 +133,11 @@ def test_delivered_per_minute_counts_this_minute_and_fills_the_rest(logdb, stora
         assert all(n == 0 for _, n in series[:-1])
 
 
-def test_monitor_role_reads_counts_states_and_errors_but_no_payloads(logdb):
-    c = logdb.conn()
+def test_monitor_role_reads_counts_states_and_errors_but_no_payloads(plain):
+    c = plain.conn()
     ids = make_blocked(c, "mon.r")
-    ensure_login_role(logdb.dsn, "monitor_u", ("outbox_monitor",))
-    with connect(role_dsn(logdb.dsn, "monitor_u")) as m:
+    ensure_login_role(plain.dsn, "monitor_u", ("outbox_monitor",))
+    with connect(role_dsn(plain.dsn, "monitor_u")) as m:
         assert m.execute("SELECT count(*) FROM outbox.stats").fetchone()[0] >= 1
         assert m.execute("SELECT count(*) FROM outbox.subscriptions").fetchone()[0] >= 1
         assert m.execute("SELECT count(*) FROM outbox.deliveries").fetchone()[0] > 0

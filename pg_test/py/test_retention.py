@@ -392,6 +392,7 @@ def test_background_worker_runs_maintenance(preload):
 
 
 @pytest.mark.cron_last
+@pytest.mark.queue
 def test_pg_cron_schedules_maintenance_without_preload(cron_cluster):
     """Without preload, retention is scheduled with pg_cron (the documented
     cron.schedule('outbox-retention', ..., 'CALL outbox.run_maintenance()')).

@@ -14,16 +14,27 @@ import pytest
 from conftest import connect, sqlstate
 
 
-def claim(conn, worker="w", n=10, lease=None, subscription=None):
+def claim(conn, worker="w", n=10, lease=None, subscription=None, topics=None):
     return conn.execute(
         "SELECT id, lease_token, attempt, lease_expires_at - clock_timestamp() "
-        "FROM outbox.claim(%s, %s, %s::interval, NULL, %s)",
-        (worker, n, lease, subscription),
+        "FROM outbox.claim(%s, %s, %s::interval, %s, %s)",
+        (worker, n, lease, topics, subscription),
     ).fetchall()
 
 
 def publish(conn, topic="sub.t", n=1, subject=None):
     return [conn.execute("SELECT outbox.publish(%s, '{}', %s)", (topic, subject)).fetchone()[0] for _ in range(n)]
+
+
+def publish_apart(conn, n):
+    """n events, each of its own subject in a lane of its own (hashtext(subject) & 15,
+    src/log/mod.rs): on the log, events without a subject share a lane and its
+    batch, and a claim in a transaction block waits for that batch's lease."""
+    subjects = [r[0] for r in conn.execute(
+        "SELECT DISTINCT ON (hashtext(s) & 15) s FROM (SELECT 'apart' || g AS s FROM generate_series(1, 500) g) x "
+        "ORDER BY hashtext(s) & 15, s LIMIT %s", (n,))]
+    assert len(subjects) == n
+    return [publish(conn, subject=s)[0] for s in subjects]
 
 
 def test_default_subscription_exists_and_the_view_counts_its_events(plain):
@@ -93,9 +104,11 @@ def test_subscription_lease_overrides_topic_lease_which_overrides_the_guc(plain)
     publish(c, topic="sub.plain")
     publish(c, topic="sub.leased")
     c.execute("SELECT outbox.create_topic('sub.leased', default_lease => '5 min')")
-    rows = {r[0]: r[3] for r in claim(c, n=10)}
-    leases = sorted(rows.values())
-    assert 240 < leases[0].total_seconds() <= 300 and 540 < leases[1].total_seconds() <= 600, leases
+    # One topic per claim: on the log, events claimed together in one batch
+    # round share its expiry, the longest their topics ask for (README).
+    (plain_lease,) = [r[3] for r in claim(c, n=10, topics=["sub.plain"])]
+    (topic_lease,) = [r[3] for r in claim(c, n=10, topics=["sub.leased"])]
+    assert 240 < topic_lease.total_seconds() <= 300 and 540 < plain_lease.total_seconds() <= 600
     c.execute("SELECT outbox.alter_subscription('default', default_lease => '2 min')")
     publish(c, topic="sub.plain")
     publish(c, topic="sub.leased")
@@ -182,17 +195,17 @@ def test_a_claim_holding_its_activity_note_never_makes_fail_or_other_claims_wait
     that fail() locks FOR SHARE: a transactional worker that claims and keeps its
     transaction open must not stall other workers' fail() or claim()."""
     holder, other = plain.conn(), plain.conn()
-    ids = publish(holder, n=3)
+    ids = publish_apart(holder, 3)
     (r,) = claim(other, worker="other", n=1)
     holder.execute("BEGIN")
-    assert len(claim(holder, worker="holder", n=1)) == 1  # notes its time, keeps the row lock open
+    (h,) = claim(holder, worker="holder", n=1)  # notes its time, keeps the row lock open
     other.execute("SET lock_timeout = '2s'")
     t0 = time.monotonic()
-    assert other.execute("SELECT outbox.fail(%s, %s, 'x')", (r[0], r[1])).fetchone()[0] == "pending"
+    assert other.execute("SELECT outbox.fail(%s, %s, 'x', '1 hour')", (r[0], r[1])).fetchone()[0] == "pending"
     time.sleep(1.1)  # past the once-a-second note interval of `other`'s session
     got = claim(other, worker="other", n=1)
     assert time.monotonic() - t0 < 3
-    assert [x[0] for x in got] == [ids[2]]
+    assert [x[0] for x in got] == sorted(set(ids) - {r[0], h[0]})
     holder.execute("ROLLBACK")
 
 
@@ -255,7 +268,7 @@ def test_a_rolled_back_change_is_forgotten_by_the_session_that_made_it(plain):
     """The settings cache follows the transaction: a pause or a lease change made
     and rolled back in a session is not applied by that session's next claims."""
     c = plain.conn()
-    publish(c, n=2)
+    publish_apart(c, 2)
     c.execute("BEGIN")
     c.execute("SELECT outbox.pause_subscription('default')")
     c.execute("SELECT outbox.alter_subscription('default', default_lease => '3 s')")
@@ -314,8 +327,9 @@ def test_a_pause_committed_while_a_session_reloads_its_cache_is_not_lost(plain):
 
 def test_a_catalog_truncated_and_refilled_while_a_session_reloads_is_read_again(plain):
     a, errs = _cold_cache_claim_blocked_behind(
-        plain, "TRUNCATE outbox.subscription_catalog; "
-        "INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue')")
+        plain, "CREATE TEMP TABLE catalog_copy AS SELECT * FROM outbox.subscription_catalog; "
+        "TRUNCATE outbox.subscription_catalog; "
+        "INSERT INTO outbox.subscription_catalog SELECT * FROM catalog_copy")
     # The waiting claim itself read the catalog across the TRUNCATE: a stale empty copy raised 42704.
     assert errs == [], f"the claim that waited for the TRUNCATE raised {errs}"
     assert len(claim(a, n=1)) == 1  # 'default' exists: no 42704 from a stale empty copy

@@ -17,6 +17,7 @@ script exactly as it was packaged), in a fresh database:
 
 import difflib
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -363,4 +364,81 @@ def test_update_to_0_10_keeps_the_grants_of_create_and_alter_subscription(scratc
                    grant_option=True)
     assert c.execute("SELECT name, storage FROM outbox.subscriptions ORDER BY name").fetchall() == \
         [("default", "queue"), ("named", "log")]
+    c.close()
+
+
+def test_update_to_0_12_moves_default_to_the_log_with_every_event_in_its_state(scratch_db):
+    """0.12.0 moves the 'default' that read the queue onto the log
+    (outbox._default_to_log): each event keeps its state, attempts and error
+    history, a lease taken before the update still acks with its token, a dead
+    letter still holds its subject, cancelled events can be replayed, and the
+    outbox drains every event exactly once, in subject order."""
+    dsn = scratch_db("outbox_upg_to_log")
+    c = connect(dsn)
+    install_fixture(c, "0.11.0")
+    c.execute("CREATE EXTENSION outbox_ext VERSION '0.11.0'")
+    c.execute("SET outbox.notify = off")
+    c.execute("SELECT outbox.create_topic('u.skip', dead_letter_policy => 'skip')")
+    c.execute("SELECT outbox.create_subscription('named')")
+
+    def pub(topic, subject=None, **kw):
+        args = "".join(f", {k} => %({k})s" for k in kw)
+        return c.execute(f"SELECT outbox.publish(%(t)s, '{{}}', subject => %(s)s{args})",
+                         {"t": topic, "s": subject, **kw}).fetchone()[0]
+
+    def claim(topic, lease="10 min"):
+        (row,) = c.execute("SELECT id, lease_token FROM outbox.claim('w', 1, %s::interval, ARRAY[%s])",
+                           (lease, topic)).fetchall()
+        return row
+
+    head, nxt = pub("u.order", "s1"), pub("u.order", "s1")
+    delayed = pub("u.later", deliver_at="2999-01-01")
+    dead, held = pub("u.dead", "s2"), pub("u.dead", "s2")
+    skipped, free = pub("u.skip", "s3"), pub("u.skip", "s3")
+    retry, leased, done, cancelled = pub("u.retry"), pub("u.leased"), pub("u.done"), pub("u.cancel")
+    assert c.execute("SELECT outbox.fail(%s, %s, 'gone', permanent => true)", claim("u.dead")).fetchone()[0] == "dead"
+    assert c.execute("SELECT outbox.fail(%s, %s, 'gone', permanent => true)", claim("u.skip")).fetchone()[0] == "dead"
+    assert c.execute("SELECT outbox.fail(%s, %s, 'later', '1 hour')", claim("u.retry")).fetchone()[0] == "pending"
+    assert c.execute("SELECT outbox.ack(%s, %s)", claim("u.done")).fetchone()[0]
+    assert c.execute("SELECT outbox.cancel(%s)", (cancelled,)).fetchone()[0]
+    lease_id, token = claim("u.leased")
+    assert lease_id == leased
+    before = c.execute("SELECT id, state, attempts, last_error, errors FROM outbox.events ORDER BY id").fetchall()
+
+    c.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.12.0'")
+    c.close()
+    c = connect(dsn)  # a new session, as after the update
+    c.execute("SET outbox.notify = off")
+    assert c.execute("SELECT name, storage FROM outbox.subscriptions ORDER BY name").fetchall() == \
+        [("default", "log"), ("named", "log")]
+    assert c.execute("SELECT count(*) FROM outbox.event_queue").fetchone()[0] == 0
+    assert c.execute("SELECT id, state, attempts, last_error, errors FROM outbox.events ORDER BY id").fetchall() == before
+    # The lease taken before the update is still its worker's.
+    assert c.execute("SELECT outbox.extend_lease(%s, %s, '1 min') IS NOT NULL", (leased, token)).fetchone()[0]
+    assert c.execute("SELECT outbox.ack(%s, %s)", (leased, token)).fetchone()[0] is True
+    assert c.execute("SELECT outbox.ack(%s, %s)", (leased, token)).fetchone()[0] is False
+    # Due now: the subject heads and the event a skipped dead letter released;
+    # not the one behind the blocking dead letter, the delayed one, the retry.
+    got = {r[0]: r[1] for r in c.execute("SELECT id, lease_token FROM outbox.claim('w', 100, '10 min')")}
+    assert set(got) == {head, free}, (got, {"head": head, "free": free})
+    assert c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", (list(got), list(got.values()))).fetchone()[0] == 2
+    # Publish writes the log alone now.
+    after = pub("u.new")
+    assert c.execute("SELECT count(*) FROM outbox.event_queue").fetchone()[0] == 0
+    # Replay the cancelled and the dead events, make the retry and the delay due, and drain.
+    assert c.execute("SELECT outbox.replay(%s)", (cancelled,)).fetchone()[0] is True
+    assert c.execute("SELECT outbox.replay_dead()").fetchone()[0] == 2
+    c.execute("UPDATE outbox.log_exceptions SET visible_at = now() WHERE subscription = 'default' AND state = 'pending'")
+    order, deadline = [], time.monotonic() + 30
+    while True:
+        rows = c.execute("SELECT id, lease_token FROM outbox.claim('drain', 100, '1 min')").fetchall()
+        for i, tok in rows:
+            assert c.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0], f"ack of {i} refused"
+            order.append(i)
+        if not rows:
+            break
+        assert time.monotonic() < deadline
+    # head and free were delivered above: the rest once each.
+    assert sorted(order) == sorted({nxt, delayed, dead, held, skipped, retry, cancelled, after}), order
+    assert order.index(dead) < order.index(held)
     c.close()

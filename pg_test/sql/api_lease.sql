@@ -3,14 +3,19 @@
 \i sql/prologue.inc
 
 -- Fresh set of claimed events: publishes n events of topic t, commits them
--- (a claim of the log sees committed events only) and claims them.
+-- (a claim of the log sees committed events only) and claims them one claim
+-- each, so that every event has a lease token of its own (the events of one
+-- claim share their batch round's token: README, claim).
 CREATE PROCEDURE pg_temp.fresh(n int, t text DEFAULT 'lease') LANGUAGE plpgsql AS $$
 BEGIN
     CALL pg_temp.reset(restart => true);
     DROP TABLE IF EXISTS cl;
     PERFORM outbox.publish_batch(t, (SELECT array_agg(to_jsonb(g)) FROM generate_series(1, n) g));
     COMMIT;
-    CREATE TEMP TABLE cl AS SELECT * FROM outbox.claim('w', n, interval '10 minutes');
+    CREATE TEMP TABLE cl AS SELECT * FROM outbox.claim('w', 1, interval '10 minutes');
+    FOR i IN 2..n LOOP
+        INSERT INTO cl SELECT * FROM outbox.claim('w', 1, interval '10 minutes');
+    END LOOP;
 END $$;
 
 -- ---------------------------------------------------------------------------
@@ -21,7 +26,7 @@ SELECT outbox.ack(id, lease_token) AS ack FROM cl WHERE id = 1;
 SELECT id, state, attempts, leased_by, delivered_at IS NOT NULL AS has_delivered_at,
        lease_expires_at IS NULL AS no_lease
   FROM outbox.events WHERE id = 1;
--- the row moved from the hot queue to the archive
+-- nothing in the queue or its archive: 'default' reads the log (0.12.0)
 SELECT (SELECT count(*) FROM outbox.event_queue WHERE id = 1) AS in_queue,
        (SELECT count(*) FROM outbox.event_archive WHERE id = 1) AS in_archive;
 SELECT outbox.ack(id, lease_token) AS ack_twice FROM cl WHERE id = 1;

@@ -459,7 +459,7 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('create_subscription', 'max_lag zero', $$SELECT outbox.create_subscription('fresh', max_lag => '0 s')$$, '22023'),
 ('create_subscription', 'max_lag negative', $$SELECT outbox.create_subscription('fresh', max_lag => '-1 h')$$, '22023'),
 ('create_subscription', 'max_lag over 100 years', $$SELECT outbox.create_subscription('fresh', max_lag => '101 years')$$, '22023'),
-('alter_subscription', 'max_lag of the queue default', $$SELECT outbox.alter_subscription('default', max_lag => '1 h')$$, '22023'),
+('alter_subscription', 'max_lag negative', $$SELECT outbox.alter_subscription('fxsub', max_lag => '-1 h')$$, '22023'),
 ('alter_subscription', 'max_lag zero', $$SELECT outbox.alter_subscription('fxsub', max_lag => '0 s')$$, '22023'),
 ('alter_subscription', 'max_lag valid', $$SELECT outbox.alter_subscription('fxsub', max_lag => '1 h')$$, 'ok'),
 ('drop_subscription', 'leases in flight', $$SELECT outbox.drop_subscription('fxsub')$$, '55006'),

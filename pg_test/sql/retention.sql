@@ -2,6 +2,10 @@
 -- dispatch-key lifetime, run_maintenance and the maintenance log.
 -- Ages are faked by moving timestamps back on the underlying tables.
 \i sql/prologue.inc
+-- The queue's row retention, against a 'default' that reads outbox.event_queue
+-- (an install before 0.12.0, until the upgrade moves it). The log's retention
+-- truncates ring tables: pg_test/py/test_log.py.
+CALL pg_temp.default_on_queue();
 
 -- One event per state (payload names it), each with a dispatch key named after it:
 -- pending, delayed, leased, expired (leased, lease long gone), retry (pending,

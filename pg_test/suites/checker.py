@@ -2767,6 +2767,12 @@ def setup(ctx):
             st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
             if not st or st[0] != "log":
                 raise RuntimeError(f"{db}: 'default' re-created over the log has storage {st}")
+        else:
+            # 'default' on the queue, as an install before 0.12.0 has it until
+            # the upgrade moves it (0.12.0 installs it on the log): the queue's
+            # checks below still run here.
+            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
+            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
         c.close()
     log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}"
         + (f"; 'default' over the log in {', '.join(sorted(LOG_DEFAULT))}" if LOG_DEFAULT else ""))

@@ -326,13 +326,20 @@ impl Claim<'_> {
             |b: &Batch, i: usize| rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()));
         let mut rows: Vec<Moved> = Vec::new();
         for (i, was_out) in b.expire(self.now) {
-            rows.push(Moved {
-                id: b.ids()[i],
-                kind: if was_out { Kind::Expired } else { Kind::Parked },
-                visible_at: self.now,
-                token: if was_out { token_of(b, i) } else { None },
-                error: None,
-                worker: holder(holders.as_deref(), rounds[i]),
+            // An expired event stays leased, its lease expired, as an expired
+            // lease of the queue does: its token still acks until a claim
+            // takes it again, and that claim counts the attempt as the queue's does.
+            let expired = if was_out { rounds[i].and_then(|r| b.round_expiry(r)) } else { None };
+            rows.push(match expired {
+                Some(expires) => Moved {
+                    id: b.ids()[i],
+                    kind: Kind::Leased,
+                    visible_at: expires,
+                    token: token_of(b, i),
+                    error: None,
+                    worker: holder(holders.as_deref(), rounds[i]),
+                },
+                None => Moved::parked(b.ids()[i], self.now),
             });
         }
         if !rows.is_empty() {

@@ -46,8 +46,6 @@ pub enum Kind {
     /// Behind another event of its subject, delayed, or outside a narrowed
     /// claim's topics: pending, no attempt yet.
     Parked,
-    /// Its batch lease expired: one attempt used; the batch token stays its lease.
-    Expired,
     /// Still leased to its holder (same token, expiry `visible_at`), moved
     /// out of a batch that its slow handler would otherwise hold.
     Leased,
@@ -61,7 +59,6 @@ impl Kind {
     fn as_str(self) -> &'static str {
         match self {
             Kind::Parked => "parked",
-            Kind::Expired => "expired",
             Kind::Leased => "leased",
             Kind::Retry => "retry",
             Kind::Dead => "dead",

@@ -163,6 +163,39 @@ pub const QUEUE_CLEAR: Stmt = Stmt {
     types: &[],
 };
 
+/// Move the queue's events into rows of their own of subscription $1 of the
+/// log (`outbox._queue_to_log`, 0.12.0), each in its state: pending and dead
+/// as they are, leased with its token and expiry (the token keeps acking, as
+/// src/lease.rs routes it to the log once no subscription reads the queue),
+/// attempts, error history and `visible_at` kept; a dead event holds its
+/// subject as it did on the queue (`blocks_subject`). Cancelled events leave
+/// the archive too, so that replay finds them; delivered ones stay there as
+/// the history of `default` (outbox._log_deliveries). Subject repairs go with
+/// the queue. Returns the events moved.
+pub const QUEUE_TO_LOG: Stmt = Stmt {
+    sql: "WITH r AS (DELETE FROM outbox.subject_repairs), \
+          q AS (DELETE FROM outbox.event_queue q RETURNING q.*), \
+          a AS (DELETE FROM outbox.event_archive a WHERE a.state = 'cancelled' RETURNING a.*), \
+          moved AS ( \
+            INSERT INTO outbox.log_exceptions (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
+                   max_attempts, published_at, state, attempts, visible_at, lease_token, leased_by, last_error, errors, \
+                   blocks, dead_at, cancelled_at) \
+            SELECT $1, q.id, outbox._lane(q.id, q.subject), q.topic, q.subject, q.dispatch_key, q.payload, q.headers, \
+                   q.max_attempts, q.published_at, \
+                   CASE WHEN q.state IN ('leased', 'dead') THEN q.state ELSE 'pending' END, q.attempts, q.visible_at, \
+                   CASE WHEN q.state = 'leased' THEN q.lease_token END, q.leased_by, q.last_error, q.errors, \
+                   CASE WHEN q.state = 'dead' THEN q.blocks_subject ELSE true END, q.dead_at, NULL \
+              FROM q \
+            UNION ALL \
+            SELECT $1, a.id, outbox._lane(a.id, a.subject), a.topic, a.subject, a.dispatch_key, a.payload, a.headers, \
+                   a.max_attempts, a.published_at, 'cancelled', a.attempts, a.finished_at, NULL, a.leased_by, \
+                   a.last_error, a.errors, true, NULL, a.finished_at \
+              FROM a \
+            RETURNING 1) \
+          SELECT count(*) FROM moved",
+    types: &[pg_sys::TEXTOID],
+};
+
 /// A dropped subscription's lanes (drop_subscription, first).
 pub const FORGET_LANES: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_lanes WHERE subscription = $1", types: &[pg_sys::TEXTOID] };

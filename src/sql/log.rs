@@ -354,10 +354,10 @@ macro_rules! dead_blocks {
 /// Move events of lane $2 from a batch of subscription $1 into the exception
 /// table (src/log/exceptions.rs), copying them from the log. Per event ($3 ids)
 /// a kind ($4): `parked` (behind another, delayed, or outside the claim's
-/// topics: pending from its deliver_at, no attempt yet), `expired` (its batch
-/// lease expired: one attempt; pending with the batch token $6 kept, or dead
-/// with 'lease expired' when that was its last), `leased` (moved out of a
-/// batch its slow handler holds: still leased, token $6, expiry $5), `retry`
+/// topics: pending from its deliver_at, no attempt yet), `leased` (moved out
+/// of a batch while out under a lease, expired or not: still leased, token $6,
+/// expiry $5, one attempt; a claim that takes it again records 'lease expired'
+/// and makes it dead when that was its last, as the queue's claim does), `retry`
 /// (failed: pending from $5 with error $7) and `dead` (failed for good). $8 is
 /// the subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
 /// With $10, only while batch $10 exists (key-share locked: a drop_subscription
@@ -370,7 +370,7 @@ pub const EXC_INSERT: Stmt = Stmt {
            leased_by) \
          SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, l.published_at, \
                 y.state, y.attempts, greatest(x.visible_at, l.deliver_at), \
-                CASE WHEN (y.state = 'pending' AND x.kind = 'expired') OR x.kind = 'leased' THEN x.token END, \
+                CASE WHEN x.kind = 'leased' THEN x.token END, \
                 y.error, \
                 CASE WHEN y.error IS NOT NULL THEN jsonb_build_array(jsonb_build_object( \
                   'attempt', 1, 'at', clock_timestamp(), 'worker', x.worker, 'error', y.error)) END, \
@@ -387,10 +387,9 @@ pub const EXC_INSERT: Stmt = Stmt {
           CROSS JOIN LATERAL (SELECT \
                 CASE x.kind WHEN 'parked' THEN 'pending' WHEN 'retry' THEN 'pending' WHEN 'dead' THEN 'dead' \
                             WHEN 'leased' THEN 'leased' \
-                     ELSE CASE WHEN 1 >= COALESCE($8, l.max_attempts) THEN 'dead' ELSE 'pending' END END AS state, \
+                     END AS state, \
                 CASE WHEN x.kind = 'parked' THEN 0 ELSE 1 END AS attempts, \
-                CASE WHEN x.kind = 'expired' AND 1 >= COALESCE($8, l.max_attempts) THEN 'lease expired' \
-                     ELSE x.error END AS error) y \
+                x.error AS error) y \
           WHERE g.ok \
          RETURNING e.id"
     ),
