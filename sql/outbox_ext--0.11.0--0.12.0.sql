@@ -6,6 +6,25 @@
 -- 0.11.0 -> 0.12.0: the DDL no diff can derive, as in sql/log.sql; the
 -- functions, comments, config dumps and grants follow.
 
+-- First of all, the locks that moving 'default' to the log takes at the end
+-- (outbox._default_to_log, in the post script), in drop_subscription's order:
+-- its catalog row, its activity row (claims note there before they write the
+-- queue), then the queue. A publisher of 0.11.0 locks the queue before the
+-- log's table it appends to, so taking the queue after the index builds
+-- below (which lock the ring tables) would deadlock with it (found by review).
+-- From here on publishers of the queue wait for this transaction.
+DO $$
+DECLARE
+    sub text;
+BEGIN
+    SELECT c.name INTO sub FROM outbox.subscription_catalog c WHERE c.storage = 'queue' FOR UPDATE;
+    IF FOUND THEN
+        PERFORM outbox._log_forget(sub, false);
+        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+    END IF;
+END
+$$;
+
 -- Delayed events of the log ring, for the background worker's wake-ups.
 DO $$
 BEGIN
@@ -135,6 +154,7 @@ DECLARE
     upto  bigint;
     cur   record;
     moved bigint;
+    sub   text;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
         RETURN NULL;  -- the common case: no lock taken
@@ -146,6 +166,14 @@ BEGIN
     DELETE FROM outbox.log_restore RETURNING log_restore.upto INTO upto;
     IF NOT FOUND THEN
         RETURN NULL;
+    END IF;
+    -- A 'default' restored on the queue moves to the log at the end: its
+    -- locks first, in drop_subscription's order, before the ring's tables
+    -- (a publisher locks the queue, then the ring table it appends to).
+    SELECT c.name INTO sub FROM outbox.subscription_catalog c WHERE c.storage = 'queue' FOR UPDATE;
+    IF FOUND THEN
+        PERFORM outbox._log_forget(sub, false);
+        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
     END IF;
     -- Readers wait for the rebase, and it for them: lanes and batches change.
     LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
@@ -201,6 +229,181 @@ BEGIN
     -- to the log now, as the upgrade to 0.12.0 moves it.
     PERFORM outbox._default_to_log();
     RETURN moved;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    n bigint := 0;
+    more bigint;
+    blocked text[];
+    key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
+BEGIN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads', 'inbox']) THEN
+        RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
+    END IF;
+    IF older_than < interval '0' THEN
+        RAISE EXCEPTION 'outbox: older_than must not be negative, got %', older_than USING ERRCODE = '22023';
+    END IF;
+    IF batch_size IS NULL OR batch_size < 1 THEN
+        RAISE EXCEPTION 'outbox: batch_size must be at least 1, got %', pg_catalog.quote_nullable(batch_size) USING ERRCODE = '22023';
+    END IF;
+    IF batch_size > outbox._setting('outbox.max_batch_size')::integer THEN
+        RAISE EXCEPTION 'outbox: batch size % exceeds outbox.max_batch_size', batch_size USING ERRCODE = '54000';
+    END IF;
+
+    IF kind = 'delivered' THEN
+        -- Rows are deleted by ctid (stable while the FOR UPDATE lock is held): the
+        -- archive has no btree on id, and a join on id would scan it per batch.
+        WITH victims AS (
+            SELECT a.ctid AS tid FROM outbox.event_archive a
+              LEFT JOIN outbox.topics t ON t.topic = a.topic
+             WHERE a.finished_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+             LIMIT batch_size
+               FOR UPDATE OF a SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.event_archive a WHERE a.ctid = ANY (ARRAY(SELECT v.tid FROM victims v))
+            RETURNING a.id, a.dispatch_key
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+        -- Named subscriptions' delivered exception rows (events that needed a
+        -- retry: their attempt history), in what is left of the batch. Kept
+        -- while the log still holds the event (0.11.0): outbox.deliveries
+        -- would otherwise show it as acked from its batch on the first try.
+        -- One probe of the (lane, id) index per ring table.
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state = 'delivered'
+                   AND x.delivered_at < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state = 'delivered';
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
+        -- The finished batches' delivery record (0.10.0), by the GUC alone (a
+        -- batch spans topics); each row counts as one, so that the caller's
+        -- loop goes on while some are due.
+        IF n < batch_size THEN
+            DELETE FROM outbox.log_delivered d
+             WHERE d.ctid = ANY (ARRAY(
+                   SELECT r.ctid FROM outbox.log_delivered r
+                    WHERE r.finished_at < pg_catalog.clock_timestamp()
+                          - COALESCE(older_than, outbox._retention_guc('outbox.retention_delivered'))
+                    ORDER BY r.finished_at
+                    LIMIT batch_size - n
+                      FOR UPDATE SKIP LOCKED));
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
+    ELSIF kind = 'dead' THEN
+        WITH victims AS (
+            SELECT q.id FROM outbox.event_queue q
+              LEFT JOIN outbox.topics t ON t.topic = q.topic
+             WHERE q.state = 'dead'
+               AND q.dead_at < pg_catalog.clock_timestamp()
+                   - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+             LIMIT batch_size
+               FOR UPDATE OF q SKIP LOCKED
+        ), gone AS (
+            -- The state test is repeated: a replay may have won the row meanwhile.
+            DELETE FROM outbox.event_queue q WHERE q.id = ANY (ARRAY(SELECT v.id FROM victims v)) AND q.state = 'dead'
+            RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
+        ), keys AS (
+            DELETE FROM outbox.dispatch_keys k USING gone g
+             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
+               AND k.created_at < pg_catalog.clock_timestamp() - key_age
+               AND NOT outbox._log_retains(g.id)
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
+          INTO n, blocked FROM gone g;
+        -- Purging a blocking dead letter unblocks its subject.
+        IF blocked IS NOT NULL THEN
+            PERFORM outbox._promote_heads(blocked, false);
+        END IF;
+        -- Dead letters and cancelled events of subscriptions of the log
+        -- (0.9.0), in what is left of the batch. Their subjects need no
+        -- promotion: a claim finds heads itself (src/log/exceptions.rs). Kept
+        -- while the log still holds the event (0.12.0), as delivered rows
+        -- are: the lane's cursor has passed it, so outbox.deliveries would
+        -- otherwise show it as acked from its batch.
+        IF n < batch_size THEN
+            WITH victims AS (
+                SELECT x.subscription, x.id FROM outbox.log_exceptions x
+                  LEFT JOIN outbox.topics t ON t.topic = x.topic
+                 WHERE x.state IN ('dead', 'cancelled')
+                   AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
+                       - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+                 LIMIT batch_size - n
+                   FOR UPDATE OF x SKIP LOCKED
+            )
+            DELETE FROM outbox.log_exceptions x USING victims v
+             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state IN ('dead', 'cancelled');
+            GET DIAGNOSTICS more = ROW_COUNT;
+            n := n + more;
+        END IF;
+    ELSIF kind = 'inbox' THEN
+        -- The inbox's records (0.11.0, sql/inbox.sql), oldest first, after
+        -- outbox.retention_inbox; a record some transaction holds is skipped.
+        DELETE FROM outbox.inbox i
+         WHERE i.ctid = ANY (ARRAY(
+               SELECT r.ctid FROM outbox.inbox r
+                WHERE r.received_at < pg_catalog.clock_timestamp()
+                      - COALESCE(older_than, outbox._retention_guc('outbox.retention_inbox'))
+                ORDER BY r.received_at
+                LIMIT batch_size
+                  FOR UPDATE SKIP LOCKED));
+        GET DIAGNOSTICS n = ROW_COUNT;
+    ELSIF kind = 'heads' THEN
+        -- Repair of heads that writes around the outbox functions left unset (a
+        -- manual INSERT, a data-only restore); the functions themselves keep heads
+        -- right without it (src/subject.rs).
+        SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
+          FROM outbox.event_queue q
+         WHERE NOT q.is_head AND q.state <> 'dead'
+           AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p
+                            WHERE p.subject = q.subject AND p.id < q.id
+                              AND (p.state <> 'dead' OR p.blocks_subject));
+        IF blocked IS NOT NULL THEN
+            n := outbox._promote_heads(blocked, false);
+        END IF;
+    ELSE
+        -- Keys whose events are gone, once they are older than the key window:
+        -- from the queue and the archive, and (0.10.0) from what the
+        -- subscriptions of the log retain (outbox._log_retains).
+        WITH victims AS (
+            SELECT k.dispatch_key FROM outbox.dispatch_keys k
+             WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
+               AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
+               AND NOT outbox._log_retains(k.event_id)
+             LIMIT batch_size
+               FOR UPDATE OF k SKIP LOCKED
+        ), gone AS (
+            DELETE FROM outbox.dispatch_keys k USING victims v WHERE k.dispatch_key = v.dispatch_key
+            RETURNING 1
+        )
+        SELECT pg_catalog.count(*) INTO n FROM gone;
+    END IF;
+    RETURN n;
 END
 $$;
 
@@ -663,12 +866,35 @@ SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
 
 -- Comments, new or changed
 
+COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) IS
+'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
+'(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
+'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
+'name may be ''default'' once ''default'' has been dropped: claims without a subscription then read this one. '
+'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
+'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
+'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs; max_lag (interval > 0, <= 100 years; NULL, the default: none): '
+'the age past which the subscription no longer holds the log''s retention, trading its completeness for storage as max_slot_wal_keep_size does for a replication slot: '
+'a ring table sealed longer ago than max_lag (and than outbox.retention_delivered) is truncated even if the subscription has not read it, and the events it had not read are lost to it '
+'(counted in outbox.subscriptions.lost_events; health() warns). Returns void. '
+'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting (max_lag included), empty or multi-dimensional topics array; 42710 the subscription exists. '
+'Nothing is created on error. As PgQ''s register_consumer, with per-event leases.';
+
+COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
+'Drop a subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
+'Claims without a subscription raise 42704 once ''default'' is dropped, until it is created again with create_subscription. '
+'Dropping the ''default'' of an install before 0.12.0 that still reads outbox.event_queue empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
+'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
+'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
+'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
+'55006 leases in flight without force. Nothing is dropped on error.';
+
 COMMENT ON VIEW outbox.subscriptions IS
 'One row per subscription: name, topics (its topic filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
 'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: on the queue, subject heads whose time has come, expired leases included; on the log, events published and due that are not out under a lease, counted as outbox.health() counts the backlog, later events of a subject included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
 'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
-'storage (''queue'': the ''default'' made at install, which reads outbox.event_queue; ''log'': every other, 0.10.0), '
+'storage (''log'': every subscription from 0.12.0; ''queue'': the ''default'' of an install before 0.12.0, which reads outbox.event_queue until the upgrade moves it), '
 'max_lag (NULL: none; see create_subscription), lost_events and lost_at (events retention removed before the subscription read them because it lagged past max_lag, and the last time; 0 and NULL when none). '
 'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
 
@@ -678,6 +904,18 @@ COMMENT ON VIEW outbox.events IS
 'published_at, delivered_at, dead_at, cancelled_at. ''default'' reads the log (0.12.0): the events of the log, with its state there (outbox.deliveries explains the states; an event acked on its first try has its batch''s delivered_at), '
 'and the events delivered before a ''default'' of an older install moved from the queue to the log, from the archive until retention removes them. '
 'While a ''default'' of an install before 0.12.0 still reads the queue: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled).';
+
+COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
+'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit), '
+'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. A subscription of the log keeps a dead or cancelled event''s row while the log still holds the event '
+'(0.12.0; its ring table goes with the log''s retention), since the log''s record would show it as delivered. Reports rows removed in removed. Errors as outbox.purge().';
+
+COMMENT ON VIEW outbox.stats IS
+'Per topic and subscription: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
+'oldest_ready_age and oldest_lease_age (interval; the lease age only for the queue''s ''default''), dead_last_hour, delivered_last_minute, delivered_last_hour, and subscription (0.10.0). '
+'A subscription of the log (every one from 0.12.0) counts its retained events (outbox.deliveries), and an event acked from a batch on the first try '
+'counts as delivered when its batch finished (batch precision); ''default'' also counts what the archive keeps of its days on the queue. The ''default'' of an install before 0.12.0, until the upgrade moves it, counts its queue and archive. '
+'Reads the whole queue, archive and log: poll it every 15 s or slower on large archives.';
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
@@ -715,6 +953,9 @@ COMMENT ON FUNCTION outbox._default_to_log() IS
 
 COMMENT ON FUNCTION outbox._lane(bigint, text) IS
 'Internal: the lane (smallint, 0-15) of event id with subject, as publish places it in the log: hashtext(subject) & 15, or (id / 64) % 16 without a subject. No errors.';
+
+COMMENT ON FUNCTION outbox._storage(text) IS
+'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''log'', or ''queue'' for the ''default'' of an install before 0.12.0 until the upgrade moves it; NULL when it does not exist.';
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 

@@ -135,9 +135,12 @@ BEGIN
         IF blocked IS NOT NULL THEN
             PERFORM outbox._promote_heads(blocked, false);
         END IF;
-        -- Dead letters and cancelled events of named subscriptions (0.9.0), in
-        -- what is left of the batch. Their subjects need no promotion: a claim finds heads itself
-        -- (src/log/exceptions.rs).
+        -- Dead letters and cancelled events of subscriptions of the log
+        -- (0.9.0), in what is left of the batch. Their subjects need no
+        -- promotion: a claim finds heads itself (src/log/exceptions.rs). Kept
+        -- while the log still holds the event (0.12.0), as delivered rows
+        -- are: the lane's cursor has passed it, so outbox.deliveries would
+        -- otherwise show it as acked from its batch.
         IF n < batch_size THEN
             WITH victims AS (
                 SELECT x.subscription, x.id FROM outbox.log_exceptions x
@@ -145,6 +148,7 @@ BEGIN
                  WHERE x.state IN ('dead', 'cancelled')
                    AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
                        - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
                  LIMIT batch_size - n
                    FOR UPDATE OF x SKIP LOCKED
             )
@@ -264,7 +268,8 @@ $$;
 
 COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
 'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit), '
-'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. Reports rows removed in removed. Errors as outbox.purge().';
+'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. A subscription of the log keeps a dead or cancelled event''s row while the log still holds the event '
+'(0.12.0; its ring table goes with the log''s retention), since the log''s record would show it as delivered. Reports rows removed in removed. Errors as outbox.purge().';
 
 -- One row of outbox.maintenance_runs; counts maps a column name (the logged_as
 -- of outbox._maintenance_steps()) to rows removed.

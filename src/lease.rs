@@ -36,6 +36,9 @@ pub unsafe fn ack(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let stmt = if gucs::keep_delivered() { &ACK } else { &ACK_DROP };
     let (n, retired) = plans::run(stmt, &[id.param(), tok.param()], subjects_of);
     subject::promote(&retired, false);
+    if n == 0 && moved_to_log() {
+        return (log::claim::ack(vec![(call.required(0, "id"), uuid_of(&tok))]) > 0).into_datum().unwrap();
+    }
     (n > 0).into_datum().unwrap()
 }
 
@@ -69,8 +72,12 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     // every call of a worker of `default` alone, to the queue in one statement.
     let tok_elems = tok_array.elems();
     if !tok_elems.iter().flatten().any(|t| log_token(t).is_some()) {
-        let (n, retired) = plans::run(stmt, &[ids.param(), toks.param()], subjects_of);
+        let (mut n, retired) = plans::run(stmt, &[ids.param(), toks.param()], subjects_of);
         subject::promote(&retired, false);
+        if n < n_ids && moved_to_log() {
+            let pairs = id_array.elems().into_iter().zip(tok_elems).filter_map(|(i, t)| Some((i?, t?)));
+            n += log::claim::ack(pairs.map(|(i, t)| (i.datum().value() as i64, uuid_of(&t))).collect());
+        }
         return (n as i32).into_datum().unwrap();
     }
     let mut queue: (Vec<i64>, Vec<pgrx::Uuid>) = (vec![], vec![]);
@@ -87,9 +94,14 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     }
     let mut n = log::claim::ack(logged);
     if !queue.0.is_empty() {
+        let asked = queue.0.len();
+        let pairs: Vec<(i64, pgrx::Uuid)> = queue.0.iter().copied().zip(queue.1.iter().copied()).collect();
         let (q, retired) = plans::run(stmt, &[queue.0.into(), queue.1.into()], subjects_of);
         subject::promote(&retired, false);
         n += q;
+        if q < asked && moved_to_log() {
+            n += log::claim::ack(pairs);
+        }
     }
     (n as i32).into_datum().unwrap()
 }
@@ -97,6 +109,15 @@ pub unsafe fn ack_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 fn uuid_of(v: &Value) -> pgrx::Uuid {
     // SAFETY: a non-NULL uuid datum of the call's arguments.
     unsafe { pgrx::Uuid::from_datum(v.datum(), false) }.unwrap_or_else(|| errors::raise(NULL_VALUE, "NULL token"))
+}
+
+/// After a token the queue handed out matched nothing there: whether the
+/// queue has no reader any more, because `outbox._default_to_log` moved
+/// `default` to the log while this call waited for the queue's lock (taking
+/// it read the catalog's invalidation), so the row, with its token, is now
+/// one of the log's.
+fn moved_to_log() -> bool {
+    !subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION)
 }
 
 /// The token, when the log holds its lease: a claim over the log handed it
@@ -140,12 +161,15 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return "stale".into_datum().unwrap();
     };
-    if let Some(t) = log_token(&tok) {
+    let log_fail = |t: pgrx::Uuid| {
         let state = log::claim::fail(call.required(0, "id"), t, &error, retry_in, permanent);
         if state == "pending" {
             wakeup::note_due(); // the worker's next due time may now be the retry's
         }
-        return state.into_datum().unwrap();
+        state.into_datum().unwrap()
+    };
+    if let Some(t) = log_token(&tok) {
+        return log_fail(t);
     }
     plans::run(&FAIL_TOPIC_LOCK, &[id.param()], |_| ());
     let row = plans::run(&FAIL_LOCK, &[id.param(), tok.param()], |t| {
@@ -162,6 +186,9 @@ pub unsafe fn fail(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         Some((attempts, max_attempts, base, cap, blocks, subject))
     });
     let Some((attempts, max_attempts, base, cap, blocks, subject)) = row else {
+        if moved_to_log() {
+            return log_fail(uuid_of(&tok));
+        }
         return "stale".into_datum().unwrap();
     };
     // The subscription's settings come first (0.7.0: every event is the
@@ -209,15 +236,17 @@ pub unsafe fn extend_lease(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
     let (Some(id), Some(tok)) = (call.value(0, pg_sys::INT8OID), call.value(1, pg_sys::UUIDOID)) else {
         return call.return_null();
     };
-    if let Some(t) = log_token(&tok) {
+    let log_extend = |t: pgrx::Uuid| {
         let lease_us = validate::lease_us("lease", &lease);
-        return match log::claim::extend(call.required(0, "id"), t, lease, lease_us) {
-            Some(ts) => ts.into_datum().unwrap(),
-            None => call.return_null(),
-        };
-    }
-    let until: Option<TimestampWithTimeZone> =
-        plans::one(&EXTEND, &[id.param(), tok.param(), lease.into(), plans::ts_param(lowwater::floor_after_xid())]);
+        log::claim::extend(call.required(0, "id"), t, lease, lease_us)
+    };
+    let until: Option<TimestampWithTimeZone> = match log_token(&tok) {
+        Some(t) => log_extend(t),
+        None => {
+            plans::one(&EXTEND, &[id.param(), tok.param(), lease.into(), plans::ts_param(lowwater::floor_after_xid())])
+                .or_else(|| if moved_to_log() { log_extend(uuid_of(&tok)) } else { None })
+        }
+    };
     match until {
         Some(ts) => ts.into_datum().unwrap(),
         None => call.return_null(),

@@ -248,8 +248,29 @@ def test_subscription_and_topic_admin(fresh):
     assert_one_line_error(run(["topics", "drop", "orders.created"], db), "not registered")
 
 
-def test_purge(fresh):
+def test_purge_on_the_log(fresh):
+    """The log is retained by table (README, Retention): purge removes the finished
+    batches' records, not the events acked from them, and keeps rows of their own
+    (dead letters, cancels) while the log holds their events."""
     db, _ = fresh
+    r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
+    assert r.json()["eligible"] == 6  # 3 delivered + 3 cancelled of default, by outbox.events
+    records = sql1(db, "SELECT count(*) FROM outbox.log_delivered")
+    assert records > 0
+    r = run(["purge", "--older-than", "0", "--json"], db)
+    assert r.code == 0, r
+    assert r.json()["removed"] == records
+    assert sql1(db, "SELECT count(*) FROM outbox.log_delivered") == 0
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 6
+    r = run(["purge", "--dead", "--older-than", "0", "--json"], db)
+    assert r.code == 0 and r.json()["removed"] == 0, r
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 3
+    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('pending', 'leased')") == 6
+
+
+def test_purge(fresh_queue):
+    """The queue's purge (a 'default' of an install before 0.12.0) removes rows."""
+    db, _ = fresh_queue
     r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
     assert r.json()["eligible"] == 6  # 3 delivered + 3 cancelled of default
     assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 6

@@ -17,9 +17,11 @@ script exactly as it was packaged), in a fresh database:
 
 import difflib
 import shutil
+import threading
 import time
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from conftest import REPO, connect, dsn_with_db
@@ -442,3 +444,84 @@ def test_update_to_0_12_moves_default_to_the_log_with_every_event_in_its_state(s
     assert sorted(order) == sorted({nxt, delayed, dead, held, skipped, retry, cancelled, after}), order
     assert order.index(dead) < order.index(held)
     c.close()
+
+
+def _upgrade_db(scratch_db, name):
+    dsn = scratch_db(name)
+    with connect(dsn) as c:
+        install_fixture(c, "0.11.0")
+        c.execute("CREATE EXTENSION outbox_ext VERSION '0.11.0'")
+    return dsn
+
+
+def test_update_to_0_12_never_deadlocks_with_a_publisher(scratch_db):
+    """A publisher of 0.11.0 locks the queue, then the ring table it appends to.
+    The update takes the queue first, before its index builds lock the ring
+    tables (found by review: a publish that came between them deadlocked with
+    it). A reader holding a view the update replaces keeps it waiting there."""
+    dsn = _upgrade_db(scratch_db, "outbox_upg_no_deadlock")
+    with connect(dsn) as c:
+        c.execute("SELECT outbox.publish('t', '{}')")
+    reader = connect(dsn, autocommit=False)
+    reader.execute("SELECT count(*) FROM outbox.events")  # holds a lock on a view the update replaces
+    res = {}
+
+    def run(key, sql):
+        try:
+            with connect(dsn) as c:
+                c.execute("SET lock_timeout = '20s'")
+                res[key] = c.execute(sql).fetchone()
+        except psycopg.Error as e:
+            res[key] = e.sqlstate
+
+    alter = threading.Thread(target=run, args=("alter", "ALTER EXTENSION outbox_ext UPDATE TO '0.12.0'"))
+    alter.start()
+    time.sleep(0.5)
+    pub = threading.Thread(target=run, args=("publish", "SELECT outbox.publish('t', '{\"x\": 1}')"))
+    pub.start()
+    time.sleep(0.5)
+    reader.commit()
+    alter.join(30)
+    pub.join(30)
+    reader.close()
+    assert not isinstance(res.get("alter"), str) and "alter" in res, res
+    assert isinstance(res.get("publish"), tuple), res
+    with connect(dsn) as c:
+        assert c.execute("SELECT storage FROM outbox.subscription_catalog WHERE name = 'default'").fetchone()[0] == "log"
+        got = [r[0] for r in c.execute("SELECT id FROM outbox.claim('w', 10)")]
+        assert sorted(got) == [1, res["publish"][0]]
+
+
+def test_tokens_used_while_the_update_runs_still_lease_their_events(scratch_db):
+    """An ack, fail or extend_lease with a token of the queue that waited for
+    the update's lock finds its row gone from the queue: it goes on in the log,
+    where the move put the row with its token (found by review: false, 'stale'
+    and NULL before)."""
+    dsn = _upgrade_db(scratch_db, "outbox_upg_tokens_during")
+    with connect(dsn) as c:
+        ids = [c.execute("SELECT outbox.publish('t', '{}')").fetchone()[0] for _ in range(3)]
+        tok = dict(c.execute("SELECT id, lease_token FROM outbox.claim('w', 3, '10 min')").fetchall())
+    up = connect(dsn, autocommit=False)
+    up.execute("ALTER EXTENSION outbox_ext UPDATE TO '0.12.0'")  # holds the queue until it commits
+    res = {}
+
+    def call(key, sql, i):
+        with connect(dsn) as c:
+            res[key] = c.execute(sql, (i, tok[i])).fetchone()[0]
+
+    ths = [threading.Thread(target=call, args=a) for a in (
+        ("ack", "SELECT outbox.ack(%s, %s)", ids[0]),
+        ("fail", "SELECT outbox.fail(%s, %s, 'x', '1 hour')", ids[1]),
+        ("extend", "SELECT outbox.extend_lease(%s, %s, '1 hour') IS NOT NULL", ids[2]))]
+    for t in ths:
+        t.start()
+    time.sleep(0.5)
+    assert res == {}, f"calls did not wait for the update: {res}"
+    up.commit()
+    for t in ths:
+        t.join(30)
+    up.close()
+    assert res == {"ack": True, "fail": "pending", "extend": True}, res
+    with connect(dsn) as c:
+        assert c.execute("SELECT id, state FROM outbox.events ORDER BY id").fetchall() == \
+            [(ids[0], "delivered"), (ids[1], "pending"), (ids[2], "leased")]

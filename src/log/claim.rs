@@ -324,23 +324,25 @@ impl Claim<'_> {
             (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
         let token_of =
             |b: &Batch, i: usize| rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()));
+        // An event out in round r leaves still leased to its holder, with the
+        // round's token and expiry; one not out leaves parked, due now.
+        let leave = |b: &Batch, i: usize, round: Option<u16>| match round.and_then(|r| b.round_expiry(r)) {
+            Some(expires) => Moved {
+                id: b.ids()[i],
+                kind: Kind::Leased,
+                visible_at: expires,
+                token: token_of(b, i),
+                error: None,
+                worker: holder(holders.as_deref(), round),
+            },
+            None => Moved::parked(b.ids()[i], self.now),
+        };
         let mut rows: Vec<Moved> = Vec::new();
         for (i, was_out) in b.expire(self.now) {
             // An expired event stays leased, its lease expired, as an expired
             // lease of the queue does: its token still acks until a claim
             // takes it again, and that claim counts the attempt as the queue's does.
-            let expired = if was_out { rounds[i].and_then(|r| b.round_expiry(r)) } else { None };
-            rows.push(match expired {
-                Some(expires) => Moved {
-                    id: b.ids()[i],
-                    kind: Kind::Leased,
-                    visible_at: expires,
-                    token: token_of(b, i),
-                    error: None,
-                    worker: holder(holders.as_deref(), rounds[i]),
-                },
-                None => Moved::parked(b.ids()[i], self.now),
-            });
+            rows.push(leave(b, i, if was_out { rounds[i] } else { None }));
         }
         if !rows.is_empty() {
             // Expired events are due now: this claim hands them out (claim()).
@@ -362,18 +364,7 @@ impl Claim<'_> {
                 vec![]
             };
         for (i, round) in released {
-            rows.push(match round.and_then(|r| b.round_expiry(r)) {
-                // Still leased to its holder, with the same token and expiry.
-                Some(expires) => Moved {
-                    id: b.ids()[i],
-                    kind: Kind::Leased,
-                    visible_at: expires,
-                    token: token_of(b, i),
-                    error: None,
-                    worker: holder(holders.as_deref(), round),
-                },
-                None => Moved::parked(b.ids()[i], self.now),
-            });
+            rows.push(leave(b, i, round));
         }
         if rows.is_empty() {
             return false;
