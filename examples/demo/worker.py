@@ -50,7 +50,7 @@ VALUES (%s, %s, %s, %s, %s, %s)
 """
 
 # What is left for this worker's subscription: pending or leased events of the
-# topic ('default': the queue), or a named subscription's lag (events it has not
+# topic ('default': as outbox.events shows them), or a named subscription's lag (events it has not
 # finished, read from the log or not).
 UNFINISHED = """
 SELECT (SELECT pgbench_finished IS NOT NULL FROM demo.run),
