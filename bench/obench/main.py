@@ -199,6 +199,7 @@ def main(argv=None):
         cluster_lib = _so_stat()
         ctx = Ctx(cluster, prof, out_dir, say)
         ctx.sql(S.OUTBOX_SCHEMA)
+        ctx.sql(S.QUEUE_DEFAULT_BASELINE)
         for stmt in S.PGQ_SCHEMA.split(";\n"):
             ctx.sql(stmt.rstrip(";"))
         for stmt in S.PLAIN_SCHEMA.split(";\n"):
@@ -359,6 +360,7 @@ def _restart_on_new_library(ctx, cluster, say):
     ctx.sql("SET outbox.allow_drop = on")
     ctx.sql("DROP EXTENSION outbox_ext CASCADE")
     ctx.sql(S.OUTBOX_SCHEMA)
+    ctx.sql(S.QUEUE_DEFAULT_BASELINE)
     ctx.sql("RESET outbox.allow_drop")
     return _so_stat()
 
