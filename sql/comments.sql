@@ -212,6 +212,10 @@ COMMENT ON FUNCTION outbox._queue_to_log(text) IS
 'each in its state (pending, leased with its token and expiry, dead holding its subject as on the queue, cancelled), with attempts, error history and visible_at; empty outbox.subject_repairs. '
 'Under a snapshot taken now, at every isolation level. Returns the events moved (bigint). Errors: 22004 NULL subscription.';
 
+COMMENT ON FUNCTION outbox._lock_queue_default() IS
+'Internal (outbox._default_to_log and the rebase of a restore, 0.12.0): lock the ''default'' that reads outbox.event_queue for its move to the log, in drop_subscription''s order '
+'(its catalog row, its activity row, SHARE ROW EXCLUSIVE on the queue). Returns its name (text), NULL when no subscription reads the queue. No errors of its own.';
+
 COMMENT ON FUNCTION outbox._default_to_log() IS
 'Internal (the upgrade to 0.12.0, and the rebase of a restored dump of 0.11.0 or older): move the ''default'' that reads outbox.event_queue to the log, keeping its name, policy and pause. '
 'Under SHARE ROW EXCLUSIVE on the queue (every publish, claim, ack and fail that writes it has finished, and later ones read the catalog without it), its lanes start at a cursor taken after that lock, '

@@ -12,7 +12,8 @@
 -- queue), then the queue. A publisher of 0.11.0 locks the queue before the
 -- log's table it appends to, so taking the queue after the index builds
 -- below (which lock the ring tables) would deadlock with it (found by review).
--- From here on publishers of the queue wait for this transaction.
+-- From here on publishers of the queue wait for this transaction. (Inline:
+-- outbox._lock_queue_default, which does the same, is created further down.)
 DO $$
 DECLARE
     sub text;
@@ -86,7 +87,7 @@ BEGIN
 END
 $$;
 
-CREATE OR REPLACE FUNCTION outbox._default_to_log() RETURNS bigint
+CREATE OR REPLACE FUNCTION outbox._lock_queue_default() RETURNS text
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -95,12 +96,24 @@ DECLARE
 BEGIN
     SELECT c.name INTO sub FROM outbox.subscription_catalog c
      WHERE c.storage OPERATOR(pg_catalog.=) 'queue' FOR UPDATE;
-    IF NOT FOUND THEN
+    IF FOUND THEN
+        PERFORM outbox._log_forget(sub, false);
+        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+    END IF;
+    RETURN sub;
+END
+$$;
+
+CREATE OR REPLACE FUNCTION outbox._default_to_log() RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    sub text := outbox._lock_queue_default();
+BEGIN
+    IF sub IS NULL THEN
         RETURN NULL;
     END IF;
-    -- As drop_subscription: the activity row before the lock on the queue.
-    PERFORM outbox._log_forget(sub, false);
-    LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
     UPDATE outbox.subscription_catalog c SET storage = 'log', updated_at = pg_catalog.now()
      WHERE c.name OPERATOR(pg_catalog.=) sub;
     INSERT INTO outbox.subscription_activity (name) VALUES (sub) ON CONFLICT DO NOTHING;
@@ -154,7 +167,6 @@ DECLARE
     upto  bigint;
     cur   record;
     moved bigint;
-    sub   text;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
         RETURN NULL;  -- the common case: no lock taken
@@ -168,13 +180,9 @@ BEGIN
         RETURN NULL;
     END IF;
     -- A 'default' restored on the queue moves to the log at the end: its
-    -- locks first, in drop_subscription's order, before the ring's tables
-    -- (a publisher locks the queue, then the ring table it appends to).
-    SELECT c.name INTO sub FROM outbox.subscription_catalog c WHERE c.storage = 'queue' FOR UPDATE;
-    IF FOUND THEN
-        PERFORM outbox._log_forget(sub, false);
-        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-    END IF;
+    -- locks first, before the ring's tables (a publisher locks the queue,
+    -- then the ring table it appends to).
+    PERFORM outbox._lock_queue_default();
     -- Readers wait for the rebase, and it for them: lanes and batches change.
     LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
 
@@ -944,6 +952,10 @@ COMMENT ON FUNCTION outbox._queue_to_log(text) IS
 'Internal (outbox._default_to_log, 0.12.0, under its lock on outbox.event_queue): move every event of the queue, and the archive''s cancelled ones, into rows of their own of the named subscription of the log, '
 'each in its state (pending, leased with its token and expiry, dead holding its subject as on the queue, cancelled), with attempts, error history and visible_at; empty outbox.subject_repairs. '
 'Under a snapshot taken now, at every isolation level. Returns the events moved (bigint). Errors: 22004 NULL subscription.';
+
+COMMENT ON FUNCTION outbox._lock_queue_default() IS
+'Internal (outbox._default_to_log and the rebase of a restore, 0.12.0): lock the ''default'' that reads outbox.event_queue for its move to the log, in drop_subscription''s order '
+'(its catalog row, its activity row, SHARE ROW EXCLUSIVE on the queue). Returns its name (text), NULL when no subscription reads the queue. No errors of its own.';
 
 COMMENT ON FUNCTION outbox._default_to_log() IS
 'Internal (the upgrade to 0.12.0, and the rebase of a restored dump of 0.11.0 or older): move the ''default'' that reads outbox.event_queue to the log, keeping its name, policy and pause. '

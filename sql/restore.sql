@@ -186,7 +186,6 @@ DECLARE
     upto  bigint;
     cur   record;
     moved bigint;
-    sub   text;
 BEGIN
     IF NOT EXISTS (SELECT 1 FROM outbox.log_restore) THEN
         RETURN NULL;  -- the common case: no lock taken
@@ -200,13 +199,9 @@ BEGIN
         RETURN NULL;
     END IF;
     -- A 'default' restored on the queue moves to the log at the end: its
-    -- locks first, in drop_subscription's order, before the ring's tables
-    -- (a publisher locks the queue, then the ring table it appends to).
-    SELECT c.name INTO sub FROM outbox.subscription_catalog c WHERE c.storage = 'queue' FOR UPDATE;
-    IF FOUND THEN
-        PERFORM outbox._log_forget(sub, false);
-        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-    END IF;
+    -- locks first, before the ring's tables (a publisher locks the queue,
+    -- then the ring table it appends to).
+    PERFORM outbox._lock_queue_default();
     -- Readers wait for the rebase, and it for them: lanes and batches change.
     LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
 

@@ -313,7 +313,13 @@ $$;
 -- is in the queue (and moves to a row of its own) and counts as read by the
 -- lanes, and one that commits after it was never written to the queue and is
 -- read by the lanes. Neither is skipped or delivered twice.
-CREATE FUNCTION outbox._default_to_log() RETURNS bigint
+-- The locks of that move, in drop_subscription's order: the catalog row of
+-- the 'default' that reads the queue, its activity row (a claim notes there
+-- before it writes the queue), then the queue. Returns its name, NULL when no
+-- subscription reads the queue (nothing locked). Taken before any ring table
+-- by whoever moves it later in the transaction (the rebase of a restore), as a
+-- publisher locks the queue before the ring table it appends to.
+CREATE FUNCTION outbox._lock_queue_default() RETURNS text
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -322,12 +328,24 @@ DECLARE
 BEGIN
     SELECT c.name INTO sub FROM outbox.subscription_catalog c
      WHERE c.storage OPERATOR(pg_catalog.=) 'queue' FOR UPDATE;
-    IF NOT FOUND THEN
+    IF FOUND THEN
+        PERFORM outbox._log_forget(sub, false);
+        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
+    END IF;
+    RETURN sub;
+END
+$$;
+
+CREATE FUNCTION outbox._default_to_log() RETURNS bigint
+LANGUAGE plpgsql VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    sub text := outbox._lock_queue_default();
+BEGIN
+    IF sub IS NULL THEN
         RETURN NULL;
     END IF;
-    -- As drop_subscription: the activity row before the lock on the queue.
-    PERFORM outbox._log_forget(sub, false);
-    LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
     UPDATE outbox.subscription_catalog c SET storage = 'log', updated_at = pg_catalog.now()
      WHERE c.name OPERATOR(pg_catalog.=) sub;
     INSERT INTO outbox.subscription_activity (name) VALUES (sub) ON CONFLICT DO NOTHING;

@@ -126,7 +126,7 @@ fn moved_to_log() -> bool {
 /// (`outbox._queue_to_log`, 0.12.0), which keeps it.
 fn log_token(v: &Value) -> Option<pgrx::Uuid> {
     let t = uuid_of(v);
-    (log::claim::is_log_token(&t) || !subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION)).then_some(t)
+    (log::claim::is_log_token(&t) || moved_to_log()).then_some(t)
 }
 
 /// Rows acknowledged and the subjects whose head they were.

@@ -7,7 +7,8 @@
 -- queue), then the queue. A publisher of 0.11.0 locks the queue before the
 -- log's table it appends to, so taking the queue after the index builds
 -- below (which lock the ring tables) would deadlock with it (found by review).
--- From here on publishers of the queue wait for this transaction.
+-- From here on publishers of the queue wait for this transaction. (Inline:
+-- outbox._lock_queue_default, which does the same, is created further down.)
 DO $$
 DECLARE
     sub text;

@@ -103,7 +103,7 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
     let tokens: Vec<Option<pgrx::Uuid>> = moved.iter().map(|m| m.token).collect();
     let errs: Vec<Option<&str>> = moved.iter().map(|m| m.error.as_deref()).collect();
     let workers: Vec<Option<&str>> = moved.iter().map(|m| m.worker.as_deref()).collect();
-    let args: [DatumWithOid<'_>; 11] = [
+    let args: [DatumWithOid<'_>; 10] = [
         subscription.into(),
         lane.into(),
         ids.into(),
@@ -111,7 +111,6 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
         at.into(),
         tokens.into(),
         errs.into(),
-        settings.max_attempts.into(),
         settings.dead_letter_policy.as_deref().into(),
         batch.into(),
         workers.into(),

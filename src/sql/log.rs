@@ -359,9 +359,9 @@ macro_rules! dead_blocks {
 /// expiry $5, one attempt; a claim that takes it again records 'lease expired'
 /// and makes it dead when that was its last, as the queue's claim does), `retry`
 /// (failed: pending from $5 with error $7) and `dead` (failed for good). $8 is
-/// the subscription's max_attempts, $9 its dead-letter policy (NULL: not set).
-/// With $10, only while batch $10 exists (key-share locked: a drop_subscription
-/// that removed it first makes this insert nothing). $11: per event, the worker
+/// the subscription's dead-letter policy (NULL: not set).
+/// With $9, only while batch $9 exists (key-share locked: a drop_subscription
+/// that removed it first makes this insert nothing). $10: per event, the worker
 /// that held it in the batch (its row's leased_by and the history's worker).
 pub const EXC_INSERT: Stmt = Stmt {
     sql: concat!(
@@ -375,15 +375,15 @@ pub const EXC_INSERT: Stmt = Stmt {
                 CASE WHEN y.error IS NOT NULL THEN jsonb_build_array(jsonb_build_object( \
                   'attempt', 1, 'at', clock_timestamp(), 'worker', x.worker, 'error', y.error)) END, \
                 CASE WHEN y.state = 'dead' THEN ",
-        dead_blocks!("l", "$9"),
+        dead_blocks!("l", "$8"),
         " ELSE true END, \
                 CASE WHEN y.state = 'dead' THEN clock_timestamp() END, \
                 x.worker \
-           FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[], $11::text[]) \
+           FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[], $10::text[]) \
                   AS x(id, kind, visible_at, token, error, worker) \
            JOIN outbox.log l ON l.lane = $2 AND l.id = x.id \
-          CROSS JOIN (SELECT $10::int8 IS NULL OR EXISTS ( \
-                        SELECT 1 FROM outbox.log_batches b WHERE b.id = $10 FOR KEY SHARE) AS ok) g \
+          CROSS JOIN (SELECT $9::int8 IS NULL OR EXISTS ( \
+                        SELECT 1 FROM outbox.log_batches b WHERE b.id = $9 FOR KEY SHARE) AS ok) g \
           CROSS JOIN LATERAL (SELECT \
                 CASE x.kind WHEN 'parked' THEN 'pending' WHEN 'retry' THEN 'pending' WHEN 'dead' THEN 'dead' \
                             WHEN 'leased' THEN 'leased' \
@@ -401,7 +401,6 @@ pub const EXC_INSERT: Stmt = Stmt {
         pg_sys::TIMESTAMPTZARRAYOID,
         pg_sys::UUIDARRAYOID,
         pg_sys::TEXTARRAYOID,
-        pg_sys::INT4OID,
         pg_sys::TEXTOID,
         pg_sys::INT8OID,
         pg_sys::TEXTARRAYOID,
