@@ -239,6 +239,17 @@ impl Batch {
         self.state.contains(&State::Waiting)
     }
 
+    /// The positions of the events out (in any round), in id order.
+    pub fn out_positions(&self) -> Vec<usize> {
+        (0..self.len()).filter(|&i| matches!(self.state[i], State::Out(_))).collect()
+    }
+
+    /// True when an event out follows an earlier event of its subject in the
+    /// batch: it has a subject, whatever the others have.
+    pub fn out_follows_subject(&self) -> bool {
+        (0..self.len()).any(|i| matches!(self.state[i], State::Out(_)) && self.prev[i].is_some())
+    }
+
     /// Whether a claim at `now` has anything to do with this batch: it is
     /// finished (the lane moves on), an event is handable, a round's lease
     /// expired ([`Batch::expire`]), or an event has been out since

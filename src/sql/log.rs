@@ -186,6 +186,12 @@ pub const LANE_HAS_MORE: Stmt = Stmt {
     types: &[pg_sys::INT2OID, pg_sys::INT8OID],
 };
 
+/// Whether one of events $2 of lane $1 has a subject.
+pub const ANY_SUBJECT: Stmt = Stmt {
+    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) AND l.subject IS NOT NULL)",
+    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID],
+};
+
 /// The topics of events $2 of lane $1.
 pub const TOPICS_OF: Stmt = Stmt {
     sql: "SELECT l.id, l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2)",
@@ -325,6 +331,25 @@ pub const FETCH: Stmt = Stmt {
                  l.published_at \
           FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) ORDER BY l.id",
     types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID, pg_sys::UUIDOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// [`FETCH`] for a dense run of picks: every event of lane $1 with an id from
+/// $2 to $3, in id order, read as one range of the `(lane, id)` index instead
+/// of one descent per id; the caller keeps the picks among them. $6 is the
+/// most rows the range can hold ($3 - $2 + 1): with it the generic plan reads
+/// the ring tables' indexes in order (a merge), with no sort.
+pub const FETCH_RANGE: Stmt = Stmt {
+    sql: "/* generic plan */ SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, 1::int4, \
+                 $4::uuid, $5::timestamptz, l.published_at \
+          FROM outbox.log l WHERE l.lane = $1 AND l.id >= $2 AND l.id <= $3 ORDER BY l.id LIMIT $6",
+    types: &[
+        pg_sys::INT2OID,
+        pg_sys::INT8OID,
+        pg_sys::INT8OID,
+        pg_sys::UUIDOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
+    ],
 };
 
 /// What fail() needs to decide a batch event's fate: its max_attempts and its
