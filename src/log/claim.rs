@@ -35,7 +35,10 @@
 //!
 //! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
 //! lane another claim holds is skipped, never waited for) only to change it,
-//! so a claim holds no lock on a lane where it found nothing.
+//! so a claim holds no lock on a lane where it found nothing. A claim outside
+//! a transaction block also takes the lane's advisory lock ([`LANE_LOCK_KEY`])
+//! before it reads there, without waiting: it guards nothing, and spares two
+//! claims the same reads; it is gone as the claim returns.
 //!
 //! # Invariants, and why they hold
 //! 1. **Each committed event of a lane is put in exactly one batch.** A lane's
@@ -100,6 +103,21 @@ pub const LANE_HOLD_US: i64 = 1_000_000;
 /// nothing out, and a claim must still end.
 const MAX_PIECES: usize = 8;
 
+/// First key of the lane advisory locks (0x6f626c6e = "obln"); the second is
+/// [`lane_lock_key`]. A claim outside a transaction block takes its lane's
+/// without waiting before it reads anything there, so two such claims do not
+/// both read a lane's window only for one of them to find the lane row locked
+/// by the other. It guards no data: the lane's row lock does
+/// ([`pg::try_lock_row`]), and a claim in a transaction block, which holds
+/// what it takes until that transaction ends, does not take it.
+pub const LANE_LOCK_KEY: i32 = 0x6f62_6c6e;
+
+/// The second key of lane `lane`'s advisory lock for a subscription whose name
+/// hashes to `hash`; two subscriptions that share it only skip each other's lane.
+fn lane_lock_key(hash: i32, lane: i16) -> i32 {
+    (hash & !0xff) | i32::from(lane)
+}
+
 pub(super) fn batch_lock_key(id: i64) -> i32 {
     id as i32
 }
@@ -116,6 +134,8 @@ struct Lane {
     /// claim that reads one leaves it out of its batch and drops it from here.
     /// None with the SQL of 0.9.0 (no such column).
     skips: Option<Vec<i64>>,
+    /// The batch's state as the lanes were read: a look without its lock.
+    state: Option<Vec<u8>>,
 }
 
 /// True when the installed SQL keeps the lanes' skips and first cursor (0.10.0 on).
@@ -144,6 +164,7 @@ fn lanes(subscription: &str) -> Vec<Lane> {
                 pos: r.i64(8),
                 batch: r.i64(9),
                 skips: skips.then(|| r.i64_array(10).unwrap_or_default()),
+                state: r.bytes(if skips { 11 } else { 10 }),
             });
         });
         out
@@ -271,6 +292,10 @@ struct Claim<'a> {
     /// Lanes whose batch held newer events back, its events out for less
     /// than `hold`: a claim that comes back short serves them again.
     held: std::cell::RefCell<Vec<i16>>,
+    /// Whether the claim runs in a transaction block.
+    in_block: bool,
+    /// hashtext of the subscription's name ([`lane_lock_key`]).
+    hash: i32,
 }
 
 impl Claim<'_> {
@@ -486,32 +511,29 @@ impl Claim<'_> {
             *locked = *locked || pg::try_lock_row(relid, l.tid) == pg::RowLock::Locked;
             *locked
         };
+        if !self.in_block && !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
+            return 0; // another claim is in this lane
+        }
         let mut dirty = false;
         if let Some(id) = l.batch {
-            // A batch this claim has nothing to do with (its events out, none
-            // for long) is left alone. In a transaction block the claim looks
-            // without the lock first, so that it does not hold the batch, and
-            // its holder's acks, until that transaction ends (seen out of
-            // date, the next claim serves it); a claim outside one releases
-            // the lock as it returns, and reads the batch once.
-            let idle = |b: &Batch| {
-                let idle = !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get()));
-                if idle && !b.has_waiting() {
-                    self.held.borrow_mut().push(l.lane);
+            // A look without the lock first, at the state read with the lanes
+            // (no statement of its own): a batch this claim has nothing to
+            // do with (its events out, none for long) is left alone, lock and
+            // all, so that its holder's acks do not wait for this claim to end
+            // (or, in a transaction block, for that transaction). Seen out of
+            // date, the next claim serves it.
+            if let Some(b) = l.state.as_deref().and_then(|bytes| Batch::decode(bytes).ok()) {
+                if !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get())) {
+                    if !b.has_waiting() {
+                        self.held.borrow_mut().push(l.lane);
+                    }
+                    return 0;
                 }
-                idle
-            };
-            let in_block = pg::in_transaction_block();
-            if in_block && load_batch(id).is_some_and(|Loaded { batch: b, .. }| idle(&b)) {
-                return 0;
             }
             if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
                 return 0; // an ack is changing it: the next claim serves it
             }
             if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(id) {
-                if !in_block && idle(&b) {
-                    return 0;
-                }
                 let changed = self.move_out(id, l.lane, l.pos, &mut b, &holders) | self.narrow(l.lane, id, &mut b);
                 if !b.finished() {
                     let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
@@ -692,6 +714,8 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             topic_leases: !req.lease_fixed && crate::topics::any_default_lease(),
             hold: Cell::new(LANE_HOLD_US),
             held: Default::default(),
+            in_block: pg::in_transaction_block(),
+            hash: pg::hashtext(req.subscription),
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
@@ -716,7 +740,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         // which would then stay locked until that transaction ends, and its
         // holder's ack would wait for it (README, "Transactional workers").
         let held = claim.held.take();
-        if left > 0 && !held.is_empty() && !pg::in_transaction_block() {
+        if left > 0 && !held.is_empty() && !claim.in_block {
             claim.hold.set(0);
             for l in lanes(req.subscription).into_iter().filter(|l| held.contains(&l.lane)) {
                 if left == 0 {

@@ -180,9 +180,12 @@ pub const SUBSCRIBE_LISTED_0100: Stmt =
     Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", listed!()), types: SUBSCRIBE_TYPES };
 
 /// Whether lane $1 holds an event above id $2 (a batch's slow events would
-/// hold it back).
+/// hold it back). The first such id in index order, not EXISTS: the planner
+/// drops an EXISTS subquery's LIMIT and read every later id of the lane into
+/// a bitmap (1.5 ms behind a backlog of 6,000, against 0.2 ms).
 pub const LANE_HAS_MORE: Stmt = Stmt {
-    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = $1 AND e.id > $2)",
+    sql: "/* generic plan */ SELECT (SELECT e.id FROM outbox.log e WHERE e.lane = $1 AND e.id > $2 \
+                                      ORDER BY e.id LIMIT 1) IS NOT NULL",
     types: &[pg_sys::INT2OID, pg_sys::INT8OID],
 };
 
@@ -201,7 +204,7 @@ pub const TOPICS_OF: Stmt = Stmt {
 /// A subscription's lanes, with each row's ctid for `_lock_row`.
 pub const LANES: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id \
+                 n.pos, b.id, b.state \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
            WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
@@ -210,7 +213,7 @@ pub const LANES: Stmt = Stmt {
 /// [`LANES`] with the events cancelled before the lane read them (0.10.0).
 pub const LANES_0100: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id, n.skips \
+                 n.pos, b.id, n.skips, b.state \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
            WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
