@@ -24,6 +24,11 @@ E2E_SYSTEMS = [
 
 FULL = {
     "reps": 3,
+    # 0.12.0 installs 'default' on the log. True: put it back on the queue (the
+    # install of a release before 0.12.0, the baseline the scenarios built for
+    # the queue compare against; sql.py, QUEUE_DEFAULT_BASELINE). False: measure
+    # the install as it is, every publish writing the log alone.
+    "queue_default": True,
     "s1_clients": [1, 4, 16], "s1_seconds": 5,
     # 1: also publish (outbox background) with each of these numbers of named
     # subscriptions existing, at the top client count (0.9.0; target: the largest
@@ -199,7 +204,8 @@ def main(argv=None):
         cluster_lib = _so_stat()
         ctx = Ctx(cluster, prof, out_dir, say)
         ctx.sql(S.OUTBOX_SCHEMA)
-        ctx.sql(S.QUEUE_DEFAULT_BASELINE)
+        if prof["queue_default"]:
+            ctx.sql(S.QUEUE_DEFAULT_BASELINE)
         for stmt in S.PGQ_SCHEMA.split(";\n"):
             ctx.sql(stmt.rstrip(";"))
         for stmt in S.PLAIN_SCHEMA.split(";\n"):
@@ -360,7 +366,8 @@ def _restart_on_new_library(ctx, cluster, say):
     ctx.sql("SET outbox.allow_drop = on")
     ctx.sql("DROP EXTENSION outbox_ext CASCADE")
     ctx.sql(S.OUTBOX_SCHEMA)
-    ctx.sql(S.QUEUE_DEFAULT_BASELINE)
+    if ctx.p["queue_default"]:
+        ctx.sql(S.QUEUE_DEFAULT_BASELINE)
     ctx.sql("RESET outbox.allow_drop")
     return _so_stat()
 

@@ -1330,7 +1330,8 @@ def _s7_setup(ctx, dbs):
         ctx.sql(f"CREATE DATABASE {db}")
         c = agents.connect(ctx.cluster.dsn(db))
         c.execute(S.OUTBOX_SCHEMA)
-        c.execute(S.QUEUE_DEFAULT_BASELINE)
+        if ctx.p["queue_default"]:
+            c.execute(S.QUEUE_DEFAULT_BASELINE)
         for stmt in S.PLAIN_SCHEMA.split(";\n"):
             c.execute(stmt.rstrip(";"))
         conns[db] = c

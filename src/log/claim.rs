@@ -71,10 +71,11 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    ANY_SUBJECT, BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_IDS, BATCH_INSERT, BATCH_INSERT_0110,
-    BATCH_PUT, BATCH_PUT_ROUND_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO,
-    FETCH, FETCH_RANGE, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT,
-    PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
+    ANY_SUBJECT, BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT,
+    BATCH_INSERT_0110, BATCH_PUT, BATCH_PUT_MANY, BATCH_PUT_ROUNDS_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
+    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_RANGE, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT,
+    LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED,
+    SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -134,8 +135,6 @@ struct Lane {
     /// claim that reads one leaves it out of its batch and drops it from here.
     /// None with the SQL of 0.9.0 (no such column).
     skips: Option<Vec<i64>>,
-    /// The batch's state as the lanes were read: a look without its lock.
-    state: Option<Vec<u8>>,
 }
 
 /// True when the installed SQL keeps the lanes' skips and first cursor (0.10.0 on).
@@ -164,7 +163,6 @@ fn lanes(subscription: &str) -> Vec<Lane> {
                 pos: r.i64(8),
                 batch: r.i64(9),
                 skips: skips.then(|| r.i64_array(10).unwrap_or_default()),
-                state: r.bytes(if skips { 11 } else { 10 }),
             });
         });
         out
@@ -243,6 +241,24 @@ pub(super) fn load_batch(id: i64) -> Option<Loaded> {
     Some(Loaded { batch, lane, subscription, holders })
 }
 
+/// The batches among `ids` that exist, decoded (read under a snapshot taken
+/// now, after the caller took their locks).
+fn load_batches(ids: Vec<i64>) -> HashMap<i64, Batch> {
+    plans::run_latest(&BATCH_GET_MANY, &[ids.into()], |rows| {
+        let mut out = HashMap::new();
+        rows.for_each(|r| {
+            let (Some(id), Some(bytes)) = (r.i64(0), r.bytes(1)) else {
+                errors::raise(errors::INTERNAL, "malformed outbox.log_batches row");
+            };
+            let b = Batch::decode(&bytes).unwrap_or_else(|e| {
+                errors::raise(PgSqlErrorCode::ERRCODE_DATA_CORRUPTED, format!("outbox.log_batches row {id}: {e}"))
+            });
+            out.insert(id, b);
+        });
+        out
+    })
+}
+
 /// Write batch `id`; false when its row is gone (drop_subscription removed
 /// it). A finished batch is deleted, and from 0.10.0 its encoding is kept in
 /// `outbox.log_delivered` with the time it finished, when an event was acked
@@ -296,18 +312,86 @@ struct Claim<'a> {
     in_block: bool,
     /// hashtext of the subscription's name ([`lane_lock_key`]).
     hash: i32,
+    /// Rounds handed out from batches in flight, not yet written ([`Claim::flush`]).
+    pending: std::cell::RefCell<Vec<Pending>>,
+}
+
+/// A round a claim handed out from a batch in flight, written and returned
+/// with the claim's others ([`Claim::flush`]).
+struct Pending {
+    batch: i64,
+    /// Whether the batch keeps its rounds' workers (made from 0.11.0 on).
+    holders: bool,
+    lane: i16,
+    state: Vec<u8>,
+    ids: Vec<i64>,
+    dense: bool,
+    token: Token,
+    expires: i64,
+}
+
+/// Whether picks (positions in a batch, ascending) span at most twice their
+/// number of the batch's positions: a first round, mostly, whose events are
+/// read as one index range ([`Claim::emit`]).
+fn dense(picks: &[usize]) -> bool {
+    match (picks.first(), picks.last()) {
+        (Some(&first), Some(&last)) => last - first < 2 * picks.len(),
+        _ => false,
+    }
 }
 
 impl Claim<'_> {
-    /// Write batch `id` (`b`) after it handed out round `round` to this
-    /// claim's worker, whose name is kept with the round when the batch keeps
-    /// its rounds' workers (`with_holders`); false when the row is gone.
-    fn store_round(&self, id: i64, b: &Batch, round: u16, with_holders: bool) -> bool {
-        if !with_holders {
-            return store_batch(id, b);
+    /// Keep round `token.round` of batch `id` (`b`, lane `lane`), handed out
+    /// to this claim's worker as the events at `picks`, to be written and
+    /// returned by [`Claim::flush`], with the other rounds of this claim: one
+    /// statement writes them all. The batch's lock is held until the claim's
+    /// transaction ends, so nothing else changes the batch meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    fn defer_round(&self, id: i64, lane: i16, b: &Batch, holders: bool, picks: &[usize], token: Token, expires: i64) {
+        self.pending.borrow_mut().push(Pending {
+            batch: id,
+            holders,
+            lane,
+            state: b.encode(),
+            ids: picks.iter().map(|&p| b.ids()[p]).collect(),
+            dense: dense(picks),
+            token,
+            expires,
+        });
+    }
+
+    /// Write the rounds kept by [`Claim::defer_round`] (the workers of their
+    /// rounds too, in batches that keep them) and return their events; a round
+    /// whose batch row is gone (drop_subscription) returns nothing.
+    fn flush(&self) {
+        let pending = self.pending.take();
+        if pending.is_empty() {
+            return;
         }
-        let args = [id.into(), b.encode().into(), i32::from(round).into(), self.req.worker.into()];
-        plans::run_latest(&BATCH_PUT_ROUND_0110, &args, |rows| rows.len()) > 0
+        // A batch made before 0.11.0 keeps no workers of its rounds: it gets none.
+        let (with, without): (Vec<&Pending>, Vec<&Pending>) = pending.iter().partition(|p| p.holders);
+        let mut written: Vec<i64> = Vec::new();
+        let collect = |rows: &plans::Rows| {
+            let mut out = Vec::new();
+            rows.for_each(|r| out.extend(r.i64(0)));
+            out
+        };
+        let parts = |ps: &[&Pending]| -> (Vec<i64>, Vec<Vec<u8>>) {
+            (ps.iter().map(|p| p.batch).collect(), ps.iter().map(|p| p.state.clone()).collect())
+        };
+        if !with.is_empty() {
+            let (ids, states) = parts(&with);
+            let rounds: Vec<i32> = with.iter().map(|p| i32::from(p.token.round)).collect();
+            let args = [ids.into(), states.into(), rounds.into(), self.req.worker.into()];
+            written.extend(plans::run_latest(&BATCH_PUT_ROUNDS_0110, &args, collect));
+        }
+        if !without.is_empty() {
+            let (ids, states) = parts(&without);
+            written.extend(plans::run_latest(&BATCH_PUT_MANY, &[ids.into(), states.into()], collect));
+        }
+        for p in pending.iter().filter(|p| written.contains(&p.batch)) {
+            self.emit(p.lane, &p.ids, p.dense, p.token, p.expires);
+        }
     }
 
     /// The lease expiry of a round of the events at `picks` of `batch` (lane
@@ -333,16 +417,14 @@ impl Claim<'_> {
 
     /// Return the events at `picks` of `batch` (lane `lane`) with `token`,
     /// leased until `expires`.
-    /// Picks that span at most twice their number of the batch's positions
-    /// (a first round, mostly) are read as one index range, the events
-    /// between them skipped here; sparse ones (later rounds of many subjects)
-    /// id by id.
-    fn emit(&self, lane: i16, batch: &Batch, picks: &[usize], token: Token, expires: i64) {
-        let ids: Vec<i64> = picks.iter().map(|&p| batch.ids()[p]).collect();
+    /// Return the events `ids` (in id order) of lane `lane` with `token`,
+    /// leased until `expires`. Dense ones ([`dense`]) are read as one index
+    /// range, the events between them skipped here; sparse ones (later rounds
+    /// of many subjects) id by id.
+    fn emit(&self, lane: i16, ids: &[i64], dense: bool, token: Token, expires: i64) {
         let uuid = pgrx::Uuid::from_bytes(token.to_bytes());
-        let (Some(&first), Some(&last)) = (picks.first(), picks.last()) else { return };
-        if last - first < 2 * picks.len() {
-            let (lo, hi) = (ids[0], ids[ids.len() - 1]);
+        let (Some(&lo), Some(&hi)) = (ids.first(), ids.last()) else { return };
+        if dense {
             let args = [lane.into(), lo.into(), hi.into(), uuid.into(), plans::ts_param(expires), (hi - lo + 1).into()];
             plans::run_latest(&FETCH_RANGE, &args, |rows| {
                 rows.for_each(|r| {
@@ -352,7 +434,7 @@ impl Claim<'_> {
                 })
             });
         } else {
-            let args = [lane.into(), ids.into(), uuid.into(), plans::ts_param(expires)];
+            let args = [lane.into(), ids.to_vec().into(), uuid.into(), plans::ts_param(expires)];
             plans::run_latest(&FETCH, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
         }
     }
@@ -516,13 +598,12 @@ impl Claim<'_> {
         }
         let mut dirty = false;
         if let Some(id) = l.batch {
-            // A look without the lock first, at the state read with the lanes
-            // (no statement of its own): a batch this claim has nothing to
+            // A look without the lock first: a batch this claim has nothing to
             // do with (its events out, none for long) is left alone, lock and
             // all, so that its holder's acks do not wait for this claim to end
             // (or, in a transaction block, for that transaction). Seen out of
             // date, the next claim serves it.
-            if let Some(b) = l.state.as_deref().and_then(|bytes| Batch::decode(bytes).ok()) {
+            if let Some(Loaded { batch: b, .. }) = load_batch(id) {
                 if !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get())) {
                     if !b.has_waiting() {
                         self.held.borrow_mut().push(l.lane);
@@ -545,10 +626,7 @@ impl Claim<'_> {
                     }
                     let expires = self.round_expires(l.lane, &b, &picks);
                     let token = b.hand_out(id, &picks, self.now, expires, pg::strong_random());
-                    if !self.store_round(id, &b, token.round, holders.is_some()) {
-                        return 0; // dropped meanwhile (drop_subscription)
-                    }
-                    self.emit(l.lane, &b, &picks, token, expires);
+                    self.defer_round(id, l.lane, &b, holders.is_some(), &picks, token, expires);
                     return picks.len();
                 }
                 store_batch(id, &b);
@@ -626,7 +704,8 @@ impl Claim<'_> {
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
-            self.emit(l.lane, &b, &picks, token, expires);
+            let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
+            self.emit(l.lane, &ids, dense(&picks), token, expires);
             return picks.len();
         }
         if dirty {
@@ -716,6 +795,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             held: Default::default(),
             in_block: pg::in_transaction_block(),
             hash: pg::hashtext(req.subscription),
+            pending: Default::default(),
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
@@ -739,6 +819,9 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         // Not in a transaction block: moving events aside changes their batch,
         // which would then stay locked until that transaction ends, and its
         // holder's ack would wait for it (README, "Transactional workers").
+        // The second pass reads its batches afresh: this pass's rounds are
+        // written first.
+        claim.flush();
         let held = claim.held.take();
         if left > 0 && !held.is_empty() && !claim.in_block {
             claim.hold.set(0);
@@ -748,6 +831,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
                 }
                 left -= claim.serve(l, relid, left);
             }
+            claim.flush();
         }
         if left > 0 && claim.moved.get() {
             // Expired events it moved are due now: hand them out at once.
@@ -1015,10 +1099,16 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
     }
     let mut acked = 0;
     // Batches in id order: two acks of overlapping batches take their locks in
-    // one order and cannot deadlock on them.
-    for (batch, items) in by_batch {
+    // one order and cannot deadlock on them. Then one read of them all, under
+    // a snapshot taken after the last lock.
+    let ids: Vec<i64> = by_batch.keys().copied().collect();
+    for &batch in &ids {
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-        let Some(Loaded { batch: mut b, .. }) = load_batch(batch) else {
+    }
+    let mut states = if ids.is_empty() { HashMap::new() } else { load_batches(ids) };
+    let mut puts: (Vec<i64>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
+    for (batch, items) in by_batch {
+        let Some(mut b) = states.remove(&batch) else {
             rows.extend(items); // finished: a moved event may be in the exception table
             continue;
         };
@@ -1030,9 +1120,18 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
                 Err(_) => rows.push((id, token)),
             }
         }
-        if acked > before {
-            store_batch(batch, &b);
+        if acked == before {
+            continue;
         }
+        if b.finished() {
+            store_batch(batch, &b);
+        } else {
+            puts.0.push(batch);
+            puts.1.push(b.encode());
+        }
+    }
+    if !puts.0.is_empty() {
+        plans::run_latest(&BATCH_PUT_MANY, &[puts.0.into(), puts.1.into()], |_| ());
     }
     let (ids, tokens): (Vec<i64>, Vec<pgrx::Uuid>) = rows.into_iter().unzip();
     acked + exceptions::ack(ids, tokens).len()

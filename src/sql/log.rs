@@ -204,7 +204,7 @@ pub const TOPICS_OF: Stmt = Stmt {
 /// A subscription's lanes, with each row's ctid for `_lock_row`.
 pub const LANES: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id, b.state \
+                 n.pos, b.id \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
            WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
@@ -213,7 +213,7 @@ pub const LANES: Stmt = Stmt {
 /// [`LANES`] with the events cancelled before the lane read them (0.10.0).
 pub const LANES_0100: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id, n.skips, b.state \
+                 n.pos, b.id, n.skips \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
            WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
@@ -255,6 +255,27 @@ pub const LANE_PUT_0100: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &
 pub const BATCH_GET: Stmt =
     Stmt { sql: "SELECT state, lane, subscription FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
 
+/// The states of batches $1 (those that still exist), for an ack of
+/// events of several batches: one statement, not one per batch.
+pub const BATCH_GET_MANY: Stmt =
+    Stmt { sql: "SELECT id, state FROM outbox.log_batches WHERE id = ANY ($1)", types: &[pg_sys::INT8ARRAYOID] };
+
+/// Write the states $2 of batches $1 (in order) in one statement.
+pub const BATCH_PUT_MANY: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches b SET state = u.state FROM unnest($1::int8[], $2::bytea[]) AS u(id, state) \
+           WHERE b.id = u.id RETURNING b.id",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::BYTEAARRAYOID],
+};
+
+/// [`BATCH_PUT_MANY`] for the rounds one claim handed out: each batch's round
+/// $3 (in order) is kept as worker $4's (0.11.0). Returns the ids written.
+pub const BATCH_PUT_ROUNDS_0110: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches b SET state = u.state, leased_by[u.round] = $4 \
+            FROM unnest($1::int8[], $2::bytea[], $3::int4[]) AS u(id, state, round) \
+           WHERE b.id = u.id RETURNING b.id",
+    types: &[pg_sys::INT8ARRAYOID, pg_sys::BYTEAARRAYOID, pg_sys::INT4ARRAYOID, pg_sys::TEXTOID],
+};
+
 /// [`BATCH_GET`] with the workers of the batch's rounds (0.11.0).
 pub const BATCH_GET_0110: Stmt = Stmt {
     sql: "SELECT state, lane, subscription, leased_by FROM outbox.log_batches WHERE id = $1",
@@ -293,12 +314,6 @@ pub const BATCH_INSERT_0110: Stmt = Stmt {
     sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
           VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3, ARRAY[$4]) RETURNING id",
     types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TEXTOID],
-};
-
-/// [`BATCH_PUT`] of a batch that handed out round $3 to worker $4 (0.11.0).
-pub const BATCH_PUT_ROUND_0110: Stmt = Stmt {
-    sql: "UPDATE outbox.log_batches SET state = $2, leased_by[$3] = $4 WHERE id = $1 RETURNING id",
-    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::INT4OID, pg_sys::TEXTOID],
 };
 
 pub const BATCH_PUT: Stmt = Stmt {
