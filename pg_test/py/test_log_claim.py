@@ -255,3 +255,51 @@ def test_extend_keeps_a_round_out_past_its_first_lease_and_refuses_stale_tokens(
     with pytest.raises(psycopg.Error) as e:
         c.execute("SELECT outbox.extend_lease(%s::bigint, %s, '0 s')", (ids[0], tok))
     assert e.value.sqlstate == "22023"
+
+
+def test_later_rounds_of_many_lanes_come_back_whole_with_their_tokens_and_payloads(logdb):
+    """Rounds whose picks are sparse in their batches (a subject with a run of
+    events between two of another's), in two lanes at once: one claim returns
+    each event once, with its own payload, its round's token and expiry, and
+    every token acks its event (src/log/claim.rs, `Claim::flush`)."""
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
+    by_lane = {}
+    for i in range(2000):
+        lane = c.execute("SELECT outbox._lane(0, %s)", (f"k{i}",)).fetchone()[0]
+        by_lane.setdefault(lane, []).append(f"k{i}")
+    lanes = [subs[:2] for subs in by_lane.values() if len(subs) >= 2][:2]
+    assert len(lanes) == 2
+    payload = {}
+    # Per lane: a1 b1 a2 a3 a4 a5 a6 b2, so the second round (a2, b2) spans 6 positions.
+    for a, b in lanes:
+        for s, n in [(a, 1), (b, 1), (a, 2), (a, 3), (a, 4), (a, 5), (a, 6), (b, 2)]:
+            i = c.execute("SELECT outbox.publish('m.t', %s::jsonb, %s)", (f'{{"s": "{s}", "n": {n}}}', s)).fetchone()[0]
+            payload[i] = {"s": s, "n": n}
+    q = ("SELECT id, payload, subject, attempt, lease_token, lease_expires_at > now() "
+         "FROM outbox.claim('w', 100, '30 s', subscription => 's')")
+    first = c.execute(q).fetchall()
+    assert sorted(r[2] for r in first) == sorted(s for pair in lanes for s in pair)
+    for r in first:
+        assert c.execute(ACK, (r[0], r[4])).fetchone()[0] == 1
+    second = c.execute(q).fetchall()
+    # Each subject's second event, once, with its own payload.
+    assert sorted((r[2], r[1]["n"]) for r in second) == sorted((s, 2) for pair in lanes for s in pair)
+    for i, p, s, attempt, token, live in second:
+        assert p == payload[i] and s == p["s"] and attempt == 1 and live
+    assert len({r[4] for r in second}) == 2  # one token per lane's round
+    for r in second:
+        assert c.execute(ACK, (r[0], r[4])).fetchone()[0] == 1
+    assert c.execute(ACK, (second[0][0], second[0][4])).fetchone()[0] == 0
+    # The rest comes out in subject order, a round at a time.
+    rest = []
+    while True:
+        got = c.execute(q).fetchall()
+        if not got:
+            break
+        for r in got:
+            assert c.execute(ACK, (r[0], r[4])).fetchone()[0] == 1
+        rest += [(r[2], r[1]["n"]) for r in got]
+    want = [(a, n) for a, _ in lanes for n in range(3, 7)]
+    assert sorted(rest) == sorted(want)
+    assert [n for s, n in rest if s == lanes[0][0]] == [3, 4, 5, 6]

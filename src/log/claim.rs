@@ -37,8 +37,8 @@
 //! lane another claim holds is skipped, never waited for) only to change it,
 //! so a claim holds no lock on a lane where it found nothing. A claim outside
 //! a transaction block also takes the lane's advisory lock ([`LANE_LOCK_KEY`])
-//! before it reads there, without waiting: it guards nothing, and spares two
-//! claims the same reads; it is gone as the claim returns.
+//! before it reads the lane's window, without waiting: it guards nothing, and
+//! spares two claims the same read; it is gone as the claim returns.
 //!
 //! # Invariants, and why they hold
 //! 1. **Each committed event of a lane is put in exactly one batch.** A lane's
@@ -73,8 +73,8 @@ use crate::pg::plans;
 use crate::sql::log::{
     ANY_SUBJECT, BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT,
     BATCH_INSERT_0110, BATCH_PUT, BATCH_PUT_MANY, BATCH_PUT_ROUNDS_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
-    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_RANGE, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK, LANE_PUT,
-    LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED,
+    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK,
+    LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED,
     SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
@@ -106,7 +106,7 @@ const MAX_PIECES: usize = 8;
 
 /// First key of the lane advisory locks (0x6f626c6e = "obln"); the second is
 /// [`lane_lock_key`]. A claim outside a transaction block takes its lane's
-/// without waiting before it reads anything there, so two such claims do not
+/// without waiting before it reads the lane's window, so two such claims do not
 /// both read a lane's window only for one of them to find the lane row locked
 /// by the other. It guards no data: the lane's row lock does
 /// ([`pg::try_lock_row`]), and a claim in a transaction block, which holds
@@ -389,8 +389,28 @@ impl Claim<'_> {
             let (ids, states) = parts(&without);
             written.extend(plans::run_latest(&BATCH_PUT_MANY, &[ids.into(), states.into()], collect));
         }
-        for p in pending.iter().filter(|p| written.contains(&p.batch)) {
+        // Dense rounds read a range each; sparse ones (later rounds of many
+        // subjects, a lane each) are read together when there are several.
+        let (dense, sparse): (Vec<&Pending>, Vec<&Pending>) =
+            pending.iter().filter(|p| written.contains(&p.batch)).partition(|p| p.dense);
+        for p in dense.iter().chain(if sparse.len() < 2 { sparse.iter() } else { [].iter() }) {
             self.emit(p.lane, &p.ids, p.dense, p.token, p.expires);
+        }
+        if sparse.len() >= 2 {
+            let (mut lanes, mut ids, mut tokens, mut expires) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for p in &sparse {
+                let token = pgrx::Uuid::from_bytes(p.token.to_bytes());
+                // SAFETY: timestamptz is a by-value int64; every value is a valid datum.
+                let at = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(p.expires), false) };
+                for &id in &p.ids {
+                    lanes.push(p.lane);
+                    ids.push(id);
+                    tokens.push(token);
+                    expires.push(at);
+                }
+            }
+            let args = [lanes.into(), ids.into(), tokens.into(), expires.into()];
+            plans::run_latest(&FETCH_MANY, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
         }
     }
 
@@ -593,9 +613,6 @@ impl Claim<'_> {
             *locked = *locked || pg::try_lock_row(relid, l.tid) == pg::RowLock::Locked;
             *locked
         };
-        if !self.in_block && !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
-            return 0; // another claim is in this lane
-        }
         let mut dirty = false;
         if let Some(id) = l.batch {
             // A look without the lock first: a batch this claim has nothing to
@@ -642,7 +659,14 @@ impl Claim<'_> {
         // The cursor may be taken before the lane is locked: the lock is taken
         // on the version read before the cursor, or not at all, so the lane's
         // last writer is visible in it.
+        let mut reading = self.in_block;
         for _ in 0..MAX_PIECES {
+            if !reading {
+                if !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
+                    break; // another claim is reading this lane
+                }
+                reading = true;
+            }
             let (hi, fresh) = match &l.hi {
                 Some(h) => (h.clone(), false),
                 None => (cursor(), true),

@@ -370,6 +370,18 @@ pub const FETCH_RANGE: Stmt = Stmt {
     ],
 };
 
+/// [`FETCH`] for the sparse rounds of one claim in several lanes, in one
+/// statement: the events ($1 lane, $2 id, $3 token, $4 lease expiry, one
+/// element each), in the order given.
+pub const FETCH_MANY: Stmt = Stmt {
+    sql: "/* generic plan */ SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, 1::int4, \
+                 p.token, p.expires, l.published_at \
+          FROM unnest($1::int2[], $2::int8[], $3::uuid[], $4::timestamptz[]) WITH ORDINALITY \
+               AS p(lane, id, token, expires, n) \
+          JOIN outbox.log l ON l.lane = p.lane AND l.id = p.id ORDER BY p.n",
+    types: &[pg_sys::INT2ARRAYOID, pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID, pg_sys::TIMESTAMPTZARRAYOID],
+};
+
 /// What fail() needs to decide a batch event's fate: its max_attempts and its
 /// topic's backoff.
 pub const FAIL_INFO: Stmt = Stmt {
