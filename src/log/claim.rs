@@ -330,12 +330,17 @@ struct Pending {
     expires: i64,
 }
 
-/// Whether picks (positions in a batch, ascending) span at most twice their
-/// number of the batch's positions: a first round, mostly, whose events are
-/// read as one index range ([`Claim::emit`]).
-fn dense(picks: &[usize]) -> bool {
-    match (picks.first(), picks.last()) {
-        (Some(&first), Some(&last)) => last - first < 2 * picks.len(),
+/// Whether picks (positions in a batch, ascending, with their event ids
+/// `ids`) span at most twice their number of the batch's positions, and ids
+/// that hold about four times their number of the lane's events (a lane
+/// holds about one id in 16): a first round, mostly, whose events are read as
+/// one index range ([`Claim::emit`]). The id test keeps a piece that starts
+/// with a late committer's small id from reading the lane's events between.
+fn dense(picks: &[usize], ids: &[i64]) -> bool {
+    match (picks.first(), picks.last(), ids.first(), ids.last()) {
+        (Some(&first), Some(&last), Some(&lo), Some(&hi)) => {
+            last - first < 2 * picks.len() && hi.saturating_sub(lo) < 64 * picks.len() as i64
+        }
         _ => false,
     }
 }
@@ -348,13 +353,14 @@ impl Claim<'_> {
     /// transaction ends, so nothing else changes the batch meanwhile.
     #[allow(clippy::too_many_arguments)]
     fn defer_round(&self, id: i64, lane: i16, b: &Batch, holders: bool, picks: &[usize], token: Token, expires: i64) {
+        let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
         self.pending.borrow_mut().push(Pending {
             batch: id,
             holders,
             lane,
             state: b.encode(),
-            ids: picks.iter().map(|&p| b.ids()[p]).collect(),
-            dense: dense(picks),
+            dense: dense(picks, &ids),
+            ids,
             token,
             expires,
         });
@@ -729,7 +735,7 @@ impl Claim<'_> {
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
             let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
-            self.emit(l.lane, &ids, dense(&picks), token, expires);
+            self.emit(l.lane, &ids, dense(&picks, &ids), token, expires);
             return picks.len();
         }
         if dirty {

@@ -492,45 +492,28 @@ macro_rules! exc_exhausted {
 /// policy). Columns 1-10 are claim's result; 11 is false for a row that went
 /// dead (not returned).
 ///
-/// A row with a subject can go only if it is its subject's head: the
-/// smallest id among the rows that hold the subject (the predicate of
-/// `log_exceptions_open`). The heads are found by a loose scan of that index,
-/// one descent per (lane, subject) (`heads`), and only they are tested for
-/// another row of the subject leased now (`log_exceptions_leased`). Testing
-/// every ready row for an earlier one instead took two probes per row: with
-/// 20,000 rows parked behind 300 subjects a claim took 0.5-1.2 s (found by a
-/// helper's stress run). An earlier form, one probe with an OR, read every
-/// row leased into the future for each blocked row (the relay's SIGKILL test).
+/// The subject test is two probes, each bounded by an index
+/// (`log_exceptions_open`; `log_exceptions_leased`, 0.11.0), not one probe
+/// with an OR: that one read every row of the subscription leased into the
+/// future for each blocked row it passed, and after a consumer's crash had
+/// parked thousands of rows a claim took seconds (found with the relay's
+/// SIGKILL test).
 pub const EXC_CLAIM: Stmt = Stmt {
     sql: concat!(
-        "WITH RECURSIVE heads(lane, subject, id) AS ( \
-           (SELECT o.lane, o.subject, o.id FROM outbox.log_exceptions o \
-             WHERE o.subscription = $1 AND o.subject IS NOT NULL \
-               AND (o.state IN ('pending', 'leased') OR (o.state = 'dead' AND o.blocks)) \
-             ORDER BY o.lane, o.subject, o.id LIMIT 1) \
-           UNION ALL \
-           SELECT n.lane, n.subject, n.id FROM heads h CROSS JOIN LATERAL ( \
-             SELECT o.lane, o.subject, o.id FROM outbox.log_exceptions o \
-              WHERE o.subscription = $1 AND o.subject IS NOT NULL \
-                AND (o.state IN ('pending', 'leased') OR (o.state = 'dead' AND o.blocks)) \
-                AND (o.lane, o.subject) > (h.lane, h.subject) \
-              ORDER BY o.lane, o.subject, o.id LIMIT 1) n \
-         ), cand AS ( \
+        "WITH cand AS ( \
            SELECT r.id FROM ( \
-             SELECT u.id, u.row FROM ( \
-               SELECT e.id, e.ctid AS row, e.visible_at FROM outbox.log_exceptions e \
-                WHERE e.subscription = $1 AND e.subject IS NULL AND e.state IN ('pending', 'leased') \
-                  AND e.visible_at <= $2 AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
-               UNION ALL \
-               SELECT e.id, e.ctid, e.visible_at FROM heads h \
-                 JOIN outbox.log_exceptions e ON e.subscription = $1 AND e.id = h.id \
-                WHERE e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
-                  AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
-                  AND NOT EXISTS ( \
-                      SELECT 1 FROM outbox.log_exceptions p \
-                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
-                         AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id) \
-             ) u ORDER BY u.visible_at, u.id OFFSET 0) r \
+             SELECT e.id, e.ctid AS row FROM outbox.log_exceptions e \
+              WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
+                AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
+                AND (e.subject IS NULL OR (NOT EXISTS ( \
+                     SELECT 1 FROM outbox.log_exceptions p \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
+                        AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks))) \
+                 AND NOT EXISTS ( \
+                     SELECT 1 FROM outbox.log_exceptions p \
+                      WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
+                        AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
+              ORDER BY e.visible_at, e.id OFFSET 0) r \
             WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
            UPDATE outbox.log_exceptions e SET \
