@@ -235,10 +235,14 @@ pub(super) fn load_batch(id: i64) -> Option<Loaded> {
     let (Some(bytes), Some(lane), Some(subscription)) = (bytes, lane, subscription) else {
         errors::raise(errors::INTERNAL, format!("malformed outbox.log_batches row {id}"));
     };
-    let batch = Batch::decode(&bytes).unwrap_or_else(|e| {
+    Some(Loaded { batch: decode_batch(id, &bytes), lane, subscription, holders })
+}
+
+/// The state kept in batch row `id`; bytes that do not decode are refused, not trusted (XX001).
+fn decode_batch(id: i64, bytes: &[u8]) -> Batch {
+    Batch::decode(bytes).unwrap_or_else(|e| {
         errors::raise(PgSqlErrorCode::ERRCODE_DATA_CORRUPTED, format!("outbox.log_batches row {id}: {e}"))
-    });
-    Some(Loaded { batch, lane, subscription, holders })
+    })
 }
 
 /// The batches among `ids` that exist, decoded (read under a snapshot taken
@@ -250,10 +254,7 @@ fn load_batches(ids: Vec<i64>) -> HashMap<i64, Batch> {
             let (Some(id), Some(bytes)) = (r.i64(0), r.bytes(1)) else {
                 errors::raise(errors::INTERNAL, "malformed outbox.log_batches row");
             };
-            let b = Batch::decode(&bytes).unwrap_or_else(|e| {
-                errors::raise(PgSqlErrorCode::ERRCODE_DATA_CORRUPTED, format!("outbox.log_batches row {id}: {e}"))
-            });
-            out.insert(id, b);
+            out.insert(id, decode_batch(id, &bytes));
         });
         out
     })
@@ -397,14 +398,16 @@ impl Claim<'_> {
         }
         // Dense rounds read a range each; sparse ones (later rounds of many
         // subjects, a lane each) are read together when there are several.
-        let (dense, sparse): (Vec<&Pending>, Vec<&Pending>) =
-            pending.iter().filter(|p| written.contains(&p.batch)).partition(|p| p.dense);
-        for p in dense.iter().chain(if sparse.len() < 2 { sparse.iter() } else { [].iter() }) {
+        let (together, alone): (Vec<&Pending>, Vec<&Pending>) =
+            pending.iter().filter(|p| written.contains(&p.batch)).partition(|p| !p.dense);
+        let (together, alone) =
+            if together.len() < 2 { (vec![], [alone, together].concat()) } else { (together, alone) };
+        for p in alone {
             self.emit(p.lane, &p.ids, p.dense, p.token, p.expires);
         }
-        if sparse.len() >= 2 {
+        if !together.is_empty() {
             let (mut lanes, mut ids, mut tokens, mut expires) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-            for p in &sparse {
+            for p in &together {
                 let token = pgrx::Uuid::from_bytes(p.token.to_bytes());
                 // SAFETY: timestamptz is a by-value int64; every value is a valid datum.
                 let at = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(p.expires), false) };
