@@ -8,6 +8,7 @@
 #       scripts/test.sh regress            pg_regress files  pg_test/sql/*.sql
 #       scripts/test.sh regress:claim      only pg_test/sql/claim.sql
 #       scripts/test.sh isolation[:NAME]   isolation specs   pg_test/specs/*.spec
+#       scripts/test.sh isolation-queue[:NAME]  the same specs with 'default' on the queue
 #       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
 #       scripts/test.sh relay[:EXPR]       pytest            pg_test/relay: the relay with nats-server
 #       scripts/test.sh cli[:EXPR]         pytest            pg_test/cli: the outbox command's operator subcommands
@@ -57,14 +58,14 @@ section() { printf '\n==== %s ====\n' "$*"; }
 # ---------------------------------------------------------------------------
 # Suite selection: no arguments = all suites.
 # ---------------------------------------------------------------------------
-ALL_SUITES=(regress isolation py relay cli dashboard pgrx suites)
+ALL_SUITES=(regress isolation isolation-queue py relay cli dashboard pgrx suites)
 declare -A WANT=() FILTER=()
 if [ "$#" -eq 0 ]; then
     for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
 else
     for arg in "$@"; do
         case "$arg" in
-            -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            -h | --help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         esac
         s="${arg%%:*}"
         case " ${ALL_SUITES[*]} " in
@@ -226,20 +227,20 @@ show_diffs() {
 # plain cluster. One pg_regress run per suite, in one fresh database; each test
 # line it prints ("test NAME ... ok|FAILED") counts as one case.
 run_pgxs() {
-    local suite="$1" var="$2" other="$3" dir="$4" ext="$5" tool="$6" names out rc ok bad
-    mapfile -t names < <(list_tests "$TEST_DIR/$dir" "$ext" "${FILTER[$suite]:-}")
+    local suite="$1" var="$2" other="$3" dir="$4" ext="$5" tool="$6" base="${7:-$TEST_DIR}" names out rc ok bad
+    mapfile -t names < <(list_tests "$base/$dir" "$ext" "${FILTER[$suite]:-}")
     if [ "${#names[@]}" -eq 0 ]; then
         [ -n "${FILTER[$suite]:-}" ] && fail "$suite: no test named '${FILTER[$suite]}'"
         return 0
     fi
-    section "$suite ($tool, pg_test/$dir)"
+    section "$suite ($tool, ${base#"$REPO"/}/$dir)"
     ensure_extension "$suite" || return 0
     ensure_plain_cluster || { fail "$suite: cluster $PLAIN did not start"; return 0; }
     out="$RESULTS/$suite"
     rm -rf "$out"
     mkdir -p "$out"
     PGHOST="$(outbox_pg_sockdir "$PLAIN")" PGPORT="$PLAIN_PORT" PGUSER="$OUTBOX_PG_USER" \
-        timeout -k 10 "$SUITE_TIMEOUT" make -s -C "$TEST_DIR" installcheck PG_CONFIG="$PG_CONFIG" \
+        timeout -k 10 "$SUITE_TIMEOUT" make -s -C "$base" installcheck PG_CONFIG="$PG_CONFIG" \
         "$var=${names[*]}" "$other=" EXTRA_REGRESS_OPTS="--outputdir=$out" </dev/null >"$out/make.log" 2>&1
     rc=$?
     grep -E '^(test| ) *[a-z_0-9]+ +\.\.\. ' "$out/make.log" | sed 's/^/  /'
@@ -257,6 +258,34 @@ run_pgxs() {
         fail "$suite: make installcheck exited $rc after $ok of ${#names[@]} files (log: $out/make.log)"
         tail -n 20 "$out/make.log"
     fi
+}
+
+# queue_specs: the isolation specs with 'default' on the queue, an install before
+# 0.12.0 (the queue's code serves it until ALTER EXTENSION ... UPDATE moves it), in
+# $RESULTS/isolation-queue.input. Each spec's setup puts 'default' on the log with
+# two lines, which become the queue's two; its expected output is
+# pg_test/expected/queue/NAME.out where the queue answers otherwise, else NAME.out.
+queue_specs() {
+    local in="$RESULTS/isolation-queue.input" f n
+    rm -rf "$in"
+    mkdir -p "$in/specs" "$in/expected"
+    cp "$TEST_DIR/Makefile" "$in/"
+    for f in "$TEST_DIR"/specs/*.spec; do
+        n="$(basename "$f" .spec)"
+        if [ "$(grep -cxF -e "    UPDATE outbox.subscription_catalog SET storage = 'log' WHERE name = 'default';" \
+            -e "    SELECT outbox._log_subscribe('default', 'earliest');" "$f")" -ne 2 ]; then
+            fail "isolation-queue: $n.spec does not put 'default' on the log in the two lines expected"
+            return 1
+        fi
+        sed -e "s/^    UPDATE outbox.subscription_catalog SET storage = 'log' WHERE name = 'default';\$/    UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default';/" \
+            -e "s/^    SELECT outbox._log_subscribe('default', 'earliest');\$/    DELETE FROM outbox.log_lanes WHERE subscription = 'default';/" \
+            "$f" >"$in/specs/$n.spec"
+        if [ -f "$TEST_DIR/expected/queue/$n.out" ]; then
+            cp "$TEST_DIR/expected/queue/$n.out" "$in/expected/$n.out"
+        elif [ -f "$TEST_DIR/expected/$n.out" ]; then
+            cp "$TEST_DIR/expected/$n.out" "$in/expected/$n.out"
+        fi
+    done
 }
 
 # ---------------------------------------------------------------------------
@@ -484,6 +513,8 @@ run_suites() {
 
 want regress && run_pgxs regress REGRESS ISOLATION sql sql pg_regress
 want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_regress
+want isolation-queue && queue_specs && run_pgxs isolation-queue ISOLATION REGRESS specs spec \
+    pg_isolation_regress "$RESULTS/isolation-queue.input"
 want py && run_py
 want relay && run_relay
 want cli && run_cli

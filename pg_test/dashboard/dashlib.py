@@ -250,11 +250,26 @@ def follow(driver, element, timeout=60):
     """Clicks a link or submit button and waits until the browser has left the page.
 
     A click returns once the event is dispatched, not once the next page is in; reading the page
-    (or the database) right after it races the request."""
-    from selenium.webdriver.support import expected_conditions as ec
+    (or the database) right after it races the request.
+
+    The old page is recognised by a mark set on its window object, which a navigation replaces.
+    Selenium's `staleness_of` asks about an element of the old page instead, and chromedriver can
+    answer that question mid-navigation with an "unknown error" ("Node with given id does not
+    belong to the document") rather than a stale-element error, which ended the wait with a
+    failure (CI, test_replay_with_token). A script run while the page is being replaced may fail
+    the same way, so any WebDriver error here means "not yet"."""
+    from selenium.common.exceptions import WebDriverException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    page = driver.find_element("tag name", "html")
+    driver.execute_script("window.__outboxOldPage = true;")
     element.click()
-    WebDriverWait(driver, timeout).until(ec.staleness_of(page))
-    WebDriverWait(driver, timeout).until(lambda d: d.execute_script("return document.readyState") == "complete")
+
+    def arrived(d):
+        try:
+            return d.execute_script(
+                "return window.__outboxOldPage === undefined && document.readyState === 'complete';"
+            )
+        except WebDriverException:
+            return False
+
+    WebDriverWait(driver, timeout).until(arrived)
