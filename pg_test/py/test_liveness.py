@@ -15,10 +15,15 @@ the preload cluster on purpose (it needs the background worker).
 Every connection has a lock_timeout and a statement_timeout, so a statement that
 would wait for ever fails instead, and every wait loop has a deadline.
 
-These are the queue's holes (heads, the low-water mark, its row locks): every
-test runs against a 'default' that reads outbox.event_queue (`queue` marker), as
-an install before 0.12.0 has it until the upgrade moves it. The log's own
-schedules are in test_log_claim.py, test_log_reader.py and the isolation specs.
+Most of these are the queue's holes (heads, the low-water mark, its row locks):
+those tests run against a 'default' that reads outbox.event_queue (`queue`
+marker), as an install before 0.12.0 has it until the upgrade moves it. The
+tests of the contract itself (a snapshot or an open transaction strands
+nothing, the attempt history stays bounded, every committed event is delivered
+without maintenance, a dead letter follows the policy committed last) run
+against both storages (`storage`: "log", a fresh install's 'default', and
+"queue") and read the public views only. The log's own schedules are in
+test_log_claim.py, test_log_reader.py and the isolation specs.
 """
 
 import hashlib
@@ -36,7 +41,9 @@ from psycopg import sql
 from conftest import DEFAULT_ON_QUEUE, PGCLUSTER, connect, on_queue, put_default_on_queue
 from scratch_db import create_db, drop_db
 
-pytestmark = pytest.mark.queue
+QUEUE = pytest.mark.queue
+# Either storage of 'default' (the scratch database's `queue` marker decides).
+BOTH = pytest.mark.parametrize("storage", ["log", pytest.param("queue", marks=pytest.mark.queue)])
 
 CLUSTERS = ["plain", "preload"]
 
@@ -178,7 +185,14 @@ def describe(c, eid):
                 txt += "; its subject is queued in outbox.subject_repairs"
         return txt
     r = c.execute("SELECT state FROM outbox.event_archive WHERE id = %s", (eid,)).fetchone()
-    return f"event {eid}: {r[0]} (archived)" if r else f"event {eid}: does not exist"
+    if r:
+        return f"event {eid}: {r[0]} (archived)"
+    # A 'default' of the log: where the public view has it.
+    r = c.execute("SELECT state, attempts, subject, available_at FROM outbox.deliveries "
+                  "WHERE event_id = %s AND subscription = 'default'", (eid,)).fetchone()
+    if r:
+        return f"event {eid} (log): {r[0]}, attempts={r[1]}, subject={r[2]!r}, available_at={r[3]}"
+    return f"event {eid}: does not exist"
 
 
 def expect_claim(c, topics, eid, timeout=3.0, lease=None, why=""):
@@ -284,7 +298,8 @@ def advisory_locks(c, pid):
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
 @pytest.mark.parametrize("iso", ["REPEATABLE READ", "SERIALIZABLE"])
-def test_snapshot_publisher_does_not_strand_its_subject(cluster, iso, scratch):
+@BOTH
+def test_snapshot_publisher_does_not_strand_its_subject(cluster, iso, scratch, storage):
     """The publisher's snapshot predates the ack of the subject's head: its event
     must still become the head."""
     db = scratch(cluster)
@@ -305,7 +320,8 @@ def test_snapshot_publisher_does_not_strand_its_subject(cluster, iso, scratch):
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_repeatable_read_publish_batch_does_not_strand_its_subject(cluster, scratch):
+@BOTH
+def test_repeatable_read_publish_batch_does_not_strand_its_subject(cluster, scratch, storage):
     db = scratch(cluster)
     w, p = db.conn(), db.conn()
     e1 = publish(w, "t.a", "s")
@@ -322,7 +338,8 @@ def test_repeatable_read_publish_batch_does_not_strand_its_subject(cluster, scra
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_repeatable_read_replay_of_cancelled_event_becomes_claimable(cluster, scratch):
+@BOTH
+def test_repeatable_read_replay_of_cancelled_event_becomes_claimable(cluster, scratch, storage):
     db = scratch(cluster)
     w, r = db.conn(), db.conn()
     e1 = publish(w, "t.a", "s")
@@ -339,7 +356,8 @@ def test_repeatable_read_replay_of_cancelled_event_becomes_claimable(cluster, sc
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_repeatable_read_ack_promotes_successor_committed_after_its_snapshot(cluster, scratch):
+@BOTH
+def test_repeatable_read_ack_promotes_successor_committed_after_its_snapshot(cluster, scratch, storage):
     db = scratch(cluster)
     c, wk, p = db.conn(), db.conn(), db.conn()
     e1 = publish(c, "t.a", "s")
@@ -413,6 +431,7 @@ def _lowwater_round(db, variant):
 
 
 @pytest.mark.parametrize("variant", ["cancel", "savepoint", "ack", "claim"])
+@QUEUE
 def test_claim_in_open_transaction_keeps_the_low_water_mark_below_committed_events(variant, scratch):
     db = scratch("preload")
     # On 0.3.0 the first round already strands the event; the second round only
@@ -443,7 +462,8 @@ def _deferred_promotion(c, p, topic, subject):
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_open_claim_transaction_does_not_block_other_claims(cluster, scratch):
+@BOTH
+def test_open_claim_transaction_does_not_block_other_claims(cluster, scratch, storage):
     db = scratch(cluster)
     c, p = db.conn(), db.conn()
     c1, c2 = db.conn(), db.conn(lock_timeout="1s")
@@ -464,7 +484,8 @@ def test_open_claim_transaction_does_not_block_other_claims(cluster, scratch):
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scratch):
+@BOTH
+def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scratch, storage):
     db = scratch(cluster)
     c, p, wk = db.conn(), db.conn(), db.conn()
     o = db.conn(lock_timeout="1s")
@@ -496,6 +517,7 @@ def test_claim_and_ack_in_one_open_transaction_do_not_block_others(cluster, scra
 @pytest.mark.parametrize("cluster", CLUSTERS)
 @pytest.mark.parametrize("iso", ["REPEATABLE READ", "SERIALIZABLE"])
 @pytest.mark.parametrize("ack_open", [True, False], ids=["ack-open", "ack-committed"])
+@QUEUE
 def test_claim_skips_events_changed_after_its_snapshot(cluster, iso, ack_open, scratch):
     """A claim whose snapshot still shows an event pending after another worker
     claimed it, and is acking it, must skip that event and return the rest.
@@ -531,6 +553,7 @@ def test_claim_skips_events_changed_after_its_snapshot(cluster, iso, ack_open, s
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
+@QUEUE
 def test_claim_locks_only_the_rows_it_claims(cluster, scratch):
     """Rows a claim looked at but did not take stay claimable by others while its
     transaction is open (the row lock is the last test a candidate passes)."""
@@ -546,6 +569,7 @@ def test_claim_locks_only_the_rows_it_claims(cluster, scratch):
     a.execute("ROLLBACK")
 
 
+@QUEUE
 def test_repeatable_read_claims_racing_over_repairs_never_fail(scratch):
     """REPEATABLE READ claims take deferred promotions from outbox.subject_repairs
     while other claims delete them: taking one another claim removed after this
@@ -585,6 +609,7 @@ def test_repeatable_read_claims_racing_over_repairs_never_fail(scratch):
     assert not errors, f"{len(errors)} of {calls[0] + len(errors)} claims failed, first: {errors[0]}"
 
 
+@QUEUE
 def test_lock_row_refuses_read_only_transactions(scratch):
     db = scratch("plain")
     c = db.conn()
@@ -596,6 +621,7 @@ def test_lock_row_refuses_read_only_transactions(scratch):
     c.execute("ROLLBACK")
 
 
+@QUEUE
 def test_lock_row_on_a_table_dropped_meanwhile(scratch):
     """The lock waits for the dropping transaction, then finds no table: 42P01,
     not an internal error."""
@@ -644,6 +670,7 @@ def _heads_with_successors(c, topic, prefix, nsubjects, chunk=1000):
         assert len(ids) == 2 * n
 
 
+@QUEUE
 def test_batch_ack_holds_a_bounded_number_of_subject_locks(scratch):
     db = scratch("plain")
     c, a, mon = db.conn(), db.conn(statement_timeout="60s"), db.conn()
@@ -670,6 +697,7 @@ def test_batch_ack_holds_a_bounded_number_of_subject_locks(scratch):
     drain(c, "t.l", successors, timeout=40.0)
 
 
+@QUEUE
 def test_publishing_too_many_subjects_in_one_statement_fails_cleanly(scratch):
     db = scratch("plain")
     c, other = db.conn(statement_timeout="60s"), db.conn()
@@ -687,6 +715,7 @@ def test_publishing_too_many_subjects_in_one_statement_fails_cleanly(scratch):
     assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 't.l'").fetchone()[0] == 502
 
 
+@QUEUE
 def test_alter_topic_skip_releases_many_subjects_with_bounded_locks(scratch):
     db = scratch("plain")
     c, a, mon = db.conn(), db.conn(statement_timeout="60s"), db.conn()
@@ -720,7 +749,8 @@ def test_alter_topic_skip_releases_many_subjects_with_bounded_locks(scratch):
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_replay_of_cancelled_event_racing_the_head_ack(cluster, scratch):
+@BOTH
+def test_replay_of_cancelled_event_racing_the_head_ack(cluster, scratch, storage):
     db = scratch(cluster)
     w, r = db.conn(lock_timeout="2s"), db.conn()
     e1 = publish(w, "t.a", "s")
@@ -768,6 +798,7 @@ def faketime_cluster():
         ts_file.unlink(missing_ok=True)
 
 
+@QUEUE
 def test_clock_set_back_while_step_b_is_stalled_does_not_delay_events(faketime_cluster):
     admin, ts_file = faketime_cluster
     name = "liveness_clock_back"
@@ -824,6 +855,7 @@ def test_clock_set_back_while_step_b_is_stalled_does_not_delay_events(faketime_c
 # ---------------------------------------------------------------------------
 
 
+@QUEUE
 def test_event_id_sequence_cache_is_guarded(scratch):
     db = scratch("plain")
     c = db.conn()
@@ -849,7 +881,7 @@ def test_event_id_sequence_cache_is_guarded(scratch):
 
 
 def _errors_of(c, eid):
-    return c.execute("SELECT errors, last_error FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+    return c.execute("SELECT errors, last_error FROM outbox.events WHERE id = %s", (eid,)).fetchone()
 
 
 def _check_bounded_history(errors, n, text_of):
@@ -861,7 +893,8 @@ def _check_bounded_history(errors, n, text_of):
     assert tail == [(a, text_of(a)) for a in range(n - 17, n + 1)], tail
 
 
-def test_attempt_history_is_bounded(scratch):
+@BOTH
+def test_attempt_history_is_bounded(scratch, storage):
     db = scratch("plain")
     c = db.conn()
     c.execute("SELECT outbox.create_topic('t.e', max_attempts => 1000)")
@@ -876,7 +909,8 @@ def test_attempt_history_is_bounded(scratch):
     assert last == "error 50"
 
 
-def test_attempt_history_is_bounded_for_expired_leases(scratch):
+@BOTH
+def test_attempt_history_is_bounded_for_expired_leases(scratch, storage):
     db = scratch("plain")
     c = db.conn()
     c.execute("SELECT outbox.create_topic('t.e', max_attempts => 1000)")
@@ -896,7 +930,8 @@ def test_attempt_history_is_bounded_for_expired_leases(scratch):
     assert last == "lease expired"
 
 
-def test_prepared_transactions_beyond_the_shared_list_are_announced(preload, listen):
+@BOTH
+def test_prepared_transactions_beyond_the_shared_list_are_announced(preload, listen, storage):
     """Database postgres of the preload cluster: its worker sends the wake-ups."""
     dsn = preload.dsn
     n = 40
@@ -943,7 +978,8 @@ def test_prepared_transactions_beyond_the_shared_list_are_announced(preload, lis
         p.close()
 
 
-def test_untracked_prepared_transactions_resolved_at_once_are_announced(preload, listen):
+@BOTH
+def test_untracked_prepared_transactions_resolved_at_once_are_announced(preload, listen, storage):
     """With the shared list full (32 prepared publishers held), a transaction that
     is prepared and committed at once may never be listed by the worker's poll of
     pg_prepared_xacts: it must be announced all the same."""
@@ -986,6 +1022,7 @@ def test_untracked_prepared_transactions_resolved_at_once_are_announced(preload,
         p.close()
 
 
+@QUEUE
 def test_publish_honours_rules_on_the_queue(scratch):
     db = scratch("plain")
     c = db.conn()
@@ -1063,6 +1100,7 @@ BT_CASES = [
 ]
 
 
+@QUEUE
 def test_errors_carry_no_rust_backtrace(bt_dsn):
     """The server runs with RUST_BACKTRACE=1; no error raised in the extension's
     Rust code may carry a backtrace."""
@@ -1092,6 +1130,7 @@ def test_errors_carry_no_rust_backtrace(bt_dsn):
     assert not problems, "\n".join(problems)
 
 
+@QUEUE
 def test_run_maintenance_repairs_heads_and_records_purged_keys(scratch):
     db = scratch("plain")
     c = db.conn()
@@ -1117,7 +1156,8 @@ def test_run_maintenance_repairs_heads_and_records_purged_keys(scratch):
 
 
 @pytest.mark.parametrize("cluster", CLUSTERS)
-def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch):
+@BOTH
+def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch, storage):
     db = scratch(cluster)
     c, p, r, wk = db.conn(), db.conn(), db.conn(), db.conn()
     committed, acks = [], []
@@ -1188,13 +1228,15 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
     fail_once = {e for e in rest if e % 3 == 0}
     drain(c, topics, rest, timeout=5.0, fail_once=fail_once, record=acks)
 
-    left = c.execute("SELECT id, state, is_head FROM outbox.event_queue WHERE topic = ANY(%s)", (topics,)).fetchall()
-    assert not left, f"events left in the queue after the drain: {left}"
+    # outbox.events describes 'default' in either storage.
+    left = c.execute("SELECT id, state FROM outbox.events WHERE topic = ANY(%s) AND state <> 'delivered'",
+                     (topics,)).fetchall()
+    assert not left, f"events not delivered after the drain: {left}"
     delivered = {row[0] for row in c.execute(
-        "SELECT id FROM outbox.event_archive WHERE state = 'delivered' AND topic = ANY(%s)", (topics,))}
+        "SELECT id FROM outbox.events WHERE state = 'delivered' AND topic = ANY(%s)", (topics,))}
     assert delivered == set(committed), (sorted(set(committed) - delivered), sorted(delivered - set(committed)))
     # Per subject, acks came in id (= commit) order.
-    subj = dict(c.execute("SELECT id, subject FROM outbox.event_archive WHERE subject IS NOT NULL AND topic = ANY(%s)",
+    subj = dict(c.execute("SELECT id, subject FROM outbox.events WHERE subject IS NOT NULL AND topic = ANY(%s)",
                           (topics,)).fetchall())
     by = {}
     for eid in acks:
@@ -1205,18 +1247,27 @@ def test_every_committed_event_is_delivered_without_maintenance(cluster, scratch
 
 
 @pytest.mark.parametrize("first,second", [("block", "skip"), ("skip", "block")])
-def test_policy_switch_racing_a_dead_transition(first, second, scratch):
+@pytest.mark.parametrize("via", ["first", "retry"])
+@BOTH
+def test_policy_switch_racing_a_dead_transition(first, second, via, scratch, storage):
     """alter_topic(dead_letter_policy) while fail() is turning the subject's head dead
     in an open transaction: the dead letter must follow the new policy (0.4.0 review:
-    alter_topic's UPDATE of dead rows could not see the uncommitted transition)."""
+    alter_topic's UPDATE of dead rows could not see the uncommitted transition). On
+    the log, the head's first delivery is out of a batch and the dead letter is a
+    new row of its own ("first"); a retried head already has one ("retry"). Both
+    failed on the log before fail() took the topic row FOR SHARE there too."""
     db = scratch("plain")
     a, b = db.conn(), db.conn()
     f = db.conn(autocommit=False)
-    a.execute("SELECT outbox.create_topic('t.pr', max_attempts => 1, dead_letter_policy => %s)", (first,))
+    a.execute("SELECT outbox.create_topic('t.pr', max_attempts => %s, dead_letter_policy => %s)",
+              (1 if via == "first" else 2, first))
     e1 = publish(a, "t.pr", "s")
     e2 = publish(a, "t.pr", "s")
     [(i, tok)] = claim(a, "t.pr")
     assert i == e1
+    if via == "retry":
+        assert a.execute("SELECT outbox.fail(%s, %s, 'once', retry_in => '0')", (e1, tok)).fetchone()[0] == "pending"
+        tok = expect_claim(a, "t.pr", e1, why=" (retried at once)")
     assert f.execute("SELECT outbox.fail(%s, %s, 'boom')", (e1, tok)).fetchone()[0] == "dead"
     done = threading.Event()
 
@@ -1230,8 +1281,10 @@ def test_policy_switch_racing_a_dead_transition(first, second, scratch):
     f.commit()
     t.join(10)
     assert done.is_set(), "alter_topic did not finish"
-    blocks = a.execute("SELECT blocks_subject FROM outbox.event_queue WHERE id = %s", (e1,)).fetchone()[0]
-    assert blocks == (second == "block"), f"dead letter {e1} has blocks_subject={blocks} under '{second}'"
+    if storage == "queue":
+        blocks = a.execute("SELECT blocks_subject FROM outbox.event_queue WHERE id = %s", (e1,)).fetchone()[0]
+        assert blocks == (second == "block"), f"dead letter {e1} has blocks_subject={blocks} under '{second}'"
+    # In either storage, what the policy means: e2 goes, or nothing does.
     if second == "skip":
         expect_claim(a, "t.pr", e2, why=" (its subject's dead letter is under 'skip')")
     else:

@@ -33,7 +33,8 @@
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS,
+    EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK, EXC_INSERT,
+    EXC_OPEN_SUBJECTS, LOG_FAIL_TOPIC_LOCK,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, gucs, pg};
@@ -232,6 +233,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     // Under a snapshot taken now (as every exception-row change here): a
     // stale token at REPEATABLE READ is 'stale', not a serialization failure.
     let row = by_token(|| {
+        plans::run_latest(&EXC_FAIL_TOPIC_LOCK, &[id.into(), token.into()], |_| ());
         plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
             let mut out = None;
             rows.for_each(|r| {
@@ -259,6 +261,15 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     ];
     plans::run_latest(&EXC_FAIL_APPLY, &args, |_| ());
     Some(state)
+}
+
+/// Lock the policy row of the topic of batch event `id` (lane `lane`) FOR
+/// SHARE before fail() decides its fate ([`LOG_FAIL_TOPIC_LOCK`]), under a
+/// snapshot taken now; at REPEATABLE READ and SERIALIZABLE a lock that waited
+/// for a committing `alter_topic` is taken once more under a new snapshot
+/// rather than raising 40001, as [`by_token`] does.
+pub fn lock_topic_of(lane: i16, id: i64) {
+    by_token(|| plans::run_latest(&LOG_FAIL_TOPIC_LOCK, &[lane.into(), id.into()], |_| ()))
 }
 
 /// extend_lease on the exception row `id` that `token` holds: the new expiry.

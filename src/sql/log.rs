@@ -600,6 +600,31 @@ pub const EXC_FAIL_LOCK: Stmt = Stmt {
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
+/// The policy row of the topic of the log event $2 (lane $1), FOR SHARE, taken
+/// by fail() of a batch event before it decides the event's fate: a concurrent
+/// `alter_topic` (which locks the row FOR UPDATE, then sets `blocks` of the
+/// topic's dead rows: sql/admin.sql, `_apply_dead_letter_policy`) either
+/// commits first, and the dead row this fail() writes reads its policy, or
+/// waits for this transaction, and its UPDATE then sees that row. Without it a
+/// dead letter written meanwhile kept the old policy: a subject stranded
+/// behind it, or an event handed out past a blocking one (test_liveness,
+/// `test_policy_switch_racing_a_dead_transition[log-*]`).
+pub const LOG_FAIL_TOPIC_LOCK: Stmt = Stmt {
+    sql: "SELECT 1 FROM outbox.topics t \
+           WHERE t.topic = (SELECT l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = $2) FOR SHARE OF t",
+    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
+};
+
+/// [`LOG_FAIL_TOPIC_LOCK`] for fail() of the exception row $1 that token $2
+/// leases, before the row is locked (topic row, then event row: the order
+/// alter_topic takes them in).
+pub const EXC_FAIL_TOPIC_LOCK: Stmt = Stmt {
+    sql: "SELECT 1 FROM outbox.topics t \
+           WHERE t.topic = (SELECT e.topic FROM outbox.log_exceptions e \
+                             WHERE e.id = $1 AND e.lease_token = $2 LIMIT 1) FOR SHARE OF t",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
 /// fail() on an exception row: state $3 ('pending' or 'dead'), retry at now +
 /// $4, error $5 appended to the history; the lease ends ($6: the
 /// subscription's dead-letter policy).
