@@ -328,17 +328,11 @@ BEGIN
         PERFORM outbox._promote_heads(released);
         PERFORM outbox._wake(topic);
     END IF;
-    -- Named subscriptions' dead letters follow it too, unless their subscription
-    -- sets its own policy; a claim finds the subject's new head by itself
-    -- (src/log/exceptions.rs).
-    UPDATE outbox.log_exceptions x
-       SET blocks = (policy OPERATOR(pg_catalog.=) 'block')
-      FROM outbox.subscription_catalog c
-     WHERE c.name OPERATOR(pg_catalog.=) x.subscription AND c.dead_letter_policy IS NULL
-       AND x.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
-       AND x.state OPERATOR(pg_catalog.=) 'dead' AND x.subject IS NOT NULL
-       AND x.blocks IS DISTINCT FROM (policy OPERATOR(pg_catalog.=) 'block');
-    IF FOUND AND policy OPERATOR(pg_catalog.=) 'skip' THEN
+    -- The log's dead letters follow it too, in subscriptions without a policy
+    -- of their own; a claim finds the subject's new head by itself
+    -- (src/log/exceptions.rs, invariant 4: under a snapshot taken after the
+    -- topic row's lock, so at every isolation level).
+    IF outbox._log_apply_dead_letter_policy(topic, policy) AND policy OPERATOR(pg_catalog.=) 'skip' THEN
         PERFORM outbox._wake(topic);
     END IF;
 END

@@ -101,7 +101,13 @@ COMMENT ON FUNCTION outbox._audit_low_water() IS
 
 COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
 'Internal: make the dead letters of topic follow policy (''block'' or ''skip''), releasing their subjects under ''skip''; used by create_topic, alter_topic and drop_topic. '
-'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy. Returns void.';
+'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy; the log''s rows through outbox._log_apply_dead_letter_policy. Returns void.';
+
+COMMENT ON FUNCTION outbox._log_apply_dead_letter_policy(text, text) IS
+'Internal, for outbox._apply_dead_letter_policy once the topic row is locked: the log''s dead letters of topic, in subscriptions without a dead-letter policy of their own, take policy (''block'' or ''skip''); '
+'the topic''s rows a claim could still turn dead (leased, or pending after an attempt) are written again, so a claim turning one dead concurrently is waited for and then updated, and a later claim skips it. '
+'Runs under a snapshot taken at the call (again after a serialization failure at REPEATABLE READ or SERIALIZABLE), so dead letters committed while the caller waited for the topic row are seen at every isolation level. '
+'Returns true when a dead letter changed (boolean). Errors: 22004 NULL topic or policy; 22023 a policy other than block or skip. See src/log/exceptions.rs, invariant 4.';
 
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';

@@ -167,7 +167,7 @@ def populate(c):
         c.execute("SELECT outbox.fail(%s, %s, 'permanent', permanent => true)", (i, t))
     for i, t in failed[5:]:
         c.execute("SELECT outbox.fail(%s, %s, 'transient', retry_in => interval '0')", (i, t))
-    cancel = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND subject IS NULL "
+    cancel = c.execute("SELECT id FROM outbox.events WHERE state = 'pending' AND subject IS NULL "
                        "ORDER BY id DESC LIMIT 1").fetchone()[0]
     c.execute("SELECT outbox.cancel(%s)", (cancel,))
     states = dict(c.execute("SELECT state, count(*) FROM outbox.events GROUP BY state").fetchall())

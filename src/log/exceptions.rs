@@ -29,11 +29,23 @@
 //!    the queue can still be acked until it is claimed again.
 //! 3. **Claims never wait.** Candidate rows are taken with `_lock_row`
 //!    ([`crate::pg::try_lock_row`]), as the queue's claim takes its rows.
+//! 4. **A dead letter follows the policy its topic has when it commits.**
+//!    A row turns dead in two places: fail() and a claim that finds an
+//!    expired lease on the last attempt. fail() takes the topic row FOR SHARE
+//!    first ([`lock_topic_of`], [`fail`]), so it and `alter_topic` (which
+//!    locks that row by updating it) run one after the other. A claim takes no
+//!    topic lock; instead [`apply_dead_letter_policy`], after the topic row
+//!    is locked, rewrites every row of the topic that a claim can still turn
+//!    dead. A claim that locked such a row first is waited for, and its dead
+//!    row is then updated; one that comes later finds the row locked or
+//!    changed since its snapshot, and `_lock_row` skips it. Both the rewrite
+//!    and fail()'s policy read run under a snapshot taken after the lock, so at
+//!    every isolation level they see what committed while they waited.
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK, EXC_INSERT,
+    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK, EXC_INSERT,
     EXC_OPEN_SUBJECTS, LOG_FAIL_TOPIC_LOCK,
 };
 use crate::subscriptions::Settings;
@@ -270,6 +282,36 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
 /// rather than raising 40001, as [`by_token`] does.
 pub fn lock_topic_of(lane: i16, id: i64) {
     by_token(|| plans::run_latest(&LOG_FAIL_TOPIC_LOCK, &[lane.into(), id.into()], |_| ()))
+}
+
+/// `outbox._log_apply_dead_letter_policy(topic text, policy text) -> boolean`:
+/// the log's part of `_apply_dead_letter_policy` (sql/admin.sql), run by
+/// create_topic, alter_topic and drop_topic after they have locked the topic
+/// row: the dead letters of `topic` in subscriptions without a dead-letter
+/// policy of their own take `policy` ('block' or 'skip'), and the rows a
+/// claim could still turn dead are rewritten ([`EXC_APPLY_POLICY`]; invariant
+/// 4 above). Under a snapshot taken now, once more after a 40001 at
+/// REPEATABLE READ or SERIALIZABLE ([`by_token`]), so a dead letter committed
+/// while the caller waited for the topic row is seen at every isolation level.
+/// True when a dead letter changed. 22004 for NULL, 22023 for another policy.
+#[pgrx::pg_extern(name = "_log_apply_dead_letter_policy", volatile, parallel_unsafe)]
+pub fn apply_dead_letter_policy(topic: Option<&str>, policy: Option<&str>) -> bool {
+    let topic = topic.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "topic must not be NULL"));
+    let policy = match policy {
+        None => errors::raise(errors::NULL_VALUE, "policy must not be NULL"),
+        Some(p @ ("block" | "skip")) => p,
+        Some(other) => errors::raise(
+            errors::INVALID_PARAMETER,
+            format!("dead_letter_policy must be 'block' or 'skip', not {other:?}"),
+        ),
+    };
+    by_token(|| {
+        plans::run_latest(&EXC_APPLY_POLICY, &[topic.into(), policy.into()], |rows| {
+            let mut n = 0i64;
+            rows.for_each(|r| n = r.i64(0).unwrap_or(0));
+            n > 0
+        })
+    })
 }
 
 /// extend_lease on the exception row `id` that `token` holds: the new expiry.

@@ -615,6 +615,36 @@ pub const LOG_FAIL_TOPIC_LOCK: Stmt = Stmt {
     types: &[pg_sys::INT2OID, pg_sys::INT8OID],
 };
 
+/// The log's part of a topic's dead-letter policy change (src/log/exceptions.rs,
+/// `apply_dead_letter_policy`): the dead rows of topic $1 in subscriptions
+/// that follow the topic's policy take policy $2, and the rows a claim can
+/// still turn dead (leased, or pending after an attempt: [`EXC_CLAIM`]'s
+/// `exc_exhausted`) are written again unchanged. That write waits for a claim
+/// that holds one of them and then sees the claim's dead row (READ COMMITTED
+/// rechecks the newest version; at REPEATABLE READ the caller retries under a
+/// new snapshot), and a claim that reads a row after it finds the row changed
+/// and skips it. What it cannot reach is a row a claim inserts and turns
+/// dead in one transaction (an expired batch event moved here and exhausted
+/// at once): that insert is invisible until it commits, so such a dead letter
+/// may keep the old policy (README, Configuration; docs/design/subscriptions.md).
+/// Runs under the latest snapshot so that an alter_topic inside a REPEATABLE
+/// READ transaction still sees a fail() that committed while it waited
+/// (test_liveness, `test_policy_switch_racing_a_dead_transition[log-*]`).
+/// Returns how many dead rows changed.
+pub const EXC_APPLY_POLICY: Stmt = Stmt {
+    sql: "WITH changed AS ( \
+            UPDATE outbox.log_exceptions x \
+               SET blocks = CASE WHEN x.state = 'dead' THEN $2 = 'block' ELSE x.blocks END \
+              FROM outbox.subscription_catalog c \
+             WHERE c.name = x.subscription AND c.dead_letter_policy IS NULL \
+               AND x.topic = $1 AND x.subject IS NOT NULL \
+               AND ((x.state = 'dead' AND x.blocks IS DISTINCT FROM ($2 = 'block')) \
+                    OR (x.state IN ('pending', 'leased') AND (x.lease_token IS NOT NULL OR x.attempts > 0))) \
+            RETURNING x.state) \
+          SELECT count(*) FILTER (WHERE c.state = 'dead') FROM changed c",
+    types: &[pg_sys::TEXTOID, pg_sys::TEXTOID],
+};
+
 /// [`LOG_FAIL_TOPIC_LOCK`] for fail() of the exception row $1 that token $2
 /// leases, before the row is locked (topic row, then event row: the order
 /// alter_topic takes them in).
