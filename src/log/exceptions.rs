@@ -45,8 +45,8 @@
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK, EXC_INSERT,
-    EXC_OPEN_SUBJECTS, LOG_FAIL_TOPIC_LOCK,
+    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK,
+    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_FAIL_TOPIC_LOCK,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, gucs, pg};
