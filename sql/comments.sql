@@ -104,10 +104,18 @@ COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
 'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy; the log''s rows through outbox._log_apply_dead_letter_policy. Returns void.';
 
 COMMENT ON FUNCTION outbox._log_apply_dead_letter_policy(text, text) IS
-'Internal, for outbox._apply_dead_letter_policy once the topic row is locked: the log''s dead letters of topic, in subscriptions without a dead-letter policy of their own, take policy (''block'' or ''skip''); '
-'the topic''s rows a claim could still turn dead (leased, or pending after an attempt) are written again, so a claim turning one dead concurrently is waited for and then updated, and a later claim skips it. '
-'Runs under a snapshot taken at the call (again after a serialization failure at REPEATABLE READ or SERIALIZABLE), so dead letters committed while the caller waited for the topic row are seen at every isolation level. '
+'Internal, for outbox._apply_dead_letter_policy once the topic''s new policy is written: takes the topic''s dead-letter policy lock exclusively (a transaction-level advisory lock, waiting for every fail() and claim that turned one of the topic''s rows dead to end), '
+'then the log''s dead letters of topic, in subscriptions without a dead-letter policy of their own, take policy (''block'' or ''skip''). '
+'Runs under a snapshot taken after the lock (again after a serialization failure at REPEATABLE READ or SERIALIZABLE), so dead letters committed while it waited are seen at every isolation level. '
 'Returns true when a dead letter changed (boolean). Errors: 22004 NULL topic or policy; 22023 a policy other than block or skip. See src/log/exceptions.rs, invariant 4.';
+
+COMMENT ON FUNCTION outbox._log_try_policy_share(text) IS
+'Internal, for claims of the log: takes topic''s dead-letter policy lock in share mode, held until the transaction ends, if no policy change holds it; never waits. '
+'Returns true when taken (boolean), false when a create_topic, alter_topic or drop_topic of that topic holds it (the claim then leaves the row it would turn dead for a later claim); NULL for a NULL topic. See src/log/exceptions.rs, invariant 4.';
+
+COMMENT ON FUNCTION outbox._log_dead_blocks(text, text) IS
+'Internal, for claims of the log: whether a dead letter of topic holds its subject (boolean): policy (the subscription''s dead-letter policy) when not NULL, '
+'else the topic''s policy read under a snapshot taken now with the topic''s dead-letter policy lock held in share mode (waiting for a policy change in progress), else true (''block''). See src/log/exceptions.rs, invariant 4.';
 
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';

@@ -30,23 +30,32 @@
 //! 3. **Claims never wait.** Candidate rows are taken with `_lock_row`
 //!    ([`crate::pg::try_lock_row`]), as the queue's claim takes its rows.
 //! 4. **A dead letter follows the policy its topic has when it commits.**
-//!    A row turns dead in two places: fail() and a claim that finds an
-//!    expired lease on the last attempt. fail() takes the topic row FOR SHARE
-//!    first ([`lock_topic_of`], [`fail`]), so it and `alter_topic` (which
-//!    locks that row by updating it) run one after the other. A claim takes no
-//!    topic lock; instead [`apply_dead_letter_policy`], after the topic row
-//!    is locked, rewrites every row of the topic that a claim can still turn
-//!    dead. A claim that locked such a row first is waited for, and its dead
-//!    row is then updated; one that comes later finds the row locked or
-//!    changed since its snapshot, and `_lock_row` skips it. Both the rewrite
-//!    and fail()'s policy read run under a snapshot taken after the lock, so at
-//!    every isolation level they see what committed while they waited.
+//!    A row of the log turns dead in two places: fail(), and a claim that
+//!    finds an expired lease on the last attempt (a row moved out of its
+//!    batch by that same claim included). Both hold the topic's dead-letter
+//!    policy lock in share mode ([`POLICY_LOCK_KEY`], `hashtext(topic)`, a
+//!    transaction-level advisory lock) from before they read the policy until
+//!    they commit, and read it under a snapshot taken after the lock
+//!    ([`dead_blocks`], [`EXC_FAIL_APPLY`], [`EXC_INSERT`] under
+//!    `run_latest`). A policy change ([`apply_dead_letter_policy`]) takes the
+//!    lock exclusively after it has written the topic's new policy, then
+//!    rewrites the topic's dead rows under a snapshot taken after the lock.
+//!    So of a dead transition and a policy change, whichever takes the lock
+//!    second runs after the other has committed and sees it: the transition
+//!    reads the new policy, or the rewrite sees the new dead row. fail()
+//!    waits for the lock ([`lock_topic_of`], [`fail`]); a claim never does
+//!    (invariant 3): it tries the lock for each row it would turn dead
+//!    ([`try_policy_share`]) and leaves the row for a later claim when a
+//!    policy change holds it. A policy change waits for claims and fails that
+//!    turned one of its topic's rows dead until they end; nothing else waits
+//!    for it but those, and it waits for nothing they hold (a fail() takes no
+//!    topic row lock, so there is no cycle with alter_topic's row lock).
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_FAIL_TOPIC_LOCK,
-    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_FAIL_TOPIC_LOCK,
+    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK,
+    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, TOPIC_DEAD_LETTER_POLICY,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, gucs, pg};
@@ -245,7 +254,9 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     // Under a snapshot taken now (as every exception-row change here): a
     // stale token at REPEATABLE READ is 'stale', not a serialization failure.
     let row = by_token(|| {
-        plans::run_latest(&EXC_FAIL_TOPIC_LOCK, &[id.into(), token.into()], |_| ());
+        if let Some(topic) = plans::run_latest(&EXC_EVENT_TOPIC, &[id.into(), token.into()], first_text) {
+            lock_policy_shared(&topic);
+        }
         plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
             let mut out = None;
             rows.for_each(|r| {
@@ -275,24 +286,71 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     Some(state)
 }
 
-/// Lock the policy row of the topic of batch event `id` (lane `lane`) FOR
-/// SHARE before fail() decides its fate ([`LOG_FAIL_TOPIC_LOCK`]), under a
-/// snapshot taken now; at REPEATABLE READ and SERIALIZABLE a lock that waited
-/// for a committing `alter_topic` is taken once more under a new snapshot
-/// rather than raising 40001, as [`by_token`] does.
+/// First key of a topic's dead-letter policy lock (invariant 4): "obtp".
+/// The second is `hashtext(topic)`; two topics that share it only wait for
+/// each other's policy changes.
+pub const POLICY_LOCK_KEY: i32 = 0x6f62_7470;
+
+/// Take topic `topic`'s dead-letter policy lock in share mode, waiting for a
+/// policy change in progress to commit: what fail() holds while it turns an
+/// event dead.
+fn lock_policy_shared(topic: &str) {
+    pg::advisory_xact_lock_shared(POLICY_LOCK_KEY, pg::hashtext(topic));
+}
+
+/// The first column of the first row, as text.
+fn first_text(rows: &plans::Rows) -> Option<String> {
+    let mut out = None;
+    rows.for_each(|r| {
+        if out.is_none() {
+            out = r.text(0);
+        }
+    });
+    out
+}
+
+/// Take the dead-letter policy lock of the topic of batch event `id` (lane
+/// `lane`) before fail() decides its fate (invariant 4).
 pub fn lock_topic_of(lane: i16, id: i64) {
-    by_token(|| plans::run_latest(&LOG_FAIL_TOPIC_LOCK, &[lane.into(), id.into()], |_| ()))
+    if let Some(topic) = plans::run_latest(&LOG_EVENT_TOPIC, &[lane.into(), id.into()], first_text) {
+        lock_policy_shared(&topic);
+    }
+}
+
+/// `outbox._log_try_policy_share(topic text) -> boolean`: take `topic`'s
+/// dead-letter policy lock in share mode if no policy change holds it; never
+/// waits. [`EXC_CLAIM`] calls it for each row it would turn dead and skips the
+/// row when it is false (invariant 4; claims never wait, invariant 3).
+#[pgrx::pg_extern(name = "_log_try_policy_share", volatile, parallel_unsafe, strict)]
+pub fn try_policy_share(topic: &str) -> bool {
+    pg::try_advisory_xact_lock_shared(POLICY_LOCK_KEY, pg::hashtext(topic))
+}
+
+/// `outbox._log_dead_blocks(topic text, policy text) -> boolean`: whether a
+/// dead letter of `topic` holds its subject: `policy` (the subscription's)
+/// when it is not NULL, else the topic's policy read under a snapshot taken
+/// now, with the topic's policy lock held in share mode (already held by the
+/// claim that calls it: [`try_policy_share`]), else 'block'.
+#[pgrx::pg_extern(name = "_log_dead_blocks", volatile, parallel_unsafe)]
+pub fn dead_blocks(topic: Option<&str>, policy: Option<&str>) -> bool {
+    if let Some(p) = policy {
+        return p == "block";
+    }
+    let Some(topic) = topic else { return true };
+    lock_policy_shared(topic);
+    plans::run_latest(&TOPIC_DEAD_LETTER_POLICY, &[topic.into()], first_text).is_none_or(|p| p == "block")
 }
 
 /// `outbox._log_apply_dead_letter_policy(topic text, policy text) -> boolean`:
 /// the log's part of `_apply_dead_letter_policy` (sql/admin.sql), run by
-/// create_topic, alter_topic and drop_topic after they have locked the topic
-/// row: the dead letters of `topic` in subscriptions without a dead-letter
-/// policy of their own take `policy` ('block' or 'skip'), and the rows a
-/// claim could still turn dead are rewritten ([`EXC_APPLY_POLICY`]; invariant
-/// 4 above). Under a snapshot taken now, once more after a 40001 at
-/// REPEATABLE READ or SERIALIZABLE ([`by_token`]), so a dead letter committed
-/// while the caller waited for the topic row is seen at every isolation level.
+/// create_topic, alter_topic and drop_topic after they have written the
+/// topic's new policy: takes the topic's policy lock exclusively (waiting for
+/// the fails and claims that turned one of its rows dead to end), then the
+/// dead letters of `topic` in subscriptions without a dead-letter policy of
+/// their own take `policy` ('block' or 'skip') ([`EXC_APPLY_POLICY`];
+/// invariant 4 above). Under a snapshot taken after the lock, once more after
+/// a 40001 at REPEATABLE READ or SERIALIZABLE ([`by_token`]), so a dead letter
+/// committed while it waited is seen at every isolation level.
 /// True when a dead letter changed. 22004 for NULL, 22023 for another policy.
 #[pgrx::pg_extern(name = "_log_apply_dead_letter_policy", volatile, parallel_unsafe)]
 pub fn apply_dead_letter_policy(topic: Option<&str>, policy: Option<&str>) -> bool {
@@ -305,6 +363,7 @@ pub fn apply_dead_letter_policy(topic: Option<&str>, policy: Option<&str>) -> bo
             format!("dead_letter_policy must be 'block' or 'skip', not {other:?}"),
         ),
     };
+    pg::advisory_xact_lock(POLICY_LOCK_KEY, pg::hashtext(topic));
     by_token(|| {
         plans::run_latest(&EXC_APPLY_POLICY, &[topic.into(), policy.into()], |rows| {
             let mut n = 0i64;

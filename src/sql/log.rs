@@ -502,7 +502,10 @@ pub const EXC_CLAIM: Stmt = Stmt {
     sql: concat!(
         "WITH cand AS ( \
            SELECT r.id FROM ( \
-             SELECT e.id, e.ctid AS row FROM outbox.log_exceptions e \
+             SELECT e.id, e.ctid AS row, e.topic, $10::text IS NULL AND ",
+        exc_exhausted!(),
+        " AS dies \
+               FROM outbox.log_exceptions e \
               WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
                 AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
                 AND (e.subject IS NULL OR (NOT EXISTS ( \
@@ -514,7 +517,8 @@ pub const EXC_CLAIM: Stmt = Stmt {
                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
                         AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
-            WHERE outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
+            WHERE (NOT r.dies OR outbox._log_try_policy_share(r.topic)) \
+              AND outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
            UPDATE outbox.log_exceptions e SET \
              state = CASE WHEN ",
@@ -545,9 +549,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
         " THEN clock_timestamp() END, \
              blocks = CASE WHEN ",
         exc_exhausted!(),
-        " THEN ",
-        dead_blocks!("e", "$10"),
-        " ELSE e.blocks END \
+        " THEN e.subject IS NOT NULL AND outbox._log_dead_blocks(e.topic, $10) ELSE e.blocks END \
            WHERE e.subscription = $1 AND e.id = ANY (ARRAY(SELECT c.id FROM cand c)) \
            RETURNING e.id, e.topic, e.subject, e.dispatch_key, e.payload, e.headers, e.attempts, e.lease_token, \
                      e.visible_at, e.published_at, e.state = 'leased' AS leased \
@@ -600,59 +602,43 @@ pub const EXC_FAIL_LOCK: Stmt = Stmt {
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
-/// The policy row of the topic of the log event $2 (lane $1), FOR SHARE, taken
-/// by fail() of a batch event before it decides the event's fate: a concurrent
-/// `alter_topic` (which locks the row FOR UPDATE, then sets `blocks` of the
-/// topic's dead rows: sql/admin.sql, `_apply_dead_letter_policy`) either
-/// commits first, and the dead row this fail() writes reads its policy, or
-/// waits for this transaction, and its UPDATE then sees that row. Without it a
-/// dead letter written meanwhile kept the old policy: a subject stranded
-/// behind it, or an event handed out past a blocking one (test_liveness,
-/// `test_policy_switch_racing_a_dead_transition[log-*]`).
-pub const LOG_FAIL_TOPIC_LOCK: Stmt = Stmt {
-    sql: "SELECT 1 FROM outbox.topics t \
-           WHERE t.topic = (SELECT l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = $2) FOR SHARE OF t",
+/// The topic of the log event $2 (lane $1): fail() of a batch event takes
+/// that topic's dead-letter policy lock before it decides the event's fate
+/// (src/log/exceptions.rs, invariant 4).
+pub const LOG_EVENT_TOPIC: Stmt = Stmt {
+    sql: "SELECT l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = $2",
     types: &[pg_sys::INT2OID, pg_sys::INT8OID],
 };
 
+/// The topic of the exception row $1 that token $2 leases: [`LOG_EVENT_TOPIC`]
+/// for fail() of an exception row, before the row is locked.
+pub const EXC_EVENT_TOPIC: Stmt = Stmt {
+    sql: "SELECT e.topic FROM outbox.log_exceptions e WHERE e.id = $1 AND e.lease_token = $2 LIMIT 1",
+    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
+};
+
+/// Topic $1's dead-letter policy (no row: NULL, which means 'block').
+pub const TOPIC_DEAD_LETTER_POLICY: Stmt =
+    Stmt { sql: "SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = $1", types: &[pg_sys::TEXTOID] };
+
 /// The log's part of a topic's dead-letter policy change (src/log/exceptions.rs,
-/// `apply_dead_letter_policy`): the dead rows of topic $1 in subscriptions
-/// that follow the topic's policy take policy $2, and the rows a claim can
-/// still turn dead (leased, or pending after an attempt: [`EXC_CLAIM`]'s
-/// `exc_exhausted`) are written again unchanged. That write waits for a claim
-/// that holds one of them and then sees the claim's dead row (READ COMMITTED
-/// rechecks the newest version; at REPEATABLE READ the caller retries under a
-/// new snapshot), and a claim that reads a row after it finds the row changed
-/// and skips it. What it cannot reach is a row a claim inserts and turns
-/// dead in one transaction (an expired batch event moved here and exhausted
-/// at once): that insert is invisible until it commits, so such a dead letter
-/// may keep the old policy (README, Configuration; docs/design/subscriptions.md).
-/// Runs under the latest snapshot so that an alter_topic inside a REPEATABLE
-/// READ transaction still sees a fail() that committed while it waited
-/// (test_liveness, `test_policy_switch_racing_a_dead_transition[log-*]`).
-/// Returns how many dead rows changed.
+/// `apply_dead_letter_policy`, with the topic's policy lock held exclusively):
+/// the dead rows of topic $1 in subscriptions that follow the topic's policy
+/// take policy $2. Runs under the latest snapshot, so that an alter_topic
+/// inside a REPEATABLE READ transaction still sees a dead letter that
+/// committed while it waited for the lock (test_liveness,
+/// `test_policy_switch_racing_a_dead_transition[log-*]`). Returns how many
+/// dead rows changed.
 pub const EXC_APPLY_POLICY: Stmt = Stmt {
     sql: "WITH changed AS ( \
-            UPDATE outbox.log_exceptions x \
-               SET blocks = CASE WHEN x.state = 'dead' THEN $2 = 'block' ELSE x.blocks END \
+            UPDATE outbox.log_exceptions x SET blocks = ($2 = 'block') \
               FROM outbox.subscription_catalog c \
              WHERE c.name = x.subscription AND c.dead_letter_policy IS NULL \
                AND x.topic = $1 AND x.subject IS NOT NULL \
-               AND ((x.state = 'dead' AND x.blocks IS DISTINCT FROM ($2 = 'block')) \
-                    OR (x.state IN ('pending', 'leased') AND (x.lease_token IS NOT NULL OR x.attempts > 0))) \
-            RETURNING x.state) \
-          SELECT count(*) FILTER (WHERE c.state = 'dead') FROM changed c",
+               AND x.state = 'dead' AND x.blocks IS DISTINCT FROM ($2 = 'block') \
+            RETURNING 1) \
+          SELECT count(*) FROM changed",
     types: &[pg_sys::TEXTOID, pg_sys::TEXTOID],
-};
-
-/// [`LOG_FAIL_TOPIC_LOCK`] for fail() of the exception row $1 that token $2
-/// leases, before the row is locked (topic row, then event row: the order
-/// alter_topic takes them in).
-pub const EXC_FAIL_TOPIC_LOCK: Stmt = Stmt {
-    sql: "SELECT 1 FROM outbox.topics t \
-           WHERE t.topic = (SELECT e.topic FROM outbox.log_exceptions e \
-                             WHERE e.id = $1 AND e.lease_token = $2 LIMIT 1) FOR SHARE OF t",
-    types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
 
 /// fail() on an exception row: state $3 ('pending' or 'dead'), retry at now +
