@@ -109,14 +109,6 @@ COMMENT ON FUNCTION outbox._log_apply_dead_letter_policy(text, text) IS
 'Runs under a snapshot taken after the lock (again after a serialization failure at REPEATABLE READ or SERIALIZABLE), so dead letters committed while it waited are seen at every isolation level. '
 'Returns true when a dead letter changed (boolean). Errors: 22004 NULL topic or policy; 22023 a policy other than block or skip. See src/log/exceptions.rs, invariant 4.';
 
-COMMENT ON FUNCTION outbox._log_try_policy_share(text) IS
-'Internal, for claims of the log: takes topic''s dead-letter policy lock in share mode, held until the transaction ends, if no policy change holds it; never waits. '
-'Returns true when taken (boolean), false when a create_topic, alter_topic or drop_topic of that topic holds it (the claim then leaves the row it would turn dead for a later claim); NULL for a NULL topic. See src/log/exceptions.rs, invariant 4.';
-
-COMMENT ON FUNCTION outbox._log_dead_blocks(text, text) IS
-'Internal, for claims of the log: whether a dead letter of topic holds its subject (boolean): policy (the subscription''s dead-letter policy) when not NULL, '
-'else the topic''s policy read under a snapshot taken now with the topic''s dead-letter policy lock held in share mode (waiting for a policy change in progress), else true (''block''). See src/log/exceptions.rs, invariant 4.';
-
 COMMENT ON FUNCTION outbox._check_subscription(text) IS
 'Internal: the subscription name to use (text): ''default'' for NULL, else the argument. Errors: 22023 when malformed (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit).';
 

@@ -6,27 +6,9 @@
 -- 0.13.0 -> 0.14.0: no DDL a diff cannot derive. Every dead transition of the
 -- log (fail(), and a claim that finds a last lease expired) now holds its
 -- topic's dead-letter policy lock in share mode, and a policy change takes it
--- exclusively (src/log/exceptions.rs, invariant 4): the claim's two helpers
--- outbox._log_try_policy_share and outbox._log_dead_blocks are new, and
--- outbox._log_apply_dead_letter_policy no longer rewrites the rows a claim
--- could still turn dead. The new functions and the changed comments follow.
-
--- Functions and procedures, new or changed
-
-CREATE OR REPLACE FUNCTION "_log_dead_blocks"(
-	"topic" TEXT, /* Option < & str > */
-	"policy" TEXT /* Option < & str > */
-) RETURNS bool /* bool */
-VOLATILE PARALLEL UNSAFE 
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'dead_blocks_wrapper';
-
-CREATE OR REPLACE FUNCTION "_log_try_policy_share"(
-	"topic" TEXT /* & str */
-) RETURNS bool /* bool */
-STRICT VOLATILE PARALLEL UNSAFE 
-LANGUAGE c /* Rust */
-AS 'MODULE_PATHNAME', 'try_policy_share_wrapper';
+-- exclusively (src/log/exceptions.rs, invariant 4). That is all in the
+-- library; outbox._log_apply_dead_letter_policy no longer rewrites the rows a
+-- claim could still turn dead, and its comment, which follows, says so.
 
 -- Comments, new or changed
 
@@ -35,14 +17,6 @@ COMMENT ON FUNCTION outbox._log_apply_dead_letter_policy(text, text) IS
 'then the log''s dead letters of topic, in subscriptions without a dead-letter policy of their own, take policy (''block'' or ''skip''). '
 'Runs under a snapshot taken after the lock (again after a serialization failure at REPEATABLE READ or SERIALIZABLE), so dead letters committed while it waited are seen at every isolation level. '
 'Returns true when a dead letter changed (boolean). Errors: 22004 NULL topic or policy; 22023 a policy other than block or skip. See src/log/exceptions.rs, invariant 4.';
-
-COMMENT ON FUNCTION outbox._log_try_policy_share(text) IS
-'Internal, for claims of the log: takes topic''s dead-letter policy lock in share mode, held until the transaction ends, if no policy change holds it; never waits. '
-'Returns true when taken (boolean), false when a create_topic, alter_topic or drop_topic of that topic holds it (the claim then leaves the row it would turn dead for a later claim); NULL for a NULL topic. See src/log/exceptions.rs, invariant 4.';
-
-COMMENT ON FUNCTION outbox._log_dead_blocks(text, text) IS
-'Internal, for claims of the log: whether a dead letter of topic holds its subject (boolean): policy (the subscription''s dead-letter policy) when not NULL, '
-'else the topic''s policy read under a snapshot taken now with the topic''s dead-letter policy lock held in share mode (waiting for a policy change in progress), else true (''block''). See src/log/exceptions.rs, invariant 4.';
 
 -- sql/security.sql (idempotent): privileges as a fresh install sets them
 

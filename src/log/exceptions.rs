@@ -35,27 +35,31 @@
 //!    batch by that same claim included). Both hold the topic's dead-letter
 //!    policy lock in share mode ([`POLICY_LOCK_KEY`], `hashtext(topic)`, a
 //!    transaction-level advisory lock) from before they read the policy until
-//!    they commit, and read it under a snapshot taken after the lock
-//!    ([`dead_blocks`], [`EXC_FAIL_APPLY`], [`EXC_INSERT`] under
-//!    `run_latest`). A policy change ([`apply_dead_letter_policy`]) takes the
-//!    lock exclusively after it has written the topic's new policy, then
-//!    rewrites the topic's dead rows under a snapshot taken after the lock.
-//!    So of a dead transition and a policy change, whichever takes the lock
-//!    second runs after the other has committed and sees it: the transition
-//!    reads the new policy, or the rewrite sees the new dead row. fail()
-//!    waits for the lock ([`lock_topic_of`], [`fail`]); a claim never does
-//!    (invariant 3): it tries the lock for each row it would turn dead
-//!    ([`try_policy_share`]) and leaves the row for a later claim when a
-//!    policy change holds it. A policy change waits for claims and fails that
-//!    turned one of its topic's rows dead until they end; nothing else waits
-//!    for it but those, and it waits for nothing they hold (a fail() takes no
-//!    topic row lock, so there is no cycle with alter_topic's row lock).
+//!    they commit, and read it under a snapshot taken after the lock: fail()
+//!    takes the lock, then runs [`EXC_FAIL_APPLY`] or [`EXC_INSERT`] under
+//!    `run_latest`; a claim takes it inside [`EXC_CLAIM`] and, for the rows it
+//!    turned dead, reads the policy again in a statement of its own
+//!    ([`EXC_DEAD_POLICY`]). A policy change ([`apply_dead_letter_policy`])
+//!    takes the lock exclusively after it has written the topic's new policy,
+//!    then rewrites the topic's dead rows under a snapshot taken after the
+//!    lock. So of a dead transition and a policy change, whichever takes the
+//!    lock second runs after the other has committed and sees it: the
+//!    transition reads the new policy, or the rewrite sees the new dead row.
+//!    fail() waits for the lock ([`lock_topic_of`], [`fail`]); a claim never
+//!    does (invariant 3): it tries the lock for each row it would turn dead
+//!    and leaves the row for a later claim when a policy change holds it. A
+//!    policy change waits for the fails and claims that turned one of its
+//!    topic's rows dead until they end; none of them waits for a lock the
+//!    policy change holds (fail() takes no topic row lock), so they form no
+//!    cycle. Everything here is in the library: it holds whichever SQL version
+//!    is installed (0.13.0 on, where the policy change calls
+//!    [`apply_dead_letter_policy`]).
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK,
-    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, TOPIC_DEAD_LETTER_POLICY,
+    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY,
+    EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, gucs, pg};
@@ -191,7 +195,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
         None => (None, None),
     };
-    let args: [DatumWithOid<'_>; 11] = [
+    let args: [DatumWithOid<'_>; 12] = [
         req.subscription.into(),
         plans::ts_param(now),
         (left as i32).into(),
@@ -203,17 +207,27 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         req.settings.max_attempts.into(),
         req.settings.dead_letter_policy.as_deref().into(),
         req.lease_fixed.into(),
+        POLICY_LOCK_KEY.into(),
     ];
-    plans::run_latest(&EXC_CLAIM, &args, |rows| {
+    let mut dead = Vec::new();
+    let n = plans::run_latest(&EXC_CLAIM, &args, |rows| {
         let mut n = 0;
         rows.for_each(|r| {
             if r.bool(10).unwrap_or(false) {
                 out.put_row(r);
                 n += 1;
+            } else if let Some(id) = r.i64(0) {
+                dead.push(id);
             }
         });
         n
-    })
+    });
+    if !dead.is_empty() && req.settings.dead_letter_policy.is_none() {
+        // The claim holds these rows' topics' policy locks now: a snapshot
+        // taken after them sees any policy change that took the lock first.
+        plans::run_latest(&EXC_DEAD_POLICY, &[req.subscription.into(), dead.into()], |_| ());
+    }
+    n
 }
 
 /// Run a change of exception rows found by their token. Each statement reads
@@ -315,30 +329,6 @@ pub fn lock_topic_of(lane: i16, id: i64) {
     if let Some(topic) = plans::run_latest(&LOG_EVENT_TOPIC, &[lane.into(), id.into()], first_text) {
         lock_policy_shared(&topic);
     }
-}
-
-/// `outbox._log_try_policy_share(topic text) -> boolean`: take `topic`'s
-/// dead-letter policy lock in share mode if no policy change holds it; never
-/// waits. [`EXC_CLAIM`] calls it for each row it would turn dead and skips the
-/// row when it is false (invariant 4; claims never wait, invariant 3).
-#[pgrx::pg_extern(name = "_log_try_policy_share", volatile, parallel_unsafe, strict)]
-pub fn try_policy_share(topic: &str) -> bool {
-    pg::try_advisory_xact_lock_shared(POLICY_LOCK_KEY, pg::hashtext(topic))
-}
-
-/// `outbox._log_dead_blocks(topic text, policy text) -> boolean`: whether a
-/// dead letter of `topic` holds its subject: `policy` (the subscription's)
-/// when it is not NULL, else the topic's policy read under a snapshot taken
-/// now, with the topic's policy lock held in share mode (already held by the
-/// claim that calls it: [`try_policy_share`]), else 'block'.
-#[pgrx::pg_extern(name = "_log_dead_blocks", volatile, parallel_unsafe)]
-pub fn dead_blocks(topic: Option<&str>, policy: Option<&str>) -> bool {
-    if let Some(p) = policy {
-        return p == "block";
-    }
-    let Some(topic) = topic else { return true };
-    lock_policy_shared(topic);
-    plans::run_latest(&TOPIC_DEAD_LETTER_POLICY, &[topic.into()], first_text).is_none_or(|p| p == "block")
 }
 
 /// `outbox._log_apply_dead_letter_policy(topic text, policy text) -> boolean`:

@@ -12,8 +12,8 @@
 //! - [`heap`]: publish's direct heap insert, a port of the executor's insert path.
 //! - [`catalog`]: the extension's relations and functions, a table's file node.
 //! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
-//!   called directly instead of through an SQL statement, and their share-mode
-//!   variants for the log's dead-letter policy lock.
+//!   called directly instead of through an SQL statement, and the waiting
+//!   share-mode variant for the log's dead-letter policy lock.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
 //! - [`xid_assigned`], [`uses_xact_snapshot`], [`read_only`], [`assign_xid`]:
@@ -101,19 +101,6 @@ pub fn advisory_xact_lock_shared(k1: i32, k2: i32) {
             pg_sys::pg_advisory_xact_lock_shared_int4,
             &[k1.into_datum(), k2.into_datum()],
         );
-    }
-}
-
-/// `pg_try_advisory_xact_lock_shared(k1, k2)`: take the lock in share mode if
-/// no session holds it exclusively, never wait.
-pub fn try_advisory_xact_lock_shared(k1: i32, k2: i32) -> bool {
-    // SAFETY: a plain V1 function call with two int4 arguments; returns bool.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_try_advisory_xact_lock_shared_int4,
-            &[k1.into_datum(), k2.into_datum()],
-        )
-        .is_some_and(|d| d.value() != 0)
     }
 }
 

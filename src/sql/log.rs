@@ -490,7 +490,10 @@ macro_rules! exc_exhausted {
 /// topic when it sets one, else $5) and worker $8; an expired lease on the
 /// last attempt goes dead instead ($10: the subscription's dead-letter
 /// policy). Columns 1-10 are claim's result; 11 is false for a row that went
-/// dead (not returned).
+/// dead (not returned). A row it would turn dead under its topic's policy is
+/// taken only with that topic's dead-letter policy lock (first key $12) in
+/// share mode, tried without waiting (src/log/exceptions.rs, invariant 4);
+/// [`EXC_DEAD_POLICY`] then reads the policy again under a newer snapshot.
 ///
 /// The subject test is two probes, each bounded by an index
 /// (`log_exceptions_open`; `log_exceptions_leased`, 0.11.0), not one probe
@@ -517,7 +520,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
                         AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
-            WHERE (NOT r.dies OR outbox._log_try_policy_share(r.topic)) \
+            WHERE (NOT r.dies OR pg_catalog.pg_try_advisory_xact_lock_shared($12, pg_catalog.hashtext(r.topic))) \
               AND outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
            UPDATE outbox.log_exceptions e SET \
@@ -549,7 +552,9 @@ pub const EXC_CLAIM: Stmt = Stmt {
         " THEN clock_timestamp() END, \
              blocks = CASE WHEN ",
         exc_exhausted!(),
-        " THEN e.subject IS NOT NULL AND outbox._log_dead_blocks(e.topic, $10) ELSE e.blocks END \
+        " THEN ",
+        dead_blocks!("e", "$10"),
+        " ELSE e.blocks END \
            WHERE e.subscription = $1 AND e.id = ANY (ARRAY(SELECT c.id FROM cand c)) \
            RETURNING e.id, e.topic, e.subject, e.dispatch_key, e.payload, e.headers, e.attempts, e.lease_token, \
                      e.visible_at, e.published_at, e.state = 'leased' AS leased \
@@ -567,7 +572,26 @@ pub const EXC_CLAIM: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TEXTOID,
         pg_sys::BOOLOID,
+        pg_sys::INT4OID,
     ],
+};
+
+/// The rows $2 of subscription $1 that a claim has just turned dead (with the
+/// topic's dead-letter policy lock held: src/log/exceptions.rs, invariant 4)
+/// take their topic's policy as of now: [`EXC_CLAIM`] read it under the
+/// snapshot its statement began with, which may predate a policy change that
+/// committed before the claim took the lock. Only for subscriptions without a
+/// policy of their own.
+pub const EXC_DEAD_POLICY: Stmt = Stmt {
+    sql: concat!(
+        "UPDATE outbox.log_exceptions e SET blocks = ",
+        dead_blocks!("e", "NULL::text"),
+        " WHERE e.subscription = $1 AND e.id = ANY ($2) AND e.state = 'dead' \
+            AND e.blocks IS DISTINCT FROM (",
+        dead_blocks!("e", "NULL::text"),
+        ")"
+    ),
+    types: &[pg_sys::TEXTOID, pg_sys::INT8ARRAYOID],
 };
 
 /// Ack exception rows: delivered, with their attempt history kept for
@@ -616,10 +640,6 @@ pub const EXC_EVENT_TOPIC: Stmt = Stmt {
     sql: "SELECT e.topic FROM outbox.log_exceptions e WHERE e.id = $1 AND e.lease_token = $2 LIMIT 1",
     types: &[pg_sys::INT8OID, pg_sys::UUIDOID],
 };
-
-/// Topic $1's dead-letter policy (no row: NULL, which means 'block').
-pub const TOPIC_DEAD_LETTER_POLICY: Stmt =
-    Stmt { sql: "SELECT t.dead_letter_policy FROM outbox.topics t WHERE t.topic = $1", types: &[pg_sys::TEXTOID] };
 
 /// The log's part of a topic's dead-letter policy change (src/log/exceptions.rs,
 /// `apply_dead_letter_policy`, with the topic's policy lock held exclusively):
