@@ -5,7 +5,8 @@ Sessions (threads, one psycopg 3 connection per thread and database) drive a ran
 seeded mix of operations against a preloaded cluster with maintenance OFF
 (outbox.maintenance_interval = 0), in two databases, `postgres` and `other`, each
 served by its own background worker. Each database has three subscriptions: `default`
-(the queue) and two named ones over the log, created before any load starts, so
+(over the log, as a fresh 0.12.0 install has it; on the queue where --default-on-log
+says so, below) and two named ones over the log, created before any load starts, so
 every committed event of the run is theirs: sub_a (every topic; the topics' and the
 GUCs' policy) and sub_b (a topic filter; max_attempts 2, its own backoff and lease,
 dead letters under 'skip'):
@@ -46,10 +47,14 @@ dead letters under 'skip'):
   sampler     pg_stat_activity every 50 ms: any backend running outbox.claim that
               waits on a Lock (with its blockers and the lock it waits for)
 
---default-on-log [DB] (0.10.0; DB `other` unless given, `all` for both): at setup,
-drop_subscription('default') then create_subscription('default') in DB, so that
-claim, replay, replay_dead and cancel without a subscription read the log there.
-The workers' claims, acks (a batch ack becomes one ack(ids[], tokens[]), counted as
+--default-on-log [DB] (`all` when the option is absent; DB `other` when it is given
+without a value; `none`: neither): the databases whose `default` reads the log, as
+the install made it (0.12.0), so that claim, replay, replay_dead and cancel without a
+subscription read the log there. In the other databases `default` is put back on the
+queue at setup (outbox.event_queue), as an install before 0.12.0 has it until its
+upgrade, so the queue's code path keeps its coverage: `--default-on-log other` (the
+layout before 0.12.0's switch: the queue in `postgres`) or `--default-on-log none`
+(the queue in both). Where it reads the log, the workers' claims, acks (a batch ack becomes one ack(ids[], tokens[]), counted as
 for a named subscription), fails and cancels in transactions then use it; the
 operator runs the named operator's actions for it (with NULL as subscription; its
 alter_topic sets its policy); the named workers claim it too; bigops and the
@@ -57,9 +62,12 @@ scenarios run against it (the replay race then cancels an event waiting in its
 head's batch). The option also adds, for every subscription of the log, operator
 cancels of events not read yet (the newest published) or waiting in a batch (a
 later event of a subject just handed out), sometimes replayed (in autocommit, or
-in a transaction held open, sometimes rolled back); and the check queue_empty:
-outbox.event_queue and outbox.event_archive stay empty in DB (sampled during the
-load, and after the drain).
+in a transaction held open, sometimes rolled back); and the check queue_empty, about
+the queue's storage: outbox.event_queue and outbox.event_archive stay empty in DB
+(sampled during the load, and after the drain). Where `default` reads the queue, the
+operator picks its events by the queue's columns (heads, leased heads), a batch ack
+learns which ids it acked from the archive rows it inserted, and the low-water
+scenario watches the queue's claim low-water mark: those exist only there.
 
 Every CYCLE (12 s) the load calms down for CALM (3.5 s): no long transaction holds an
 xid (so the claim low-water mark can step), and one database is left to the low-water
@@ -177,10 +185,11 @@ NAMED = {
                   backoff_base="10 ms", backoff_max="100 ms", default_lease="400 ms", dead_letter_policy="skip"),
 }
 SUBS = ["default"] + list(NAMED)
-# --default-on-log (0.10.0): in these databases 'default' is dropped at setup and
-# created again over the log, so claim, replay, replay_dead and cancel without a
-# subscription read the log there (as sub_a does: every topic, the topics' and the
-# GUCs' policy), and outbox.event_queue must stay empty. Filled in by main().
+# --default-on-log: in these databases 'default' reads the log, as the install made
+# it (0.12.0), so claim, replay, replay_dead and cancel without a subscription read
+# the log there (as sub_a does: every topic, the topics' and the GUCs' policy), and
+# outbox.event_queue must stay empty; in the others it is put back on the queue at
+# setup. Filled in by main() (both databases unless the option says otherwise).
 LOG_DEFAULT = set()
 
 
@@ -1530,7 +1539,9 @@ def idler(ctx):
         try:
             c = s.get(db)
             c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            c.execute("SELECT count(*) FROM outbox.event_queue")
+            # the snapshot, held (the queue's 'default' has its hot table to read)
+            c.execute("SELECT count(*) FROM outbox.event_queue" if db not in LOG_DEFAULT
+                      else "SELECT pg_current_snapshot()")
             ctx.op(k="idle_rr", db=db)
             ctx.inc("idle RR transactions")
             ctx.stop.wait(rnd.uniform(0.5, 3.0))
@@ -1787,7 +1798,9 @@ def scenario_lowwater(ctx):
             eid = cp.execute("SELECT outbox.publish('chk.lw', %s::jsonb, %s)", (payload(pk, rnd), subj)).fetchone()[0]
             op["ids"].append(eid)
             tx["xid"] = cp.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
-            key0 = cp.execute("SELECT visible_at, id FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+            # the queue's claim low-water mark (none where 'default' reads the log)
+            key0 = (cp.execute("SELECT visible_at, id FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
+                    if db not in LOG_DEFAULT else None)
             ctx.op(k="published", db=db, tag=tag, pk=pk, id=eid, subj=subj, topic="chk.lw")
             # S steps the mark while P is open (claims of a topic nobody publishes); P commits
             # right after S's last claim, and T claims right after that.
@@ -1966,10 +1979,12 @@ def drain(ctx):
 
 
 def drain_left(c, sub, db):
-    """How much is left to deliver (0 = all of it)."""
+    """How much is left to deliver (0 = all of it): the subscription's counters and its
+    undelivered rows of outbox.deliveries; for a 'default' on the queue, its rows of
+    outbox.events that are not delivered (the queue's rows and the archive's cancelled
+    ones; outbox.deliveries would read the whole log for the named subscriptions too)."""
     if not on_log(db, sub):
-        return c.execute("SELECT (SELECT count(*) FROM outbox.event_queue) + "
-                         "(SELECT count(*) FROM outbox.event_archive WHERE state = 'cancelled')").fetchone()[0]
+        return c.execute("SELECT count(*) FROM outbox.events WHERE state <> 'delivered'").fetchone()[0]
     return c.execute("SELECT coalesce(lag_events, 0) + coalesce(leases_in_flight, 0) + coalesce(dead_letters, 0) + "
                      "(SELECT count(*) FROM outbox.deliveries d WHERE d.subscription = s.name "
                      "AND d.state <> 'delivered') FROM outbox.subscriptions s WHERE s.name = %s", (sub,)).fetchone()[0]
@@ -1977,7 +1992,7 @@ def drain_left(c, sub, db):
 
 def drain_replay(ctx, c, db, sub):
     if not on_log(db, sub):
-        for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled'").fetchall():
+        for (eid,) in c.execute("SELECT id FROM outbox.events WHERE state = 'cancelled'").fetchall():
             t0 = ctx.tick()
             ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
             if ok:
@@ -2761,12 +2776,10 @@ def setup(ctx):
                       (name, a["topics"], a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
                        a["dead_letter_policy"]))
         if db in LOG_DEFAULT:
-            # 0.10.0: the queue's 'default' dropped, and created again over the log
-            c.execute("SELECT outbox.drop_subscription('default')")
-            c.execute("SELECT outbox.create_subscription('default')")
+            # 'default' as the install made it: over the log (0.12.0)
             st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
             if not st or st[0] != "log":
-                raise RuntimeError(f"{db}: 'default' re-created over the log has storage {st}")
+                raise RuntimeError(f"{db}: the install's 'default' has storage {st}, not the log")
         else:
             # 'default' on the queue, as an install before 0.12.0 has it until
             # the upgrade moves it (0.12.0 installs it on the log): the queue's
@@ -2797,11 +2810,14 @@ def main():
                     help="hard limit for the whole run in seconds (default: duration + drain-max + 180)")
     ap.add_argument("--big-ack", type=int, default=5000,
                     help="bigops acks one database's big events in one batch once it has this many")
-    ap.add_argument("--default-on-log", nargs="?", const="other", default=None, choices=DBS + ["all"],
-                    help="0.10.0: drop 'default' in this database (default: other; all: both) at setup and create "
-                         "it again over the log; adds cancels of events not read yet or waiting in a batch "
-                         "(+ replays) for every subscription of the log, and the queue_empty check")
+    ap.add_argument("--default-on-log", nargs="?", const="other", default="all", choices=DBS + ["all", "none"],
+                    help="the databases whose 'default' reads the log, as a fresh 0.12.0 install has it (absent: "
+                         "all; given without a value: other; none: neither); in the others it is put back on the "
+                         "queue. Adds cancels of events not read yet or waiting in a batch (+ replays) for every "
+                         "subscription of the log, and the queue_empty check")
     args = ap.parse_args()
+    if args.default_on_log == "none":
+        args.default_on_log = None
     if args.default_on_log:
         LOG_DEFAULT.update(DBS if args.default_on_log == "all" else [args.default_on_log])
         INVARIANTS.append("queue_empty")

@@ -32,9 +32,20 @@
                       other people use is not safe, and a loop-mounted small file
                       system needs mount privileges the test must not assume.
 
+`default` reads the event log, as a fresh 0.12.0 install has it, and every check reads
+the public views (outbox.events, outbox.deliveries, outbox.subscriptions).
+--default-storage queue puts `default` back on the queue (outbox.event_queue), as an
+install before 0.12.0 has it until its upgrade, so the queue's code path keeps its
+coverage; only then do the checks about the queue's own storage run as well (the lease
+columns of its rows: a leased row has a token, a pending or dead one none, no token
+shared by two rows, no row both queued and archived; the tokens of held leases). The
+faults of case 4 lock the tables of the storage `default` reads (the queue, or the
+log's lanes, batches and per-event rows); case 3c loads maintenance with old rows
+of outbox.event_archive (its retention runs whatever `default` reads).
+
 The cluster is owned by the caller (crash.sh starts it with --preload); this script
 crashes and restarts it. Usage:
-  crash_test.py --cluster NAME --port PORT [--only 1,2,3,4] [--seed N]
+  crash_test.py --cluster NAME --port PORT [--only 1,2,3,4] [--seed N] [--default-storage log|queue]
 Last line: `N passed, N failed`; exit status 1 on any failure.
 """
 
@@ -59,6 +70,8 @@ REPO = os.environ.get("OUTBOX_REPO") or os.path.dirname(os.path.dirname(HERE))
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or os.path.join(REPO, "scripts", "pgcluster.sh")
 PG_BINDIR = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
 PG_ROOT = os.environ.get("OUTBOX_PG_ROOT", "/tmp/outbox-pg")
+# What 'default' reads: 'log' (a fresh 0.12.0 install) or 'queue' (--default-storage).
+DEFAULT_STORAGE = "log"
 
 
 def log(msg):
@@ -134,8 +147,21 @@ def wait_until(fn, timeout, step=0.1):
         time.sleep(step)
 
 
-# Lease consistency of the hot relation: what a half-applied claim/ack/fail would break.
+# Lease consistency, what a half-applied claim/ack/fail would break, through the view
+# (one read of it): every leased delivery names its holder, its expiry and an attempt;
+# one row per event and subscription.
 CONSISTENCY_SQL = """
+SELECT count(*) FILTER (WHERE n = 0), count(*) FILTER (WHERE rows > 1)
+  FROM (SELECT count(*) AS rows, count(*) FILTER (WHERE state = 'leased' AND leased_by IS NOT NULL
+                                                  AND lease_expires_at IS NOT NULL AND attempts >= 1
+                                                  OR state <> 'leased') AS n
+          FROM outbox.deliveries GROUP BY event_id, subscription) d
+"""
+CONSISTENCY_NAMES = ["leased deliveries without leased_by/lease_expires_at/attempt",
+                     "events with two rows of one subscription in outbox.deliveries"]
+# ... and of the queue's own rows, where 'default' reads the queue (its lease tokens
+# are not in any view).
+QUEUE_CONSISTENCY_SQL = """
 SELECT
   (SELECT count(*) FROM outbox.event_queue WHERE state = 'leased'
       AND (lease_token IS NULL OR leased_by IS NULL OR leased_at IS NULL OR attempts < 1)),
@@ -149,9 +175,27 @@ SELECT
 
 def consistency_problems(conn, where=""):
     r = conn.execute(CONSISTENCY_SQL).fetchone()
-    names = ["leased rows without token/leased_by/leased_at/attempt", "pending rows with a token",
-             "dead rows with a token", "rows both queued and archived", "shared lease tokens"]
-    return [f"{where}{n}: {v}" for n, v in zip(names, r) if v]
+    probs = [f"{where}{n}: {v}" for n, v in zip(CONSISTENCY_NAMES, r) if v]
+    if DEFAULT_STORAGE == "queue":
+        r = conn.execute(QUEUE_CONSISTENCY_SQL).fetchone()
+        names = ["leased rows without token/leased_by/leased_at/attempt", "pending rows with a token",
+                 "dead rows with a token", "rows both queued and archived", "shared lease tokens"]
+        probs += [f"{where}queue: {n}: {v}" for n, v in zip(names, r) if v]
+    return probs
+
+
+def default_left(conn, topic):
+    """Events of topic 'default' has not delivered yet (outbox.deliveries: on the log an
+    event not read yet is pending)."""
+    return conn.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' AND topic = %s "
+                        "AND state <> 'delivered'", (topic,)).fetchone()[0]
+
+
+def no_open_claim_tx(cl):
+    """No other backend sits in a transaction that ran outbox.claim (a killed client's
+    is rolled back once the server notices the closed socket)."""
+    return cl.one("SELECT count(*) = 0 FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                  "AND state LIKE 'idle in transaction%' AND query LIKE '%outbox.claim%'")[0]
 
 
 # ---------------------------------------------------------------------------
@@ -208,7 +252,8 @@ def case_worker_sigkill(cl):
     doomed = {r[0]: r for r in rows}
     if len(doomed) != 40 or any(r[1] != 1 for r in rows):
         probs.append(f"doomed worker claimed {len(doomed)} rows, attempts {sorted({r[1] for r in rows})}")
-    st = dict(c.execute("SELECT state, count(*) FROM outbox.event_queue WHERE leased_by = 'doomed' GROUP BY 1").fetchall())
+    st = dict(c.execute("SELECT state, count(*) FROM outbox.deliveries WHERE subscription = 'default' "
+                        "AND leased_by = 'doomed' GROUP BY 1").fetchall())
     if st != {"leased": 40}:
         probs.append(f"after SIGKILL expected 40 leased rows of the dead worker, got {st}")
 
@@ -257,16 +302,18 @@ def case_worker_sigkill(cl):
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
     # The server notices the closed socket at once; the claim rolls back.
-    ok = wait_until(lambda: cl.one("SELECT count(*) = 0 FROM outbox.event_queue WHERE state = 'leased'")[0], 10)
+    ok = wait_until(lambda: no_open_claim_tx(cl) and cl.one(
+        "SELECT count(*) = 0 FROM outbox.deliveries WHERE subscription = 'default' AND state = 'leased'")[0], 10)
     if not ok:
-        probs.append("rows of a worker killed inside its claim transaction are still leased")
+        probs.append("events of a worker killed inside its claim transaction are still leased")
     got = c.execute("SELECT id, attempt, lease_token FROM outbox.claim('survivor', 100, '10 s', ARRAY['c1.jobs'])").fetchall()
     if len(got) != 20 or any(a != 1 for _, a, _ in got):
         probs.append(f"after an uncommitted claim died: {len(got)} claimable, attempts {sorted({a for _, a, _ in got})}")
     c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([g[0] for g in got], [g[2] for g in got]))
-    n = cl.one("SELECT count(*) FROM outbox.event_queue WHERE topic = 'c1.jobs'")[0]
+    with cl.connect() as c2:
+        n = default_left(c2, "c1.jobs")
     if n:
-        probs.append(f"{n} c1.jobs events left in the queue")
+        probs.append(f"{n} c1.jobs events left undelivered in default")
 
     # b') a worker of c1_sub killed inside its claim transaction (c1_sub has these 20 too).
     p, rows = spawn_doomed(cl, "c1.jobs", 30, in_tx=True, sub="c1_sub")
@@ -637,14 +684,16 @@ def case_server_crash(cl, seed, cycles=5):
     time.sleep(1.5)
     load.stop_pub.set()
     drained = wait_until(lambda: cl.one(
-        "SELECT count(*) = 0 FROM outbox.event_queue WHERE topic = 'c2.load'")[0], 60, step=0.3)
+        "SELECT count(*) = 0 FROM outbox.deliveries WHERE subscription = 'default' AND topic = 'c2.load' "
+        "AND state <> 'delivered'")[0], 60, step=0.3)
     t_named = time.time()
     named_drained = wait_until(lambda: all(named_left(cl, sub) == 0 for sub in load.SUBS), 60, step=0.5)
     load.stop_work.set()
     load.join()
     if not drained:
-        left = cl.all("SELECT state, count(*) FROM outbox.event_queue WHERE topic = 'c2.load' GROUP BY 1")
-        probs.append(f"queue did not drain within 60 s: {left}")
+        left = cl.all("SELECT state, count(*) FROM outbox.deliveries WHERE subscription = 'default' "
+                      "AND topic = 'c2.load' AND state <> 'delivered' GROUP BY 1")
+        probs.append(f"default did not drain within 60 s: {left}")
     if not named_drained:
         left = {sub: cl.one("SELECT lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions "
                             "WHERE name = %s", (sub,)) for sub in load.SUBS}
@@ -698,7 +747,7 @@ def case_server_crash(cl, seed, cycles=5):
         f"{len(load.claims)} claims, {load.conn_errors} connection errors survived"
         + (f"; {len(reused)} ids of aborted transactions reused after a crash (sequence not flushed: allowed)"
            if reused else ""))
-    log(f"  2: named subscriptions (drained {time.time() - t_named:.1f}s after the default queue): "
+    log(f"  2: named subscriptions (drained {time.time() - t_named:.1f}s after default): "
         + "; ".join(named_figs))
     return probs, {"server_crashes": crashes, "events_checked": len(load.must) + len(load.never) + len(load.unknown)}
 
@@ -982,8 +1031,32 @@ def expect_sqlstate(conn, sql, params, want, what, probs):
 
 
 def lease_snapshot(conn, ids):
-    return dict((i, (st, str(tok) if tok else None, att)) for i, st, tok, att in conn.execute(
-        "SELECT id, state, lease_token, attempts FROM outbox.event_queue WHERE id = ANY(%s)", (ids,)).fetchall())
+    """Each event's lease in 'default' (outbox.deliveries), and on the queue its token too."""
+    snap = dict((i, (st, att, by, str(exp))) for i, st, att, by, exp in conn.execute(
+        "SELECT event_id, state, attempts, leased_by, lease_expires_at FROM outbox.deliveries "
+        "WHERE subscription = 'default' AND event_id = ANY(%s)", (ids,)).fetchall())
+    if DEFAULT_STORAGE == "queue":
+        for i, tok in conn.execute("SELECT id, lease_token FROM outbox.event_queue WHERE id = ANY(%s)", (ids,)).fetchall():
+            snap[i] = snap.get(i, ()) + (str(tok) if tok else None,)
+    return snap
+
+
+# The tables the calls of 'default' write, for the faults of case 4: the queue, or the
+# log's lanes (claims), batches (claims, acks, fails, extends of batch events) and
+# per-event rows (fails).
+def storage_tables():
+    if DEFAULT_STORAGE == "queue":
+        return "outbox.event_queue"
+    return "outbox.log_lanes, outbox.log_batches, outbox.log_exceptions"
+
+
+def lock_held_rows(conn, hid):
+    """Row locks under which ack/fail/extend of hid[0] must wait."""
+    if DEFAULT_STORAGE == "queue":
+        conn.execute("SELECT 1 FROM outbox.event_queue WHERE id = %s FOR UPDATE", (hid[0],))
+    else:
+        # the batches of 'default' (the held events are out in them)
+        conn.execute("SELECT 1 FROM outbox.log_batches WHERE subscription = 'default' FOR UPDATE")
 
 
 def case_timeouts(cl):
@@ -997,9 +1070,9 @@ def case_timeouts(cl):
     htok = [h[1] for h in held]
     snap0 = lease_snapshot(a, hid)
 
-    # a) lock_timeout: another session holds ACCESS EXCLUSIVE on the hot relation.
+    # a) lock_timeout: another session holds ACCESS EXCLUSIVE on the hot relations.
     b.execute("BEGIN")
-    b.execute("LOCK TABLE outbox.event_queue IN ACCESS EXCLUSIVE MODE")
+    b.execute(f"LOCK TABLE {storage_tables()} IN ACCESS EXCLUSIVE MODE")
     a.execute("SET lock_timeout = '200ms'")
     calls = [
         ("claim", "SELECT * FROM outbox.claim('w4', 100, '30 s', ARRAY['c4.t'])", None),
@@ -1018,16 +1091,17 @@ def case_timeouts(cl):
 
     # b) statement_timeout while a row lock blocks ack/fail: nothing of a batch is applied.
     b.execute("BEGIN")
-    b.execute("SELECT 1 FROM outbox.event_queue WHERE id = %s FOR UPDATE", (hid[0],))
+    lock_held_rows(b, hid)
     a.execute("SET statement_timeout = '300ms'")
     for what, sql, params in calls[1:]:
         # The row lock is on hid[0]: make every call touch it.
         params = (hid[0], htok[0]) if what != "ack batch" else (hid[:10], htok[:10])
         expect_sqlstate(a, sql, params, "57014", f"statement_timeout in {what}", probs)
     b.execute("ROLLBACK")
-    # A SHARE lock blocks claim's UPDATE: statement_timeout inside claim.
+    # A SHARE lock blocks claim's UPDATE (of the queue's rows, or of a lane and its
+    # new batch): statement_timeout inside claim.
     b.execute("BEGIN")
-    b.execute("LOCK TABLE outbox.event_queue IN SHARE MODE")
+    b.execute(f"LOCK TABLE {storage_tables()} IN SHARE MODE")
     expect_sqlstate(a, calls[0][1], None, "57014", "statement_timeout in claim (SHARE lock)", probs)
     b.execute("ROLLBACK")
     a.execute("RESET statement_timeout")
@@ -1049,7 +1123,8 @@ def case_timeouts(cl):
             timeouts += 1
         finally:
             c.close()
-        n = a.execute("SELECT count(*) FROM outbox.event_queue WHERE leased_by = %s", (f"big{k}",)).fetchone()[0]
+        n = a.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' AND leased_by = %s",
+                      (f"big{k}",)).fetchone()[0]
         if got is None and n:
             probs.append(f"cancelled claim big{k} left {n} rows leased")
         if got:
@@ -1059,8 +1134,8 @@ def case_timeouts(cl):
     if timeouts == 0:
         probs.append("statement_timeout = 1ms never cancelled a 4000-row claim")
     # attempts only grew for rows that were really claimed
-    bad = a.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'c4.t' AND state = 'pending' "
-                    "AND attempts > 0 AND errors IS NULL").fetchone()[0]
+    bad = a.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' AND topic = 'c4.t' "
+                    "AND state = 'pending' AND attempts > 0 AND errors IS NULL").fetchone()[0]
     if bad:
         probs.append(f"{bad} pending rows have attempts counted by a cancelled claim")
     probs += consistency_problems(a, "4c: ")
@@ -1074,10 +1149,11 @@ def case_timeouts(cl):
         if not got:
             break
         a.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([g[0] for g in got], [g[1] for g in got]))
-    left = a.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'c4.t'").fetchone()[0]
-    delivered = a.execute("SELECT count(*) FROM outbox.event_archive WHERE topic = 'c4.t' AND state = 'delivered'").fetchone()[0]
+    left = default_left(a, "c4.t")
+    delivered = a.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' AND topic = 'c4.t' "
+                          "AND state = 'delivered'").fetchone()[0]
     if left or delivered != 5000:
-        probs.append(f"after the faults: {left} left in the queue, {delivered}/5000 delivered")
+        probs.append(f"after the faults: {left} left undelivered, {delivered}/5000 delivered")
     log(f"  4: 5 calls x lock_timeout (55P03), 5 x statement_timeout (57014), "
         f"{timeouts}/10 big claims cancelled at 1ms; leases consistent")
     a.close()
@@ -1107,19 +1183,31 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--only", default="1,2,3,4")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--default-storage", choices=["log", "queue"], default="log",
+                    help="what 'default' reads: the log, as a fresh 0.12.0 install has it (default), or the "
+                         "queue, as an install before 0.12.0 has it until its upgrade")
     args = ap.parse_args()
+    global DEFAULT_STORAGE
+    DEFAULT_STORAGE = args.default_storage
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     cl = Cluster(args.cluster, args.port)
     cl.wait_ready()
     with cl.connect() as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
-        # 'default' on the queue, as an install before 0.12.0 has it until the
-        # upgrade moves it (0.12.0 installs it on the log): this suite's checks
-        # read the queue's rows; the named subscriptions read the log.
-        c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-        c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
-    log(f"crash tests on {cl.name} (port {cl.port}), seed {seed}")
+        if DEFAULT_STORAGE == "queue":
+            # 'default' back on the queue, as an install before 0.12.0 has it until
+            # the upgrade moves it: the queue's code path under the same faults.
+            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
+            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
+        elif c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone() != ("log",):
+            # not a fresh install: 'default' made again over the log
+            c.execute("SELECT outbox.drop_subscription('default', force => true)")
+            c.execute("SELECT outbox.create_subscription('default', start => 'now')")
+        st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
+        if st != (DEFAULT_STORAGE,):
+            raise RuntimeError(f"'default' should read the {DEFAULT_STORAGE}, its storage is {st}")
+    log(f"crash tests on {cl.name} (port {cl.port}), seed {seed}, 'default' on the {DEFAULT_STORAGE}")
     passed = failed = 0
     totals = defaultdict(int)
     for key, title, fn in CASES:

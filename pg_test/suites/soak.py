@@ -7,13 +7,16 @@ handlers that outlive their lease, SIGKILL crashes) run for --duration seconds,
 alongside the background worker's maintenance (every 1 s; it also seals and
 truncates the event log's ring tables, outbox.retention_delivered being 15s) and
 CALL outbox.purge('2 s') every second. Every worker claims from each subscription
-in turn (SUBS): the install's `default`, which reads the queue, and two made with
-outbox.create_subscription before the publishers start, which read the event log:
-`soak_log` (every topic, the topics' policy) and `soak_filt` (soak.orders and
-soak.mail only, with its own max_attempts, backoff, lease and dead-letter policy).
-Then the workers drain every subscription and the checker reads every process's
-log plus the final tables (outbox.events for `default`, outbox.deliveries for the
-others) and verifies, per subscription:
+in turn (SUBS): the install's `default`, which reads the event log as a fresh
+0.12.0 install has it (every topic, the topics' policy), and two made with
+outbox.create_subscription before the publishers start, which read the log too:
+`soak_log` (default's configuration) and `soak_filt` (soak.orders and soak.mail
+only, with its own max_attempts, backoff, lease and dead-letter policy).
+--default-storage queue puts `default` back on the queue (outbox.event_queue), as
+an install before 0.12.0 has it until its upgrade, so the queue's code path keeps
+its coverage. Then the workers drain every subscription and the checker reads
+every process's log plus the public views (outbox.deliveries per subscription;
+for a `default` on the queue, outbox.events) and verifies, per subscription:
 
   delivery     every committed event whose topic matches the subscription's filter is
                delivered (ack()=true logged by a worker of that subscription, or
@@ -22,7 +25,7 @@ others) and verifies, per subscription:
                the filter is claimed or has a row; one row per event and subscription
   uncommitted  no event of a rolled-back transaction is ever stored or claimed, and
                nothing exists that no publisher published (a log subscription's
-               payload is the queue's)
+               payload is the one its publisher wrote)
   order        per subject, claims ordered by claim time never go back in sequence
                number (seq k may be redelivered only until k+1 was claimed), and
                acked claims rise strictly
@@ -34,13 +37,19 @@ others) and verifies, per subscription:
                column; an ack or a dead-lettering fail is on the last claim
   dead         dead letters exactly where a failure was permanent, attempts ran out
                (failure or expired lease at the subscription's max_attempts), and
-               never elsewhere; a log subscription's dead letter blocks its subject
-               exactly under the policy that applies (subscription's, else topic's)
+               never elsewhere; the max_attempts shown is the policy's; a dead
+               letter blocks its subject exactly under the policy that applies
+               (subscription's, else topic's)
+
+Only with --default-storage queue, about the queue's storage: the dead letters'
+blocks_subject in outbox.event_queue (the blocking seen through the queue's own
+column, as the log's is read from its per-event rows).
 
 By default it starts its own throwaway cluster (scripts/pgcluster.sh, name
 outbox-soak, port 5481, preloaded) and stops it at the end:
   python pg_test/suites/soak.py --duration 60      # what CI runs (pg_test/suites/soak.sh)
   python pg_test/suites/soak.py --duration 3600    # the one-hour soak
+  python pg_test/suites/soak.py --default-storage queue   # `default` on the queue
 Last line: `N passed, N failed` (one per invariant plus the run itself); exit 1 on failure.
 """
 
@@ -91,17 +100,32 @@ NSUBJECTS = 40
 PURGE_AGE = 2.0
 
 # The subscriptions the workers claim from, each worker taking them in turn.
-# 'default' is put on the queue (outbox.event_queue, setup_db); the others
-# read the event log (outbox.create_subscription, before the publishers start).
-# name -> None ('default') or its filter and policy (None = the topic's / the GUC).
+# Every one reads the event log; 'default' is the install's (0.12.0), the others
+# are made by outbox.create_subscription before the publishers start.
+# name -> its filter and policy (None = the topic's / the GUC), or None for a
+# 'default' put back on the queue (--default-storage queue, set_default_storage).
+DEFAULT_ON_LOG = {"topics": None, "max_attempts": None, "backoff_base": None, "backoff_max": None,
+                  "default_lease": None, "policy": None}
 SUBS = {
-    "default": None,
+    "default": dict(DEFAULT_ON_LOG),
     "soak_log": {"topics": None, "max_attempts": None, "backoff_base": None, "backoff_max": None,
                  "default_lease": None, "policy": None},
     "soak_filt": {"topics": ["soak.orders", "soak.mail"], "max_attempts": 4, "backoff_base": "50 ms",
                   "backoff_max": "400 ms", "default_lease": "2 s", "policy": "skip"},
 }
 LOG_SUBS = [s for s, cfg in SUBS.items() if cfg]
+
+
+def set_default_storage(storage):
+    """'log' (a fresh install's 'default', the default) or 'queue' (an install before
+    0.12.0): what the workers, the supervisor and the checker take 'default' to read."""
+    global LOG_SUBS
+    SUBS["default"] = dict(DEFAULT_ON_LOG) if storage == "log" else None
+    LOG_SUBS = [s for s, cfg in SUBS.items() if cfg]
+
+
+def on_log(sub):
+    return bool(SUBS.get(sub))
 
 
 def topic_matches(topic, pattern):
@@ -357,18 +381,30 @@ def worker_main(dsn, name, until, logdir, seed, chaos, drainfile):
 # Supervisor
 # ---------------------------------------------------------------------------
 
-def setup_db(dsn):
+def setup_db(dsn, storage):
     with connect(dsn) as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
         c.execute("DROP SCHEMA IF EXISTS soak CASCADE")
         c.execute("CREATE SCHEMA soak")
         c.execute("CREATE TABLE soak.subject_seq (subject text PRIMARY KEY, seq int NOT NULL)")
         c.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics")
-        # 'default' on the queue, as an install before 0.12.0 has it until the
-        # upgrade moves it (0.12.0 installs it on the log): this suite's checks
-        # read the queue's rows; the named subscriptions read the log.
-        c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-        c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
+        if storage == "queue":
+            # 'default' back on the queue, as an install before 0.12.0 has it until
+            # the upgrade moves it: the queue's code path (claim, leases, subjects,
+            # dead letters) under the same load.
+            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
+            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
+        else:
+            # 'default' on the log, as a fresh 0.12.0 install makes it. A database that
+            # is not fresh (--dsn) gets it made again, so that it has no earlier event.
+            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
+            if st is None or st[0] != "log" or c.execute("SELECT EXISTS (SELECT 1 FROM outbox.events)").fetchone()[0]:
+                if st is not None:
+                    c.execute("SELECT outbox.drop_subscription('default', force => true)")
+                c.execute("SELECT outbox.create_subscription('default', start => 'now')")
+            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
+            if st != ("log",):
+                raise RuntimeError(f"'default' should read the log, its storage is {st}")
         for t, cfg in TOPICS.items():
             if cfg:
                 ma, bb, bm, dl, pol, rd = cfg
@@ -380,7 +416,7 @@ def setup_db(dsn):
         # The subscriptions of the log, made afresh before any publisher starts: each
         # receives every event committed from now on whose topic matches its filter.
         for name, cfg in SUBS.items():
-            if not cfg:
+            if not cfg or name == "default":
                 continue
             if c.execute("SELECT 1 FROM outbox.subscription_catalog WHERE name = %s", (name,)).fetchone():
                 c.execute("SELECT outbox.drop_subscription(%s, force => true)", (name,))
@@ -413,21 +449,27 @@ class Supervisor:
             self.incarnation[idx] += 1
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--dsn", self.dsn, "--name", name,
                "--index", str(idx), "--until", str(until), "--logdir", self.logdir,
-               "--seed", str(self.rnd.randrange(1 << 30)), "--chaos", "1"]
+               "--seed", str(self.rnd.randrange(1 << 30)), "--chaos", "1",
+               "--default-storage", self.args.default_storage]
         self.procs[(role, idx)] = subprocess.Popen(cmd)
 
     def background(self):
-        """Purges with a short retention and samples expired-lease lag."""
+        """Purges with a short retention and samples default's expired-lease lag
+        (outbox.deliveries, every 5 s: a read of the whole retained log)."""
         c = None
+        n = 0
         while not self.stop_bg.wait(1.0):
             try:
                 if c is None:
                     c = connect(self.dsn)
                 r = c.execute("CALL outbox.purge(%s::float8 * interval '1 s')", (PURGE_AGE,)).fetchone()
                 self.purged += r[0] or 0
-                lag = c.execute("SELECT COALESCE(extract(epoch FROM clock_timestamp() - min(visible_at)), 0)::float8 "
-                                "FROM outbox.event_queue WHERE state = 'leased' AND visible_at < clock_timestamp()").fetchone()[0]
-                self.max_expired_lag = max(self.max_expired_lag, lag)
+                n += 1
+                if n % 5 == 0:
+                    lag = c.execute("SELECT COALESCE(extract(epoch FROM clock_timestamp() - min(lease_expires_at)), 0)::float8 "
+                                    "FROM outbox.deliveries WHERE subscription = 'default' AND state = 'leased' "
+                                    "AND lease_expires_at < clock_timestamp()").fetchone()[0]
+                    self.max_expired_lag = max(self.max_expired_lag, lag)
                 self.log_tables.update(c.execute("SELECT n, opened_at::text FROM outbox.log_state").fetchall())
             except psycopg.Error as ex:
                 self.purge_errors.append(str(ex)[:200])
@@ -477,17 +519,7 @@ class Supervisor:
         while time.time() - t0 < a.drain_timeout:
             self.reap(work_until, respawn=True)
             with connect(self.dsn, 30) as c:
-                left = c.execute(
-                    "SELECT count(*) FROM outbox.event_queue q WHERE q.state <> 'dead' AND NOT EXISTS ("
-                    " SELECT 1 FROM outbox.event_queue p WHERE p.subject = q.subject AND p.id < q.id"
-                    " AND p.state = 'dead' AND p.blocks_subject)").fetchone()[0]
-                # ... and in every subscription of the log (events not read yet are pending).
-                left += c.execute(
-                    "SELECT count(*) FROM outbox.deliveries d WHERE d.subscription = ANY (%s)"
-                    " AND d.state IN ('pending', 'leased') AND NOT EXISTS ("
-                    " SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = d.subscription"
-                    " AND x.subject = d.subject AND x.id < d.event_id AND x.state = 'dead' AND x.blocks)",
-                    (LOG_SUBS,)).fetchone()[0]
+                left = drain_left(c)
             if left == 0:
                 drained = True
                 break
@@ -520,6 +552,22 @@ class Supervisor:
                 self.spawn("worker", i, work_until)
             else:
                 del self.procs[(role, i)]
+
+
+def drain_left(c):
+    """Events some subscription still has to deliver (outbox.deliveries; on the log an
+    event not read yet is pending): pending or leased, and not behind a dead letter of
+    its subject whose policy blocks it there (the topics' policies do not change here)."""
+    rows = c.execute("SELECT subscription, event_id, topic, subject, state FROM outbox.deliveries "
+                     "WHERE subscription = ANY (%s) AND state IN ('pending', 'leased', 'dead')",
+                     (list(SUBS),)).fetchall()
+    first_block = {}   # (subscription, subject) -> the smallest id of a dead letter that blocks it
+    for sub, i, topic, subj, st in rows:
+        if st == "dead" and subj is not None and policy_of(topic, sub) == "block":
+            k = (sub, subj)
+            first_block[k] = min(first_block.get(k, i), i)
+    return sum(1 for sub, i, topic, subj, st in rows
+               if st != "dead" and not (subj is not None and first_block.get((sub, subj), i) < i))
 
 
 # ---------------------------------------------------------------------------
@@ -562,6 +610,8 @@ def read_logs(logdir, prefix):
 class Checker:
     # A row of the final state, per subscription: (id, topic, subject, dispatch_key, state,
     # attempts, max_attempts, payload tx, payload j, last_error, lease expiry epoch).
+    # Read from outbox.deliveries for every subscription of the log ('default' too,
+    # unless --default-storage queue: then from outbox.events).
     def __init__(self, dsn, logdir):
         self.v = defaultdict(list)   # invariant -> violations
         pubs = read_logs(logdir, "pub")
@@ -574,16 +624,15 @@ class Checker:
         self.sown = {}      # subscription -> ids whose row is the event's own (outbox.log_exceptions)
         self.t_read = time.time()
         with connect(dsn) as c:
-            self.db = {r[0]: r for r in c.execute(
-                "SELECT id, topic, subject, dispatch_key, state, attempts, max_attempts, payload->>'tx', "
-                "(payload->>'j')::int, last_error, "
-                "extract(epoch FROM lease_expires_at)::float8 FROM outbox.events").fetchall()}
-            self.blocks = {r[0]: r[1] for r in c.execute(
-                "SELECT id, blocks_subject FROM outbox.event_queue WHERE state = 'dead'").fetchall()}
-            self.stuck = c.execute(
-                "SELECT count(*) FROM outbox.event_queue WHERE state = 'leased' "
-                "AND visible_at < clock_timestamp() - interval '5 s'").fetchone()[0]
-            self.leased_left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE state = 'leased'").fetchone()[0]
+            self.db, self.blocks = {}, {}
+            if not on_log("default"):
+                self.db = {r[0]: r for r in c.execute(
+                    "SELECT id, topic, subject, dispatch_key, state, attempts, max_attempts, payload->>'tx', "
+                    "(payload->>'j')::int, last_error, "
+                    "extract(epoch FROM lease_expires_at)::float8 FROM outbox.events").fetchall()}
+                # The queue's own column (queue only): whether each dead letter blocks its subject.
+                self.blocks = {r[0]: r[1] for r in c.execute(
+                    "SELECT id, blocks_subject FROM outbox.event_queue WHERE state = 'dead'").fetchall()}
             self.dup_keys_db = c.execute(
                 "SELECT dispatch_key, array_agg(id) FROM outbox.events WHERE dispatch_key IS NOT NULL "
                 "GROUP BY 1 HAVING count(*) > 1").fetchall()
@@ -612,8 +661,10 @@ class Checker:
             for sub, n in c.execute(
                     "SELECT subscription, count(*) FROM outbox.deliveries WHERE subscription = ANY (%s) "
                     "AND state = 'leased' AND lease_expires_at < clock_timestamp() - interval '5 s' GROUP BY 1",
-                    (LOG_SUBS,)).fetchall():
+                    (list(SUBS),)).fetchall():
                 self.sstuck[sub] = n
+            if on_log("default"):
+                self.db = self.sdb["default"]
 
     def bad(self, inv, msg):
         self.v[inv].append(msg)
@@ -706,10 +757,11 @@ class Checker:
         self.outcome = {}
         nsubj = set()
         for sub in SUBS:
-            if sub == "default":
-                db, blocks, stuck = self.db, self.blocks, self.stuck
+            if not on_log(sub):
+                db, blocks = self.db, self.blocks
             else:
-                db, blocks, stuck = self.sdb[sub], self.sblocks[sub], self.sstuck.get(sub, 0)
+                db, blocks = self.sdb[sub], self.sblocks[sub]
+            stuck = self.sstuck.get(sub, 0)
             nsubj |= self.check_subscription(sub, db, blocks, stuck, sclaims[sub], sacks[sub], sfails[sub],
                                              sexts[sub], committed, never, unknown)
         for sub, i in self.dup_rows:
@@ -748,9 +800,10 @@ class Checker:
 
     def check_subscription(self, sub, db, blocks, stuck, claims, acks, fails, exts, committed, never, unknown):
         """Every invariant but keys' publish side, for one subscription: db is its final
-        state per event (outbox.events for the queue's 'default', outbox.deliveries for
-        one of the log), blocks its dead letters' blocking, claims/acks/fails/exts its
-        workers' records. Returns the subjects claimed."""
+        state per event (outbox.deliveries for one of the log, outbox.events for a
+        'default' on the queue), blocks its dead letters' blocking (the log's per-event
+        rows; the queue's blocks_subject), claims/acks/fails/exts its workers' records.
+        Returns the subjects claimed."""
         pre = "" if sub == "default" else f"[{sub}] "
 
         # --- uncommitted / strays --------------------------------------------
@@ -760,8 +813,8 @@ class Checker:
                 self.bad("uncommitted", f"{pre}event {i} of rolled-back transaction {tok} is stored ({row[4]})")
             elif i not in committed and tok not in unknown:
                 self.bad("uncommitted", f"{pre}event {i} {tok} was never published by a committed transaction")
-            elif sub != "default" and i in committed and tok != (committed[i]["tx"], committed[i]["j"]):
-                self.bad("uncommitted", f"{pre}event {i} carries payload {tok}, the queue's "
+            elif on_log(sub) and i in committed and tok != (committed[i]["tx"], committed[i]["j"]):
+                self.bad("uncommitted", f"{pre}event {i} carries payload {tok}, its publisher's "
                                         f"{(committed[i]['tx'], committed[i]['j'])}")
             if not sub_matches(sub, row[1]):
                 self.bad("delivery", f"{pre}event {i} of topic {row[1]} outside the subscription's filter has a row ({row[4]})")
@@ -782,7 +835,7 @@ class Checker:
             k = atts[-1]
             row = db.get(i)
             oks = [a for a in acks.get(i, []) if a["ok"]]
-            if (row is not None and row[5] != k and sub != "default" and i not in self.sown[sub]
+            if (row is not None and row[5] != k and on_log(sub) and i not in self.sown[sub]
                     and row[4] == "delivered" and row[5] == 1 and oks
                     and oks[0]["t"] < self.t_read - PURGE_AGE + 1.0):
                 # outbox.deliveries shows an event of the log without a row of its own as
@@ -823,7 +876,7 @@ class Checker:
         for i, row in db.items():
             if row[4] == "dead" and blocks.get(i):
                 dead_blocking[row[2]].append(i)
-            if (sub != "default" and row[4] == "dead" and row[2] is not None
+            if (row[4] == "dead" and row[2] is not None
                     and bool(blocks.get(i)) != (policy_of(row[1], sub) == "block")):
                 self.bad("dead", f"{pre}event {i} ({row[1]}): dead letter blocks={blocks.get(i)}, "
                                  f"but the policy is {policy_of(row[1], sub)}")
@@ -856,7 +909,7 @@ class Checker:
             if row[4] != "dead":
                 continue
             ma = row[6]
-            if sub != "default" and ma != max_attempts_of(row[1], sub):
+            if ma != max_attempts_of(row[1], sub):
                 self.bad("dead", f"{pre}event {i} ({row[1]}): max_attempts {ma}, the policy says {max_attempts_of(row[1], sub)}")
             fl = fails.get(i, [])
             dead_fail = [f for f in fl if f["res"] == "dead"]
@@ -875,7 +928,7 @@ class Checker:
                 self.bad("dead", f"{pre}event {i} is dead (last_error {row[9]!r}) with no dead-lettering failure logged")
         for i, fl in fails.items():
             row = db.get(i)
-            if sub == "default":
+            if not on_log(sub):
                 ma = row[6] if row else max_attempts_of(claims[i][0]["topic"] if claims.get(i) else "")
             else:
                 # The subscription's own max_attempts overrides the topic's.
@@ -898,7 +951,7 @@ class Checker:
         for i, cl in claims.items():
             for c in cl:
                 if c["subj"]:
-                    by_subj[c["subj"]].append((c["at"] if sub == "default" else c["t"], c["seq"], i, c["att"]))
+                    by_subj[c["subj"]].append((c["t"] if on_log(sub) else c["at"], c["seq"], i, c["att"]))
         for subj, lst in by_subj.items():
             lst.sort()
             top = (0, None)
@@ -942,6 +995,9 @@ def main():
     ap.add_argument("--cluster", default="outbox-soak")
     ap.add_argument("--port", type=int, default=5481)
     ap.add_argument("--keep", action="store_true", help="leave the cluster and logs behind")
+    ap.add_argument("--default-storage", choices=["log", "queue"], default="log",
+                    help="what 'default' reads: the log, as a fresh 0.12.0 install has it (default), or the "
+                         "queue, as an install before 0.12.0 has it until its upgrade")
     # internal: child processes
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
@@ -950,6 +1006,7 @@ def main():
     ap.add_argument("--logdir", help=argparse.SUPPRESS)
     ap.add_argument("--chaos", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    set_default_storage(args.default_storage)
 
     if args.role == "publisher":
         publisher_main(args.dsn, args.index, args.until, args.logdir, args.seed)
@@ -968,8 +1025,8 @@ def main():
     try:
         dsn = own_cluster(args) if owned else args.dsn
         log(f"soak: {args.duration:.0f}s, {args.publishers} publishers, {args.workers} workers, "
-            f"seed {args.seed}, logs {logdir}")
-        m0 = setup_db(dsn)
+            f"seed {args.seed}, 'default' on the {args.default_storage}, logs {logdir}")
+        m0 = setup_db(dsn, args.default_storage)
         sup = Supervisor(args, dsn, logdir)
         t0 = time.time()
         try:
@@ -985,7 +1042,7 @@ def main():
         chk = Checker(dsn, logdir)
         v = chk.run()
         if not sup.drained:
-            v["leases"].append(f"queue not drained within {args.drain_timeout:.0f}s")
+            v["leases"].append(f"subscriptions not drained within {args.drain_timeout:.0f}s")
         if sup.abnormal:
             v["run"] += sup.abnormal
         if sup.purge_errors:
@@ -1006,7 +1063,8 @@ def main():
             f"purged by purge() {sup.purged}, by maintenance {maint[1]} in {maint[0] - m0} runs; "
             f"max expired-lease lag during the run {sup.max_expired_lag:.1f}s")
         for sub in LOG_SUBS:
-            log(f"  outcomes in {sub}: {dict(chk.outcome[sub])}; rows left in outbox.deliveries {len(chk.sdb[sub])}")
+            if sub != "default":
+                log(f"  outcomes in {sub}: {dict(chk.outcome[sub])}; rows left in outbox.deliveries {len(chk.sdb[sub])}")
         log(f"  log ring tables opened during the run: {len(sup.log_tables)} (4 at most without truncation); "
             f"events shown with attempts 1 after purge() removed their row {s['attempts reported as 1 after purge']}")
         passed = failed = 0

@@ -1176,11 +1176,6 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
         let t = Token::from_bytes(*token.as_bytes());
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
         if let Some(Loaded { batch: mut b, lane, subscription, holders }) = load_batch(t.batch) {
-            if b.holder(id, t).is_ok() {
-                // Before the event's fate is decided: a concurrent alter_topic
-                // either is read here or sees the dead row written below.
-                exceptions::lock_topic_of(lane, id);
-            }
             if let Ok(parked) = b.park(id, t) {
                 let settings = crate::subscriptions::lookup(&subscription).unwrap_or_default();
                 let (max_attempts, base, cap) = plans::run_latest(&FAIL_INFO, &[lane.into(), id.into()], |rows| {
@@ -1189,6 +1184,12 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                     out
                 });
                 let (state, delay) = settings.failure(1, max_attempts, base, cap, retry_in, permanent);
+                if state == "dead" && settings.dead_letter_policy.is_none() {
+                    // Before the dead letter is written: a concurrent
+                    // alter_topic either is read by its insert (a snapshot
+                    // taken after the lock) or sees it (invariant 4).
+                    exceptions::lock_topic_of(lane, id);
+                }
                 let now = pg::now();
                 let mut moved: Vec<Moved> = parked
                     .iter()

@@ -45,13 +45,18 @@
 //!    lock. So of a dead transition and a policy change, whichever takes the
 //!    lock second runs after the other has committed and sees it: the
 //!    transition reads the new policy, or the rewrite sees the new dead row.
-//!    fail() waits for the lock ([`lock_topic_of`], [`fail`]); a claim never
-//!    does (invariant 3): it tries the lock for each row it would turn dead
-//!    and leaves the row for a later claim when a policy change holds it. A
-//!    policy change waits for the fails and claims that turned one of its
-//!    topic's rows dead until they end; none of them waits for a lock the
-//!    policy change holds (fail() takes no topic row lock), so they form no
-//!    cycle. Everything here is in the library: it holds whichever SQL version
+//!    fail() waits for the lock ([`lock_topic_of`], [`fail`]), and takes it
+//!    only when it turns the event dead under the topic's policy; a claim
+//!    never waits (invariant 3): it tries the lock for each row it would turn
+//!    dead and leaves the row for a later claim when a policy change holds
+//!    it. A policy change waits for the fails and claims that turned one of
+//!    its topic's rows dead until they end. The rewrite touches dead rows
+//!    only, so it never waits for the row a fail() holds; it does wait for a
+//!    transaction that holds a dead row's lock (cancel, replay), and if that
+//!    transaction then turns another event of the topic dead, the two
+//!    deadlock and PostgreSQL fails one of them with 40P01 (the same cycle
+//!    went through the topic row's lock before 0.14.0). Everything here is in
+//!    the library: it holds whichever SQL version
 //!    is installed (0.13.0 on, where the policy change calls
 //!    [`apply_dead_letter_policy`]).
 
@@ -268,9 +273,6 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     // Under a snapshot taken now (as every exception-row change here): a
     // stale token at REPEATABLE READ is 'stale', not a serialization failure.
     let row = by_token(|| {
-        if let Some(topic) = plans::run_latest(&EXC_EVENT_TOPIC, &[id.into(), token.into()], first_text) {
-            lock_policy_shared(&topic);
-        }
         plans::run_latest(&EXC_FAIL_LOCK, &[id.into(), token.into()], |rows| {
             let mut out = None;
             rows.for_each(|r| {
@@ -288,6 +290,14 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
     let (attempts, max_attempts, base, cap, sub) = row;
     let settings = crate::subscriptions::lookup(&sub).unwrap_or_default();
     let (state, delay) = settings.failure(attempts, max_attempts, base, cap, retry_in, permanent);
+    if state == "dead" && settings.dead_letter_policy.is_none() {
+        // Only a dead transition under the topic's policy needs its lock
+        // (invariant 4); the row is ours already, and a policy change rewrites
+        // dead rows only, so it never waits for this one.
+        if let Some(topic) = plans::run_latest(&EXC_EVENT_TOPIC, &[id.into(), token.into()], first_text) {
+            lock_policy_shared(&topic);
+        }
+    }
     let args: [DatumWithOid<'_>; 6] = [
         id.into(),
         token.into(),
@@ -324,7 +334,7 @@ fn first_text(rows: &plans::Rows) -> Option<String> {
 }
 
 /// Take the dead-letter policy lock of the topic of batch event `id` (lane
-/// `lane`) before fail() decides its fate (invariant 4).
+/// `lane`) before fail() writes its dead letter (invariant 4).
 pub fn lock_topic_of(lane: i16, id: i64) {
     if let Some(topic) = plans::run_latest(&LOG_EVENT_TOPIC, &[lane.into(), id.into()], first_text) {
         lock_policy_shared(&topic);
