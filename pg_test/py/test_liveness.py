@@ -1337,3 +1337,32 @@ def test_policy_switch_racing_a_dead_transition(first, second, via, iso, scratch
         expect_claim(a, "t.pr", e2, why=" (its subject's dead letter is under 'skip')")
     else:
         assert claim(a, "t.pr") == [], "an event was claimed past a blocking dead letter"
+
+
+@pytest.mark.parametrize("via", ["first", "retry"])
+def test_policy_switch_does_not_wait_for_a_fail_that_schedules_a_retry(via, scratch):
+    """alter_topic(dead_letter_policy) waits only for transactions that turned one
+    of the topic's events dead: a fail() in an open transaction that schedules a
+    retry holds no dead-letter policy lock, so the policy change commits at once,
+    and another worker's fail() is not queued behind it (an adversarial run of
+    0.14.0's first cut: both waited until the retrying transaction ended). "first"
+    fails an event out of its batch, "retry" one that has a row of its own."""
+    db = scratch("plain")
+    a, b = db.conn(), db.conn()
+    w = db.conn(autocommit=False)
+    a.execute("SELECT outbox.create_topic('t.rt', max_attempts => 5, dead_letter_policy => 'block')")
+    e1 = publish(a, "t.rt", "s1")
+    [(i, tok)] = claim(a, "t.rt", n=1)
+    assert i == e1
+    if via == "retry":
+        assert a.execute("SELECT outbox.fail(%s, %s, 'once', retry_in => '0')", (e1, tok)).fetchone()[0] == "pending"
+        tok = expect_claim(a, "t.rt", e1, why=" (retried at once)")
+    assert w.execute("SELECT outbox.fail(%s, %s, 'transient')", (e1, tok)).fetchone()[0] == "pending"
+    try:
+        b.execute("SET statement_timeout = '5s'")
+        t0 = time.monotonic()
+        b.execute("SELECT outbox.alter_topic('t.rt', dead_letter_policy => 'skip')")
+        took = time.monotonic() - t0
+        assert took < 2.0, f"alter_topic waited {took:.1f}s for a fail() that scheduled a retry"
+    finally:
+        w.rollback()
