@@ -386,9 +386,14 @@ def test_a_delayed_event_committed_after_its_time_is_announced_by_its_commit(pre
     time.sleep(1.2)  # past its time, and past a due-time sweep of the worker
     t0 = time.monotonic()
     p.execute("COMMIT")
+    # Counted from the moment COMMIT returned: a commit's WAL flush on a busy
+    # disk is not the worker's latency (CI once took 0.8 s from before COMMIT).
+    t1 = time.monotonic()
     got = lst.collect(1.0)
+    # A due-time sweep never finds this event (its time lies before the sweep's
+    # window), so without the commit's announcement nothing arrives at all.
     assert payloads(got) == Counter({"wk.late": 1}), got
-    assert got[0][2] - t0 < 0.5, f"announced {got[0][2] - t0:.3f}s after the commit"
+    assert got[0][2] - t1 < 0.5, f"announced {got[0][2] - t1:.3f}s after COMMIT returned ({t1 - t0:.3f}s in COMMIT)"
     w = preload.conn()
     assert w.execute("SELECT count(*) FROM outbox.claim('w', subscription => %s)", (sub,)).fetchone()[0] == 1
 
