@@ -73,9 +73,9 @@ use crate::pg::plans;
 use crate::sql::log::{
     ANY_SUBJECT, BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT,
     BATCH_INSERT_0110, BATCH_PUT, BATCH_PUT_MANY, BATCH_PUT_ROUNDS_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
-    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_0100, LANE_HAS_MORE, LANE_LOCK,
-    LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_0100, SUBSCRIBE_LISTED,
-    SUBSCRIBE_LISTED_0100, TOPICS_OF,
+    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_0100, LANES_WITH_NEWS,
+    LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE,
+    SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -748,6 +748,37 @@ impl Claim<'_> {
     }
 }
 
+/// The lanes of `all` that a claim can pass by: no batch in flight, no window
+/// open, and nothing in the window from their cursor up to a snapshot taken
+/// now ([`LANES_WITH_NEWS`], one statement for them all).
+///
+/// **Passing such a lane by changes nothing a claim would have done.**
+/// [`Claim::serve`] reads the same window (the same definition, through the
+/// same three branches, which src/log/mod.rs proves complete) from a cursor it
+/// takes a moment later, finds it empty, and writes nothing: the cursor stays.
+/// An event that commits between the two snapshots is in a window that ends
+/// later; its commit's wake-up (src/wakeup.rs) sends a worker to claim it, as
+/// for one committed just after the claim. The check reads the lane versions
+/// `all` was read from: a lane another claim moved since is one it cannot
+/// lock anyway ([`pg::try_lock_row`] on the version read).
+fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
+    let idle: Vec<&Lane> = all.iter().filter(|l| l.batch.is_none() && l.hi.is_none() && l.pos.is_none()).collect();
+    if idle.is_empty() {
+        return Vec::new();
+    }
+    let lanes: Vec<i16> = idle.iter().map(|l| l.lane).collect();
+    let snaps: Vec<String> = idle.iter().map(|l| l.lo.snapshot.clone()).collect();
+    let ms: Vec<i64> = idle.iter().map(|l| l.lo.m).collect();
+    let xns: Vec<String> = idle.iter().map(|l| l.lo.xn.to_string()).collect();
+    let busy =
+        plans::run_latest(&LANES_WITH_NEWS, &[lanes.clone().into(), snaps.into(), ms.into(), xns.into()], |rows| {
+            let mut out = Vec::with_capacity(rows.len());
+            rows.for_each(|r| out.extend(r.i16(0)));
+            out
+        });
+    lanes.into_iter().filter(|l| !busy.contains(l)).collect()
+}
+
 /// Most events of one subject a batch takes: a subject's events go out one
 /// per round, so a piece of one busy subject would make a batch of many rounds
 /// (a row that grows with each, rewritten by every ack); the rest of the piece
@@ -832,9 +863,13 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
+        let quiet = quiet_lanes(&all);
         for l in all {
             if left == 0 {
                 break;
+            }
+            if quiet.contains(&l.lane) {
+                continue;
             }
             left -= claim.serve(l, relid, left);
         }
