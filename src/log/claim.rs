@@ -81,8 +81,8 @@ use crate::subscriptions::Settings;
 use crate::validate;
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use pgrx::prelude::*;
-use std::cell::Cell;
-use std::collections::{BTreeMap, HashMap};
+use std::cell::{Cell, RefCell};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 /// First key of the batch advisory locks (0x6f62746c = "obtl"); the second is
 /// the batch id's low 32 bits (two batches that share them only serialise).
@@ -748,6 +748,16 @@ impl Claim<'_> {
     }
 }
 
+thread_local! {
+    /// Lane cursors (lane, snapshot, m, xn) whose late committers are settled:
+    /// [`quiet_lanes`] found none of their events in the window under a
+    /// snapshot whose xmin was at or above the cursor's `xn`.
+    static SETTLED: RefCell<HashSet<(i16, String, i64, u64)>> = RefCell::new(HashSet::new());
+}
+
+/// Most cursors [`SETTLED`] keeps (lanes move on; old cursors are never asked about again).
+const SETTLED_MAX: usize = 256;
+
 /// The lanes of `all` that a claim can pass by: no batch in flight, no window
 /// open, and nothing in the window from their cursor up to a snapshot taken
 /// now ([`LANES_WITH_NEWS`], one statement for them all).
@@ -761,22 +771,53 @@ impl Claim<'_> {
 /// for one committed just after the claim. The check reads the lane versions
 /// `all` was read from: a lane another claim moved since is one it cannot
 /// lock anyway ([`pg::try_lock_row`] on the version read).
+///
+/// **A settled cursor's late committers need no second look.** The two
+/// late-committer branches take transactions with ids below the cursor's `xn`
+/// that its snapshot did not see. Once a snapshot `H` with `xmin(H) >= xn`
+/// found no event of theirs in the window, none ever appears: each of those
+/// transactions has ended by `H`, so it writes no more rows, and
+/// `pg_visible_in_snapshot` of an id below `xmin` is true in `H` and in every
+/// later snapshot, so the branches' condition on each existing row is the
+/// same as under `H`. Such a cursor is remembered in [`SETTLED`] (per
+/// backend, keyed by the whole cursor, so a lane that moves is asked afresh)
+/// and only the branch of ids above `m` is probed for it.
 fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
     let idle: Vec<&Lane> = all.iter().filter(|l| l.batch.is_none() && l.hi.is_none() && l.pos.is_none()).collect();
     if idle.is_empty() {
         return Vec::new();
     }
+    let key = |l: &Lane| (l.lane, l.lo.snapshot.clone(), l.lo.m, l.lo.xn);
+    let late: Vec<bool> = SETTLED.with(|s| {
+        let s = s.borrow();
+        idle.iter().map(|l| !s.contains(&key(l))).collect()
+    });
     let lanes: Vec<i16> = idle.iter().map(|l| l.lane).collect();
     let snaps: Vec<String> = idle.iter().map(|l| l.lo.snapshot.clone()).collect();
     let ms: Vec<i64> = idle.iter().map(|l| l.lo.m).collect();
     let xns: Vec<String> = idle.iter().map(|l| l.lo.xn.to_string()).collect();
-    let busy =
-        plans::run_latest(&LANES_WITH_NEWS, &[lanes.clone().into(), snaps.into(), ms.into(), xns.into()], |rows| {
-            let mut out = Vec::with_capacity(rows.len());
-            rows.for_each(|r| out.extend(r.i16(0)));
-            out
-        });
-    lanes.into_iter().filter(|l| !busy.contains(l)).collect()
+    let args = [lanes.into(), snaps.into(), ms.into(), xns.into(), late.clone().into()];
+    let rows = plans::run_latest(&LANES_WITH_NEWS, &args, |rows| {
+        let mut out = Vec::with_capacity(rows.len());
+        rows.for_each(|r| out.push((r.i16(0), r.bool(1), r.text(2).and_then(|x| x.parse::<u64>().ok()))));
+        out
+    });
+    let mut quiet = Vec::new();
+    for (i, (lane, news, xmin)) in rows.into_iter().enumerate() {
+        let (Some(lane), Some(false)) = (lane, news) else { continue };
+        quiet.push(lane);
+        let l = idle[i];
+        if late[i] && l.lane == lane && xmin.is_some_and(|x| x >= l.lo.xn) {
+            SETTLED.with(|s| {
+                let mut s = s.borrow_mut();
+                if s.len() >= SETTLED_MAX {
+                    s.clear();
+                }
+                s.insert(key(l));
+            });
+        }
+    }
+    quiet
 }
 
 /// Most events of one subject a batch takes: a subject's events go out one

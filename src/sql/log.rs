@@ -101,10 +101,13 @@ macro_rules! window_sql {
 pub const WINDOW: Stmt =
     Stmt { sql: window_sql!("w.id, w.subject, w.topic, w.deliver_at", "ORDER BY w.id LIMIT $7"), types: WINDOW_TYPES };
 
-/// Which of the lanes $1 (cursors: $2 snapshots, $3 m, $4 xn, one each) have
-/// an event in their window up to this statement's snapshot (`pg_current_snapshot()`
-/// under [`plans::run_latest`]): [`WINDOW`]'s three branches, with nothing read
-/// yet, as one EXISTS each. One statement for every lane a claim would otherwise
+/// For each of the lanes $1 (cursors: $2 snapshots, $3 m, $4 xn, one each):
+/// whether it has an event in its window up to this statement's snapshot
+/// (`pg_current_snapshot()` under [`plans::run_latest`]), with that
+/// snapshot's xmin. [`WINDOW`]'s three branches, with nothing read yet, as
+/// one EXISTS each; the late committers' two only where $5 says so (a lane
+/// whose cursor's late committers were all found settled, src/log/claim.rs
+/// `quiet_lanes`). One statement for every lane a claim would otherwise
 /// visit with a window of its own: the window's plan (twelve index scans over
 /// the ring) costs more to start than to run on an empty lane, and sixteen of
 /// those made a claim of a quiet subscription take 3 ms. The late committers'
@@ -113,20 +116,28 @@ pub const WINDOW: Stmt =
 ///
 /// [`plans::run_latest`]: crate::pg::plans::run_latest
 pub const LANES_WITH_NEWS: Stmt = Stmt {
-    sql: "/* generic plan */ SELECT l.lane FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[]) AS l(lane, lo, m, xn) \
-          CROSS JOIN LATERAL (SELECT l.lo::pg_snapshot AS lo, l.xn::xid8 AS xn) c \
-          WHERE EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = l.lane AND e.id > l.m \
+    sql: "/* generic plan */ SELECT l.lane, \
+            EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = l.lane AND e.id > l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
                   AND NOT pg_visible_in_snapshot(e.txid, c.lo)) \
-             OR EXISTS (SELECT 1 FROM outbox.log e \
+            OR (l.late AND (EXISTS (SELECT 1 FROM outbox.log e \
                   WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(c.lo))) AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
                   AND NOT pg_visible_in_snapshot(e.txid, c.lo)) \
              OR EXISTS (SELECT 1 FROM outbox.log e \
                   WHERE e.txid >= pg_snapshot_xmax(c.lo) AND e.txid < c.xn AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
-                  AND NOT pg_visible_in_snapshot(e.txid, c.lo))",
-    types: &[pg_sys::INT2ARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT8ARRAYOID, pg_sys::TEXTARRAYOID],
+                  AND NOT pg_visible_in_snapshot(e.txid, c.lo)))), \
+            pg_snapshot_xmin((SELECT pg_current_snapshot()))::text \
+          FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[], $5::bool[]) AS l(lane, lo, m, xn, late) \
+          CROSS JOIN LATERAL (SELECT l.lo::pg_snapshot AS lo, l.xn::xid8 AS xn) c",
+    types: &[
+        pg_sys::INT2ARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::INT8ARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::BOOLARRAYOID,
+    ],
 };
 
 /// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id,
