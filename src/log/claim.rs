@@ -765,10 +765,14 @@ const SETTLED_MAX: usize = 256;
 /// **Passing such a lane by changes nothing a claim would have done.**
 /// [`Claim::serve`] reads the same window (the same definition, through the
 /// same three branches, which src/log/mod.rs proves complete) from a cursor it
-/// takes a moment later, finds it empty, and writes nothing: the cursor stays.
-/// An event that commits between the two snapshots is in a window that ends
-/// later; its commit's wake-up (src/wakeup.rs) sends a worker to claim it, as
-/// for one committed just after the claim. The check reads the lane versions
+/// takes a moment later; up to the check's snapshot it would find the window
+/// empty, and an empty fresh window writes nothing: the cursor stays. An event
+/// that commits between the two snapshots is in a window that ends later; its
+/// commit's wake-up (src/wakeup.rs) sends a worker to claim it, as for one
+/// committed just after the claim. The check errs towards serving: it counts
+/// the claimer's own uncommitted events as news (`pg_current_snapshot()`
+/// leaves the taker's id out of its in-progress list, where [`cursor`] puts it),
+/// and ignores topic filters, delays and skips. The check reads the lane versions
 /// `all` was read from: a lane another claim moved since is one it cannot
 /// lock anyway ([`pg::try_lock_row`] on the version read).
 ///
@@ -776,12 +780,16 @@ const SETTLED_MAX: usize = 256;
 /// late-committer branches take transactions with ids below the cursor's `xn`
 /// that its snapshot did not see. Once a snapshot `H` with `xmin(H) >= xn`
 /// found no event of theirs in the window, none ever appears: each of those
-/// transactions has ended by `H`, so it writes no more rows, and
+/// transactions has ended by `H` (`xmin(H)` counts the taker's own id too, so
+/// a claimer that is itself one of the cursor's late committers never settles
+/// it), so it writes no more rows, and
 /// `pg_visible_in_snapshot` of an id below `xmin` is true in `H` and in every
 /// later snapshot, so the branches' condition on each existing row is the
 /// same as under `H`. Such a cursor is remembered in [`SETTLED`] (per
-/// backend, keyed by the whole cursor, so a lane that moves is asked afresh)
-/// and only the branch of ids above `m` is probed for it.
+/// backend, keyed by the lane and the whole cursor, so a lane that moves is
+/// asked afresh; not by subscription, since the window depends only on the
+/// lane, the cursor and the log) and only the branch of ids above `m` is
+/// probed for it.
 fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
     let idle: Vec<&Lane> = all.iter().filter(|l| l.batch.is_none() && l.hi.is_none() && l.pos.is_none()).collect();
     if idle.is_empty() {
