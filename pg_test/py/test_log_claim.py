@@ -303,3 +303,67 @@ def test_later_rounds_of_many_lanes_come_back_whole_with_their_tokens_and_payloa
     want = [(a, n) for a, _ in lanes for n in range(3, 7)]
     assert sorted(rest) == sorted(want)
     assert [n for s, n in rest if s == lanes[0][0]] == [3, 4, 5, 6]
+
+
+def same_lane_subjects(c, n):
+    """n subjects whose events share one lane (src/log/mod.rs: hashtext & 15)."""
+    return [r[0] for r in c.execute(
+        "SELECT s FROM (SELECT 'k' || g AS s FROM generate_series(1, 2000) g) x "
+        "WHERE outbox._lane(0, s) = outbox._lane(0, 'k1') ORDER BY length(s), s LIMIT %s", (n,))]
+
+
+def test_claims_of_one_event_go_through_a_lane_of_several_subjects_without_waiting_for_acks(logdb):
+    # A new batch reads at least MIN_PIECE events (src/log/claim.rs): claims of
+    # one event each take the batch's next rounds, one subject after another,
+    # while the first ones are still out; nothing needs a row of its own.
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
+    subjects = same_lane_subjects(c, 3)
+    ids = [c.execute("SELECT outbox.publish('x.t', '{}', %s)", (s,)).fetchone()[0] for s in subjects * 2]
+    got = [claim(c, "s", 1, "30 s") for _ in range(4)]
+    assert [[r[0] for r in g] for g in got] == [[ids[0]], [ids[1]], [ids[2]], []]  # each subject's second waits
+    assert logdb.one("SELECT count(*) FROM outbox.log_exceptions")[0] == 0
+    assert logdb.one("SELECT count(*) FROM outbox.log_batches")[0] == 1
+    for (row,) in got[:3]:
+        assert c.execute(ACK, (row[0], row[2])).fetchone()[0] == 1
+    rest = [claim(c, "s", 1, "30 s") for _ in range(3)]
+    assert [r[0] for g in rest for r in g] == ids[3:]
+
+
+def test_a_claim_narrowed_to_its_topics_reads_only_what_it_needs(logdb):
+    # A narrowed claim moves the waiting events outside its topics to rows of
+    # their own, so it does not read MIN_PIECE events for a claim of one.
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
+    subjects = same_lane_subjects(c, 11)
+    a = c.execute("SELECT outbox.publish('a.x', '{}', %s)", (subjects[0],)).fetchone()[0]
+    for s in subjects[1:]:
+        c.execute("SELECT outbox.publish('b.x', '{}', %s)", (s,))
+    rows = c.execute("SELECT id, lease_token FROM outbox.claim('w', 1, '30 s', ARRAY['a.x'], subscription => 's')"
+                     ).fetchall()
+    assert [r[0] for r in rows] == [a]
+    assert logdb.one("SELECT count(*) FROM outbox.log_exceptions")[0] == 0
+    assert c.execute(ACK, rows[0]).fetchone()[0] == 1
+    # The b.x events are still the subscription's, read by the next claim.
+    rest = c.execute("SELECT count(*) FROM outbox.claim('w', 20, '30 s', subscription => 's')").fetchone()[0]
+    assert rest == 10
+
+
+def test_a_narrowed_claim_is_not_turned_away_by_a_batch_of_other_topics(logdb):
+    # An unnarrowed claim of one leaves the rest of its batch waiting; a claim
+    # narrowed to another topic moves those aside, and then (outside a
+    # transaction block, no subject out) its second pass moves the event out
+    # aside too and serves the lane's newer event at once, not one claim later.
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
+    c.execute("SELECT setval('outbox.event_id_seq', 6400)")  # ids 6401.. share one lane
+    a = [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch('a.x', ARRAY['{}', '{}', '{}']::jsonb[])")]
+    (first,) = claim(c, "s", 1, "30 s")
+    assert first[0] == a[0]
+    b = c.execute("SELECT outbox.publish('b.x', '{}')").fetchone()[0]
+    assert logdb.one("SELECT count(DISTINCT outbox._lane(i, NULL)) FROM unnest(%s::bigint[]) i", (a + [b],))[0] == 1
+    rows = c.execute("SELECT id FROM outbox.claim('w', 1, '30 s', ARRAY['b.x'], subscription => 's')").fetchall()
+    assert rows == [(b,)]
+    # The a.x events are still owed: the one out acks with its token, the others go out.
+    assert c.execute(ACK, (first[0], first[2])).fetchone()[0] == 1
+    assert sorted(r[0] for r in claim(c, "s", 10, "30 s")) == a[1:]
