@@ -26,15 +26,13 @@
 //!       batch allows now ([`Batch::handable`]) as a new round;
 //!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
 //!       batch ended, what the claim still needs but at least [`MIN_PIECE`]
-//!       events (a claim narrowed to its own topics: what it needs), and at
-//!       most [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
+//!       events, and at most [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
 //!       subscription takes the lane's batch: the subjects that continue in
 //!       the exception table, delayed events and events outside the call's own
 //!       topics go there ([`Batch::divert`]); what the claim can take of the
 //!       rest is handed out as the batch's first round, and the others wait in
-//!       the batch for later rounds. An open window that has no more events
-//!       moves the lane's cursor to its end; a fresh window with no events
-//!       writes nothing.
+//!       the batch for later rounds. An open window that has no more events moves the
+//!       lane's cursor to its end; a fresh window with no events writes nothing.
 //!
 //! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
 //! lane another claim holds is skipped, never waited for) only to change it,
@@ -559,16 +557,6 @@ impl Claim<'_> {
         !ids.is_empty() && plans::one::<bool>(&ANY_SUBJECT, &[lane.into(), ids.into()]) != Some(false)
     }
 
-    /// How many events a new batch reads from its lane's window for a claim
-    /// that still needs `left`: at least [`MIN_PIECE`], except for a claim
-    /// narrowed to its own topics, which diverts every waiting event outside
-    /// them to a row of its own (a per-event write), and so reads only what it
-    /// needs.
-    fn piece(&self, left: usize) -> usize {
-        let least = if self.req.narrow.is_some() { 1 } else { MIN_PIECE };
-        left.clamp(least, super::batch::MAX_EVENTS)
-    }
-
     /// Send to the exception table, with every waiting event of their
     /// subjects, the handable events of batch `id` (`b`, lane `lane`) outside
     /// the call's narrowed topics; returns whether any moved.
@@ -667,11 +655,7 @@ impl Claim<'_> {
                 return 0; // an ack is changing it: the next claim serves it
             }
             if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(id) {
-                // Narrowed first: a batch whose waiting events all lie outside
-                // the call's topics is stuck for this claim once they have gone,
-                // and move_out must see that to let the claim's second pass
-                // serve the lane's newer events.
-                let changed = self.narrow(l.lane, id, &mut b) | self.move_out(id, l.lane, l.pos, &mut b, &holders);
+                let changed = self.move_out(id, l.lane, l.pos, &mut b, &holders) | self.narrow(l.lane, id, &mut b);
                 if !b.finished() {
                     let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
                     if picks.is_empty() {
@@ -710,7 +694,13 @@ impl Claim<'_> {
                 Some(h) => (h.clone(), false),
                 None => (cursor(), true),
             };
-            let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(self.piece(left) as i32));
+            let mut events = window(
+                l.lane,
+                &l.lo,
+                &hi.snapshot,
+                l.pos.unwrap_or(0),
+                Some(left.clamp(MIN_PIECE, super::batch::MAX_EVENTS) as i32),
+            );
             cap_subjects(&mut events);
             if events.is_empty() && fresh {
                 break; // nothing new; the cursor stays (an empty window writes nothing)
