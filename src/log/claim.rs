@@ -25,13 +25,12 @@
 //!       send events outside the call's topics there too; hand out what the
 //!       batch allows now ([`Batch::handable`]) as a new round;
 //!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
-//!       batch ended, what the claim still needs but at least [`MIN_PIECE`]
-//!       events, and at most [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
+//!       batch ended, at most what the claim still needs and at most
+//!       [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
 //!       subscription takes the lane's batch: the subjects that continue in
 //!       the exception table, delayed events and events outside the call's own
-//!       topics go there ([`Batch::divert`]); what the claim can take of the
-//!       rest is handed out as the batch's first round, and the others wait in
-//!       the batch for later rounds. An open window that has no more events moves the
+//!       topics go there ([`Batch::divert`]); the rest is handed out as the
+//!       batch's first round. An open window that has no more events moves the
 //!       lane's cursor to its end; a fresh window with no events writes nothing.
 //!
 //! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
@@ -99,19 +98,6 @@ pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
 /// outside a transaction block: it moves them aside at once and serves the
 /// lane's newer events.
 pub const LANE_HOLD_US: i64 = 1_000_000;
-
-/// Fewest events a new batch reads from its lane's window (fewer only when the
-/// window has fewer): what the claim does not take now waits in the batch for
-/// the next claims, each of which hands out a round of it. A lane has one
-/// batch at a time (invariant 2), so a batch as small as a claim of 1 made
-/// the lane hand out one event at a time whatever its subjects, and a lane of
-/// several busy subjects fell behind workers that claim a few events each
-/// (the soak's 1 to 8: one lane's backlog grew for its whole hour). 32 rounds
-/// of one event keep the batch row under 1 KB.
-pub const MIN_PIECE: usize = 32;
-
-// `usize::clamp` panics when its bounds cross; this keeps them apart at build time.
-const _: () = assert!(MIN_PIECE <= super::batch::MAX_EVENTS);
 
 /// How many window pieces one claim reads in one lane before it moves on: a
 /// piece whose events all go elsewhere (outside the topics, delayed) hands
@@ -699,7 +685,7 @@ impl Claim<'_> {
                 &l.lo,
                 &hi.snapshot,
                 l.pos.unwrap_or(0),
-                Some(left.clamp(MIN_PIECE, super::batch::MAX_EVENTS) as i32),
+                Some(left.min(super::batch::MAX_EVENTS) as i32),
             );
             cap_subjects(&mut events);
             if events.is_empty() && fresh {
