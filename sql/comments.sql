@@ -231,9 +231,9 @@ COMMENT ON FUNCTION outbox._default_to_log() IS
 COMMENT ON FUNCTION outbox._lane(bigint, text) IS
 'Internal: the lane (smallint, 0-15) of event id with subject, as publish places it in the log: hashtext(subject) & 15, or (id / 64) % 16 without a subject. No errors.';
 
-COMMENT ON FUNCTION outbox._log_retains(bigint) IS
-'Internal (retention of dispatch keys): whether a subscription of the log exists and event id is in the log or in a subscription''s row of its own (boolean). '
-'A key stays while its event is retained there, in the queue or in the archive. One index probe per lane. No errors.';
+COMMENT ON FUNCTION outbox._log_floor() IS
+'Internal (retention of dispatch keys and of the log''s rows of their own, 0.15.0): the smallest event id the log holds while a subscription reads it, or 9223372036854775807 when none does or the log is empty (bigint). '
+'The log retains nothing of an event below it: its dispatch key and its rows in outbox.log_exceptions may go once their retention allows. One index probe per lane and ring table. No errors.';
 
 COMMENT ON FUNCTION outbox._storage(text) IS
 'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''log'', or ''queue'' for the ''default'' of an install before 0.12.0 until the upgrade moves it; NULL when it does not exist.';

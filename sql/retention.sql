@@ -13,20 +13,30 @@ LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._setting(name)::interval $$;
 
--- Whether a subscription of the log still retains event `id` (0.10.0): one
--- exists, and the event is in the log or in a row of one's own. A dispatch
--- key stays while its event is retained anywhere (the queue, the archive, or
--- here), so a publish with the key gets the same event back. The log has no
--- index on id alone: one probe of each lane's (lane, id) index.
-CREATE FUNCTION outbox._log_retains(id bigint) RETURNS boolean
+-- Below which event id the log retains nothing (0.15.0): the smallest id the
+-- log holds while a subscription reads it; the largest bigint when none does
+-- or the log is empty. An event below it is in no ring table, so a dispatch
+-- key or a row of its own (outbox.log_exceptions) kept for it while the log
+-- held it may go. Retention asks it once per statement, as an InitPlan, and
+-- compares ids: the log has no index on id alone, and a probe of the 16 lanes
+-- of every ring table per key or row, as outbox._log_retains did (0.10.0 to
+-- 0.14.0), grew with what the log retains and, run every second, starved the
+-- workers once subscriptions lagged (the one-hour soak, 2026-12-06). Ids rise
+-- with time, so an event at or above the floor that is not in the log (a
+-- transaction still open far behind the others holds the floor back) keeps
+-- its key and rows only until retention empties the ring tables below it.
+-- One probe of each ring table's (lane, id) index per lane.
+CREATE FUNCTION outbox._log_floor() RETURNS bigint
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage OPERATOR(pg_catalog.=) 'log')
-       AND (EXISTS (SELECT 1 FROM outbox.log l
-                     WHERE l.lane OPERATOR(pg_catalog.=) ANY ('{0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15}'::smallint[])
-                       AND l.id OPERATOR(pg_catalog.=) _log_retains.id)
-            OR EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id OPERATOR(pg_catalog.=) _log_retains.id))
+    SELECT CASE WHEN EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage OPERATOR(pg_catalog.=) 'log')
+                THEN COALESCE((SELECT pg_catalog.min(f.id)
+                                 FROM pg_catalog.generate_series(0, 15) AS g(lane)
+                                 CROSS JOIN LATERAL (SELECT pg_catalog.min(l.id) AS id FROM outbox.log l
+                                                      WHERE l.lane OPERATOR(pg_catalog.=) g.lane::smallint) AS f),
+                              9223372036854775807)
+                ELSE 9223372036854775807 END
 $$;
 
 CREATE FUNCTION outbox._purge_step(kind text, older_than interval, batch_size integer) RETURNS bigint
@@ -69,15 +79,16 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
-               AND NOT outbox._log_retains(g.id)
+               AND g.id < (SELECT outbox._log_floor())
+               AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*) INTO n FROM gone;
         -- Named subscriptions' delivered exception rows (events that needed a
         -- retry: their attempt history), in what is left of the batch. Kept
         -- while the log still holds the event (0.11.0): outbox.deliveries
-        -- would otherwise show it as acked from its batch on the first try.
-        -- One probe of the (lane, id) index per ring table.
+        -- would otherwise show it as acked from its batch on the first try;
+        -- from 0.15.0, until the event is below outbox._log_floor().
         IF n < batch_size THEN
             WITH victims AS (
                 SELECT x.subscription, x.id FROM outbox.log_exceptions x
@@ -85,7 +96,7 @@ BEGIN
                  WHERE x.state = 'delivered'
                    AND x.delivered_at < pg_catalog.clock_timestamp()
                        - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
-                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+                   AND x.id < (SELECT outbox._log_floor())
                  LIMIT batch_size - n
                    FOR UPDATE OF x SKIP LOCKED
             )
@@ -126,7 +137,8 @@ BEGIN
             DELETE FROM outbox.dispatch_keys k USING gone g
              WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
                AND k.created_at < pg_catalog.clock_timestamp() - key_age
-               AND NOT outbox._log_retains(g.id)
+               AND g.id < (SELECT outbox._log_floor())
+               AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = g.id)
             RETURNING 1
         )
         SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
@@ -138,9 +150,10 @@ BEGIN
         -- Dead letters and cancelled events of subscriptions of the log
         -- (0.9.0), in what is left of the batch. Their subjects need no
         -- promotion: a claim finds heads itself (src/log/exceptions.rs). Kept
-        -- while the log still holds the event (0.12.0), as delivered rows
-        -- are: the lane's cursor has passed it, so outbox.deliveries would
-        -- otherwise show it as acked from its batch.
+        -- while the log still holds the event (0.12.0; from 0.15.0 until it
+        -- is below outbox._log_floor()), as delivered rows are: the lane's
+        -- cursor has passed it, so outbox.deliveries would otherwise show it
+        -- as acked from its batch.
         IF n < batch_size THEN
             WITH victims AS (
                 SELECT x.subscription, x.id FROM outbox.log_exceptions x
@@ -148,7 +161,7 @@ BEGIN
                  WHERE x.state IN ('dead', 'cancelled')
                    AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
                        - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
-                   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
+                   AND x.id < (SELECT outbox._log_floor())
                  LIMIT batch_size - n
                    FOR UPDATE OF x SKIP LOCKED
             )
@@ -185,13 +198,16 @@ BEGIN
     ELSE
         -- Keys whose events are gone, once they are older than the key window:
         -- from the queue and the archive, and (0.10.0) from what the
-        -- subscriptions of the log retain (outbox._log_retains).
+        -- subscriptions of the log retain: below outbox._log_floor() (0.15.0),
+        -- with no row of its own. A key at or above the floor costs a run one
+        -- comparison, not a look into the log per key.
         WITH victims AS (
             SELECT k.dispatch_key FROM outbox.dispatch_keys k
              WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
                AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
                AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
-               AND NOT outbox._log_retains(k.event_id)
+               AND k.event_id < (SELECT outbox._log_floor())
+               AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = k.event_id)
              LIMIT batch_size
                FOR UPDATE OF k SKIP LOCKED
         ), gone AS (

@@ -104,7 +104,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
     outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
-    outbox._retention_guc(text), outbox._log_retains(bigint), outbox._pattern_kind(text), outbox._topic_matches(text, text),
+    outbox._retention_guc(text), outbox._log_floor(), outbox._pattern_kind(text), outbox._topic_matches(text, text),
     outbox._lane(bigint, text), outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(), outbox._log_rebase(), outbox._log_restore_quiet()
     TO outbox_admin;

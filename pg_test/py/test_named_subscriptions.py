@@ -334,6 +334,41 @@ def test_a_narrowed_claim_never_takes_another_topic_from_a_batch_in_flight(plain
     assert drain(c, "n") == [b]
 
 
+def test_a_narrowed_claim_goes_past_a_batch_it_takes_nothing_from(plain):
+    """A batch in flight whose handable events are all outside a narrowed
+    claim's topics, with an event out under another worker's lease, must not
+    send that claim back empty while the lane has a newer event of its topics:
+    the other topics' events move to the exception table, the event out moves
+    aside still leased to its holder (it has no subject), and the lane's newer
+    event goes out (src/log/claim.rs, serve(): narrow before move_out)."""
+    c = plain.conn()
+    # x1, x2 (subject s) and e3, y (no subject) must share a lane: e3 and y by
+    # their run of ids (src/log/mod.rs, lane()), s by its hash.
+    probe = publish(c, "probe")
+    while (probe + 3) % 64 > 60:
+        probe = publish(c, "probe")
+    lane = ((probe + 3) // 64) % 16
+    (s,) = plain.one("SELECT s FROM (SELECT 'subj-' || g AS s FROM generate_series(1, 1000) g) x "
+                     "WHERE hashtext(s) & 15 = %s LIMIT 1", (lane,))
+    c.execute("SELECT outbox.create_subscription('nb')")
+    x1, x2 = publish(c, "b.x", subject=s), publish(c, "b.x", subject=s)
+    e3 = publish(c, "b.x")
+    assert [x1, x2, e3] == [probe + 1, probe + 2, probe + 3]
+    # One batch of the three: x1 and e3 go out, x2 waits behind x1.
+    first = claim(c, "nb", n=3, worker="other")
+    assert [r[0] for r in first] == [x1, e3]
+    assert ack(c, first[0])
+    y = publish(c, "a.x")
+    assert y == probe + 4
+    got = claim(c, "nb", n=10, topics=["a.*"])
+    assert [r[0] for r in got] == [y]
+    # e3's holder keeps its lease and token; x2 waits in the exception table.
+    assert plain.one("SELECT state, leased_by FROM outbox.deliveries WHERE subscription = 'nb' AND event_id = %s",
+                     (e3,)) == ("leased", "other")
+    assert ack(c, first[1]) and ack(c, got[0])
+    assert drain(c, "nb") == [x2]
+
+
 def test_a_slow_handler_holds_its_lane_only_for_a_moment(plain):
     """One event kept out (1 h lease) must not hold the other subjects of its
     lane: after src/log/claim.rs's LANE_HOLD_US it moves to the exception table,

@@ -641,7 +641,12 @@ impl Claim<'_> {
                 return 0; // an ack is changing it: the next claim serves it
             }
             if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(id) {
-                let changed = self.move_out(id, l.lane, l.pos, &mut b, &holders) | self.narrow(l.lane, id, &mut b);
+                // Narrowed first: a batch whose handable events are all of other
+                // topics has nothing left for this claim once they move aside,
+                // and move_out then treats it as the stuck batch it is (its
+                // events out go aside for the lane's newer events, or the lane
+                // goes to the second pass), instead of seeing events to hand out.
+                let changed = self.narrow(l.lane, id, &mut b) | self.move_out(id, l.lane, l.pos, &mut b, &holders);
                 if !b.finished() {
                     let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
                     if picks.is_empty() {
