@@ -69,9 +69,13 @@ AS 'MODULE_PATHNAME', 'outbox_claim';
 COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
 'Lease up to batch_size ready events of one subscription: pending events whose visible time has come, and leased events whose lease expired. '
 'Never waits for another transaction: rows other transactions hold or are changing are skipped, as are rows changed since the claim''s snapshot (outbox._lock_row). '
-'Oldest available first. Each row gets a fresh lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease; attempt counts claims (1 on first delivery). '
+'Order: a subject''s events in commit order; across subjects no order is promised. On the log, a claim takes the subscription''s due rows of their own first (retries, replays, delayed events whose time has come, expired leases already moved out of their batch; oldest visible time first), then new events lane by lane; '
+'an expired lease still in its lane''s batch is moved out, and handed out, only when a claim reaches that batch, so a claim may return new events before it. The queue''s ''default'' of an install before 0.12.0 hands out the oldest first. '
+'Each row carries a lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease. Rows of one claim may share a token (on the log: the events of one round of a lane''s batch, and the rows of their own one claim takes), '
+'but fencing is per event: ack, fail and extend_lease match the id with the token, a token acts only on the events it was handed out with, and an event handed out again gets a new one. '
+'The token does not name a delivery: (id, subscription, attempt) does (a replay starts attempt again). attempt counts claims (1 on first delivery). '
 'An event whose subject has an earlier pending, leased or blocking-dead event is not claimable. An expired lease that used the last attempt goes dead with error ''lease expired''. '
-'Arguments: worker (non-empty name, at most 255 chars, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
+'Arguments: worker (non-empty name, at most 255 bytes, no control characters, recorded as leased_by), batch_size (1..outbox.max_batch_size), '
 'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease; events a subscription of the log hands out together from one batch share the longest of their topics'' leases), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
 'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
 'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
@@ -94,7 +98,8 @@ AS 'MODULE_PATHNAME', 'outbox_ack';
 
 COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
 'Mark a leased event delivered (moves it to the archive). Returns true when lease_token is the event''s current token, '
-'false otherwise (stale or unknown token, unknown id, NULL arguments): never an error, nothing changes. A fenced ack, as in awa.';
+'false otherwise (stale or unknown token, unknown id, NULL arguments): no error, nothing changes. '
+'The exception: in a read-only transaction or on a standby, PostgreSQL raises 25006 for any non-NULL id and token (the call writes, whatever the token). A fenced ack, as in awa.';
 
 CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -102,7 +107,7 @@ AS 'MODULE_PATHNAME', 'outbox_ack_batch';
 
 COMMENT ON FUNCTION outbox.ack(bigint[], uuid[]) IS
 'Batch ack: acknowledges each (ids[i], lease_tokens[i]) pair whose token is current; returns how many were acknowledged (integer). '
-'Errors: 22004 NULL array or NULL element; 22023 arrays of different lengths or multidimensional; 54000 more than outbox.max_batch_size pairs. Nothing is applied on error.';
+'Errors: 22004 NULL array or NULL element; 22023 arrays of different lengths or multidimensional; 54000 more than outbox.max_batch_size pairs; 25006 (from PostgreSQL) for non-empty arrays in a read-only transaction or on a standby. Nothing is applied on error.';
 
 CREATE FUNCTION outbox.fail(
     id          bigint,

@@ -150,7 +150,9 @@ COMMENT ON FUNCTION outbox._log_rebase() IS
 'Errors: 40001 at REPEATABLE READ or SERIALIZABLE when another transaction rebased after the snapshot.';
 
 COMMENT ON FUNCTION outbox._set_paused(text, boolean) IS
-'Internal: pause_subscription and resume_subscription. Returns true when the state changed. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription.';
+'Internal: pause_subscription and resume_subscription. Returns true when the state changed, false when it was already so. '
+'When the UPDATE finds no row to change, a new statement (a new snapshot at READ COMMITTED) checks that the subscription still exists, as alter_subscription does, so a drop_subscription that committed while the call waited raises 42704. '
+'Errors: 22004 NULL name; 22023 malformed name; 42704 unknown (or just dropped) subscription.';
 
 COMMENT ON FUNCTION outbox._log_cursor() IS
 'Internal: a reader''s cursor over the log ring, taken now at every isolation level: (snap pg_snapshot, m bigint: the largest event id drawn, read after the snapshot; '

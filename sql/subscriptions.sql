@@ -150,7 +150,7 @@ COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, inte
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '
 'dead_letter_policy (''block'' or ''skip''); NULL settings follow the topic''s, else the GUCs; max_lag (interval > 0, <= 100 years; NULL, the default: none): '
 'the age past which the subscription no longer holds the log''s retention, trading its completeness for storage as max_slot_wal_keep_size does for a replication slot: '
-'a ring table sealed longer ago than max_lag (and than outbox.retention_delivered) is truncated even if the subscription has not read it, and the events it had not read are lost to it '
+'a ring table sealed longer ago than max_lag (and than outbox.retention_delivered) is truncated even if the subscription has not read it, paused or not, and the events it had not read are lost to it '
 '(counted in outbox.subscriptions.lost_events; health() warns). Returns void. '
 'Errors: 22004 NULL name or start, NULL topics element; 22023 malformed name, topic pattern, start or setting (max_lag included), empty or multi-dimensional topics array; 42710 the subscription exists. '
 'Nothing is created on error. As PgQ''s register_consumer, with per-event leases.';
@@ -271,12 +271,13 @@ COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval,
 'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: attempts a claim may start; an event that has used them goes dead at its next failure, lease expiry or claim), '
 'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none), '
 'max_lag (interval > 0, <= 100 years: see create_subscription; subscriptions of the log only). '
-'Applies from its commit; changes no event and never waits for workers. The dead-letter policy stays per topic (create_topic). Returns void. '
+'Applies from its commit; changes no event and never waits for workers. It does not change the dead-letter policy: a subscription''s own is set by create_subscription (dead_letter_policy), and one created without it follows its topics'' (create_topic, alter_topic). Returns void. '
 'Errors: 22004 NULL name; 22023 malformed name or invalid setting, or max_lag for the queue''s default; 42704 unknown subscription.';
 
--- Pausing: a paused subscription keeps its events and hands out none; events
--- already leased stay leased and can still be acked, failed or extended (fail()
--- reads the catalog without locking it, so a pause never waits for workers).
+-- Pausing: a paused subscription keeps its events (unless it has a max_lag,
+-- which retention applies paused or not) and hands out none; events already
+-- leased stay leased and can still be acked, failed or extended (fail() reads
+-- the catalog without locking it, so a pause never waits for workers).
 CREATE FUNCTION outbox._set_paused(name text, pause boolean) RETURNS boolean
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -292,6 +293,11 @@ BEGIN
        SET paused = pause, paused_at = CASE WHEN pause THEN pg_catalog.now() END, updated_at = pg_catalog.now()
      WHERE c.name OPERATOR(pg_catalog.=) resolved AND c.paused IS DISTINCT FROM pause;
     IF NOT FOUND THEN
+        -- Already in that state, or dropped by a drop_subscription that
+        -- committed while this waited for the row: as alter_subscription, a
+        -- new statement (a new snapshot under READ COMMITTED) tells them
+        -- apart, and raises 42704 for the drop.
+        PERFORM outbox._subscription(resolved);
         RETURN false;
     END IF;
     IF NOT pause THEN
@@ -362,8 +368,9 @@ SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._set_paused(name, true) $$;
 
 COMMENT ON FUNCTION outbox.pause_subscription(text) IS
-'Pause a subscription: a claim() for it that starts after the commit returns no rows, at every isolation level; its events are kept, nothing ages out because of the pause, and leases already held can still be acked, failed or extended. '
-'Returns true when it paused it, false when it was already paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription. As pgq''s consumer pause and River''s queue pause.';
+'Pause a subscription: a claim() for it that starts after the commit returns no rows, at every isolation level; leases already held can still be acked, failed or extended. '
+'Its events are kept, unless the subscription has a max_lag: that still applies while it is paused (as max_slot_wal_keep_size applies to an inactive replication slot), so events it has not read may be lost to it once their ring table is older than max_lag (see create_subscription). '
+'Returns true when it paused it, false when it was already paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription, or one a drop_subscription dropped while this call waited for it. As pgq''s consumer pause and River''s queue pause.';
 
 CREATE FUNCTION outbox.resume_subscription(name text) RETURNS boolean
 LANGUAGE sql VOLATILE
@@ -372,7 +379,7 @@ AS $$ SELECT outbox._set_paused(name, false) $$;
 
 COMMENT ON FUNCTION outbox.resume_subscription(text) IS
 'Resume a paused subscription: claims hand out its events again, and listening workers are woken at commit. '
-'Returns true when it resumed it, false when it was not paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription.';
+'Returns true when it resumed it, false when it was not paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription, or one a drop_subscription dropped while this call waited for it.';
 
 CREATE VIEW outbox.subscriptions AS
 WITH q AS (

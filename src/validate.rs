@@ -131,7 +131,7 @@ fn check_subscription(name: Option<&str>) -> String {
 /// Validate a worker name: 1..255 bytes, no control characters.
 pub fn worker(s: &str) {
     if s.is_empty() || s.len() > MAX_NAME_LEN || s.chars().any(|c| c.is_control()) {
-        errors::raise(INVALID_PARAMETER, "worker must be 1 to 255 characters with no control characters");
+        errors::raise(INVALID_PARAMETER, "worker must be 1 to 255 bytes with no control characters");
     }
 }
 

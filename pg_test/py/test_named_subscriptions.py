@@ -186,6 +186,48 @@ def test_pause_hands_out_nothing_and_resume_goes_on(plain):
     assert drain(c, "p") == [i]
 
 
+@pytest.mark.parametrize("end", ["commit", "rollback"])
+@pytest.mark.parametrize("op", ["pause", "resume"])
+def test_a_pause_or_resume_that_waited_for_a_drop_raises_42704(plain, op, end):
+    """pause_subscription and resume_subscription wait for the catalog row a
+    drop_subscription holds. Once the drop commits they raise 42704, as
+    alter_subscription does, instead of returning false as if nothing had to
+    change; once it rolls back they change the subscription as usual."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('pr')")
+    if op == "resume":
+        assert c.execute("SELECT outbox.pause_subscription('pr')").fetchone()[0] is True
+    d = connect(plain.dsn, autocommit=False)
+    try:
+        d.execute("SELECT outbox.drop_subscription('pr')")   # holds the row until it ends
+        out = {}
+
+        def run():
+            try:
+                out["value"] = plain.conn().execute(f"SELECT outbox.{op}_subscription('pr')").fetchone()[0]
+            except psycopg.Error as e:
+                out["error"] = e.sqlstate
+
+        t = threading.Thread(target=run)
+        t.start()
+        time.sleep(0.5)
+        assert t.is_alive(), f"{op}_subscription did not wait for the drop"
+        if end == "commit":
+            d.commit()
+        else:
+            d.rollback()
+        t.join(10)
+        assert not t.is_alive()
+    finally:
+        d.close()
+    if end == "commit":
+        assert out == {"error": "42704"}, out
+        assert plain.one("SELECT count(*) FROM outbox.subscription_catalog WHERE name = 'pr'")[0] == 0
+    else:
+        assert out == {"value": True}, out
+        assert plain.one("SELECT paused FROM outbox.subscriptions WHERE name = 'pr'")[0] is (op == "pause")
+
+
 def test_drop_refuses_leases_in_flight_unless_forced_and_their_tokens_go_stale(plain):
     c = plain.conn()
     c.execute("SELECT outbox.create_subscription('d')")
@@ -367,6 +409,69 @@ def test_a_narrowed_claim_goes_past_a_batch_it_takes_nothing_from(plain):
                      (e3,)) == ("leased", "other")
     assert ack(c, first[1]) and ack(c, got[0])
     assert drain(c, "nb") == [x2]
+
+
+def test_a_filtered_subscription_claims_its_event_behind_other_topics(plain):
+    """A claim of a filtered subscription reads past events of other topics
+    in growing pieces (src/log/claim.rs, PIECE_GROWTH): its one event behind
+    5,000 of other topics comes out of the first claim of batch size 1, not
+    after dozens of empty ones (0.15.0 read `batch_size` events a piece,
+    eight pieces a lane: about 40 claims)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('rare', topics => ARRAY['rare.*'])")
+    c.execute("SELECT count(*) FROM outbox.publish_batch('noise.x', array_fill('{}'::jsonb, ARRAY[5000]))")
+    r = publish(c, "rare.x")
+    assert [x[0] for x in claim(c, "rare", n=1)] == [r]
+    assert plain.one("SELECT count(*) FROM outbox.log_exceptions WHERE subscription = 'rare'")[0] == 0
+
+
+def claims_until(c, sub, want, n, limit=40, **kw):
+    """How many claims of `n` it takes until event `want` comes out (each
+    claim's events acked); fails after `limit`."""
+    for calls in range(1, limit + 1):
+        rows = claim(c, sub, n=n, **kw)
+        for r in rows:
+            assert ack(c, r)
+        if want in [r[0] for r in rows]:
+            return calls
+    raise AssertionError(f"{want} not claimed in {limit} claims")
+
+
+def test_a_narrowed_claim_passes_other_topics_within_a_few_claims(plain):
+    """A narrowed claim of an unfiltered subscription sends the events of
+    other topics it reads to the exception table (the subscription still owes
+    them), at most DIVERT_BUDGET (1,024) per claim, in growing pieces: 5,000
+    of them take at most 5 claims of 1 before the narrowed event, where 0.15.0
+    took about 40 (16 lanes x 8 pieces of 1 event a claim)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('nar')")
+    c.execute("SELECT count(*) FROM outbox.publish_batch('noise.x', array_fill('{}'::jsonb, ARRAY[5000]))")
+    r = publish(c, "rare.x")
+    assert claims_until(c, "nar", r, n=1, topics=["rare.*"]) <= 5
+    # Nothing is lost: the rest of the subscription drains without narrowing.
+    assert len(drain(c, "nar", n=1000)) == 5000
+
+
+def test_a_blocked_subject_does_not_hide_its_lane_for_dozens_of_claims(plain):
+    """A dead letter that blocks its subject (max_attempts 1, the default
+    policy) with 3,000 later events of that subject: each claim sends at most
+    DIVERT_BUDGET of them to the exception table, in growing pieces, so a ready
+    event of another subject of the same lane comes out within 4 claims of 10
+    (0.15.0: 8 pieces of 10 a claim, about 38 claims)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('poi', max_attempts => 1)")
+    publish(c, "poi.x", subject="P")
+    (row,) = claim(c, "poi", n=1)
+    assert fail(c, row, "poison", permanent=True) == "dead"
+    c.execute("SELECT count(*) FROM outbox.publish_batch('poi.x', array_fill('{}'::jsonb, ARRAY[3000]), "
+              "array_fill('P'::text, ARRAY[3000]))")
+    (t,) = plain.one("SELECT s FROM (SELECT 'T' || g AS s FROM generate_series(1, 1000) g) x "
+                     "WHERE hashtext(s) & 15 = hashtext('P') & 15 LIMIT 1")
+    other = publish(c, "poi.x", subject=t)
+    assert claims_until(c, "poi", other, n=10) <= 4
+    # P stays blocked behind its dead letter: none of its events went out.
+    assert plain.one("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'poi' AND state = 'pending'")[0] \
+        == 3000
 
 
 def test_a_slow_handler_holds_its_lane_only_for_a_moment(plain):

@@ -547,6 +547,47 @@ def test_stdout_handler(lang, db, spawn):
         assert x["payload"] == json.loads(text)
 
 
+# ---------------------------------------------------------------- a named subscription
+
+@pytest.mark.parametrize("lang", LANGS)
+def test_worker_claims_from_the_subscription_it_is_given(lang, db, spawn):
+    """OUTBOX_SUBSCRIPTION names the subscription the worker claims from, here
+    one whose topics are wk.sub.*: its events are acked there
+    (outbox.deliveries), 'default' still owes every one of them, and events of
+    other topics are not the subscription's. With a 60 s poll interval, events
+    published while the worker idles can only arrive through the NOTIFY of
+    their topic: a worker of a filtered subscription wakes on its topics."""
+    sub = "wk-sub"
+    db.execute("SELECT outbox.create_subscription(%s, topics => ARRAY['wk.sub.*'])", (sub,))
+    ids = publish_batch(db, "wk.sub.a", [json.dumps({"seq": i}) for i in range(30)],
+                        [f"s{i % 5}" for i in range(30)])
+    other = publish_batch(db, "wk.other", ['{"not": "for this subscription"}'] * 3)
+    w = spawn(lang, sid(lang, "sub"), OUTBOX_SUBSCRIPTION=sub, OUTBOX_POLL_INTERVAL=60)
+
+    def states(subscription, some):
+        return dict(fetch(db, "SELECT event_id, state FROM outbox.deliveries "
+                              "WHERE subscription = %s AND event_id = ANY(%s)", subscription, some))
+
+    def delivered(some):
+        got = states(sub, some)
+        return len(got) == len(some) and set(got.values()) == {"delivered"}
+
+    wait_until(lambda: delivered(ids), 30, f"deliveries in subscription {sub}", (w,))
+    time.sleep(1.0)  # let it claim (nothing) and go back to waiting
+    more = publish_batch(db, "wk.sub.b", [json.dumps({"seq": i}) for i in range(5)])
+    wait_until(lambda: delivered(more), 10, "events published while it waited (NOTIFY of wk.sub.b)", (w,))
+    assert w.terminate() == 0
+
+    rows = read_deliveries(w)
+    assert sorted(r["id"] for r in rows) == sorted(ids + more), f"delivery log\n{w.tail()}"
+    assert all(r["acked"] is True for r in rows), [r for r in rows if r["acked"] is not True][:5]
+    # 'default' receives every event and has delivered none of them.
+    dflt = states("default", ids + more + other)
+    assert set(dflt) == set(ids + more + other) and set(dflt.values()) == {"pending"}, dflt
+    # Outside the subscription's topics: not its events at all.
+    assert states(sub, other) == {}
+
+
 # ---------------------------------------------------------------- the inbox: exactly-once effects
 
 # The consumer's database: a database of its own, not the outbox's (the inbox

@@ -52,7 +52,7 @@ SELECT pg_temp.try($$SELECT count(*) FROM outbox.claim('w', 5)$$) AS at_custom_m
 RESET outbox.max_batch_size;
 
 -- ---------------------------------------------------------------------------
--- Worker names: 1..255 characters, no control characters.
+-- Worker names: 1..255 bytes, no control characters.
 -- ---------------------------------------------------------------------------
 SELECT label, pg_temp.try(format('SELECT count(*) FROM outbox.claim(%s)', arg)) AS result
   FROM (VALUES (1, 'NULL', 'NULL'), (2, 'empty', quote_literal('')), (3, '255 chars', quote_literal(repeat('w', 255))),

@@ -25,13 +25,19 @@
 //!       send events outside the call's topics there too; hand out what the
 //!       batch allows now ([`Batch::handable`]) as a new round;
 //!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
-//!       batch ended, at most what the claim still needs and at most
-//!       [`MAX_SUBJECT_EVENTS`] of one subject, and make the events the
-//!       subscription takes the lane's batch: the subjects that continue in
-//!       the exception table, delayed events and events outside the call's own
-//!       topics go there ([`Batch::divert`]); the rest is handed out as the
-//!       batch's first round. An open window that has no more events moves the
-//!       lane's cursor to its end; a fresh window with no events writes nothing.
+//!       batch ended and cut a piece of it ([`piece_end`]): at most what the
+//!       claim still needs staying in the batch, at most
+//!       [`MAX_SUBJECT_EVENTS`] of one subject, and at most the claim's
+//!       [`DIVERT_BUDGET`] going to the exception table; events outside the
+//!       subscription's topics cost nothing. Make the events the subscription
+//!       takes the lane's batch: the subjects that continue in the exception
+//!       table, delayed events and events outside the call's own topics go
+//!       there ([`Batch::divert`]); the rest is handed out as the batch's
+//!       first round. A piece with nothing to hand out makes the next read
+//!       [`PIECE_GROWTH`] times longer, so a claim of a filtered subscription,
+//!       or of a lane behind a blocked subject, reads on instead of coming
+//!       back empty. An open window that has no more events moves the lane's
+//!       cursor to its end; a fresh window with no events writes nothing.
 //!
 //! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
 //! lane another claim holds is skipped, never waited for) only to change it,
@@ -315,6 +321,9 @@ struct Claim<'a> {
     hash: i32,
     /// Rounds handed out from batches in flight, not yet written ([`Claim::flush`]).
     pending: std::cell::RefCell<Vec<Pending>>,
+    /// How many more events this claim may send to the exception table from
+    /// the pieces it reads ([`DIVERT_BUDGET`]).
+    divert_budget: Cell<usize>,
 }
 
 /// A round a claim handed out from a batch in flight, written and returned
@@ -578,29 +587,66 @@ impl Claim<'_> {
         !rows.is_empty()
     }
 
-    /// Make `events` (the next piece of lane `lane`'s window) a batch: skip
-    /// what the subscription does not take, send to the exception table what
-    /// must continue there, and return the batch.
-    fn build(&self, lane: i16, events: &[WindowEvent], skips: &[i64]) -> Batch {
-        // Only the events the subscription takes are in the batch: one outside
-        // its topics is owed nothing, and must not link its subject's events
-        // (a later one would go out while an earlier one is still out); one
-        // cancelled before it was read is finished already.
-        let owed: Vec<&WindowEvent> =
-            events.iter().filter(|e| passes(&self.own, &e.topic) && !skips.contains(&e.id)).collect();
-        let mut b = Batch::new(&owed.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
-        let mut subjects: Vec<String> = owed.iter().filter_map(|e| e.subject.clone()).collect();
+    /// Whether the subscription takes event `e`. One outside its topics is
+    /// owed nothing, and must not link its subject's events in a batch (a
+    /// later one would go out while an earlier one is still out); one
+    /// cancelled before it was read (`skips`) is finished already.
+    fn owed(&self, e: &WindowEvent, skips: &[i64]) -> bool {
+        passes(&self.own, &e.topic) && !skips.contains(&e.id)
+    }
+
+    /// Whether an owed event goes to the exception table instead of out of
+    /// its batch: its subject continues there (`open`), it is delayed, or it
+    /// is outside the call's narrowed topics.
+    fn diverts(&self, e: &WindowEvent, open: &HashSet<String>) -> bool {
+        e.subject.as_ref().is_some_and(|s| open.contains(s))
+            || e.deliver_at.is_some_and(|d| d > self.now)
+            || !passes(&self.req.narrow, &e.topic)
+    }
+
+    /// The subjects of the owed events of `events` (lane `lane`) that
+    /// continue in the exception table.
+    fn open_subjects(&self, lane: i16, events: &[WindowEvent], skips: &[i64]) -> HashSet<String> {
+        let mut subjects: Vec<String> =
+            events.iter().filter(|e| self.owed(e, skips)).filter_map(|e| e.subject.clone()).collect();
         subjects.sort_unstable();
         subjects.dedup();
-        let open = exceptions::open_subjects(self.req.subscription, lane, subjects);
+        exceptions::open_subjects(self.req.subscription, lane, subjects)
+    }
+
+    /// Cut `events` (a window read, in id order) to the piece this claim makes
+    /// a batch of ([`piece_end`]): at most `k` events that stay in the batch,
+    /// at most [`MAX_SUBJECT_EVENTS`] of one subject among them, and no more
+    /// events sent to the exception table than the claim's budget has left
+    /// ([`DIVERT_BUDGET`]), which it charges. False when the piece is empty:
+    /// its first owed event must go to the exception table and the budget is
+    /// spent.
+    fn cut(&self, events: &mut Vec<WindowEvent>, skips: &[i64], open: &HashSet<String>, k: usize) -> bool {
+        let (end, diverted) = piece_end(
+            events,
+            |e| self.owed(e, skips),
+            |e| self.diverts(e, open),
+            k.min(super::batch::MAX_EVENTS),
+            self.divert_budget.get(),
+        );
+        events.truncate(end);
+        self.divert_budget.set(self.divert_budget.get() - diverted);
+        end > 0
+    }
+
+    /// Make `events` (the next piece of lane `lane`'s window, cut by
+    /// [`Claim::cut`]) a batch: leave out what the subscription does not take,
+    /// send to the exception table what must continue there (`open`: the
+    /// subjects that do already), and return the batch.
+    fn build(&self, lane: i16, events: &[WindowEvent], skips: &[i64], open: &HashSet<String>) -> Batch {
+        let owed: Vec<&WindowEvent> = events.iter().filter(|e| self.owed(e, skips)).collect();
+        let mut b = Batch::new(&owed.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
         let mut moved = Vec::new();
         for (i, e) in owed.iter().enumerate() {
             if b.state(i) != super::batch::State::Waiting {
                 continue;
             }
-            let held = e.subject.as_ref().is_some_and(|s| open.contains(s));
-            let delayed = e.deliver_at.is_some_and(|d| d > self.now);
-            if held || delayed || !passes(&self.req.narrow, &e.topic) {
+            if self.diverts(e, open) {
                 for j in b.divert(i) {
                     moved.push(Moved::parked(b.ids()[j], self.now));
                 }
@@ -674,6 +720,12 @@ impl Claim<'_> {
         // on the version read before the cursor, or not at all, so the lane's
         // last writer is visible in it.
         let mut reading = self.in_block;
+        // A piece the claim hands nothing out of (outside the subscription's
+        // topics, delayed, behind a subject continuing in the exception table)
+        // makes the next read longer: a filtered subscription passes a
+        // stretch of other topics in one claim, not in one claim per `left`
+        // events of them.
+        let mut limit = left.min(super::batch::MAX_EVENTS);
         for _ in 0..MAX_PIECES {
             if !reading {
                 if !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
@@ -685,14 +737,7 @@ impl Claim<'_> {
                 Some(h) => (h.clone(), false),
                 None => (cursor(), true),
             };
-            let mut events = window(
-                l.lane,
-                &l.lo,
-                &hi.snapshot,
-                l.pos.unwrap_or(0),
-                Some(left.min(super::batch::MAX_EVENTS) as i32),
-            );
-            cap_subjects(&mut events);
+            let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(limit as i32));
             if events.is_empty() && fresh {
                 break; // nothing new; the cursor stays (an empty window writes nothing)
             }
@@ -707,7 +752,12 @@ impl Claim<'_> {
                 dirty = true;
                 continue;
             }
-            let mut b = self.build(l.lane, &events, l.skips.as_deref().unwrap_or(&[]));
+            let skips = l.skips.clone().unwrap_or_default();
+            let open = self.open_subjects(l.lane, &events, &skips);
+            if !self.cut(&mut events, &skips, &open, left) {
+                break; // the claim's budget of rows for the exception table is spent
+            }
+            let mut b = self.build(l.lane, &events, &skips, &open);
             // Every event of the piece is read now: a skip among them is done
             // with (each event is in exactly one window, src/log/mod.rs).
             if let Some(skips) = l.skips.as_mut() {
@@ -717,7 +767,9 @@ impl Claim<'_> {
             l.hi = Some(hi);
             dirty = true;
             if b.finished() {
-                continue; // every event done or moved: nothing to lease here
+                // Every event done or moved: nothing to lease here. Read on.
+                limit = (limit * PIECE_GROWTH).min(MAX_PIECE_EVENTS.max(left)).min(super::batch::MAX_EVENTS);
+                continue;
             }
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
             // The state does not depend on the batch id, which the insert draws:
@@ -839,20 +891,78 @@ fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
 /// is read by the lane's next batch.
 pub const MAX_SUBJECT_EVENTS: usize = 16;
 
-/// Cut a window piece (in id order) before the first event whose subject
-/// already has [`MAX_SUBJECT_EVENTS`] in it.
-fn cap_subjects(events: &mut Vec<WindowEvent>) {
-    let mut seen: HashMap<&str, usize> = HashMap::new();
-    let cut = events.iter().position(|e| {
-        e.subject.as_deref().is_some_and(|s| {
-            let n = seen.entry(s).or_insert(0);
-            *n += 1;
-            *n > MAX_SUBJECT_EVENTS
-        })
-    });
-    if let Some(cut) = cut {
-        events.truncate(cut);
+/// How much longer each read of a lane's window gets after a piece that
+/// handed nothing out ([`Claim::serve`]), up to [`MAX_PIECE_EVENTS`].
+const PIECE_GROWTH: usize = 8;
+
+/// The longest read of a lane's window that a piece handing nothing out grows
+/// to (events; a read returns id, subject, topic and deliver_at only). With
+/// [`MAX_PIECES`] pieces, a claim passes up to about 17,000 events of other
+/// topics per lane at batch size 1.
+const MAX_PIECE_EVENTS: usize = 4096;
+
+/// How many events one claim may send to the exception table from the
+/// pieces it reads (one row each, payload included): a subject that
+/// continues there (a dead letter that blocks it, say) with thousands of
+/// events behind it costs each claim at most this many rows, and the lane's
+/// other subjects come out within a few claims, not one claim per `left`
+/// of them. A soft bound: a subject diverted in a piece takes every event of
+/// it in that piece ([`Batch::divert`]), up to [`MAX_SUBJECT_EVENTS`] more.
+pub const DIVERT_BUDGET: usize = 1024;
+
+/// Where a claim cuts a window read `events` (in id order) to make its
+/// piece: the number of events the piece keeps, and how many of them go to
+/// the exception table. `owed` says which events the subscription takes (the
+/// others pass free: they cost a batch nothing); `diverted`, which owed events
+/// go to the exception table (and every later owed event of a subject one of
+/// them has). The piece ends before the first owed event that would be the
+/// `k + 1`-th staying in the batch, the [`MAX_SUBJECT_EVENTS`] + 1-th staying
+/// of its subject, the `budget + 1`-th diverted, or the
+/// [`super::batch::MAX_EVENTS`] + 1-th owed. With `events` at most `k` long
+/// and nothing diverted, that is every event before the first one past its
+/// subject's cap: the piece of 0.15.0, whose reads were `k` long.
+pub fn piece_end(
+    events: &[WindowEvent],
+    owed: impl Fn(&WindowEvent) -> bool,
+    diverted: impl Fn(&WindowEvent) -> bool,
+    k: usize,
+    budget: usize,
+) -> (usize, usize) {
+    let (mut staying, mut taken, mut sent) = (0usize, 0usize, 0usize);
+    let mut per_subject: HashMap<&str, usize> = HashMap::new();
+    let mut gone: HashSet<&str> = HashSet::new();
+    for (i, e) in events.iter().enumerate() {
+        if !owed(e) {
+            continue;
+        }
+        if taken == super::batch::MAX_EVENTS {
+            return (i, sent);
+        }
+        let subject = e.subject.as_deref();
+        if subject.is_some_and(|s| gone.contains(s)) || diverted(e) {
+            if sent == budget {
+                return (i, sent);
+            }
+            sent += 1;
+            if let Some(s) = subject {
+                gone.insert(s);
+            }
+        } else {
+            if staying == k {
+                return (i, sent);
+            }
+            if let Some(s) = subject {
+                let n = per_subject.entry(s).or_insert(0);
+                if *n == MAX_SUBJECT_EVENTS {
+                    return (i, sent);
+                }
+                *n += 1;
+            }
+            staying += 1;
+        }
+        taken += 1;
     }
+    (events.len(), sent)
 }
 
 thread_local! {
@@ -914,6 +1024,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             in_block: pg::in_transaction_block(),
             hash: pg::hashtext(req.subscription),
             pending: Default::default(),
+            divert_budget: Cell::new(DIVERT_BUDGET),
         };
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
@@ -1339,4 +1450,48 @@ pub unsafe fn retired(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         "this internal function of outbox_ext 0.8.0 was replaced in 0.9.0",
         "Run ALTER EXTENSION outbox_ext UPDATE; outbox.claim, ack and extend_lease serve named subscriptions.",
     )
+}
+
+#[cfg(any(test, feature = "pg_test"))]
+#[pgrx::pg_schema]
+mod tests {
+    use super::*;
+
+    fn ev(id: i64, topic: &str, subject: Option<&str>) -> WindowEvent {
+        WindowEvent { id, subject: subject.map(str::to_string), topic: topic.to_string(), deliver_at: None }
+    }
+
+    fn owed(e: &WindowEvent) -> bool {
+        e.topic.starts_with("a.")
+    }
+
+    #[pg_test]
+    fn a_piece_passes_other_topics_free_and_ends_at_k_staying() {
+        let mut events: Vec<WindowEvent> = (1..=100).map(|i| ev(i, "b.x", None)).collect();
+        events.push(ev(101, "a.x", None));
+        events.push(ev(102, "a.x", None));
+        // k = 1: the piece runs through the other topics to the first owed event.
+        assert_eq!(piece_end(&events, owed, |_| false, 1, 0), (101, 0));
+        assert_eq!(piece_end(&events, owed, |_| false, 2, 0), (102, 0));
+    }
+
+    #[pg_test]
+    fn a_piece_caps_a_subject_that_stays_and_not_one_that_goes() {
+        let events: Vec<WindowEvent> = (1..=40).map(|i| ev(i, "a.x", Some("s"))).collect();
+        assert_eq!(piece_end(&events, owed, |_| false, 100, 0), (MAX_SUBJECT_EVENTS, 0));
+        // Diverted (its subject continues in the exception table): no cap, the budget counts.
+        assert_eq!(piece_end(&events, owed, |_| true, 100, 1024), (40, 40));
+        assert_eq!(piece_end(&events, owed, |_| true, 100, 25), (25, 25));
+        // A spent budget ends the piece before its first diverted event.
+        assert_eq!(piece_end(&events, owed, |_| true, 100, 0), (0, 0));
+    }
+
+    #[pg_test]
+    fn a_diverted_subject_takes_its_later_events_along() {
+        // s's second event is delayed: every later event of s goes too, and counts.
+        let events =
+            vec![ev(1, "a.x", Some("s")), ev(2, "a.x", Some("s")), ev(3, "a.x", Some("s")), ev(4, "a.x", None)];
+        assert_eq!(piece_end(&events, owed, |e| e.id == 2, 10, 2), (4, 2));
+        assert_eq!(piece_end(&events, owed, |e| e.id == 2, 10, 1), (2, 1));
+    }
 }

@@ -83,6 +83,8 @@ function loadConfig() {
   return {
     conn: parseDsn(dsn),
     name: process.env.OUTBOX_WORKER_NAME || `node-${os.hostname()}-${process.pid}`,
+    // Unset or empty: NULL, the 'default' subscription.
+    subscription: (process.env.OUTBOX_SUBSCRIPTION || '').trim() || null,
     topics: topics.length ? topics : null,
     batchSize: Math.trunc(envNumber('OUTBOX_BATCH_SIZE', 10)),
     lease: envNumber('OUTBOX_LEASE', 30),
@@ -401,6 +403,11 @@ class Db {
   }
 }
 
+// Which notifications wake the worker. A notification names a topic, not a
+// subscription: this is the claim's own filter (OUTBOX_TOPICS; every topic when
+// unset), never the subscription's topics, so a worker of a filtered
+// subscription wakes for each of its topics, and a wake-up for a topic its
+// subscription does not take costs one empty claim.
 function topicFilter(patterns) {
   if (!patterns) return () => true;
   return (t) => patterns.some((p) => p === '*' || p === t || (p.endsWith('.*') && t.startsWith(p.slice(0, -1))));
@@ -411,7 +418,7 @@ function topicFilter(patterns) {
 const CLAIM_SQL = `
 SELECT id, topic, subject, dispatch_key, payload::text AS payload, headers::text AS headers,
        attempt, lease_token
-  FROM outbox.claim($1::text, $2::int, make_interval(secs => $3::float8), $4::text[])`;
+  FROM outbox.claim($1::text, $2::int, make_interval(secs => $3::float8), $4::text[], $5::text)`;
 
 class Worker {
   constructor(cfg) {
@@ -533,7 +540,8 @@ class Worker {
   async run() {
     const cfg = this.cfg;
     const wanted = topicFilter(cfg.topics);
-    log(`worker=${cfg.name} starting: handler=${cfg.handler} topics=${cfg.topics || '*'} batch=${cfg.batchSize} `
+    log(`worker=${cfg.name} starting: handler=${cfg.handler} subscription=${cfg.subscription || 'default'} `
+      + `topics=${cfg.topics || '*'} batch=${cfg.batchSize} `
       + `lease=${cfg.lease}s concurrency=${cfg.concurrency} poll=${cfg.poll}s`);
     while (!this.state.stopping) {
       await this.db.ensureListen(wanted);
@@ -541,7 +549,7 @@ class Worker {
       let rows;
       try {
         if (this.outboxId === null) this.outboxId = await this.readOutboxId();
-        rows = await this.db.call(CLAIM_SQL, [cfg.name, cfg.batchSize, cfg.lease, cfg.topics]);
+        rows = await this.db.call(CLAIM_SQL, [cfg.name, cfg.batchSize, cfg.lease, cfg.topics, cfg.subscription]);
       } catch (e) {
         if (e instanceof Lost) break;
         throw e;

@@ -2,8 +2,8 @@
 """Reference outbox_ext worker in Python (psycopg 3.2+).
 
 Settings come from the environment (see examples/workers/README.md):
-OUTBOX_DSN, OUTBOX_WORKER_NAME, OUTBOX_TOPICS, OUTBOX_BATCH_SIZE, OUTBOX_LEASE,
-OUTBOX_CONCURRENCY, OUTBOX_POLL_INTERVAL, OUTBOX_RETRY_IN, OUTBOX_RECONNECT_MAX,
+OUTBOX_DSN, OUTBOX_WORKER_NAME, OUTBOX_SUBSCRIPTION, OUTBOX_TOPICS, OUTBOX_BATCH_SIZE,
+OUTBOX_LEASE, OUTBOX_CONCURRENCY, OUTBOX_POLL_INTERVAL, OUTBOX_RETRY_IN, OUTBOX_RECONNECT_MAX,
 OUTBOX_HANDLER (stdout | webhook | test | module:function), OUTBOX_WEBHOOK_URL,
 OUTBOX_WEBHOOK_TIMEOUT, OUTBOX_DELIVERY_LOG, OUTBOX_INBOX_DSN, OUTBOX_INBOX_CONSUMER,
 OUTBOX_INBOX_TABLE.
@@ -74,6 +74,8 @@ class Config:
     def __init__(self):
         self.dsn = os.environ.get("OUTBOX_DSN") or sys.exit("OUTBOX_DSN is required")
         self.name = os.environ.get("OUTBOX_WORKER_NAME") or f"py-{socket.gethostname()}-{os.getpid()}"
+        # Unset or empty: NULL, the 'default' subscription.
+        self.subscription = os.environ.get("OUTBOX_SUBSCRIPTION", "").strip() or None
         topics = [t.strip() for t in os.environ.get("OUTBOX_TOPICS", "").split(",") if t.strip()]
         self.topics = topics or None
         self.batch_size = int(env_float("OUTBOX_BATCH_SIZE", 10))
@@ -340,7 +342,14 @@ class Db:
         return False
 
     def wait(self, seconds, wanted):
-        """Block until a NOTIFY for a wanted topic, `seconds`, or stop."""
+        """Block until a NOTIFY for a wanted topic, `seconds`, or stop.
+
+        A notification names a topic, not a subscription. `wanted` is the
+        claim's own filter (OUTBOX_TOPICS; every topic when unset), never the
+        subscription's topics: a worker of a filtered subscription wakes for
+        each of its topics, and a wake-up for a topic its subscription does not
+        take costs one empty claim.
+        """
         end = time.monotonic() + seconds
         while not self.stop.is_set():
             left = end - time.monotonic()
@@ -378,7 +387,7 @@ def topic_filter(patterns):
 
 CLAIM_SQL = """
 SELECT id, topic, subject, dispatch_key, payload::text, headers::text, attempt, lease_token
-  FROM outbox.claim(%s, %s, make_interval(secs => %s), %s::text[])"""
+  FROM outbox.claim(%s, %s, make_interval(secs => %s), %s::text[], %s::text)"""
 
 
 class Worker:
@@ -482,7 +491,8 @@ class Worker:
     def run(self):
         cfg = self.cfg
         wanted = topic_filter(cfg.topics)
-        log(f"worker={cfg.name} starting: handler={cfg.handler} topics={cfg.topics or '*'} "
+        log(f"worker={cfg.name} starting: handler={cfg.handler} subscription={cfg.subscription or 'default'} "
+            f"topics={cfg.topics or '*'} "
             f"batch={cfg.batch_size} lease={cfg.lease}s concurrency={cfg.concurrency} poll={cfg.poll}s")
         while not self.stop.is_set():
             self.db.ensure_listen()
@@ -491,7 +501,7 @@ class Worker:
             try:
                 if self.outbox_id is None:
                     self.outbox_id = self.read_outbox_id()
-                rows = self.db.call(CLAIM_SQL, (cfg.name, cfg.batch_size, cfg.lease, cfg.topics))
+                rows = self.db.call(CLAIM_SQL, (cfg.name, cfg.batch_size, cfg.lease, cfg.topics, cfg.subscription))
             except Lost:
                 break
             if rows:

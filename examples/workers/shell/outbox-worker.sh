@@ -20,6 +20,8 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 : "${OUTBOX_DSN:?OUTBOX_DSN is required}"
 NAME="${OUTBOX_WORKER_NAME:-sh-$(hostname)-$$}"
+SUBSCRIPTION="${OUTBOX_SUBSCRIPTION:-}"
+SUBSCRIPTION="${SUBSCRIPTION//[[:space:]]/}"
 TOPICS="${OUTBOX_TOPICS:-}"
 BATCH="${OUTBOX_BATCH_SIZE:-10}"
 LEASE="${OUTBOX_LEASE:-30}"
@@ -77,6 +79,8 @@ json_string() {
     printf '"%s"' "$s"
 }
 
+SUBSCRIPTION_SQL="NULL" # unset or empty: the 'default' subscription
+[ -n "$SUBSCRIPTION" ] && SUBSCRIPTION_SQL="$(sql_literal "$SUBSCRIPTION")"
 TOPICS_SQL="NULL"
 WANTED=()
 if [ -n "$TOPICS" ]; then
@@ -85,6 +89,11 @@ if [ -n "$TOPICS" ]; then
     for t in "${WANTED[@]}"; do parts+=("$(sql_literal "${t// /}")"); done
     TOPICS_SQL="ARRAY[$(IFS=,; echo "${parts[*]}")]::text[]"
 fi
+# Whether a notification for topic $1 wakes the worker. A notification names a
+# topic, not a subscription: WANTED is the claim's own filter (OUTBOX_TOPICS;
+# every topic when unset), never the subscription's topics, so a worker of a
+# filtered subscription wakes for each of its topics, and a wake-up for a topic
+# its subscription does not take costs one empty claim.
 topic_wanted() {
     [ "${#WANTED[@]}" -eq 0 ] && return 0
     local p
@@ -434,7 +443,7 @@ CLAIM_SQL="SELECT id, topic, attempt, lease_token, coalesce(to_json(subject)::te
        regexp_replace(coalesce(subject, ''), '[[:cntrl:]]', ' ', 'g'),
        regexp_replace(coalesce(dispatch_key, ''), '[[:cntrl:]]', ' ', 'g'),
        payload::text
-  FROM outbox.claim($(sql_literal "$NAME"), $BATCH, $LEASE_SQL, $TOPICS_SQL)"
+  FROM outbox.claim($(sql_literal "$NAME"), $BATCH, $LEASE_SQL, $TOPICS_SQL, $SUBSCRIPTION_SQL)"
 
 # Wait for a wanted notification, the poll interval, or a stop request.
 wait_for_work() {
@@ -447,7 +456,7 @@ wait_for_work() {
 }
 
 BATCHES=0
-log "worker=$NAME starting: handler=$HANDLER topics=${TOPICS:-*} batch=$BATCH lease=${LEASE}s concurrency=$CONCURRENCY poll=${POLL}s"
+log "worker=$NAME starting: handler=$HANDLER subscription=${SUBSCRIPTION:-default} topics=${TOPICS:-*} batch=$BATCH lease=${LEASE}s concurrency=$CONCURRENCY poll=${POLL}s"
 while [ "$STOP" -eq 0 ]; do
     # A fresh session claims at once: that covers notifications missed meanwhile.
     ensure_session || break

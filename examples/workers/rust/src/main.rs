@@ -114,6 +114,8 @@ fn pg_error(e: &postgres::Error) -> String {
 pub struct Settings {
     dsn: Config,
     name: String,
+    /// None (unset or empty): the 'default' subscription.
+    subscription: Option<String>,
     topics: Option<Vec<String>>,
     batch_size: i32,
     lease: f64,
@@ -154,6 +156,7 @@ impl Settings {
                 .ok()
                 .filter(|n| !n.is_empty())
                 .unwrap_or_else(|| format!("rust-{host}-{}", process::id())),
+            subscription: env::var("OUTBOX_SUBSCRIPTION").ok().map(|s| s.trim().to_string()).filter(|s| !s.is_empty()),
             topics: if topics.is_empty() { None } else { Some(topics) },
             batch_size: env_f64("OUTBOX_BATCH_SIZE", 10.0) as i32,
             lease: env_f64("OUTBOX_LEASE", 30.0),
@@ -506,6 +509,11 @@ impl Db {
     }
 }
 
+/// Whether a notification for `topic` wakes the worker. A notification names a
+/// topic, not a subscription: `patterns` is the claim's own filter
+/// (OUTBOX_TOPICS; every topic when None), never the subscription's topics, so a
+/// worker of a filtered subscription wakes for each of its topics, and a wake-up
+/// for a topic its subscription does not take costs one empty claim.
 fn topic_wanted(patterns: &Option<Vec<String>>, topic: &str) -> bool {
     match patterns {
         None => true,
@@ -519,7 +527,7 @@ fn topic_wanted(patterns: &Option<Vec<String>>, topic: &str) -> bool {
 
 const CLAIM_SQL: &str = "
 SELECT id, topic, subject, dispatch_key, payload::text, headers::text, attempt, lease_token::text
-  FROM outbox.claim($1::text, $2::int4, make_interval(secs => $3::float8), $4::text[])";
+  FROM outbox.claim($1::text, $2::int4, make_interval(secs => $3::float8), $4::text[], $5::text)";
 
 struct Worker {
     cfg: Arc<Settings>,
@@ -751,9 +759,10 @@ impl Worker {
     fn run(&self) {
         let cfg = &self.cfg;
         log(&format!(
-            "worker={} starting: handler={} topics={} batch={} lease={}s concurrency={} poll={}s",
+            "worker={} starting: handler={} subscription={} topics={} batch={} lease={}s concurrency={} poll={}s",
             cfg.name,
             cfg.handler,
+            cfg.subscription.as_deref().unwrap_or("default"),
             cfg.topics.as_ref().map(|t| t.join(",")).unwrap_or_else(|| "*".into()),
             cfg.batch_size,
             cfg.lease,
@@ -782,7 +791,7 @@ impl Worker {
             }
             let oid = outbox_id.as_deref().unwrap_or("");
             let rows = self.db.call(None, |c| {
-                c.query(CLAIM_SQL, &[&cfg.name, &cfg.batch_size, &cfg.lease, &cfg.topics])
+                c.query(CLAIM_SQL, &[&cfg.name, &cfg.batch_size, &cfg.lease, &cfg.topics, &cfg.subscription])
             });
             let rows = match rows {
                 Ok(r) => r,
