@@ -847,6 +847,13 @@ def test_a_topics_default_lease_applies_between_the_claims_and_the_subscriptions
     round of a batch has one expiry: the longest its events' topics ask for;
     a row of its own (after a failure) takes its own topic's."""
     c = plain.conn()
+    # The two events below must share a lane: without a subject, an event's
+    # lane is its run of 64 ids (src/log/mod.rs, lane()); two ids astride a
+    # run's end go to two lanes, two batches, two leases. The probes are
+    # published before the subscriptions exist, so neither receives them.
+    probe = publish(c, "tl.probe")
+    while (probe + 2) % 64 == 0:
+        probe = publish(c, "tl.probe")
     c.execute("SELECT outbox.create_topic('tl.long', default_lease => '1 hour')")
     c.execute("SELECT outbox.create_subscription('tl')")
     c.execute("SELECT outbox.create_subscription('tl_sub', default_lease => '2 minutes')")
@@ -861,6 +868,7 @@ def test_a_topics_default_lease_applies_between_the_claims_and_the_subscriptions
         return want - 5 < secs <= want
 
     long_id, plain_id = publish(c, topic="tl.long"), publish(c, topic="tl.plain")
+    assert [long_id, plain_id] == [probe + 1, probe + 2]
     # One round with both events: the longest, the topic's hour.
     got = leases("tl")
     assert [r[:2] for r in got] == [(long_id, "tl.long"), (plain_id, "tl.plain")], got
