@@ -8,7 +8,6 @@
 #       scripts/test.sh regress            pg_regress files  pg_test/sql/*.sql
 #       scripts/test.sh regress:claim      only pg_test/sql/claim.sql
 #       scripts/test.sh isolation[:NAME]   isolation specs   pg_test/specs/*.spec
-#       scripts/test.sh isolation-queue[:NAME]  the same specs with 'default' on the queue
 #       scripts/test.sh py[:EXPR]          pytest            pg_test/py (EXPR goes to -k)
 #       scripts/test.sh relay[:EXPR]       pytest            pg_test/relay: the relay with nats-server
 #       scripts/test.sh cli[:EXPR]         pytest            pg_test/cli: the outbox command's operator subcommands
@@ -58,14 +57,14 @@ section() { printf '\n==== %s ====\n' "$*"; }
 # ---------------------------------------------------------------------------
 # Suite selection: no arguments = all suites.
 # ---------------------------------------------------------------------------
-ALL_SUITES=(regress isolation isolation-queue py relay cli dashboard pgrx suites)
+ALL_SUITES=(regress isolation py relay cli dashboard pgrx suites)
 declare -A WANT=() FILTER=()
 if [ "$#" -eq 0 ]; then
     for s in "${ALL_SUITES[@]}"; do WANT[$s]=1; done
 else
     for arg in "$@"; do
         case "$arg" in
-            -h | --help) sed -n '2,26p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            -h | --help) sed -n '2,25p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         esac
         s="${arg%%:*}"
         case " ${ALL_SUITES[*]} " in
@@ -258,37 +257,6 @@ run_pgxs() {
         fail "$suite: make installcheck exited $rc after $ok of ${#names[@]} files (log: $out/make.log)"
         tail -n 20 "$out/make.log"
     fi
-}
-
-# queue_specs: the isolation specs with 'default' on the queue, an install before
-# 0.12.0 (the queue's code serves it until ALTER EXTENSION ... UPDATE moves it), in
-# $RESULTS/isolation-queue.input. Each spec's setup puts 'default' on the log with
-# two lines, which become the queue's two; its expected output is
-# pg_test/expected/queue/NAME.out where the queue answers otherwise, else NAME.out.
-queue_specs() {
-    local in="$RESULTS/isolation-queue.input" f n
-    local log1="    UPDATE outbox.subscription_catalog SET storage = 'log' WHERE name = 'default';"
-    local log2="    SELECT outbox._log_subscribe('default', 'earliest');"
-    local queue1="    UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default';"
-    local queue2="    DELETE FROM outbox.log_lanes WHERE subscription = 'default';"
-    rm -rf "$in"
-    mkdir -p "$in/specs" "$in/expected"
-    cp "$TEST_DIR/Makefile" "$in/"
-    for f in "$TEST_DIR"/specs/*.spec; do
-        n="$(basename "$f" .spec)"
-        if [ "$(grep -cxF -e "$log1" -e "$log2" "$f")" -ne 2 ]; then
-            fail "isolation-queue: $n.spec does not put 'default' on the log in the two lines expected"
-            return 1
-        fi
-        # Whole lines, compared as strings (no pattern characters to escape).
-        awk -v l1="$log1" -v l2="$log2" -v q1="$queue1" -v q2="$queue2" \
-            '$0 == l1 { print q1; next } $0 == l2 { print q2; next } { print }' "$f" >"$in/specs/$n.spec"
-        if [ -f "$TEST_DIR/expected/queue/$n.out" ]; then
-            cp "$TEST_DIR/expected/queue/$n.out" "$in/expected/$n.out"
-        elif [ -f "$TEST_DIR/expected/$n.out" ]; then
-            cp "$TEST_DIR/expected/$n.out" "$in/expected/$n.out"
-        fi
-    done
 }
 
 # ---------------------------------------------------------------------------
@@ -516,8 +484,6 @@ run_suites() {
 
 want regress && run_pgxs regress REGRESS ISOLATION sql sql pg_regress
 want isolation && run_pgxs isolation ISOLATION REGRESS specs spec pg_isolation_regress
-want isolation-queue && queue_specs && run_pgxs isolation-queue ISOLATION REGRESS specs spec \
-    pg_isolation_regress "$RESULTS/isolation-queue.input"
 want py && run_py
 want relay && run_relay
 want cli && run_cli

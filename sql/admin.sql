@@ -27,98 +27,52 @@ DECLARE
     sub text;
     ln smallint;
 BEGIN
-    -- The install's 'default' is event_queue's; a subscription of the log has
-    -- its dead and cancelled events in its exception rows (src/log/exceptions.rs).
+    -- A subscription's dead and cancelled events are its exception rows
+    -- (src/log/exceptions.rs).
     sub := outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
     END IF;
-    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
-        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
-        -- Cancelled before its lane read it (src/log/cancel.rs): the row and
-        -- the lane's skip go, under the lane's lock, and the lane delivers it
-        -- in its place. If a claim has read it meanwhile, it is replayed from
-        -- its row below.
-        SELECT x.lane, x.topic INTO ln, t FROM outbox.log_exceptions x
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
-           AND x.state OPERATOR(pg_catalog.=) 'cancelled';
-        IF FOUND THEN
-            PERFORM 1 FROM outbox.log_lanes l
-             WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln
-               AND replay.id OPERATOR(pg_catalog.=) ANY (l.skips)
-               FOR UPDATE;
-            IF FOUND THEN
-                UPDATE outbox.log_lanes l SET skips = pg_catalog.array_remove(l.skips, replay.id)
-                 WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln;
-                DELETE FROM outbox.log_exceptions x
-                 WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id;
-                PERFORM outbox._wake(t);
-                RETURN true;
-            END IF;
-            t := NULL;
-        END IF;
-        SELECT x.subject INTO subj FROM outbox.log_exceptions x
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
-           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
-        IF NOT FOUND THEN
-            RETURN false;
-        END IF;
-        -- Its subject's events still in the lane's batch now follow it. The lane
-        -- and the batch are locked before the row, as drop_subscription locks them.
-        PERFORM outbox._log_detach_subject(sub, subj);
-        UPDATE outbox.log_exceptions x
-           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-               lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
-           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
-        RETURNING x.topic INTO t;
-        IF t IS NULL THEN
-            RETURN false;
-        END IF;
-        PERFORM outbox._wake(t);
-        RETURN true;
-    END IF;
-    -- Subject lock first, as publish and cancel take it: whether the replayed event
-    -- leads its subject is decided under it, from a snapshot taken after it
-    -- (outbox._promote_heads, src/subject.rs), whatever the isolation level.
-    SELECT q.subject INTO subj FROM outbox.event_queue q
-     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead';
-    IF NOT FOUND THEN
-        SELECT a.subject INTO subj FROM outbox.event_archive a
-         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled';
-    END IF;
-    PERFORM outbox._lock_subject(subj);
-    -- Dead events live in the hot relation: flip them back to pending.
-    UPDATE outbox.event_queue q
-       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
-           lease_token = NULL, leased_by = NULL, leased_at = NULL,
-           dead_at = NULL, blocks_subject = false
-     WHERE q.id OPERATOR(pg_catalog.=) replay.id AND q.state OPERATOR(pg_catalog.=) 'dead'
-    RETURNING q.topic INTO t;
+    PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
+    -- Cancelled before its lane read it (src/log/cancel.rs): the row and
+    -- the lane's skip go, under the lane's lock, and the lane delivers it
+    -- in its place. If a claim has read it meanwhile, it is replayed from
+    -- its row below.
+    SELECT x.lane, x.topic INTO ln, t FROM outbox.log_exceptions x
+     WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+       AND x.state OPERATOR(pg_catalog.=) 'cancelled';
     IF FOUND THEN
-        PERFORM outbox._wake(t);
-        RETURN true;
+        PERFORM 1 FROM outbox.log_lanes l
+         WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln
+           AND replay.id OPERATOR(pg_catalog.=) ANY (l.skips)
+           FOR UPDATE;
+        IF FOUND THEN
+            UPDATE outbox.log_lanes l SET skips = pg_catalog.array_remove(l.skips, replay.id)
+             WHERE l.subscription OPERATOR(pg_catalog.=) sub AND l.lane OPERATOR(pg_catalog.=) ln;
+            DELETE FROM outbox.log_exceptions x
+             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id;
+            PERFORM outbox._wake(t);
+            RETURN true;
+        END IF;
+        t := NULL;
     END IF;
-    -- Cancelled events live in the archive: move them back, keeping id and history.
-    -- They enter as non-heads; the promotion below makes the subject's earliest
-    -- live event its head.
-    WITH moved AS (
-        DELETE FROM outbox.event_archive a
-         WHERE a.id OPERATOR(pg_catalog.=) replay.id AND a.state OPERATOR(pg_catalog.=) 'cancelled'
-        RETURNING a.*
-    )
-    INSERT INTO outbox.event_queue (id, topic, subject, dispatch_key, payload, headers, state,
-                                    attempts, max_attempts, visible_at, last_error, errors, published_at, is_head)
-    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'pending',
-           0, m.max_attempts, GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()), m.last_error, m.errors, m.published_at,
-           m.subject IS NULL
-      FROM moved m
-    RETURNING topic INTO t;
-    IF t IS NULL THEN
+    SELECT x.subject INTO subj FROM outbox.log_exceptions x
+     WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+       AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled']);
+    IF NOT FOUND THEN
         RETURN false;
     END IF;
-    IF subj IS NOT NULL THEN
-        PERFORM outbox._promote_heads(ARRAY[subj]);
+    -- Its subject's events still in the lane's batch now follow it. The lane
+    -- and the batch are locked before the row, as drop_subscription locks them.
+    PERFORM outbox._log_detach_subject(sub, subj);
+    UPDATE outbox.log_exceptions x
+       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+           lease_token = NULL, leased_by = NULL, dead_at = NULL, cancelled_at = NULL, blocks = true
+     WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) replay.id
+       AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'cancelled'])
+    RETURNING x.topic INTO t;
+    IF t IS NULL THEN
+        RETURN false;
     END IF;
     PERFORM outbox._wake(t);
     RETURN true;
@@ -128,10 +82,9 @@ $$;
 COMMENT ON FUNCTION outbox.replay(bigint, text) IS
 'Move a dead or cancelled event of a subscription (NULL = ''default'') back to pending, attempts reset to 0, attempt history and last_error kept. Returns true when it did, '
 'false for any other state or an unknown/NULL id (pending, leased and delivered events are never replayed). '
-'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. Dead letters are kept for replay, as pg-boss and Oban keep them. '
-'For a subscription of the log (0.9.0) it replays that subscription''s dead or cancelled event (its exception row) and takes no subject lock: the event waits for its subject''s earlier events there; '
-'an event cancelled before its lane read it (0.10.0) goes back to the lane, which delivers it in its place.';
+'The event keeps its id, so it keeps its place in its subject''s order and its dispatch key: it waits for its subject''s earlier events of the subscription. '
+'An event cancelled before its lane read it goes back to the lane, which delivers it in its place. Takes no subject lock. '
+'Errors: 22023 malformed subscription name; 42704 unknown subscription. Dead letters are kept for replay, as pg-boss and Oban keep them.';
 
 CREATE FUNCTION outbox.replay_dead(
     topic_pattern text        DEFAULT NULL,
@@ -154,57 +107,33 @@ BEGIN
     IF dry_run IS NULL THEN
         RAISE EXCEPTION 'outbox: dry_run must not be NULL' USING ERRCODE = '22004';
     END IF;
-    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
-        IF dry_run THEN
-            SELECT pg_catalog.count(*) INTO n FROM outbox.log_exceptions x
-             WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-               AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-               AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-               AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
-            RETURN n;
-        END IF;
-        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
-        -- Their subjects' events still in the lanes' batches now follow them:
-        -- detached first, lanes in one order, before the rows change (the lock
-        -- order of drop_subscription).
-        PERFORM outbox._log_detach_subject(sub, d.subject)
-           FROM (SELECT DISTINCT x.subject FROM outbox.log_exceptions x
-                  WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
-                    AND x.subject IS NOT NULL
-                    AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
-                    AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
-                    AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)) d
-          ORDER BY pg_catalog.hashtext(d.subject) OPERATOR(pg_catalog.&) 15, d.subject;
-        UPDATE outbox.log_exceptions x
-           SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
-               lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+    IF dry_run THEN
+        SELECT pg_catalog.count(*) INTO n FROM outbox.log_exceptions x
          WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
            AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
            AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
            AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
-        GET DIAGNOSTICS n = ROW_COUNT;
-        IF n OPERATOR(pg_catalog.>) 0 THEN
-            PERFORM outbox._wake(NULL);
-        END IF;
         RETURN n;
     END IF;
-    IF dry_run THEN
-        SELECT pg_catalog.count(*) INTO n
-          FROM outbox.event_queue q
-         WHERE q.state OPERATOR(pg_catalog.=) 'dead'
-           AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
-           AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
-           AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
-        RETURN n;
-    END IF;
-    UPDATE outbox.event_queue q
-       SET state = 'pending', attempts = 0, visible_at = GREATEST(pg_catalog.clock_timestamp(), outbox._visible_floor()),
-           lease_token = NULL, leased_by = NULL, leased_at = NULL,
-           dead_at = NULL, blocks_subject = false
-     WHERE q.state OPERATOR(pg_catalog.=) 'dead'
-       AND (topic_pattern IS NULL OR outbox._topic_matches(q.topic, topic_pattern))
-       AND (dead_since IS NULL OR q.dead_at OPERATOR(pg_catalog.>=) dead_since)
-       AND (dead_until IS NULL OR q.dead_at OPERATOR(pg_catalog.<) dead_until);
+    PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
+    -- Their subjects' events still in the lanes' batches now follow them:
+    -- detached first, lanes in one order, before the rows change (the lock
+    -- order of drop_subscription).
+    PERFORM outbox._log_detach_subject(sub, d.subject)
+       FROM (SELECT DISTINCT x.subject FROM outbox.log_exceptions x
+              WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+                AND x.subject IS NOT NULL
+                AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+                AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+                AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until)) d
+      ORDER BY pg_catalog.hashtext(d.subject) OPERATOR(pg_catalog.&) 15, d.subject;
+    UPDATE outbox.log_exceptions x
+       SET state = 'pending', attempts = 0, visible_at = pg_catalog.clock_timestamp(),
+           lease_token = NULL, leased_by = NULL, dead_at = NULL, blocks = true
+     WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.state OPERATOR(pg_catalog.=) 'dead'
+       AND (topic_pattern IS NULL OR outbox._topic_matches(x.topic, topic_pattern))
+       AND (dead_since IS NULL OR x.dead_at OPERATOR(pg_catalog.>=) dead_since)
+       AND (dead_until IS NULL OR x.dead_at OPERATOR(pg_catalog.<) dead_until);
     GET DIAGNOSTICS n = ROW_COUNT;
     IF n OPERATOR(pg_catalog.>) 0 THEN
         PERFORM outbox._wake(NULL);
@@ -224,56 +153,25 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     n bigint;
-    subj text;
     sub text;
 BEGIN
     sub := outbox._subscription(subscription);
     IF id IS NULL THEN
         RETURN false;
     END IF;
-    IF outbox._storage(sub) OPERATOR(pg_catalog.=) 'log' THEN
-        PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
-        -- A pending or dead row of its own; else an event its lane has not
-        -- read yet, or one waiting in the lane's batch (src/log/cancel.rs).
-        -- Not a leased one, as for the queue.
-        UPDATE outbox.log_exceptions x
-           SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL, dead_at = NULL
-         WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
-           AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
-        GET DIAGNOSTICS n = ROW_COUNT;
-        IF n OPERATOR(pg_catalog.=) 0 AND outbox._log_cancel(sub, cancel.id) THEN
-            n := 1;
-        END IF;
-        IF n OPERATOR(pg_catalog.>) 0 THEN
-            PERFORM outbox._wake(NULL);
-        END IF;
-        RETURN n OPERATOR(pg_catalog.>) 0;
-    END IF;
-    -- Subject lock first, row lock second: the order ack and publish use, so a
-    -- cancel cannot deadlock with the promotion of the next head.
-    SELECT q.subject INTO subj FROM outbox.event_queue q WHERE q.id OPERATOR(pg_catalog.=) cancel.id;
-    IF subj IS NOT NULL THEN
-        PERFORM outbox._lock_subject(subj);
-    END IF;
-    WITH moved AS (
-        DELETE FROM outbox.event_queue q
-         WHERE q.id OPERATOR(pg_catalog.=) cancel.id
-           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead'])
-        RETURNING q.*
-    )
-    INSERT INTO outbox.event_archive (id, topic, subject, dispatch_key, payload, headers, state,
-                                      attempts, max_attempts, leased_by, last_error, errors,
-                                      published_at, finished_at)
-    SELECT m.id, m.topic, m.subject, m.dispatch_key, m.payload, m.headers, 'cancelled',
-           m.attempts, m.max_attempts, m.leased_by, m.last_error, m.errors,
-           m.published_at, pg_catalog.clock_timestamp()
-      FROM moved m;
+    PERFORM outbox._log_rebase();  -- a restored log first (sql/restore.sql)
+    -- A pending or dead row of its own; else an event its lane has not
+    -- read yet, or one waiting in the lane's batch (src/log/cancel.rs).
+    -- Never a leased one: that is the worker's to ack or fail.
+    UPDATE outbox.log_exceptions x
+       SET state = 'cancelled', cancelled_at = pg_catalog.clock_timestamp(), lease_token = NULL, dead_at = NULL
+     WHERE x.subscription OPERATOR(pg_catalog.=) sub AND x.id OPERATOR(pg_catalog.=) cancel.id
+       AND x.state OPERATOR(pg_catalog.=) ANY (ARRAY['pending', 'dead']);
     GET DIAGNOSTICS n = ROW_COUNT;
+    IF n OPERATOR(pg_catalog.=) 0 AND outbox._log_cancel(sub, cancel.id) THEN
+        n := 1;
+    END IF;
     IF n OPERATOR(pg_catalog.>) 0 THEN
-        -- A cancelled head of a subject may unblock the next event.
-        IF subj IS NOT NULL THEN
-            PERFORM outbox._promote_heads(ARRAY[subj]);
-        END IF;
         PERFORM outbox._wake(NULL);
     END IF;
     RETURN n OPERATOR(pg_catalog.>) 0;
@@ -281,13 +179,11 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox.cancel(bigint, text) IS
-'Cancel, for a subscription (NULL = ''default''), an event that is pending (ready, delayed or waiting for a retry) or dead: it moves to the archive as cancelled and a later event of its subject may proceed. '
-'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
-'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes the subject''s lock (waits for a publisher of that subject to finish); '
-'errors: 22023 malformed subscription name; 42704 unknown subscription; 54000 when the transaction would hold more than outbox.max_subject_locks subject locks. '
-'For a subscription of the log (0.9.0) it takes no subject lock and cancels a pending or dead event: one it holds per event (waiting for a retry, delayed, parked behind another of its subject, or dead), '
-'one its lane has not read yet, and (0.10.0) one waiting in its lane''s batch in flight; not one out under a lease, nor one committed before the subscription or outside its topics (false). '
-'It waits for a claim that is moving that lane (src/log/cancel.rs).';
+'Cancel, for a subscription (NULL = ''default''), an event that is pending (not read yet by its lane, waiting in its lane''s batch in flight, ready, delayed, waiting for a retry or parked behind another of its subject) or dead: '
+'it becomes cancelled for that subscription, and a later event of its subject may proceed. '
+'Returns true when it did; false for leased, delivered, already cancelled, unknown or NULL ids, and for an event committed before the subscription or outside its topics. A leased event cannot be cancelled under a worker: fail it or let the lease expire. '
+'Cancelling a dead event is how an operator unblocks a subject under the ''block'' dead-letter policy. Takes no subject lock; it waits for a claim that is moving that lane (src/log/cancel.rs). '
+'Errors: 22023 malformed subscription name; 42704 unknown subscription.';
 
 -- The topic registry.
 
@@ -300,38 +196,16 @@ CREATE TRIGGER topics_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON ou
 -- ALWAYS, as for outbox.subscription_catalog (sql/subscriptions.sql).
 ALTER TABLE outbox.topics ENABLE ALWAYS TRIGGER topics_changed;
 
--- A topic's dead-letter policy applies to the dead letters already there: 'skip'
--- releases their subjects at once, 'block' starts holding them. Leased events of
--- the topic are updated too (blocks_subject only counts once an event is dead, and
--- every dead transition sets it again): the UPDATE then waits for a claim or a
--- fail() that is turning one of them dead and sees it dead, where an UPDATE of
--- dead rows alone would miss that uncommitted transition and leave it under the
--- old policy. fail() takes the topic row FOR SHARE first, so it reads a policy
--- change that is committing (src/lease.rs).
+-- A topic's dead-letter policy applies to the dead letters already there, in
+-- subscriptions without a policy of their own: 'skip' releases their subjects
+-- at once, 'block' starts holding them. A claim finds the subject's new head by
+-- itself (src/log/exceptions.rs, invariant 4: under a snapshot taken after the
+-- topic row's lock, so at every isolation level).
 CREATE FUNCTION outbox._apply_dead_letter_policy(topic text, policy text) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
-DECLARE
-    released text[];
 BEGIN
-    WITH changed AS (
-        UPDATE outbox.event_queue q
-           SET blocks_subject = (policy OPERATOR(pg_catalog.=) 'block')
-         WHERE q.topic OPERATOR(pg_catalog.=) _apply_dead_letter_policy.topic
-           AND q.state OPERATOR(pg_catalog.=) ANY (ARRAY['dead', 'leased']) AND q.subject IS NOT NULL
-        RETURNING q.subject, q.state
-    )
-    SELECT pg_catalog.array_agg(DISTINCT c.subject) FILTER (WHERE c.state OPERATOR(pg_catalog.=) 'dead')
-      INTO released FROM changed c;
-    IF released IS NOT NULL AND policy OPERATOR(pg_catalog.=) 'skip' THEN
-        PERFORM outbox._promote_heads(released);
-        PERFORM outbox._wake(topic);
-    END IF;
-    -- The log's dead letters follow it too, in subscriptions without a policy
-    -- of their own; a claim finds the subject's new head by itself
-    -- (src/log/exceptions.rs, invariant 4: under a snapshot taken after the
-    -- topic row's lock, so at every isolation level).
     IF outbox._log_apply_dead_letter_policy(topic, policy) AND policy OPERATOR(pg_catalog.=) 'skip' THEN
         PERFORM outbox._wake(topic);
     END IF;
@@ -466,15 +340,10 @@ BEGIN
     IF NOT FOUND THEN
         RETURN false;
     END IF;
-    -- Unfinished in any subscription: the queue's 'default', and every
-    -- subscription of the log (0.11.0; before, only the queue was counted).
-    SELECT pg_catalog.count(DISTINCT u.id) INTO live FROM (
-        SELECT q.id FROM outbox.event_queue q
-         WHERE q.topic OPERATOR(pg_catalog.=) drop_topic.topic
-        UNION ALL
-        SELECT d.event_id FROM outbox._log_deliveries d
-         WHERE d.topic OPERATOR(pg_catalog.=) drop_topic.topic
-           AND d.state OPERATOR(pg_catalog.=) ANY ('{pending,leased,dead}'::text[])) AS u;
+    -- Unfinished in any subscription.
+    SELECT pg_catalog.count(DISTINCT d.event_id) INTO live FROM outbox._log_deliveries d
+     WHERE d.topic OPERATOR(pg_catalog.=) drop_topic.topic
+       AND d.state OPERATOR(pg_catalog.=) ANY ('{pending,leased,dead}'::text[]);
     IF live OPERATOR(pg_catalog.>) 0 AND NOT force THEN
         RAISE EXCEPTION 'outbox: topic % has % undelivered events', pg_catalog.quote_literal(topic), live
             USING ERRCODE = '55006', HINT = 'Drain, cancel or purge them first, or pass force => true (the events stay and fall back to the GUC defaults).';

@@ -69,8 +69,8 @@ AS 'MODULE_PATHNAME', 'outbox_claim';
 COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
 'Lease up to batch_size ready events of one subscription: pending events whose visible time has come, and leased events whose lease expired. '
 'Never waits for another transaction: rows other transactions hold or are changing are skipped, as are rows changed since the claim''s snapshot (outbox._lock_row). '
-'Order: a subject''s events in commit order; across subjects no order is promised. On the log, a claim takes the subscription''s due rows of their own first (retries, replays, delayed events whose time has come, expired leases already moved out of their batch; oldest visible time first), then new events lane by lane; '
-'an expired lease still in its lane''s batch is moved out, and handed out, only when a claim reaches that batch, so a claim may return new events before it. The queue''s ''default'' of an install before 0.12.0 hands out the oldest first. '
+'Order: a subject''s events in commit order; across subjects no order is promised. A claim takes the subscription''s due rows of their own first (retries, replays, delayed events whose time has come, expired leases already moved out of their batch; oldest visible time first), then new events lane by lane; '
+'an expired lease still in its lane''s batch is moved out, and handed out, only when a claim reaches that batch, so a claim may return new events before it.'
 'Each row carries a lease_token (fencing token) and lease_expires_at = clock_timestamp() + lease. Rows of one claim may share a token (on the log: the events of one round of a lane''s batch, and the rows of their own one claim takes), '
 'but fencing is per event: ack, fail and extend_lease match the id with the token, a token acts only on the events it was handed out with, and an event handed out again gets a new one. '
 'The token does not name a delivery: (id, subscription, attempt) does (a replay starts attempt again). attempt counts claims (1 on first delivery). '

@@ -14,18 +14,9 @@ COMMENT ON FUNCTION outbox._announce() IS
 COMMENT ON FUNCTION outbox._wake(text) IS
 'Internal: note a wake-up for topic (NULL = any topic) in the current transaction according to outbox.notify. Used by replay, cancel and alter_topic. Returns void; no errors.';
 
-COMMENT ON FUNCTION outbox._promote_heads(text[], boolean) IS
-'Internal: make the earliest live event of each subject its head (claimable), under the subject lock and from a snapshot taken after it, at any isolation level. '
-'wait = false never waits for a lock. Subjects whose lock is busy, past the transaction''s promotion budget (max_locks_per_transaction) or whose next head row is locked '
-'are left in outbox.subject_repairs, which every claim retries. Returns the number of events promoted (integer). No errors of its own. See src/subject.rs.';
-
-COMMENT ON FUNCTION outbox._lock_subject(text) IS
-'Internal: take a subject''s advisory lock until transaction end (NULL: nothing), waiting for it, counted against outbox.max_subject_locks. '
-'Used by cancel and replay, which decide headship. Returns void. Errors: 54000 when the transaction would hold more than outbox.max_subject_locks subject locks.';
-
 COMMENT ON FUNCTION outbox._maintenance_steps() IS
 'Internal: the maintenance steps in the order both the background worker and outbox.run_maintenance() run them: (step text, logged_as text, the outbox.maintenance_runs column '
-'that records the step''s count, or NULL). Steps: audit (claim low-water mark), delivered, dead, keys (retention), heads (subject-heads repair), log (the log ring: outbox._log_rotate()). No errors.';
+'that records the step''s count, or NULL). Steps: delivered, dead, keys (retention: outbox._purge_step()), log (the log ring: outbox._log_rotate()), inbox (the inbox''s records). No errors.';
 
 COMMENT ON FUNCTION outbox._maintenance_step(text) IS
 'Internal: one batch of a maintenance step (see outbox._maintenance_steps()) in the caller''s transaction: (removed bigint, done boolean; done = nothing more to do in this run). '
@@ -84,24 +75,9 @@ COMMENT ON FUNCTION outbox._log_rotate() IS
 'Only at READ COMMITTED (its checks must see every committed row): in a REPEATABLE READ or SERIALIZABLE transaction it does nothing and returns 0; '
 'the background worker runs it at READ COMMITTED whatever default_transaction_isolation says. No errors.';
 
-COMMENT ON FUNCTION outbox._visible_floor() IS
-'Internal: the least visible_at (timestamptz) the calling transaction may store for an event entering the claim index: the publish floor plus 1 microsecond, '
-'-infinity without shared_preload_libraries. Assigns the caller''s transaction id first (src/lowwater.rs explains why). Used by replay and replay_dead. No errors.';
-
-COMMENT ON FUNCTION outbox._claim_low_water() IS
-'Internal, for tests and monitoring: one row with publish_floor (timestamptz, the floor events enter the claim index above), '
-'low_water_at and low_water_id (timestamptz, bigint: the key claim() starts its index scan at in this database; -infinity and 0 when unknown), '
-'step_pending (boolean: step A done, step B waiting for older transactions) and resets (bigint: times the maintenance audit found an event below the mark). '
-'-infinity / 0 / false without shared_preload_libraries. No errors. See src/lowwater.rs (PgQ avoids the same dead index entries by rotating tables).';
-
-COMMENT ON FUNCTION outbox._audit_low_water() IS
-'Internal: look for live events below this database''s claim low-water mark (rows written into outbox.event_queue other than through the outbox functions) '
-'and forget the mark if there are any, so claims find them. Returns true when it reset the mark (boolean). Run by the maintenance worker and outbox.run_maintenance(). '
-'Reads every dead index entry below the mark: about as costly as one claim without the mark. No errors of its own. See src/lowwater.rs.';
-
 COMMENT ON FUNCTION outbox._apply_dead_letter_policy(text, text) IS
-'Internal: make the dead letters of topic follow policy (''block'' or ''skip''), releasing their subjects under ''skip''; used by create_topic, alter_topic and drop_topic. '
-'Also updates the topic''s leased events, so a dead transition committing concurrently is not left under the old policy; the log''s rows through outbox._log_apply_dead_letter_policy. Returns void.';
+'Internal: make the dead letters of topic, in subscriptions without a dead-letter policy of their own, follow policy (''block'' or ''skip''), releasing their subjects under ''skip'' (outbox._log_apply_dead_letter_policy); '
+'used by create_topic, alter_topic and drop_topic. Returns void.';
 
 COMMENT ON FUNCTION outbox._log_apply_dead_letter_policy(text, text) IS
 'Internal, for outbox._apply_dead_letter_policy once the topic''s new policy is written: takes the topic''s dead-letter policy lock exclusively (a transaction-level advisory lock, waiting for every fail() and claim that turned one of the topic''s rows dead to end), '
@@ -131,7 +107,7 @@ COMMENT ON FUNCTION outbox._log_lanes_restoring() IS
 'Internal (the restore triggers on outbox.log_lanes): whether the top-level statement is a COPY or INSERT into outbox.log_lanes, which is what a restore of a dump sends (boolean). No errors.';
 
 COMMENT ON FUNCTION outbox._log_lane_restore() IS
-'Internal row trigger function (BEFORE INSERT) on outbox.log_lanes (0.12.0): a lane row restored from a dump replaces the one of the same subscription and lane that CREATE EXTENSION made for ''default''. No errors of its own.';
+'Internal row trigger function (BEFORE INSERT) on outbox.log_lanes: a lane row restored from a dump replaces the one of the same subscription and lane that CREATE EXTENSION made for ''default''. No errors of its own.';
 
 COMMENT ON FUNCTION outbox._log_state_restore() IS
 'Internal trigger function on outbox.log_state: an inserted row replaces the row of the same ring table (pg_restore into a database whose maintenance already wrote the ring''s state).';
@@ -174,9 +150,6 @@ COMMENT ON FUNCTION outbox._log_subscribe(text, text) IS
 'events whose transaction commits later) or before every logged event (''earliest''). Returns true when it made them, false when they existed. '
 'Errors: 22004 NULL argument, 22023 malformed name or other start.';
 
-
-
-
 COMMENT ON FUNCTION outbox._log_in_flight(text) IS
 'Internal (drop_subscription): how many events the named subscription has leased out whose lease has not expired (bigint), in its batches and its exception rows. Errors: 22004 NULL subscription.';
 
@@ -193,7 +166,7 @@ COMMENT ON FUNCTION outbox._log_batch_holders(text) IS
 'id and leased_by, the worker that claimed it. Errors: 22004 NULL subscription.';
 
 COMMENT ON FUNCTION outbox._log_backlog(text, timestamptz) IS
-'Internal (outbox.health()''s backlog check; 0.12.0): how many of the named subscription''s events (bigint) have been claimable, or waiting only behind an earlier event of their subject, '
+'Internal (outbox.health()''s backlog check): how many of the named subscription''s events (bigint) have been claimable, or waiting only behind an earlier event of their subject, '
 'since published_by or earlier: unread events and events waiting in a batch published (and due, if delayed) by then, and rows of their own pending since then. '
 'Events out under a lease are not counted. Errors: 22004 NULL argument.';
 
@@ -202,46 +175,24 @@ COMMENT ON FUNCTION outbox._log_delivered(text, timestamptz) IS
 'id and delivered_at, the time its batch finished (batch precision). Errors: 22004 NULL subscription.';
 
 COMMENT ON FUNCTION outbox._log_cancel(text, bigint) IS
-'Internal (outbox.cancel of a subscription of the log): cancel event id, which the subscription holds no row for: not read by its lane yet (a cancelled row, and the id in the lane''s skips, '
+'Internal (outbox.cancel): cancel event id, which the subscription holds no row for: not read by its lane yet (a cancelled row, and the id in the lane''s skips, '
 'which the claim that reads it leaves out), or waiting in the lane''s batch in flight (moved to a row with its subject''s events in the batch, then cancelled). '
 'Returns false when the event is not in the log, not the subscription''s, out under a lease, delivered, or has a row of its own; false for NULL arguments. Waits for a claim moving that lane. No errors of its own.';
 
 COMMENT ON FUNCTION outbox._log_forget(text, boolean) IS
-'Internal (drop_subscription of a subscription of the log): delete its lanes (lanes = true: first, waiting for a claim that moves one), or the rest of its state '
+'Internal (drop_subscription): delete its lanes (lanes = true: first, waiting for a claim that moves one), or the rest of its state '
 '(lanes = false: batches, then exception rows, delivery record and activity, once its leases are counted), each under a snapshot taken when it runs, at every isolation level. '
 'Returns void. Errors: 22004 NULL argument.';
-
-COMMENT ON FUNCTION outbox._queue_clear(boolean) IS
-'Internal (drop_subscription of the ''default'' made at install, under its lock on outbox.event_queue): raise 55006 when a lease of the queue has not expired and force is false, '
-'else empty outbox.event_queue and outbox.subject_repairs under a snapshot taken now (at every isolation level). Returns the events removed (bigint). Errors: 22004 NULL force; 55006.';
-
-COMMENT ON FUNCTION outbox._queue_to_log(text) IS
-'Internal (outbox._default_to_log, 0.12.0, under its lock on outbox.event_queue): move every event of the queue, and the archive''s cancelled ones, into rows of their own of the named subscription of the log, '
-'each in its state (pending, leased with its token and expiry, dead holding its subject as on the queue, cancelled), with attempts, error history and visible_at; empty outbox.subject_repairs. '
-'Under a snapshot taken now, at every isolation level. Returns the events moved (bigint). Errors: 22004 NULL subscription.';
-
-COMMENT ON FUNCTION outbox._lock_queue_default() IS
-'Internal (outbox._default_to_log and the rebase of a restore, 0.12.0): lock the ''default'' that reads outbox.event_queue for its move to the log, in drop_subscription''s order '
-'(its catalog row, its activity row, SHARE ROW EXCLUSIVE on the queue). Returns its name (text), NULL when no subscription reads the queue. No errors of its own.';
-
-COMMENT ON FUNCTION outbox._default_to_log() IS
-'Internal (the upgrade to 0.12.0, and the rebase of a restored dump of 0.11.0 or older): move the ''default'' that reads outbox.event_queue to the log, keeping its name, policy and pause. '
-'Under SHARE ROW EXCLUSIVE on the queue (every publish, claim, ack and fail that writes it has finished, and later ones read the catalog without it), its lanes start at a cursor taken after that lock, '
-'and every event of the queue becomes a row of its own in its state (outbox._queue_to_log): nothing committed is skipped or delivered twice by the move. Tokens the queue handed out keep acking, failing and extending. '
-'Returns the events moved (bigint), NULL when no subscription reads the queue. No errors of its own.';
 
 COMMENT ON FUNCTION outbox._lane(bigint, text) IS
 'Internal: the lane (smallint, 0-15) of event id with subject, as publish places it in the log: hashtext(subject) & 15, or (id / 64) % 16 without a subject. No errors.';
 
 COMMENT ON FUNCTION outbox._log_floor() IS
-'Internal (retention of dispatch keys and of the log''s rows of their own, 0.15.0): the smallest event id the log holds while a subscription reads it, or 9223372036854775807 when none does or the log is empty (bigint). '
+'Internal (retention of dispatch keys and of the log''s rows of their own): the smallest event id the log holds while a subscription reads it, or 9223372036854775807 when none does or the log is empty (bigint). '
 'The log retains nothing of an event below it: its dispatch key and its rows in outbox.log_exceptions may go once their retention allows. One index probe per lane and ring table. No errors.';
 
-COMMENT ON FUNCTION outbox._storage(text) IS
-'Internal (replay, replay_dead, cancel): which storage a subscription reads (text): ''log'', or ''queue'' for the ''default'' of an install before 0.12.0 until the upgrade moves it; NULL when it does not exist.';
-
 COMMENT ON VIEW outbox._log_deliveries IS
-'Internal (outbox.deliveries, outbox.events): one row per subscription of the log and event it receives, with its delivery state (see outbox.deliveries), and the event''s lane, dispatch_key, payload, headers and published_at.';
+'Internal (outbox.deliveries, outbox.events): one row per subscription and event it receives, with its delivery state (see outbox.deliveries), and the event''s lane, dispatch_key, payload, headers and published_at.';
 
 COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
 'Internal (create_subscription): a topic filter as stored (text[]): NULL for every topic (NULL, or a list containing ''*''), else the patterns sorted without repeats. '

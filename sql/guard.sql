@@ -32,11 +32,8 @@ BEGIN
     IF NOT names_us OR cascade OR allow IN ('on', 'true', 'yes', '1', 't', 'y', 'tr', 'tru', 'ye') THEN
         RETURN;
     END IF;
-    -- The queue's 'default' (an install before 0.12.0), and (0.12.0) every
-    -- subscription of the log: what it has not delivered, and its dead letters.
-    SELECT (SELECT count(*) FROM outbox.event_queue e)
-           + COALESCE((SELECT sum(s.lag_events + s.dead_letters) FROM outbox.subscriptions s
-                        WHERE s.storage = 'log'), 0)
+    -- Every subscription: what it has not delivered, and its dead letters.
+    SELECT COALESCE((SELECT sum(s.lag_events + s.dead_letters) FROM outbox.subscriptions s), 0)
       INTO n;
     IF n > 0 THEN
         RAISE EXCEPTION 'outbox: % undelivered events (pending, leased or dead) would be lost by DROP EXTENSION outbox_ext', n

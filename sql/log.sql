@@ -1,7 +1,6 @@
--- The event log: the append-only storage that subscriptions read
--- (docs/design/subscriptions.md, src/log/). From 0.9.0 publish writes every
--- event here; beside event_queue only while the install's 'default'
--- subscription, which reads the queue, exists (0.10.0, src/publish.rs).
+-- The event log: the append-only storage that every subscription reads
+-- (src/log/). publish writes every event here, and nowhere else
+-- (src/publish.rs).
 --
 -- A fixed ring of four tables created here, so that each belongs to the
 -- extension (DROP EXTENSION, grants, the upgrade's schema comparison) without
@@ -60,13 +59,12 @@ UNION ALL SELECT 2::smallint, l.* FROM outbox.log_2 l
 UNION ALL SELECT 3::smallint, l.* FROM outbox.log_3 l;
 COMMENT ON VIEW outbox.log IS
 'Every event in the log ring (outbox.log_0 .. outbox.log_3), one row each, with the ring table that holds it (ring). Columns: ring, id, txid (the publishing '
-'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Every event published since 0.9.0 (with the SQL of 0.8.0, only while outbox.log_write is on), '
+'transaction), lane, topic, subject, dispatch_key, payload, headers, max_attempts, published_at, deliver_at. Every event published, '
 'until retention empties its ring table.';
 
 -- The lane of event `id` with `subject` (src/log/mod.rs, `lane`, the one
 -- publish uses): hashtext(subject) & 15, or for an event without a subject
--- its run of 64 ids, 16 lanes round. For SQL that places events the log
--- never held (the move of the queue's 'default', 0.12.0) or looks one up.
+-- its run of 64 ids, 16 lanes round. For SQL that looks one up.
 CREATE FUNCTION outbox._lane(id bigint, subject text) RETURNS smallint
 LANGUAGE sql IMMUTABLE PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
@@ -92,7 +90,7 @@ CREATE TABLE outbox.log_state (
     sealed_at  timestamptz CHECK (sealed_at >= opened_at),
     sealed_snap pg_snapshot,
     CHECK ((sealed_at IS NULL) = (sealed_snap IS NULL))
-) WITH (vacuum_truncate = false);  -- read by publishers: see event_queue
+) WITH (vacuum_truncate = false);  -- read by publishers: see sql/schema.sql
 CREATE TRIGGER log_state_changed AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON outbox.log_state
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._topics_changed();
 ALTER TABLE outbox.log_state ENABLE ALWAYS TRIGGER log_state_changed;

@@ -1,74 +1,31 @@
 -- Observability: per-topic statistics and health checks an operator or an
 -- exporter can poll, built into the database so no sidecar is needed.
 
+-- Every subscription, from its deliveries: events acked from a batch count
+-- from the time the batch finished (batch precision).
 CREATE VIEW outbox.stats AS
-WITH queue AS (
-    -- The install's 'default' reads the queue and the archive.
-    SELECT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue') AS present
-), q AS (
-    SELECT e.topic,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS ready,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'pending' AND e.visible_at > pg_catalog.now()) AS scheduled,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'leased' AND e.visible_at <= pg_catalog.now()) AS expired_leases,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'dead' AND e.dead_at > pg_catalog.now() - interval '1 hour') AS dead_last_hour,
-           pg_catalog.max(pg_catalog.now() - e.visible_at) FILTER (WHERE e.state = 'pending' AND e.visible_at <= pg_catalog.now()) AS oldest_ready_age,
-           pg_catalog.max(pg_catalog.now() - e.leased_at) FILTER (WHERE e.state = 'leased') AS oldest_lease_age
-      FROM outbox.event_queue e
-     WHERE (SELECT present FROM queue)
-     GROUP BY e.topic
-), a AS (
-    SELECT e.topic,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered') AS delivered,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'cancelled') AS cancelled,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 minute') AS delivered_last_minute,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'delivered' AND e.finished_at > pg_catalog.now() - interval '1 hour') AS delivered_last_hour
-      FROM outbox.event_archive e
-     WHERE (SELECT present FROM queue)
-     GROUP BY e.topic
-)
-SELECT COALESCE(q.topic, a.topic) AS topic,
-       COALESCE(q.ready, 0) AS ready,
-       COALESCE(q.scheduled, 0) AS scheduled,
-       COALESCE(q.leased, 0) AS leased,
-       COALESCE(q.expired_leases, 0) AS expired_leases,
-       COALESCE(q.dead, 0) AS dead,
-       COALESCE(a.delivered, 0) AS delivered,
-       COALESCE(a.cancelled, 0) AS cancelled,
-       q.oldest_ready_age,
-       q.oldest_lease_age,
-       COALESCE(q.dead_last_hour, 0) AS dead_last_hour,
-       COALESCE(a.delivered_last_minute, 0) AS delivered_last_minute,
-       COALESCE(a.delivered_last_hour, 0) AS delivered_last_hour,
-       'default'::text AS subscription
-  FROM q FULL JOIN a ON a.topic = q.topic
-UNION ALL
--- Every subscription of the log (0.10.0), from its deliveries: events acked
--- from a batch count from the time the batch finished (batch precision).
 SELECT d.topic,
-       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at > pg_catalog.now()),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'leased'),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'leased' AND d.lease_expires_at <= pg_catalog.now()),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'dead'),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered'),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'cancelled'),
-       pg_catalog.max(pg_catalog.now() - d.available_at) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()),
-       NULL::interval,
-       pg_catalog.count(*) FILTER (WHERE d.state = 'dead' AND d.dead_at > pg_catalog.now() - interval '1 hour'),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 minute'),
-       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 hour'),
+       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()) AS ready,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'pending' AND d.available_at > pg_catalog.now()) AS scheduled,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'leased') AS leased,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'leased' AND d.lease_expires_at <= pg_catalog.now()) AS expired_leases,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'dead') AS dead,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered') AS delivered,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'cancelled') AS cancelled,
+       pg_catalog.max(pg_catalog.now() - d.available_at) FILTER (WHERE d.state = 'pending' AND d.available_at <= pg_catalog.now()) AS oldest_ready_age,
+       NULL::interval AS oldest_lease_age,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'dead' AND d.dead_at > pg_catalog.now() - interval '1 hour') AS dead_last_hour,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 minute') AS delivered_last_minute,
+       pg_catalog.count(*) FILTER (WHERE d.state = 'delivered' AND d.delivered_at > pg_catalog.now() - interval '1 hour') AS delivered_last_hour,
        d.subscription
   FROM outbox._log_deliveries d
  GROUP BY d.subscription, d.topic;
 
 COMMENT ON VIEW outbox.stats IS
 'Per topic and subscription: counts by state (ready, scheduled = pending but not yet visible, leased, expired_leases, dead, delivered, cancelled), '
-'oldest_ready_age and oldest_lease_age (interval; the lease age only for the queue''s ''default''), dead_last_hour, delivered_last_minute, delivered_last_hour, and subscription (0.10.0). '
-'A subscription of the log (every one from 0.12.0) counts its retained events (outbox.deliveries), and an event acked from a batch on the first try '
-'counts as delivered when its batch finished (batch precision); ''default'' also counts what the archive keeps of its days on the queue. The ''default'' of an install before 0.12.0, until the upgrade moves it, counts its queue and archive. '
-'Reads the whole queue, archive and log: poll it every 15 s or slower on large archives.';
+'oldest_ready_age and oldest_lease_age (interval; NULL: the log keeps no lease start), dead_last_hour, delivered_last_minute, delivered_last_hour, and subscription. '
+'Each subscription counts its retained events (outbox.deliveries); an event acked from a batch on the first try counts as delivered when its batch finished (batch precision). '
+'Reads the whole retained log: poll it every 15 s or slower.';
 
 -- Thresholds are arguments so operators can tune alerts without a new version.
 CREATE FUNCTION outbox.health(
@@ -101,40 +58,35 @@ BEGIN
         RAISE EXCEPTION 'outbox: health() counts must not be negative' USING ERRCODE = '22023';
     END IF;
     -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
-    -- Every subscription's (0.12.0: those of the log too; an event two of them owe counts twice).
-    SELECT count(*) INTO n FROM outbox.event_queue e
-     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
-    n := n + COALESCE((SELECT sum(outbox._log_backlog(c.name, now() - backlog_age))
-                         FROM outbox.subscription_catalog c WHERE c.storage = 'log'), 0);
+    -- Every subscription's (an event two of them owe counts twice).
+    n := COALESCE((SELECT sum(outbox._log_backlog(c.name, now() - backlog_age))
+                     FROM outbox.subscription_catalog c), 0);
     check_name := 'backlog_age'; value := n;
     status := CASE WHEN n >= backlog_critical THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s ready events waiting longer than %s', n, backlog_age);
     RETURN NEXT;
 
     -- 2. Dead letters in the last hour.
-    SELECT count(*) INTO n FROM outbox.event_queue e
-     WHERE e.state = 'dead' AND e.dead_at > now() - interval '1 hour';
-    n := n + (SELECT count(*) FROM outbox.log_exceptions x
-               WHERE x.state = 'dead' AND x.dead_at > now() - interval '1 hour');
+    SELECT count(*) INTO n FROM outbox.log_exceptions x
+     WHERE x.state = 'dead' AND x.dead_at > now() - interval '1 hour';
     check_name := 'dead_letters'; value := n;
     status := CASE WHEN n >= 100 THEN 'critical' WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s events dead-lettered in the last hour', n);
     RETURN NEXT;
 
-    -- 3. Expired leases: workers died or handlers outlive their lease. In the
-    -- log (0.12.0): rows of their own, and events still out in a batch round
-    -- that expired (until a claim moves them).
-    SELECT count(*) INTO n FROM outbox.event_queue e
-     WHERE e.state = 'leased' AND e.visible_at <= now();
-    n := n + (SELECT count(*) FROM outbox.log_exceptions x WHERE x.state = 'leased' AND x.visible_at <= now())
-           + (SELECT count(*) FROM outbox.subscription_catalog c, LATERAL outbox._log_batch_states(c.name) b
-               WHERE c.storage = 'log' AND b.state = 'leased' AND b.lease_expires_at <= now());
+    -- 3. Expired leases: workers died or handlers outlive their lease: rows of
+    -- their own, and events still out in a batch round that expired (until a
+    -- claim moves them).
+    n := (SELECT count(*) FROM outbox.log_exceptions x WHERE x.state = 'leased' AND x.visible_at <= now())
+       + (SELECT count(*) FROM outbox.subscription_catalog c, LATERAL outbox._log_batch_states(c.name) b
+           WHERE b.state = 'leased' AND b.lease_expires_at <= now());
     check_name := 'expired_leases'; value := n;
     status := CASE WHEN n > 0 THEN 'warn' ELSE 'ok' END;
     message := format('%s leases expired without ack or fail', n);
     RETURN NEXT;
 
-    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the queue.
+    -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the
+    -- relations every claim and ack rewrites.
     SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
       INTO r
       FROM pg_stat_activity a
@@ -160,14 +112,21 @@ BEGIN
         END IF;
     END LOOP;
 
-    -- 5. Dead tuples in the hot relation.
-    SELECT s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
-      FROM pg_stat_all_tables s WHERE s.relid = 'outbox.event_queue'::regclass;
+    -- 5. Dead tuples in the log's hot relations: every claim and ack rewrites
+    -- rows of the lanes, batches and exception rows (the ring tables are only
+    -- appended to and truncated whole). The one with the most dead tuples.
+    SELECT c.relname, s.n_dead_tup, s.n_live_tup, s.last_autovacuum INTO r
+      FROM pg_stat_all_tables s JOIN pg_class c ON c.oid = s.relid
+     WHERE s.relid IN ('outbox.log_lanes'::regclass, 'outbox.log_batches'::regclass,
+                       'outbox.log_exceptions'::regclass, 'outbox.subscription_activity'::regclass)
+     ORDER BY s.n_dead_tup DESC, c.relname
+     LIMIT 1;
     check_name := 'dead_tuples'; value := COALESCE(r.n_dead_tup, 0);
     status := CASE WHEN COALESCE(r.n_dead_tup, 0) >= dead_tuples_warn
                         AND COALESCE(r.n_dead_tup, 0) > 2 * COALESCE(r.n_live_tup, 0) THEN 'warn' ELSE 'ok' END;
-    message := format('%s dead / %s live tuples in outbox.event_queue (last autovacuum %s)',
-                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.last_autovacuum::text, 'never'));
+    message := format('%s dead / %s live tuples in outbox.%s (last autovacuum %s)',
+                      COALESCE(r.n_dead_tup, 0), COALESCE(r.n_live_tup, 0), COALESCE(r.relname::text, 'log_lanes'),
+                      COALESCE(r.last_autovacuum::text, 'never'));
     RETURN NEXT;
 
     -- 6. The id sequence: per-subject order needs ids drawn in subject lock order,
@@ -216,9 +175,7 @@ BEGIN
     RETURN NEXT;
 
     -- 8. Each subscription: paused, or not claimed from while its events wait.
-    SELECT count(*) INTO n FROM outbox.event_queue e
-     WHERE e.state = 'pending' AND e.visible_at <= now() - backlog_age;
-    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at, s.storage,
+    FOR r IN SELECT s.name, s.paused, s.paused_at, s.lag_events, s.lag, s.last_claim_at,
                     s.max_lag, s.lost_events, s.lost_at
                FROM outbox.subscriptions s ORDER BY s.name LOOP
         check_name := 'subscription'; value := r.lag_events;
@@ -231,13 +188,9 @@ BEGIN
             status := 'warn';
             message := format('subscription %L lagged past its max_lag (%s): retention removed %s events it had not read, the last at %s',
                               r.name, r.max_lag, r.lost_events, date_trunc('second', r.lost_at));
-        ELSIF r.storage = 'queue' AND n > 0 AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
-            status := 'warn';
-            message := format('subscription %L has %s ready events older than %s and no claim since %s', r.name, n, backlog_age,
-                              COALESCE(date_trunc('second', r.last_claim_at)::text, 'the server started serving it'));
-        ELSIF r.storage = 'log' AND r.lag > backlog_age
+        ELSIF r.lag > backlog_age
               AND (r.last_claim_at IS NULL OR r.last_claim_at < now() - backlog_age) THEN
-            -- A subscription of the log holds the log's retention while it lags.
+            -- A subscription holds the log's retention while it lags.
             status := 'warn';
             message := format('subscription %L has %s undelivered events, the oldest published %s ago, and no claim since %s; '
                               'it holds the log''s retention (drop it if it is gone for good)', r.name, r.lag_events,
@@ -251,7 +204,7 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
-    -- 9. The log ring (0.8.0): a sealed table its retention should have
+    -- 9. The log ring: a sealed table its retention should have
     -- truncated, or an open table its rotation should have sealed, and why.
     -- Ten minutes of slack cover the maintenance interval and a few busy runs.
     keep := outbox._retention_guc('outbox.retention_delivered');
@@ -271,7 +224,7 @@ BEGIN
         value := value + 1;
         status := 'warn';
     END LOOP;
-    -- A log restored from a dump waits for its rebase (0.11.0, sql/restore.sql)
+    -- A log restored from a dump waits for its rebase (sql/restore.sql)
     -- and its retention with it.
     FOR r IN SELECT x.restored_at FROM outbox.log_restore x LOOP
         message := concat_ws('; ', message, format('the log was restored from a dump at %s and waits for its rebase (the first claim of a subscription of the log, '
@@ -286,14 +239,14 @@ $$;
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
-'Checks: backlog_age (ready events older than backlog_age, summed over every subscription, the log''s included (0.12.0); critical at backlog_critical), dead_letters (last hour, every subscription), '
+'Checks: backlog_age (ready events older than backlog_age, summed over every subscription; critical at backlog_critical), dead_letters (last hour, every subscription), '
 'expired_leases (workers dying; every subscription), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
-'dead_tuples (hot relation), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
+'dead_tuples (the log''s hot relation with the most dead tuples: outbox.log_lanes, log_batches, log_exceptions or subscription_activity; warn at dead_tuples_warn and more than twice its live tuples), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
 'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years, or a negative backlog_critical or dead_tuples_warn.';
 
--- Subjects that cannot progress now (0.11.0, the dashboard's Subjects page and
+-- Subjects that cannot progress now (the dashboard's Subjects page and
 -- `outbox`): per subscription, a subject's earliest unfinished event (pending,
 -- leased, or dead under the 'block' policy) holds back every later event of
 -- the subject (the claim contract: per-subject commit order). It is listed when
@@ -308,9 +261,9 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 -- claimable now (ready, or its lease expired) is not blocked: the next claim
 -- takes it, and if that was its last attempt the claim dead-letters it, after
 -- which it is listed as dead (so is an event whose attempts a lowered
--- max_attempts used up: until its next claim it shows as retrying). The queue's 'default' reads outbox.event_queue; a
--- subscription of the log reads its deliveries (outbox._log_deliveries), so
--- the whole retained log.
+-- max_attempts used up: until its next claim it shows as retrying). It reads
+-- the subscriptions' deliveries (outbox._log_deliveries), so the whole
+-- retained log.
 CREATE FUNCTION outbox.blocked_subjects(only_subscription text DEFAULT NULL, max_rows integer DEFAULT 100)
 RETURNS TABLE (subscription text, subject text, event_id bigint, topic text, state text, reason text,
                attempts integer, last_error text, until timestamptz, waiting bigint)
@@ -332,14 +285,9 @@ BEGIN
     END IF;
     RETURN QUERY
     WITH unfinished AS (
-        SELECT c.name AS sub, q.subject AS subj, q.id, q.topic AS top, q.state AS st, q.attempts AS att,
-               q.last_error AS err, q.visible_at AS vis
-          FROM outbox.subscription_catalog c
-          JOIN outbox.event_queue q ON q.subject IS NOT NULL AND (q.state <> 'dead' OR q.blocks_subject)
-         WHERE c.storage = 'queue' AND (only_sub IS NULL OR c.name = only_sub)
-        UNION ALL
-        SELECT d.subscription, d.subject, d.event_id, d.topic, d.state, d.attempts, d.last_error,
-               CASE d.state WHEN 'leased' THEN d.lease_expires_at WHEN 'pending' THEN d.available_at END
+        SELECT d.subscription AS sub, d.subject AS subj, d.event_id AS id, d.topic AS top, d.state AS st,
+               d.attempts AS att, d.last_error AS err,
+               CASE d.state WHEN 'leased' THEN d.lease_expires_at WHEN 'pending' THEN d.available_at END AS vis
           FROM outbox._log_deliveries d
          WHERE d.subject IS NOT NULL AND (only_sub IS NULL OR d.subscription = only_sub)
            AND (d.state IN ('pending', 'leased')
@@ -370,9 +318,8 @@ BEGIN
 END
 $$;
 
--- Deliveries per minute (0.11.0: the dashboard's sparklines and `outbox`):
--- the queue's 'default' counts its archive's delivered rows by finished_at; a
--- subscription of the log counts the events acked from its finished batches
+-- Deliveries per minute (the dashboard's sparklines and `outbox`): a
+-- subscription counts the events acked from its finished batches
 -- by the batch's finish time (batch precision, outbox._log_delivered) and its
 -- rows of their own by their delivered_at. Minutes with no delivery are rows
 -- of 0, so a chart needs no gap filling; a (subscription, topic) with no
@@ -381,8 +328,7 @@ $$;
 -- An event acked from a batch of the log counts when its whole batch has
 -- finished (every event acked, failed or its lease expired), so a batch with a
 -- long lease still out shows its acks late, all in one minute. Deliveries that
--- left no record are not counted: the queue's acks under
--- outbox.keep_delivered = off, and whatever retention or purge removed.
+-- left no record (whatever retention or purge removed) are not counted.
 CREATE FUNCTION outbox.delivered_per_minute(minutes integer DEFAULT 60, only_subscription text DEFAULT NULL)
 RETURNS TABLE (subscription text, topic text, minute timestamptz, delivered bigint)
 LANGUAGE plpgsql STABLE
@@ -403,17 +349,11 @@ BEGIN
     first_minute := pg_catalog.date_trunc('minute', pg_catalog.now()) - (minutes - 1) * interval '1 minute';
     RETURN QUERY
     WITH d AS (
-        SELECT c.name AS sub, a.topic AS top, a.finished_at AS at
-          FROM outbox.subscription_catalog c
-          JOIN outbox.event_archive a ON a.state = 'delivered' AND a.finished_at >= first_minute
-         -- The queue's 'default', or (0.12.0) its history once it moved to the log.
-         WHERE c.name = 'default' AND (only_sub IS NULL OR c.name = only_sub)
-        UNION ALL
-        SELECT c.name, l.topic, f.delivered_at
+        SELECT c.name AS sub, l.topic AS top, f.delivered_at AS at
           FROM outbox.subscription_catalog c
          CROSS JOIN LATERAL outbox._log_delivered(c.name, first_minute) f
           JOIN outbox.log l ON l.id = f.id
-         WHERE c.storage = 'log' AND (only_sub IS NULL OR c.name = only_sub)
+         WHERE only_sub IS NULL OR c.name = only_sub
         UNION ALL
         SELECT x.subscription, x.topic, x.delivered_at
           FROM outbox.log_exceptions x
@@ -432,17 +372,17 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox.blocked_subjects(text, integer) IS
-'Subjects that cannot progress now, and why (0.11.0). Arguments: only_subscription (text; NULL = every subscription), max_rows (integer, 1 to 100000, default 100). '
+'Subjects that cannot progress now, and why. Arguments: only_subscription (text; NULL = every subscription), max_rows (integer, 1 to 100000, default 100). '
 'One row per subscription and subject whose earliest unfinished event cannot be claimed now while later events of the subject wait behind it (per-subject commit order): '
 'subscription, subject, event_id and topic (the holding event), state (its delivery state: leased, pending or dead), reason (leased: a lease not yet expired; retrying: failed and waiting for its backoff; '
 'delayed: deliver_at in the future; dead: a dead letter under the ''block'' dead-letter policy, which holds the subject until it is replayed or cancelled), attempts, last_error, '
 'until (timestamptz: when the lease expires or the event becomes claimable; NULL for dead), waiting (bigint: events of the subject queued behind it). Most waiting first. '
-'An event out on a live lease holds its subject even when an earlier one was replayed behind it. A head that is claimable now is not listed (one whose lease expired on its last attempt appears as dead once the next claim dead-letters it). Readable by outbox_monitor (no payloads). Reads the queue and, for subscriptions of the log, the whole retained log: poll every 15 s or slower. '
+'An event out on a live lease holds its subject even when an earlier one was replayed behind it. A head that is claimable now is not listed (one whose lease expired on its last attempt appears as dead once the next claim dead-letters it). Readable by outbox_monitor (no payloads). Reads the whole retained log: poll every 15 s or slower. '
 'Errors: 22023 max_rows out of range or a malformed subscription name; 42704 unknown subscription.';
 
 COMMENT ON FUNCTION outbox.delivered_per_minute(integer, text) IS
-'Deliveries per minute over the last minutes (0.11.0), for charts. Arguments: minutes (integer, 1 to 1440, default 60: the current minute and the minutes - 1 before it), only_subscription (text; NULL = every subscription). '
+'Deliveries per minute over the last minutes, for charts. Arguments: minutes (integer, 1 to 1440, default 60: the current minute and the minutes - 1 before it), only_subscription (text; NULL = every subscription). '
 'Rows: subscription, topic, minute (timestamptz, the minute''s start), delivered (bigint), ordered by subscription, topic, minute; every minute of the window has a row (0 when none) for each subscription and topic '
-'with at least one delivery in the window. The queue''s ''default'' counts its archive by finished_at; a subscription of the log counts events acked from a batch when the whole batch has finished '
-'(batch precision: a batch with a lease still out shows its acks late, together) and its rows of their own at their delivered_at. Not counted: events the log no longer holds, the queue''s acks under '
-'outbox.keep_delivered = off, and what retention or purge removed. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';
+'with at least one delivery in the window. A subscription counts events acked from a batch when the whole batch has finished '
+'(batch precision: a batch with a lease still out shows its acks late, together) and its rows of their own at their delivered_at. Not counted: events the log no longer holds, '
+'and what retention or purge removed. Readable by outbox_monitor. Errors: 22023 minutes out of range or a malformed subscription name; 42704 unknown subscription.';

@@ -108,7 +108,7 @@ CREATE TRIGGER log_lanes_restored AFTER INSERT ON outbox.log_lanes
     FOR EACH STATEMENT EXECUTE FUNCTION outbox._log_lanes_restored();
 ALTER TABLE outbox.log_lanes ENABLE ALWAYS TRIGGER log_lanes_restored;
 
--- 0.12.0: CREATE EXTENSION on the restoring side gave 'default' its lanes; a
+-- CREATE EXTENSION on the restoring side gave 'default' its lanes; a
 -- dumped lane row replaces the one of the same key instead of failing the
 -- restore's COPY (the rebase then places every lane again).
 CREATE FUNCTION outbox._log_lane_restore() RETURNS trigger
@@ -198,10 +198,6 @@ BEGIN
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
-    -- A 'default' restored on the queue moves to the log at the end: its
-    -- locks first, before the ring's tables (a publisher locks the queue,
-    -- then the ring table it appends to).
-    PERFORM outbox._lock_queue_default();
     -- Readers wait for the rebase, and it for them: lanes and batches change.
     LOCK TABLE outbox.log_lanes, outbox.log_batches IN EXCLUSIVE MODE;
 
@@ -233,7 +229,7 @@ BEGIN
       JOIN outbox.log l
         ON c.topics IS NULL
            OR EXISTS (SELECT 1 FROM pg_catalog.unnest(c.topics) AS p(pattern) WHERE outbox._topic_matches(l.topic, p.pattern))
-     WHERE c.storage = 'log' AND l.id > upto AND pg_catalog.pg_visible_in_snapshot(l.txid, cur.snap)
+     WHERE l.id > upto AND pg_catalog.pg_visible_in_snapshot(l.txid, cur.snap)
     ON CONFLICT DO NOTHING;
     GET DIAGNOSTICS moved = ROW_COUNT;
 
@@ -246,15 +242,11 @@ BEGIN
     INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn)
     SELECT c.name, g, cur.snap, cur.m, cur.xn
       FROM outbox.subscription_catalog c, pg_catalog.generate_series(0, 15) AS g
-     WHERE c.storage = 'log'
     ON CONFLICT DO NOTHING;
     UPDATE outbox.log_lanes
        SET lo_snap = cur.snap, lo_m = cur.m, lo_xn = cur.xn, hi_snap = NULL, hi_m = NULL, hi_xn = NULL,
            pos = NULL, batch = NULL, start_snap = NULL, skips = NULL;
     UPDATE outbox.log_state SET sealed_snap = cur.snap WHERE sealed_snap IS NOT NULL;
-    -- A dump of 0.11.0 or older restored its 'default' on the queue: it moves
-    -- to the log now, as the upgrade to 0.12.0 moves it.
-    PERFORM outbox._default_to_log();
     RETURN moved;
 END
 $$;

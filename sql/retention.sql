@@ -1,27 +1,32 @@
--- Retention. Delivered and cancelled events live in outbox.event_archive and dead
--- events in outbox.event_queue; neither step ever looks at a pending or leased row,
--- whatever its age. Each step deletes one batch chosen with SKIP LOCKED, so it
--- never waits on workers and two purges running at once never count a row twice.
+-- Retention. Events live in the log, whose ring tables retention truncates
+-- whole (outbox._log_rotate, src/log/mod.rs); what is removed here row by row
+-- is what a subscription keeps of its own: the exception rows
+-- (outbox.log_exceptions) of finished events (delivered after a retry, dead,
+-- cancelled), the finished batches' delivery record (outbox.log_delivered),
+-- orphaned dispatch keys and the inbox's records. No step ever looks at a
+-- pending or leased row, whatever its age. Each step deletes one batch chosen
+-- with SKIP LOCKED, so it never waits on workers and two purges running at
+-- once never count a row twice.
 --
--- Dispatch keys: a key row is removed with its event only once it is older than
--- outbox.retention_dispatch_keys (default 0: with the event). Raising that setting
--- keeps deduplicating after the events are gone (purging rows would otherwise
--- shorten the deduplication window); the 'keys' step later removes such orphaned keys.
+-- Dispatch keys: a key row is removed only once its event is below the log's
+-- floor (outbox._log_floor) with no row of its own, and the key is older than
+-- outbox.retention_dispatch_keys (default 0: at once). Raising that setting
+-- keeps deduplicating after the events are gone.
 
 CREATE FUNCTION outbox._retention_guc(name text) RETURNS interval
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$ SELECT outbox._setting(name)::interval $$;
 
--- Below which event id the log retains nothing (0.15.0): the smallest id the
--- log holds while a subscription reads it; the largest bigint when none does
--- or the log is empty. An event below it is in no ring table, so a dispatch
+-- Below which event id the log retains nothing: the smallest id the log holds
+-- while a subscription reads it; the largest bigint when none does or the log
+-- is empty. An event below it is in no ring table, so a dispatch
 -- key or a row of its own (outbox.log_exceptions) kept for it while the log
 -- held it may go. Retention asks it once per statement, as an InitPlan, and
 -- compares ids: the log has no index on id alone, and a probe of the 16 lanes
--- of every ring table per key or row, as outbox._log_retains did (0.10.0 to
--- 0.14.0), grew with what the log retains: run every second in the one-hour
--- soak, it went from 65 ms to 1 s a run in 11 minutes (2026-12-06). Ids rise
+-- of every ring table per key or row grew with what the log retains: run every
+-- second in the one-hour soak, it went from 65 ms to 1 s a run in 11 minutes
+-- (2026-12-06). Ids rise
 -- with time, so an event at or above the floor that is not in the log (a
 -- transaction still open far behind the others holds the floor back) keeps
 -- its key and rows only until retention empties the ring tables below it.
@@ -30,7 +35,7 @@ CREATE FUNCTION outbox._log_floor() RETURNS bigint
 LANGUAGE sql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
-    SELECT CASE WHEN EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage OPERATOR(pg_catalog.=) 'log')
+    SELECT CASE WHEN EXISTS (SELECT 1 FROM outbox.subscription_catalog c)
                 THEN COALESCE((SELECT pg_catalog.min(f.id)
                                  FROM pg_catalog.generate_series(0, 15) AS g(lane)
                                  CROSS JOIN LATERAL (SELECT pg_catalog.min(l.id) AS id FROM outbox.log l
@@ -46,10 +51,9 @@ AS $$
 DECLARE
     n bigint := 0;
     more bigint;
-    blocked text[];
     key_age interval := outbox._retention_guc('outbox.retention_dispatch_keys');
 BEGIN
-    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'heads', 'inbox']) THEN
+    IF kind IS NULL OR kind <> ALL (ARRAY['delivered', 'dead', 'keys', 'inbox']) THEN
         RAISE EXCEPTION 'outbox: unknown purge kind %', pg_catalog.quote_nullable(kind) USING ERRCODE = '22023';
     END IF;
     IF older_than < interval '0' THEN
@@ -63,51 +67,26 @@ BEGIN
     END IF;
 
     IF kind = 'delivered' THEN
-        -- Rows are deleted by ctid (stable while the FOR UPDATE lock is held): the
-        -- archive has no btree on id, and a join on id would scan it per batch.
+        -- Delivered exception rows (events that needed a retry: their attempt
+        -- history), kept while the log still holds the event: until it is
+        -- below outbox._log_floor(), outbox.deliveries would otherwise show
+        -- it as acked from its batch on the first try.
         WITH victims AS (
-            SELECT a.ctid AS tid FROM outbox.event_archive a
-              LEFT JOIN outbox.topics t ON t.topic = a.topic
-             WHERE a.finished_at < pg_catalog.clock_timestamp()
+            SELECT x.subscription, x.id FROM outbox.log_exceptions x
+              LEFT JOIN outbox.topics t ON t.topic = x.topic
+             WHERE x.state = 'delivered'
+               AND x.delivered_at < pg_catalog.clock_timestamp()
                    - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
+               AND x.id < (SELECT outbox._log_floor())
              LIMIT batch_size
-               FOR UPDATE OF a SKIP LOCKED
-        ), gone AS (
-            DELETE FROM outbox.event_archive a WHERE a.ctid = ANY (ARRAY(SELECT v.tid FROM victims v))
-            RETURNING a.id, a.dispatch_key
-        ), keys AS (
-            DELETE FROM outbox.dispatch_keys k USING gone g
-             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
-               AND k.created_at < pg_catalog.clock_timestamp() - key_age
-               AND g.id < (SELECT outbox._log_floor())
-               AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = g.id)
-            RETURNING 1
+               FOR UPDATE OF x SKIP LOCKED
         )
-        SELECT pg_catalog.count(*) INTO n FROM gone;
-        -- Named subscriptions' delivered exception rows (events that needed a
-        -- retry: their attempt history), in what is left of the batch. Kept
-        -- while the log still holds the event (0.11.0): outbox.deliveries
-        -- would otherwise show it as acked from its batch on the first try;
-        -- from 0.15.0, until the event is below outbox._log_floor().
-        IF n < batch_size THEN
-            WITH victims AS (
-                SELECT x.subscription, x.id FROM outbox.log_exceptions x
-                  LEFT JOIN outbox.topics t ON t.topic = x.topic
-                 WHERE x.state = 'delivered'
-                   AND x.delivered_at < pg_catalog.clock_timestamp()
-                       - COALESCE(older_than, t.retention_delivered, outbox._retention_guc('outbox.retention_delivered'))
-                   AND x.id < (SELECT outbox._log_floor())
-                 LIMIT batch_size - n
-                   FOR UPDATE OF x SKIP LOCKED
-            )
-            DELETE FROM outbox.log_exceptions x USING victims v
-             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state = 'delivered';
-            GET DIAGNOSTICS more = ROW_COUNT;
-            n := n + more;
-        END IF;
-        -- The finished batches' delivery record (0.10.0), by the GUC alone (a
-        -- batch spans topics); each row counts as one, so that the caller's
-        -- loop goes on while some are due.
+        DELETE FROM outbox.log_exceptions x USING victims v
+         WHERE x.subscription = v.subscription AND x.id = v.id AND x.state = 'delivered';
+        GET DIAGNOSTICS n = ROW_COUNT;
+        -- The finished batches' delivery record, by the GUC alone (a batch
+        -- spans topics); each row counts as one, so that the caller's loop
+        -- goes on while some are due.
         IF n < batch_size THEN
             DELETE FROM outbox.log_delivered d
              WHERE d.ctid = ANY (ARRAY(
@@ -121,57 +100,26 @@ BEGIN
             n := n + more;
         END IF;
     ELSIF kind = 'dead' THEN
+        -- Dead letters and cancelled events. Their subjects need no promotion:
+        -- a claim finds heads itself (src/log/exceptions.rs). Kept while the
+        -- log still holds the event, as delivered rows are: the lane's cursor
+        -- has passed it, so outbox.deliveries would otherwise show it as
+        -- acked from its batch.
         WITH victims AS (
-            SELECT q.id FROM outbox.event_queue q
-              LEFT JOIN outbox.topics t ON t.topic = q.topic
-             WHERE q.state = 'dead'
-               AND q.dead_at < pg_catalog.clock_timestamp()
+            SELECT x.subscription, x.id FROM outbox.log_exceptions x
+              LEFT JOIN outbox.topics t ON t.topic = x.topic
+             WHERE x.state IN ('dead', 'cancelled')
+               AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
                    - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
+               AND x.id < (SELECT outbox._log_floor())
              LIMIT batch_size
-               FOR UPDATE OF q SKIP LOCKED
-        ), gone AS (
-            -- The state test is repeated: a replay may have won the row meanwhile.
-            DELETE FROM outbox.event_queue q WHERE q.id = ANY (ARRAY(SELECT v.id FROM victims v)) AND q.state = 'dead'
-            RETURNING q.id, q.dispatch_key, q.subject, q.blocks_subject
-        ), keys AS (
-            DELETE FROM outbox.dispatch_keys k USING gone g
-             WHERE k.dispatch_key = g.dispatch_key AND k.event_id = g.id
-               AND k.created_at < pg_catalog.clock_timestamp() - key_age
-               AND g.id < (SELECT outbox._log_floor())
-               AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = g.id)
-            RETURNING 1
+               FOR UPDATE OF x SKIP LOCKED
         )
-        SELECT pg_catalog.count(*), pg_catalog.array_agg(DISTINCT g.subject) FILTER (WHERE g.blocks_subject)
-          INTO n, blocked FROM gone g;
-        -- Purging a blocking dead letter unblocks its subject.
-        IF blocked IS NOT NULL THEN
-            PERFORM outbox._promote_heads(blocked, false);
-        END IF;
-        -- Dead letters and cancelled events of subscriptions of the log
-        -- (0.9.0), in what is left of the batch. Their subjects need no
-        -- promotion: a claim finds heads itself (src/log/exceptions.rs). Kept
-        -- while the log still holds the event (0.12.0; from 0.15.0 until it
-        -- is below outbox._log_floor()), as delivered rows are: the lane's
-        -- cursor has passed it, so outbox.deliveries would otherwise show it
-        -- as acked from its batch.
-        IF n < batch_size THEN
-            WITH victims AS (
-                SELECT x.subscription, x.id FROM outbox.log_exceptions x
-                  LEFT JOIN outbox.topics t ON t.topic = x.topic
-                 WHERE x.state IN ('dead', 'cancelled')
-                   AND COALESCE(x.dead_at, x.cancelled_at) < pg_catalog.clock_timestamp()
-                       - COALESCE(older_than, t.retention_dead, outbox._retention_guc('outbox.retention_dead'))
-                   AND x.id < (SELECT outbox._log_floor())
-                 LIMIT batch_size - n
-                   FOR UPDATE OF x SKIP LOCKED
-            )
-            DELETE FROM outbox.log_exceptions x USING victims v
-             WHERE x.subscription = v.subscription AND x.id = v.id AND x.state IN ('dead', 'cancelled');
-            GET DIAGNOSTICS more = ROW_COUNT;
-            n := n + more;
-        END IF;
+        DELETE FROM outbox.log_exceptions x USING victims v
+         WHERE x.subscription = v.subscription AND x.id = v.id AND x.state IN ('dead', 'cancelled');
+        GET DIAGNOSTICS n = ROW_COUNT;
     ELSIF kind = 'inbox' THEN
-        -- The inbox's records (0.11.0, sql/inbox.sql), oldest first, after
+        -- The inbox's records (sql/inbox.sql), oldest first, after
         -- outbox.retention_inbox; a record some transaction holds is skipped.
         DELETE FROM outbox.inbox i
          WHERE i.ctid = ANY (ARRAY(
@@ -182,30 +130,13 @@ BEGIN
                 LIMIT batch_size
                   FOR UPDATE SKIP LOCKED));
         GET DIAGNOSTICS n = ROW_COUNT;
-    ELSIF kind = 'heads' THEN
-        -- Repair of heads that writes around the outbox functions left unset (a
-        -- manual INSERT, a data-only restore); the functions themselves keep heads
-        -- right without it (src/subject.rs).
-        SELECT pg_catalog.array_agg(DISTINCT q.subject) INTO blocked
-          FROM outbox.event_queue q
-         WHERE NOT q.is_head AND q.state <> 'dead'
-           AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p
-                            WHERE p.subject = q.subject AND p.id < q.id
-                              AND (p.state <> 'dead' OR p.blocks_subject));
-        IF blocked IS NOT NULL THEN
-            n := outbox._promote_heads(blocked, false);
-        END IF;
     ELSE
         -- Keys whose events are gone, once they are older than the key window:
-        -- from the queue and the archive, and (0.10.0) from what the
-        -- subscriptions of the log retain: below outbox._log_floor() (0.15.0),
-        -- with no row of its own. A key at or above the floor costs a run one
-        -- comparison, not a look into the log per key.
+        -- below outbox._log_floor(), with no row of its own. A key at or above
+        -- the floor costs a run one comparison, not a look into the log per key.
         WITH victims AS (
             SELECT k.dispatch_key FROM outbox.dispatch_keys k
              WHERE k.created_at < pg_catalog.clock_timestamp() - GREATEST(key_age, COALESCE(older_than, interval '0'))
-               AND NOT EXISTS (SELECT 1 FROM outbox.event_queue q WHERE q.id = k.event_id)
-               AND NOT EXISTS (SELECT 1 FROM outbox.event_archive a WHERE a.id = k.event_id)
                AND k.event_id < (SELECT outbox._log_floor())
                AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.id = k.event_id)
              LIMIT batch_size
@@ -221,7 +152,7 @@ END
 $$;
 
 COMMENT ON FUNCTION outbox._purge_step(text, interval, integer) IS
-'One retention batch in the caller''s transaction: kind ''delivered'' (archive rows), ''dead'' (dead events), ''keys'' (orphaned dispatch keys), ''heads'' (repair of subject heads) or ''inbox'' (inbox records older than outbox.retention_inbox). '
+'One retention batch in the caller''s transaction: kind ''delivered'' (delivered exception rows, then the finished batches'' delivery record), ''dead'' (dead and cancelled exception rows), ''keys'' (orphaned dispatch keys) or ''inbox'' (inbox records older than outbox.retention_inbox). '
 'Returns rows removed (bigint). Used by outbox.purge(), outbox.purge_dead() and the background worker. Errors: 22023 bad kind, negative older_than or batch_size < 1; 54000 batch_size over outbox.max_batch_size.';
 
 -- Between two committed batches: wait outbox.purge_delay, so that a large purge
@@ -259,9 +190,10 @@ END
 $$;
 
 COMMENT ON PROCEDURE outbox.purge(interval, integer, bigint) IS
-'Delete delivered and cancelled events finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
-'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 20) between batches and skipping rows that are locked. Never touches pending, leased or dead events. '
-'A subscription of the log keeps the row (attempt history) of an event it delivered after a retry while the log still holds the event. '
+'Delete the rows of their own that subscriptions keep for events they delivered after a retry (attempt history) and finished more than older_than ago (NULL = the topic''s retention_delivered, else outbox.retention_delivered, 7 days), '
+'then the finished batches'' delivery records older than that (older_than, else outbox.retention_delivered: a batch spans topics), then orphaned dispatch keys. '
+'Events themselves live in the log, whose retention truncates its ring tables whole (maintenance step log); a row is kept while the log still holds its event. '
+'batch_size rows per transaction (1..outbox.max_batch_size), committing after each batch, waiting outbox.purge_delay (ms, default 20) between batches and skipping rows that are locked. Never touches pending, leased or dead rows. '
 'Reports the rows removed in its INOUT column removed. Run it with CALL outside an explicit transaction block. '
 'Errors: 22023 negative older_than or batch_size < 1; 54000 batch_size over the limit. Batched, committed deletes as in PgQ''s and pg_partman''s maintenance procedures.';
 
@@ -283,9 +215,9 @@ END
 $$;
 
 COMMENT ON PROCEDURE outbox.purge_dead(interval, integer, bigint) IS
-'Delete dead events whose dead_at is more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit), '
-'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. A subscription of the log keeps a dead or cancelled event''s row while the log still holds the event '
-'(0.12.0; its ring table goes with the log''s retention), since the log''s record would show it as delivered. Reports rows removed in removed. Errors as outbox.purge().';
+'Delete the rows of their own that subscriptions keep for dead and cancelled events, dead or cancelled more than older_than ago (NULL = the topic''s retention_dead, else outbox.retention_dead, 30 days: kept for audit), '
+'in committed batches of batch_size with outbox.purge_delay between them, skipping locked rows. A row is kept while the log still holds its event (its ring table goes with the log''s retention), '
+'since the log''s record would show it as delivered. Reports rows removed in removed. Errors as outbox.purge().';
 
 -- One row of outbox.maintenance_runs; counts maps a column name (the logged_as
 -- of outbox._maintenance_steps()) to rows removed.
@@ -329,8 +261,8 @@ END
 $$;
 
 COMMENT ON PROCEDURE outbox.run_maintenance() IS
-'One maintenance run, the same steps in the same order as the background worker''s (outbox._maintenance_steps(): the claim low-water audit, retention of delivered and cancelled events, '
-'of dead letters and of orphaned dispatch keys with the default windows, then the subject-heads repair), each in committed batches with outbox.purge_delay between them; '
+'One maintenance run, the same steps in the same order as the background worker''s (outbox._maintenance_steps(): retention of delivered rows and delivery records, '
+'of dead and cancelled rows and of orphaned dispatch keys with the default windows, then the log ring''s truncation and rotation, then the inbox''s records), each in committed batches with outbox.purge_delay between them; '
 'recorded in outbox.maintenance_log (purged_delivered, purged_dead, purged_keys). None of the steps is needed for delivery. '
 'Run it with CALL outside an explicit transaction block. Without preload, schedule it with pg_cron: '
 'SELECT cron.schedule(''outbox-retention'', ''* * * * *'', ''CALL outbox.run_maintenance()'').';

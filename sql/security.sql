@@ -83,7 +83,6 @@ ALTER FUNCTION outbox._log_backlog(text, timestamptz) SECURITY DEFINER SET searc
 ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION outbox._queue_clear(boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_rebase() SECURITY DEFINER;
 ALTER FUNCTION outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval) SECURITY DEFINER;
@@ -92,7 +91,7 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox.cancel(bigint, text),
     outbox.alter_subscription(text, integer, interval, interval, interval, interval),
     outbox.pause_subscription(text), outbox.resume_subscription(text),
-    outbox._subscription(text), outbox._check_subscription(text), outbox._storage(text), outbox._check_max_lag(interval),
+    outbox._subscription(text), outbox._check_subscription(text), outbox._check_max_lag(interval),
     outbox.create_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.alter_topic(text, integer, interval, interval, interval, text, interval, interval),
     outbox.drop_topic(text, boolean),
@@ -102,10 +101,10 @@ GRANT EXECUTE ON FUNCTION outbox.replay(bigint, text), outbox.replay_dead(text, 
     outbox._log_cursor(), outbox._log_cursor_parts(),
     outbox._log_window(smallint, pg_snapshot, bigint, xid8, pg_snapshot, bigint, integer),
     outbox._log_window_ids(smallint, text, bigint, text, text, bigint, integer),
-    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._queue_clear(boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
+    outbox._log_subscribe(text, text), outbox._log_in_flight(text), outbox._log_subscription_stats(text), outbox._log_batch_states(text), outbox._log_batch_holders(text), outbox._log_backlog(text, timestamptz), outbox._log_delivered(text, timestamptz), outbox._log_cancel(text, bigint), outbox._log_forget(text, boolean), outbox._log_detach_subject(text, text), outbox._check_topic_patterns(text[]),
     outbox.create_subscription(text, text[], text, integer, interval, interval, interval, text, interval), outbox.drop_subscription(text, boolean),
     outbox._retention_guc(text), outbox._log_floor(), outbox._pattern_kind(text), outbox._topic_matches(text, text),
-    outbox._lane(bigint, text), outbox._check_topic(text), outbox._promote_heads(text[], boolean), outbox._claim_low_water(), outbox._audit_low_water(),
+    outbox._lane(bigint, text), outbox._check_topic(text),
     outbox.health(interval, bigint, interval, interval, bigint), outbox.wakeup_status(), outbox._log_rebase(), outbox._log_restore_quiet()
     TO outbox_admin;
 GRANT EXECUTE ON PROCEDURE outbox.purge(interval, integer, bigint), outbox.purge_dead(interval, integer, bigint),

@@ -1,8 +1,6 @@
 -- Subscriptions (consumer groups): their policy, pausing, and where operators
 -- look. Every subscription reads the log (sql/log.sql, src/log/), the
--- 'default' made at install too (0.12.0). Before 0.12.0 the install's
--- 'default' read outbox.event_queue (storage 'queue'); the upgrade moves it
--- (outbox._default_to_log), and the queue's code serves it until then.
+-- 'default' made at install too.
 --
 -- Precedence of a setting (max_attempts, backoff, default lease, dead-letter
 -- policy): the subscription's, else the topic's (outbox.create_topic), else the
@@ -37,13 +35,6 @@ BEGIN
 END
 $$;
 
--- Which storage subscription `name` reads ('queue' or 'log'), NULL when it
--- does not exist.
-CREATE FUNCTION outbox._storage(name text) RETURNS text
-LANGUAGE sql STABLE
-SET search_path = pg_catalog, pg_temp
-AS $$ SELECT c.storage FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) _storage.name $$;
-
 -- pg_dump dumps the catalog's rows (pg_extension_config_dump), and CREATE
 -- EXTENSION on the restoring side has already made 'default': a dumped row whose
 -- name exists updates that row instead of failing the restore's COPY.
@@ -52,19 +43,13 @@ LANGUAGE plpgsql
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    -- A dump of 0.11.0 or older: its 'default' read the queue, whose rows the
-    -- dump restores. The lanes this install gave it go; the rebase that
-    -- follows the restore moves it to the log (outbox._default_to_log).
-    IF NEW.storage OPERATOR(pg_catalog.=) 'queue' THEN
-        DELETE FROM outbox.log_lanes l WHERE l.subscription OPERATOR(pg_catalog.=) NEW.name;
-    END IF;
     UPDATE outbox.subscription_catalog c
        SET max_attempts = NEW.max_attempts, backoff_base = NEW.backoff_base,
            backoff_max = NEW.backoff_max, default_lease = NEW.default_lease,
            paused = NEW.paused, paused_at = NEW.paused_at,
            created_at = NEW.created_at, updated_at = NEW.updated_at,
            topics = NEW.topics, dead_letter_policy = NEW.dead_letter_policy,
-           storage = NEW.storage, max_lag = NEW.max_lag
+           max_lag = NEW.max_lag
      WHERE c.name OPERATOR(pg_catalog.=) NEW.name;
     IF FOUND THEN
         RETURN NULL;
@@ -86,9 +71,7 @@ ALTER TABLE outbox.subscription_catalog ENABLE ALWAYS TRIGGER subscriptions_chan
 -- Subscriptions created here read the event log (sql/log.sql, src/log/):
 -- each has its own lanes, batches and exception rows, so it receives every
 -- matching event whatever the others do, and publish writes nothing per
--- subscription. 'default' can be created too, once the install's one (which
--- reads outbox.event_queue) has been dropped; claims without a subscription
--- then read the log.
+-- subscription. 'default' can be created again once it has been dropped.
 CREATE FUNCTION outbox.create_subscription(
     name               text,
     topics             text[]   DEFAULT NULL,
@@ -161,7 +144,6 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     resolved text;
-    kind text;
     in_flight bigint;
 BEGIN
     IF name IS NULL OR force IS NULL THEN
@@ -169,30 +151,10 @@ BEGIN
     END IF;
     resolved := outbox._subscription(name);
     -- Two drops of one subscription: the second waits, then finds it gone.
-    SELECT c.storage INTO kind FROM outbox.subscription_catalog c
+    PERFORM 1 FROM outbox.subscription_catalog c
      WHERE c.name OPERATOR(pg_catalog.=) resolved FOR UPDATE;
     IF NOT FOUND THEN
         PERFORM outbox._subscription(resolved);
-    END IF;
-    IF kind OPERATOR(pg_catalog.=) 'queue' THEN
-        -- The install's 'default': its state is the queue. The lock conflicts
-        -- with every publish, claim, ack and fail that writes the queue, and
-        -- each of them takes its own lock before it reads the catalog
-        -- (src/publish.rs): those running now finish first, and those that
-        -- wait read the catalog without this subscription, so that after the
-        -- commit no publish writes the queue again and nothing is left in it.
-        -- Its activity row first, before the lock: a claim notes its call
-        -- there before it writes the queue, so the drop waits for that claim
-        -- here rather than holding the queue while the claim waits for it.
-        PERFORM outbox._log_forget(resolved, false);
-        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-        -- Counted and emptied under a snapshot taken after the lock, at every
-        -- isolation level (55006 with leases in flight, unless force). Every
-        -- event stays in the log for the other subscriptions. Delivered and
-        -- cancelled history (outbox.event_archive) ages out by retention.
-        PERFORM outbox._queue_clear(force);
-        DELETE FROM outbox.subscription_catalog c WHERE c.name OPERATOR(pg_catalog.=) resolved;
-        RETURN;
     END IF;
     -- Lanes first: a claim moves a lane only while it holds the lane's row, so
     -- this waits for those, and later claims skip the gone lanes. Then the
@@ -219,8 +181,7 @@ $$;
 COMMENT ON FUNCTION outbox.drop_subscription(text, boolean) IS
 'Drop a subscription with its position in the log, its batches, retries and dead letters; the log''s retention no longer waits for it. '
 'Claims without a subscription raise 42704 once ''default'' is dropped, until it is created again with create_subscription. '
-'Dropping the ''default'' of an install before 0.12.0 that still reads outbox.event_queue empties the queue (its pending, leased and dead events; every event stays in the log for the other subscriptions, '
-'and the delivered history in outbox.event_archive ages out by retention), and from its commit publish writes the log alone; it waits for publishers and workers of the queue that are running, and holds new ones until it commits. '
+'Every event stays in the log for the other subscriptions. '
 'Arguments: name; force (default false: refuse while a lease it handed out has not expired; true: drop anyway, and the holders'' acks, fails and extensions then return false, ''stale'' and NULL). '
 'Returns void. Errors: 22004 NULL argument; 22023 malformed name; 42704 unknown subscription; '
 '55006 leases in flight without force. Nothing is dropped on error.';
@@ -244,10 +205,6 @@ BEGIN
     END IF;
     PERFORM outbox._check_policy(max_attempts, backoff_base, backoff_max, default_lease, 'block', NULL, NULL);
     PERFORM outbox._check_max_lag(max_lag);
-    IF max_lag IS NOT NULL AND outbox._storage(resolved) OPERATOR(pg_catalog.=) 'queue' THEN
-        RAISE EXCEPTION 'outbox: max_lag applies to subscriptions of the log, not to the queue''s default'
-            USING ERRCODE = '22023', HINT = 'The queue keeps its events until they are delivered or purged.';
-    END IF;
     -- No event row changes: claim() and fail() read these settings when they act
     -- (from their per-backend cache, src/subscriptions.rs), so a change applies
     -- to calls that start after its commit and never waits for, or stalls, a worker.
@@ -270,9 +227,9 @@ COMMENT ON FUNCTION outbox.alter_subscription(text, integer, interval, interval,
 'UPDATE outbox.subscription_catalog SET ... = NULL as the owner. '
 'Arguments: name (the subscription; NULL raises 22004), max_attempts (1..1000000: attempts a claim may start; an event that has used them goes dead at its next failure, lease expiry or claim), '
 'backoff_base and backoff_max (interval > 0, <= 365 days: fail()''s capped exponential backoff), default_lease (interval > 0, <= outbox.max_lease: claim()''s lease when it passes none), '
-'max_lag (interval > 0, <= 100 years: see create_subscription; subscriptions of the log only). '
+'max_lag (interval > 0, <= 100 years: see create_subscription). '
 'Applies from its commit; changes no event and never waits for workers. It does not change the dead-letter policy: a subscription''s own is set by create_subscription (dead_letter_policy), and one created without it follows its topics'' (create_topic, alter_topic). Returns void. '
-'Errors: 22004 NULL name; 22023 malformed name or invalid setting, or max_lag for the queue''s default; 42704 unknown subscription.';
+'Errors: 22004 NULL name; 22023 malformed name or invalid setting; 42704 unknown subscription.';
 
 -- Pausing: a paused subscription keeps its events (unless it has a max_lag,
 -- which retention applies paused or not) and hands out none; events already
@@ -308,60 +265,6 @@ BEGIN
 END
 $$;
 
--- 0.12.0: the install's 'default' reads the log. A database made before
--- keeps its 'default' on the queue until this moves it there: the upgrade
--- calls it, and so does the rebase of a restored dump of 0.11.0 or older.
--- It is drop_subscription's path for the queue followed by
--- create_subscription's, in one transaction, with the queue's events kept:
--- the lock on the queue makes every writer of it finish first and every later
--- one read the catalog without it (src/publish.rs); the lanes' cursor is
--- taken after that lock, so an event whose transaction committed before it
--- is in the queue (and moves to a row of its own) and counts as read by the
--- lanes, and one that commits after it was never written to the queue and is
--- read by the lanes. Neither is skipped or delivered twice.
--- The locks of that move, in drop_subscription's order: the catalog row of
--- the 'default' that reads the queue, its activity row (a claim notes there
--- before it writes the queue), then the queue. Returns its name, NULL when no
--- subscription reads the queue (nothing locked). Taken before any ring table
--- by whoever moves it later in the transaction (the rebase of a restore), as a
--- publisher locks the queue before the ring table it appends to.
-CREATE FUNCTION outbox._lock_queue_default() RETURNS text
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    sub text;
-BEGIN
-    SELECT c.name INTO sub FROM outbox.subscription_catalog c
-     WHERE c.storage OPERATOR(pg_catalog.=) 'queue' FOR UPDATE;
-    IF FOUND THEN
-        PERFORM outbox._log_forget(sub, false);
-        LOCK TABLE outbox.event_queue IN SHARE ROW EXCLUSIVE MODE;
-    END IF;
-    RETURN sub;
-END
-$$;
-
-CREATE FUNCTION outbox._default_to_log() RETURNS bigint
-LANGUAGE plpgsql VOLATILE
-SET search_path = pg_catalog, pg_temp
-AS $$
-DECLARE
-    sub text := outbox._lock_queue_default();
-BEGIN
-    IF sub IS NULL THEN
-        RETURN NULL;
-    END IF;
-    UPDATE outbox.subscription_catalog c SET storage = 'log', updated_at = pg_catalog.now()
-     WHERE c.name OPERATOR(pg_catalog.=) sub;
-    INSERT INTO outbox.subscription_activity (name) VALUES (sub) ON CONFLICT DO NOTHING;
-    PERFORM outbox._log_forget(sub, true);  -- no lanes of an earlier life of the name
-    PERFORM outbox._log_rebase();  -- as create_subscription: a restored log first
-    PERFORM outbox._log_subscribe(sub, 'now');
-    RETURN outbox._queue_to_log(sub);
-END
-$$;
-
 CREATE FUNCTION outbox.pause_subscription(name text) RETURNS boolean
 LANGUAGE sql VOLATILE
 SET search_path = pg_catalog, pg_temp
@@ -381,46 +284,32 @@ COMMENT ON FUNCTION outbox.resume_subscription(text) IS
 'Resume a paused subscription: claims hand out its events again, and listening workers are woken at commit. '
 'Returns true when it resumed it, false when it was not paused. Errors: 22004 NULL name; 22023 malformed name; 42704 unknown subscription, or one a drop_subscription dropped while this call waited for it.';
 
+-- Each subscription's numbers come from its lanes' windows of the log
+-- (src/log/claim.rs, outbox._log_subscription_stats).
 CREATE VIEW outbox.subscriptions AS
-WITH q AS (
-    SELECT pg_catalog.count(*) FILTER (WHERE e.state <> 'dead') AS undelivered,
-           -- What a claim could take now: subject heads whose time has come,
-           -- expired leases included (the claim index's rows).
-           pg_catalog.count(*) FILTER (WHERE e.state <> 'dead' AND e.is_head AND e.visible_at <= pg_catalog.now()) AS ready,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'leased') AS leased,
-           pg_catalog.count(*) FILTER (WHERE e.state = 'dead') AS dead,
-           pg_catalog.min(e.id) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_id,
-           pg_catalog.min(e.published_at) FILTER (WHERE e.state <> 'dead') AS oldest_undelivered_at
-      FROM outbox.event_queue e
-)
--- The install's 'default' is the queue's; a subscription of the log has its
--- numbers from the log (src/log/claim.rs, outbox._log_subscription_stats).
 SELECT c.name, c.topics, c.paused, c.paused_at,
-       COALESCE(l.lag_events, q.undelivered) AS lag_events,
-       pg_catalog.now() - COALESCE(l.oldest_at, q.oldest_undelivered_at) AS lag,
-       COALESCE(l.oldest_id, q.oldest_undelivered_id) AS oldest_undelivered_id,
-       COALESCE(l.oldest_at, q.oldest_undelivered_at) AS oldest_undelivered_at,
-       CASE WHEN c.storage OPERATOR(pg_catalog.=) 'log' THEN outbox._log_backlog(c.name, pg_catalog.now()) ELSE q.ready END AS ready,
-       COALESCE(l.leases_in_flight, q.leased) AS leases_in_flight,
-       COALESCE(l.dead_letters, q.dead) AS dead_letters,
+       l.lag_events,
+       pg_catalog.now() - l.oldest_at AS lag,
+       l.oldest_id AS oldest_undelivered_id,
+       l.oldest_at AS oldest_undelivered_at,
+       outbox._log_backlog(c.name, pg_catalog.now()) AS ready,
+       l.leases_in_flight,
+       l.dead_letters,
        a.last_claim_at,
        c.max_attempts, c.backoff_base, c.backoff_max, c.default_lease,
-       c.created_at, c.updated_at, c.dead_letter_policy, c.storage,
+       c.created_at, c.updated_at, c.dead_letter_policy,
        c.max_lag, COALESCE(a.lost_events, 0) AS lost_events, a.lost_at
   FROM outbox.subscription_catalog c
   LEFT JOIN outbox.subscription_activity a ON a.name = c.name
-  LEFT JOIN LATERAL (SELECT s.* FROM outbox._log_subscription_stats(c.name) s
-                      WHERE c.storage OPERATOR(pg_catalog.=) 'log') l ON true
-  LEFT JOIN q ON c.storage OPERATOR(pg_catalog.=) 'queue';
+  LEFT JOIN LATERAL outbox._log_subscription_stats(c.name) l ON true;
 
 COMMENT ON VIEW outbox.subscriptions IS
 'One row per subscription: name, topics (its topic filter; NULL = every topic), paused and paused_at, lag_events (events not yet delivered: pending, leased, or not yet read from the log), '
-'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: on the queue, subject heads whose time has come, expired leases included; on the log, events published and due that are not out under a lease, counted as outbox.health() counts the backlog, later events of a subject included), leases_in_flight, dead_letters, '
+'lag (interval: age of the oldest of them), oldest_undelivered_id and oldest_undelivered_at, ready (what a claim could take now: events published and due that are not out under a lease, counted as outbox.health() counts the backlog, later events of a subject included), leases_in_flight, dead_letters, '
 'last_claim_at (the last claim call for it, paused or not, noted at most once a second per session; NULL when never), '
 'its policy (max_attempts, backoff_base, backoff_max, default_lease; NULL = the topic''s setting, else the GUC), created_at, updated_at, dead_letter_policy (NULL: the topic''s), '
-'storage (''log'': every subscription from 0.12.0; ''queue'': the ''default'' of an install before 0.12.0, which reads outbox.event_queue until the upgrade moves it), '
 'max_lag (NULL: none; see create_subscription), lost_events and lost_at (events retention removed before the subscription read them because it lagged past max_lag, and the last time; 0 and NULL when none). '
-'The queue''s row reads the hot queue; a subscription of the log reads its lanes'' windows of the log (0.9.0): poll it every 15 s or slower.';
+'Each row reads its subscription''s lanes'' windows of the log: poll it every 15 s or slower.';
 
 -- Each subscription of the log, and each event it receives: the event's
 -- delivery state there (src/log/views.rs). It is the exception row when there
@@ -437,7 +326,6 @@ COMMENT ON VIEW outbox.subscriptions IS
 CREATE VIEW outbox._log_deliveries AS
 WITH subs AS MATERIALIZED (
     SELECT c.name, c.topics, c.max_attempts FROM outbox.subscription_catalog c
-     WHERE c.storage OPERATOR(pg_catalog.=) 'log'
 ), b AS MATERIALIZED (
     SELECT s.name, st.id, st.state, st.attempts, st.lease_expires_at
       FROM subs s, LATERAL outbox._log_batch_states(s.name) st
@@ -479,58 +367,18 @@ SELECT s.name, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.he
   ) r
  WHERE NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false)
    AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = s.name AND x.id = l.id)
-UNION ALL
--- 0.12.0: a 'default' moved from the queue (outbox._default_to_log) keeps the
--- queue's history: the archive's delivered events, until retention removes
--- them. Each was committed before the move's cursor, so the branch above
--- leaves it out (its first cursor, start_snap, sees it); one that branch
--- lists anyway (lanes placed again by the rebase of a restore) is not listed twice.
-SELECT 'default'::text, a.id, outbox._lane(a.id, a.subject), a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
-       a.published_at, a.state, a.attempts, COALESCE(s.max_attempts, a.max_attempts), a.leased_by,
-       NULL::timestamptz, NULL::timestamptz, a.last_error, a.errors,
-       CASE WHEN a.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
-       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
-  FROM subs s
-  JOIN outbox.event_archive a ON s.name = 'default'
- WHERE NOT EXISTS (SELECT 1 FROM outbox.log l
-                     JOIN outbox.log_lanes n ON n.subscription = 'default' AND n.lane = l.lane
-                    WHERE l.id = a.id
-                      AND NOT COALESCE(pg_catalog.pg_visible_in_snapshot(l.txid, n.start_snap), false));
+;
 
+-- Every event of the log, with the state of 'default' where it exists and
+-- the event is its own, and the events whose ring table retention has
+-- emptied while 'default' still keeps a row for them (a dead letter, say).
 CREATE VIEW outbox.events AS
--- The install's 'default' reads the queue: the hot queue and the archive.
-SELECT q.id, q.topic, q.subject, q.dispatch_key, q.payload, q.headers,
-       q.state, q.attempts, q.max_attempts,
-       CASE WHEN q.state = 'pending' THEN q.visible_at END AS available_at,
-       CASE WHEN q.state = 'leased' THEN q.visible_at END AS lease_expires_at,
-       q.leased_by, q.last_error, q.errors, q.published_at,
-       NULL::timestamptz AS delivered_at,
-       q.dead_at,
-       NULL::timestamptz AS cancelled_at
-  FROM outbox.event_queue q
- WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
-UNION ALL
-SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
-       a.state, a.attempts, a.max_attempts,
-       NULL::timestamptz, NULL::timestamptz,
-       a.leased_by, a.last_error, a.errors, a.published_at,
-       CASE WHEN a.state = 'delivered' THEN a.finished_at END,
-       NULL::timestamptz,
-       CASE WHEN a.state = 'cancelled' THEN a.finished_at END
-  FROM outbox.event_archive a
- WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
-UNION ALL
--- Once it is dropped: every event of the log, with the state of a 'default'
--- of the log where there is one and the event is its own.
 SELECT l.id, l.topic, l.subject, l.dispatch_key, l.payload, l.headers,
        d.state, d.attempts, l.max_attempts, d.available_at, d.lease_expires_at,
        d.leased_by, d.last_error, d.errors, l.published_at, d.delivered_at, d.dead_at, d.cancelled_at
   FROM outbox.log l
   LEFT JOIN outbox._log_deliveries d ON d.subscription = 'default' AND d.event_id = l.id
- WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
 UNION ALL
--- ... and the events whose ring table retention has emptied while 'default'
--- still keeps a row for them (a dead letter, say).
 SELECT x.id, x.topic, x.subject, x.dispatch_key, x.payload, x.headers,
        x.state, x.attempts, x.max_attempts,
        CASE WHEN x.state = 'pending' THEN x.visible_at END,
@@ -538,39 +386,15 @@ SELECT x.id, x.topic, x.subject, x.dispatch_key, x.payload, x.headers,
        x.leased_by, x.last_error, x.errors, x.published_at, x.delivered_at, x.dead_at, x.cancelled_at
   FROM outbox.log_exceptions x
  WHERE x.subscription = 'default'
-   AND NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
-   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id)
-UNION ALL
--- ... and (0.12.0) the archive's events the log does not hold (published
--- before 0.9.0, or their ring table emptied): the history of a 'default'
--- moved from the queue, with their state there while 'default' exists.
-SELECT a.id, a.topic, a.subject, a.dispatch_key, a.payload, a.headers,
-       d.state, d.attempts, a.max_attempts, NULL::timestamptz, NULL::timestamptz,
-       d.leased_by, d.last_error, d.errors, a.published_at,
-       CASE WHEN d.state = 'delivered' THEN a.finished_at END, NULL::timestamptz,
-       CASE WHEN d.state = 'cancelled' THEN a.finished_at END
-  FROM outbox.event_archive a
-  LEFT JOIN LATERAL (SELECT a.state, a.attempts, a.leased_by, a.last_error, a.errors
-                      WHERE EXISTS (SELECT 1 FROM outbox.subscription_catalog c
-                                     WHERE c.name = 'default' AND c.storage = 'log')) d ON true
- WHERE NOT EXISTS (SELECT 1 FROM outbox.subscription_catalog c WHERE c.storage = 'queue')
-   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = outbox._lane(a.id, a.subject) AND l.id = a.id);
+   AND NOT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = x.lane AND l.id = x.id);
 
 COMMENT ON VIEW outbox.events IS
 'Every retained event, one row each. Columns: id, topic, subject, dispatch_key, payload, headers, then the state of the default subscription (NULL when there is none, '
 'or the event is not its own): state, attempts, max_attempts (the event''s), available_at (pending only), lease_expires_at (leased only), leased_by, last_error, errors (attempt history, jsonb array), '
-'published_at, delivered_at, dead_at, cancelled_at. ''default'' reads the log (0.12.0): the events of the log, with its state there (outbox.deliveries explains the states; an event acked on its first try has its batch''s delivered_at), '
-'and the events delivered before a ''default'' of an older install moved from the queue to the log, from the archive until retention removes them. '
-'While a ''default'' of an install before 0.12.0 still reads the queue: the hot queue (pending, leased, dead) UNION ALL the archive (delivered, cancelled).';
+'published_at, delivered_at, dead_at, cancelled_at: the events of the log, with the state of ''default'' there (outbox.deliveries explains the states; an event acked on its first try has its batch''s delivered_at), '
+'and the events retention has removed from the log while ''default'' keeps a row of its own for them.';
 
 CREATE VIEW outbox.deliveries AS
-SELECT e.id AS event_id, c.name AS subscription, e.topic, e.subject,
-       e.state, e.attempts, COALESCE(c.max_attempts, e.max_attempts) AS max_attempts, e.leased_by, e.lease_expires_at, e.available_at,
-       e.last_error, e.errors, e.delivered_at, e.dead_at, e.cancelled_at
-  FROM outbox.events e
- CROSS JOIN outbox.subscription_catalog c
- WHERE c.storage = 'queue'
-UNION ALL
 SELECT d.event_id, d.subscription, d.topic, d.subject, d.state, d.attempts, d.max_attempts, d.leased_by,
        d.lease_expires_at, d.available_at, d.last_error, d.errors, d.delivered_at, d.dead_at, d.cancelled_at
   FROM outbox._log_deliveries d;
@@ -578,10 +402,10 @@ SELECT d.event_id, d.subscription, d.topic, d.subject, d.state, d.attempts, d.ma
 COMMENT ON VIEW outbox.deliveries IS
 'One row per event and subscription that receives it: event_id, subscription, topic, subject, state (pending, leased, dead, delivered, cancelled), attempts, max_attempts (the subscription''s if it sets one, else the event''s), '
 'leased_by, lease_expires_at, available_at, last_error, errors (the attempt history, jsonb array), delivered_at, dead_at, cancelled_at. '
-'The ''default'' made at install: every event of outbox.events. A subscription of the log (0.9.0; from 0.10.0 every retained event it receives): an event it has not read yet is pending; '
-'one in a batch in flight is pending, leased or delivered there (attempts 1; leased_by the worker that claimed it while it is leased, from 0.11.0); '
+'Every retained event a subscription receives: an event it has not read yet is pending; '
+'one in a batch in flight is pending, leased or delivered there (attempts 1; leased_by the worker that claimed it while it is leased); '
 'one acked from its batch on the first try is delivered, delivered_at the time its batch finished (batch precision: no row is written per event; NULL while the batch is in flight or after outbox.retention_delivered); one that needed a row of its own (a failure, an expired lease, a delay, a replay, a cancel) has that row''s state, history and times. '
 'An event the subscription received stays here while the log or its row is retained. Reads the whole log: filter by subscription and poll it every 15 s or slower.';
 
--- 0.12.0: the install's 'default' reads the log, from its first event.
+-- 'default' reads the log from its first event.
 SELECT outbox._log_subscribe('default', 'earliest');

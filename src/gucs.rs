@@ -35,7 +35,7 @@ static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Payload size limit: 1 MB. Outbox events are notifications, not blobs.
 static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
 /// Most subject locks (advisory locks, held until commit) one transaction may take
-/// for publish, cancel and replay: each is an entry in the shared lock table,
+/// for publish: each is an entry in the shared lock table,
 /// which at default settings holds about 7,800 (max_locks_per_transaction 64 times
 /// the number of backends); past it every session's lock requests fail (53200).
 static MAX_SUBJECT_LOCKS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
@@ -50,7 +50,8 @@ static TRACEPARENT: GucSetting<Option<CString>> = GucSetting::<Option<CString>>:
 static NOTIFY_PRELOADED: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(NotifyMode::Background);
 /// Notify mode when loaded on demand (boot value 'transaction').
 static NOTIFY_PLAIN: GucSetting<NotifyMode> = GucSetting::<NotifyMode>::new(NotifyMode::Transaction);
-/// Delivered and cancelled events are kept this long (s): 7 days.
+/// Rows of their own of delivered events, and the finished batches' delivery
+/// records, are kept this long (s): 7 days; the log's ring tables too.
 static RETENTION_DELIVERED_S: GucSetting<i32> = GucSetting::<i32>::new(7 * 86400);
 /// Dead events are kept this long for audit (s): 30 days.
 static RETENTION_DEAD_S: GucSetting<i32> = GucSetting::<i32>::new(30 * 86400);
@@ -69,14 +70,6 @@ static PURGE_DELAY_MS: GucSetting<i32> = GucSetting::<i32>::new(20);
 /// database that has the extension.
 static DATABASES: GucSetting<Option<CString>> = GucSetting::<Option<CString>>::new(None);
 
-/// Keep delivered events in outbox.event_archive until retention (the default),
-/// or drop them at ack like a plain DELETE-on-ack queue (pgmq's delete, a
-/// hand-rolled outbox's DELETE on success). Off trades the audit trail for a cheaper ack.
-static KEEP_DELIVERED: GucSetting<bool> = GucSetting::<bool>::new(true);
-/// Also append every published event to the log ring (sql/log.sql) with the SQL
-/// of 0.8.0, where only internal functions read it. From 0.9.0 every event is
-/// logged (named subscriptions read the log) and this setting has no effect.
-static LOG_WRITE: GucSetting<bool> = GucSetting::<bool>::new(false);
 /// Let DROP EXTENSION outbox_ext proceed although events are undelivered.
 static ALLOW_DROP: GucSetting<bool> = GucSetting::<bool>::new(false);
 
@@ -158,8 +151,8 @@ pub fn init(preloaded: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.max_subject_locks",
-        c"Most distinct subject locks one transaction may hold (publish, cancel, replay; SQLSTATE 54000 above).",
-        c"Each is an entry in the shared lock table until commit. Promotions of subject heads take at most max_locks_per_transaction of them and defer the rest to later claims.",
+        c"Most distinct subject locks one transaction may hold (publish, publish_batch; SQLSTATE 54000 above).",
+        c"Each is an entry in the shared lock table until commit.",
         &MAX_SUBJECT_LOCKS,
         1,
         1_000_000,
@@ -172,22 +165,6 @@ pub fn init(preloaded: bool) {
         c"",
         &STRICT_TOPICS,
         GucContext::Userset,
-        GucFlags::default(),
-    );
-    GucRegistry::define_bool_guc(
-        c"outbox.keep_delivered",
-        c"Archive delivered events until retention (on) or delete them at ack (off).",
-        c"Off makes ack a plain DELETE; delivered events then vanish from outbox.events at once.",
-        &KEEP_DELIVERED,
-        GucContext::Userset,
-        GucFlags::default(),
-    );
-    GucRegistry::define_bool_guc(
-        c"outbox.log_write",
-        c"Also append every published event to the log ring (outbox.log_0 .. outbox.log_3).",
-        c"Only with the SQL of 0.8.0, whose internal functions read the ring; from 0.9.0 every event is logged (named subscriptions read it) and this has no effect.",
-        &LOG_WRITE,
-        GucContext::Suset,
         GucFlags::default(),
     );
     GucRegistry::define_bool_guc(
@@ -217,7 +194,7 @@ pub fn init(preloaded: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.retention_delivered",
-        c"Default age after which outbox.purge() removes delivered and cancelled events.",
+        c"Default age after which outbox.purge() removes delivered rows and delivery records, and retention truncates a ring table of the log.",
         c"",
         &RETENTION_DELIVERED_S,
         0,
@@ -227,7 +204,7 @@ pub fn init(preloaded: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.retention_dead",
-        c"Default age after which outbox.purge_dead() removes dead events.",
+        c"Default age after which outbox.purge_dead() removes dead and cancelled rows.",
         c"",
         &RETENTION_DEAD_S,
         0,
@@ -349,14 +326,6 @@ pub fn notify_mode() -> NotifyMode {
 /// Whether the library was loaded through shared_preload_libraries.
 pub fn preloaded() -> bool {
     PRELOADED.load(Ordering::Relaxed)
-}
-/// Whether ack archives delivered events.
-pub fn keep_delivered() -> bool {
-    KEEP_DELIVERED.get()
-}
-/// Append published events to the log ring too (`outbox.log_write`).
-pub fn log_write() -> bool {
-    LOG_WRITE.get()
 }
 /// Maintenance interval in ms (0 = off).
 pub fn maintenance_interval_ms() -> i32 {

@@ -2,11 +2,11 @@
 //!
 //! Modules, one concern each:
 //! - [`publish`] — `outbox.publish`, `outbox.publish_batch` (subject locks, dispatch keys)
-//! - [`claim`] — `outbox.claim` (skip held rows, fencing tokens, subject ordering)
+//! - [`claim`] — `outbox.claim` (arguments, the subscription; the claim is the log's)
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
-//! - [`log`] — the append-only event log ring (written beside the queue when `outbox.log_write` is on)
-//! - [`lowwater`] — where claim's index scan starts (dead entries are never re-read)
-//! - [`subject`] — subject heads and the subject lock budget
+//! - [`log`] — the append-only event log ring every subscription reads: lanes,
+//!   batches, rows of their own, and the proofs of delivery order and fencing
+//! - [`subject`] — publish's subject locks and their budget
 //! - [`subscriptions`] — the per-backend cache of the subscription catalog
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays
@@ -32,7 +32,6 @@ pub mod gucs;
 pub mod launcher;
 pub mod lease;
 pub mod log;
-pub mod lowwater;
 pub mod maintenance;
 pub mod pg;
 pub mod publish;
@@ -53,16 +52,7 @@ pgrx::extension_sql_file!("../sql/api.sql", name = "api", requires = ["schema"])
 pgrx::extension_sql_file!(
     "../sql/admin.sql",
     name = "admin",
-    requires = [
-        "schema",
-        wakeup::wake,
-        subject::promote_heads,
-        subject::lock_subject,
-        gucs::setting,
-        lowwater::visible_floor,
-        validate::pattern_kind,
-        validate::check_topic
-    ]
+    requires = ["schema", wakeup::wake, gucs::setting, validate::pattern_kind, validate::check_topic]
 );
 pgrx::extension_sql_file!(
     "../sql/log.sql",
@@ -80,7 +70,7 @@ pgrx::extension_sql_file!("../sql/inbox.sql", name = "inbox", requires = ["resto
 pgrx::extension_sql_file!(
     "../sql/retention.sql",
     name = "retention",
-    requires = ["inbox", lowwater::audit_low_water, maintenance::maintenance_steps, maintenance::maintenance_step]
+    requires = ["inbox", maintenance::maintenance_steps, maintenance::maintenance_step]
 );
 pgrx::extension_sql_file!(
     "../sql/monitoring.sql",
@@ -88,12 +78,7 @@ pgrx::extension_sql_file!(
     requires = ["retention", wakeup::wakeup_status]
 );
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
-pgrx::extension_sql_file!(
-    "../sql/comments.sql",
-    name = "comments",
-    requires =
-        ["guard", lowwater::claim_low_water, lowwater::visible_floor, lowwater::audit_low_water, wakeup::announce]
-);
+pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", wakeup::announce]);
 pgrx::extension_sql_file!("../sql/announce.sql", name = "announce", requires = ["comments", wakeup::announce]);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
@@ -107,10 +92,6 @@ v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);
 v1_function!(outbox_extend_lease, pg_finfo_outbox_extend_lease, lease::extend_lease);
 v1_function!(outbox_backoff_delay, pg_finfo_outbox_backoff_delay, lease::backoff_delay);
 v1_function!(outbox_topics_changed, pg_finfo_outbox_topics_changed, topics::topics_changed);
-// Symbols of 0.8.0's internal functions, for its install script (upgrades run it).
-v1_function!(unpinned outbox_log_claim, pg_finfo_outbox_log_claim, log::claim::retired);
-v1_function!(unpinned log_ack_wrapper, pg_finfo_log_ack_wrapper, log::claim::retired);
-v1_function!(unpinned log_extend_wrapper, pg_finfo_log_extend_wrapper, log::claim::retired);
 
 /// Library initialisation: GUCs, shared memory, transaction callbacks and, when
 /// preloaded, the launcher and the hook that makes workers leave a database that
@@ -121,7 +102,6 @@ pub extern "C-unwind" fn _PG_init() {
     let preloaded = pg::preload_in_progress();
     gucs::init(preloaded);
     xact::init();
-    lowwater::init(preloaded);
     pg::count_relcache_invalidations();
     if preloaded {
         registry::init();

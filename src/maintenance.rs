@@ -2,8 +2,9 @@
 //! outbox.run_maintenance()` (the pg_cron path) both run exactly this list, in
 //! this order, and record the same columns of `outbox.maintenance_runs`.
 //!
-//! None of the steps is needed for delivery (src/subject.rs, src/lowwater.rs):
-//! they reclaim space and repair what was written around the outbox functions.
+//! None of the steps is needed for delivery: they reclaim space. (The log's
+//! step also rebases a log restored from a dump once the restore looks over,
+//! which the first claim would do anyway: src/log/restore.rs.)
 
 use pgrx::prelude::*;
 
@@ -17,17 +18,14 @@ pub fn batch() -> i64 {
 }
 
 /// (step, column of outbox.maintenance_runs that records its count).
-/// - `audit`: look for rows below the claim low-water mark (written around the API);
-/// - `delivered`, `dead`, `keys`: retention of the archive, dead letters, orphaned keys;
-/// - `heads`: promote subject heads a bypassing write may have left unset;
+/// - `delivered`, `dead`, `keys`: retention of the subscriptions' rows of their
+///   own and delivery records, and of orphaned dispatch keys (sql/retention.sql);
 /// - `log`: truncate and rotate the log ring (src/log/mod.rs);
 /// - `inbox`: retention of the inbox's records (sql/inbox.sql).
-pub const STEPS: [(&str, Option<&str>); 7] = [
-    ("audit", None),
+pub const STEPS: [(&str, Option<&str>); 5] = [
     ("delivered", Some("purged_delivered")),
     ("dead", Some("purged_dead")),
     ("keys", Some("purged_keys")),
-    ("heads", None),
     ("log", None),
     ("inbox", None),
 ];
@@ -35,10 +33,8 @@ pub const STEPS: [(&str, Option<&str>); 7] = [
 /// Run one batch of `step` in the current transaction; returns rows affected (a
 /// step is complete when this is below [`BATCH`]).
 pub fn run_step(step: &str) -> i64 {
-    match step {
-        "audit" => return crate::lowwater::audit() as i64,
-        "log" => return crate::log::rotate(),
-        _ => {}
+    if step == "log" {
+        return crate::log::rotate();
     }
     Spi::get_one_with_args::<i64>(
         "SELECT outbox._purge_step($1, NULL, $2::int4)",

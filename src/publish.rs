@@ -1,21 +1,21 @@
 //! `outbox.publish` and `outbox.publish_batch`: insert events in the caller's
 //! transaction.
 //!
+//! Every event goes to the log (src/log/mod.rs), and nowhere else: publish
+//! writes nothing per subscription.
+//!
 //! Ordering: events of one subject must be claimable in the commit order
 //! of their publishers, but sequence ids are handed out before commit, so a
 //! smaller id can commit later. publish() therefore takes a transaction-scoped
-//! advisory lock on the subject *before* it draws the id. A second publisher of the
-//! same subject waits until the first commits or aborts, so per subject, id order
-//! is commit order, and claim() can order a subject by id. Different subjects never
+//! advisory lock on the subject *before* it draws the id (src/subject.rs). A
+//! second publisher of the same subject waits until the first commits or
+//! aborts, so per subject, id order is commit order, and a lane reads a subject
+//! in id order. Different subjects never
 //! wait on each other (except on a 32-bit hash collision, which only serialises).
 //!
 //! Transaction id first: publish gives its transaction an id (after the subject
 //! locks) before it draws any event id, so that every transaction that drew an
 //! id had its id before the id was drawn (src/log/mod.rs, invariant 2).
-//!
-//! Which storage: every event goes to the log (src/log/mod.rs), and to
-//! `outbox.event_queue` too while the `default` subscription made at install,
-//! which reads it, exists ([`queue_default`]).
 //!
 //! Idempotency: a dispatch key is inserted into `outbox.dispatch_keys` with
 //! ON CONFLICT DO NOTHING. A concurrent publisher of the same key waits for the
@@ -24,13 +24,11 @@
 
 use crate::errors::{self, INVALID_PARAMETER, NO_DATA_FOUND};
 use crate::pg;
-use crate::pg::fcall::{param, Array, Call, SetResult, Value};
+use crate::pg::fcall::{Array, Call, SetResult, Value};
 use crate::pg::heap;
 use crate::pg::plans;
-use crate::sql::publish::{
-    CHECK_HEADERS, INSERT_MANY, INSERT_ONE, INSERT_ONE_SUBJECT, KEY_CLAIM, KEY_LOOKUP, NEXT_IDS,
-};
-use crate::{gucs, log, lowwater, subject, subscriptions, topics, validate, wakeup};
+use crate::sql::publish::{CHECK_HEADERS, KEY_CLAIM, KEY_LOOKUP, NEXT_IDS};
+use crate::{gucs, log, subject, topics, validate, wakeup};
 use pgrx::prelude::*;
 use pgrx::JsonB;
 
@@ -111,11 +109,8 @@ struct One<'a> {
     deliver_at: Option<Value>,
 }
 
-/// Append events just inserted into the queue to the log ring, when it is on.
+/// Append new events to the log ring.
 fn append_log<'a>(txid: u64, topic: &'a str, max_attempts: i32, events: impl Iterator<Item = LogEvent<'a>>) {
-    if !log::enabled() {
-        return;
-    }
     let rows: Vec<heap::LogRow<'a>> = events
         .map(|e| heap::LogRow {
             id: e.id,
@@ -143,31 +138,6 @@ struct LogEvent<'a> {
     deliver_at: Option<Value>,
 }
 
-/// True while the `default` subscription made at install exists: publish then
-/// writes the queue it reads, beside the log.
-///
-/// Dropping that subscription (sql/subscriptions.sql) takes a lock on the
-/// queue that conflicts with this function's, empties the queue and deletes
-/// the catalog row, all in one transaction. Here the lock is taken before the
-/// catalog is read, so either this publish runs first (the drop waits for its
-/// transaction and then deletes what it wrote), or the drop has committed when
-/// the lock is granted and the catalog read here no longer has the
-/// subscription: the queue never keeps an event after the drop. The cache is
-/// checked first without the lock: once it has no such subscription, none comes
-/// back (no function makes a subscription of the queue; pg_restore's rows come
-/// before any publish), so later publishes take no lock on the queue at all.
-/// With SQL older than 0.10.0, `default` reads the queue, and before 0.7.0
-/// there is no catalog: the queue always.
-fn queue_default() -> bool {
-    let cached = || subscriptions::reads_queue(validate::DEFAULT_SUBSCRIPTION);
-    if !cached() {
-        return false;
-    }
-    let Some(queue) = pg::catalog::outbox_relid(c"event_queue") else { return false };
-    pg::lock_for_write(queue);
-    cached()
-}
-
 /// A new event's id: drawn, or reserved with its dispatch key. Err(id) when the
 /// key already names an event (nothing to insert).
 fn new_id(key: Option<&str>) -> Result<i64, i64> {
@@ -178,11 +148,9 @@ fn new_id(key: Option<&str>) -> Result<i64, i64> {
 }
 
 /// Insert one validated event (subject lock already taken, transaction id
-/// assigned) into the log and, when `queue`, the queue. Returns its id and
-/// whether a row was inserted.
-fn insert_one(e: &One<'_>, queue: bool) -> (i64, bool) {
-    let (id, inserted) =
-        if queue { insert_queue(e) } else { new_id(e.key).map_or_else(|existing| (existing, false), |id| (id, true)) };
+/// assigned) into the log. Returns its id and whether a row was inserted.
+fn insert_one(e: &One<'_>) -> (i64, bool) {
+    let (id, inserted) = new_id(e.key).map_or_else(|existing| (existing, false), |id| (id, true));
     if inserted {
         let event = LogEvent {
             id,
@@ -195,57 +163,6 @@ fn insert_one(e: &One<'_>, queue: bool) -> (i64, bool) {
         append_log(e.txid, e.topic, e.max_attempts, std::iter::once(event));
     }
     (id, inserted)
-}
-
-/// The queue part of [`insert_one`].
-fn insert_queue(e: &One<'_>) -> (i64, bool) {
-    let id = match new_id(e.key) {
-        Ok(id) => id,
-        Err(existing) => return (existing, false),
-    };
-    let key = pgrx::datum::DatumWithOid::from(e.key);
-    let tail = [
-        e.payload.param(),
-        param(e.headers, pg_sys::JSONBOID),
-        e.max_attempts.into(),
-        param(e.deliver_at, pg_sys::TIMESTAMPTZOID),
-        id.into(),
-    ];
-    let floor = || plans::ts_param(lowwater::floor_after_xid());
-    let new_id = match e.subject {
-        None => {
-            let direct = heap::insert(
-                &heap::NewEvent {
-                    id,
-                    topic: e.topic,
-                    dispatch_key: e.key,
-                    payload: e.payload,
-                    headers: e.headers,
-                    max_attempts: e.max_attempts,
-                    deliver_at: e.deliver_at,
-                },
-                lowwater::floor_after_xid,
-            );
-            if let Some(id) = direct {
-                return (id, true);
-            }
-            let mut args = vec![e.topic.into(), key];
-            args.extend(tail);
-            args.push(floor());
-            plans::one::<i64>(&INSERT_ONE, &args)
-        }
-        Some(s) => {
-            let mut args = vec![e.topic.into(), s.into(), key];
-            args.extend(tail);
-            args.push(floor());
-            // is_head is decided under the subject lock, from a snapshot taken
-            // after it (src/subject.rs): under REPEATABLE READ the transaction
-            // snapshot may predate the ack of the subject's previous head.
-            plans::run_latest(&INSERT_ONE_SUBJECT, &args, |r| r.i64(0, 1))
-        }
-    };
-    let id = new_id.unwrap_or_else(|| errors::raise(errors::INTERNAL, "insert returned no id"));
-    (id, true)
 }
 
 /// `outbox.publish(topic, payload, subject, dispatch_key, headers, deliver_at) -> bigint`.
@@ -281,20 +198,16 @@ pub unsafe fn publish(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         subject::lock(s);
     }
     let txid = pg::xid_for_insert();
-    let queue = queue_default();
-    let (id, inserted) = insert_one(
-        &One {
-            txid,
-            topic: &topic,
-            max_attempts,
-            subject: subject.as_deref(),
-            key: key.as_deref(),
-            payload,
-            headers,
-            deliver_at,
-        },
-        queue,
-    );
+    let (id, inserted) = insert_one(&One {
+        txid,
+        topic: &topic,
+        max_attempts,
+        subject: subject.as_deref(),
+        key: key.as_deref(),
+        payload,
+        headers,
+        deliver_at,
+    });
     if inserted {
         wakeup::note_publish(&topic, deliver_at.map(|d| d.datum()));
     }
@@ -362,25 +275,21 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         subject::lock_many(&list);
     }
     let txid = pg::xid_for_insert();
-    let queue = queue_default();
     let any_key = keys.as_ref().is_some_and(|k| k.iter().any(|k| k.is_some()));
     let mut inserted = 0usize;
     if any_key {
         // Keys need per-event dedupe; take the single-event path for each.
         for (i, p) in payloads.iter().enumerate() {
-            let (id, ins) = insert_one(
-                &One {
-                    txid,
-                    topic: &topic,
-                    max_attempts,
-                    subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
-                    key: keys.as_ref().and_then(|k| k[i].as_deref()),
-                    payload: p.unwrap(),
-                    headers: prepare_headers(None),
-                    deliver_at: None,
-                },
-                queue,
-            );
+            let (id, ins) = insert_one(&One {
+                txid,
+                topic: &topic,
+                max_attempts,
+                subject: subjects.as_ref().and_then(|s| s[i].as_deref()),
+                key: keys.as_ref().and_then(|k| k[i].as_deref()),
+                payload: p.unwrap(),
+                headers: prepare_headers(None),
+                deliver_at: None,
+            });
             inserted += ins as usize;
             out.put_i64(id);
         }
@@ -388,24 +297,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         let n = payloads.len() as i32;
         let ids: Vec<i64> =
             plans::run(&NEXT_IDS, &[n.into()], |t| errors::spi(t.first().get_one::<Vec<i64>>())).unwrap_or_default();
-        let subjects_d = call.value(2, pg_sys::TEXTARRAYOID);
         let headers = prepare_headers(None);
-        // Headship from a snapshot taken after the subject locks (src/subject.rs).
-        if queue {
-            plans::run_latest(
-                &INSERT_MANY,
-                &[
-                    topic.as_str().into(),
-                    ids.clone().into(),
-                    payloads_d.param(),
-                    param(subjects_d, pg_sys::TEXTARRAYOID),
-                    max_attempts.into(),
-                    param(headers, pg_sys::JSONBOID),
-                    plans::ts_param(lowwater::floor_after_xid()),
-                ],
-                |_| (),
-            );
-        }
         let events = ids.iter().zip(&payloads).enumerate().map(|(i, (id, p))| LogEvent {
             id: *id,
             subject: subjects.as_ref().and_then(|s| s[i].as_deref()),

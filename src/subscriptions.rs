@@ -26,10 +26,7 @@
 
 use crate::pg;
 use crate::pg::plans;
-use crate::sql::claim::{
-    FORGET_BATCHES, FORGET_LANES, FORGET_REST, QUEUE_CLEAR, QUEUE_LEASED, QUEUE_TO_LOG, SUBSCRIPTIONS,
-    SUBSCRIPTIONS_0100, SUBSCRIPTIONS_090,
-};
+use crate::sql::claim::{FORGET_BATCHES, FORGET_LANES, FORGET_REST, SUBSCRIPTIONS};
 use crate::{backoff, errors, gucs, validate};
 use pgrx::prelude::*;
 use std::collections::HashMap;
@@ -51,10 +48,6 @@ pub struct Settings {
     pub topics: Option<Vec<String>>,
     /// 'block' or 'skip' (None: the topic's policy).
     pub dead_letter_policy: Option<String>,
-    /// True for the `default` made at install, which reads `outbox.event_queue`
-    /// (and for `default` under SQL older than 0.10.0); false for a
-    /// subscription of the log.
-    pub queue: bool,
 }
 
 thread_local! {
@@ -63,23 +56,14 @@ thread_local! {
     static CACHE: pg::GenerationCache<HashMap<String, Settings>> = const { pg::GenerationCache::new(c"subscription_catalog") };
 }
 
-/// The settings of subscription `name`, or None when it does not exist. Only
-/// with the SQL of 0.7.0 or later (the catalog must exist).
+/// The settings of subscription `name`, or None when it does not exist.
 pub fn lookup(name: &str) -> Option<Settings> {
     pg::accept_invalidations();
     CACHE.with(|c| c.with(load, |m| m.get(name).cloned()))
 }
 
 fn load() -> HashMap<String, Settings> {
-    // The SQL of 0.9.0 adds the named subscriptions' filter and policy, 0.10.0
-    // the storage (before it, only `default` reads the queue).
-    let named = pg::catalog::outbox_relid(c"log_exceptions").is_some();
-    let storage = named && pg::catalog::outbox_column(c"subscription_catalog", c"storage");
-    let stmt = match (named, storage) {
-        (_, true) => &SUBSCRIPTIONS_0100,
-        (true, false) => &SUBSCRIPTIONS_090,
-        _ => &SUBSCRIPTIONS,
-    };
+    let stmt = &SUBSCRIPTIONS;
     plans::run_latest(stmt, &[], |rows| {
         let mut map = HashMap::new();
         rows.for_each(|row| {
@@ -90,9 +74,8 @@ fn load() -> HashMap<String, Settings> {
                 backoff_base: row.interval(3),
                 backoff_max: row.interval(4),
                 default_lease: row.interval(5),
-                topics: if named { row.text_array(6) } else { None },
-                dead_letter_policy: if named { row.text(7) } else { None },
-                queue: if storage { row.bool(8).unwrap_or(false) } else { n == validate::DEFAULT_SUBSCRIPTION },
+                topics: row.text_array(6),
+                dead_letter_policy: row.text(7),
             };
             map.insert(n, s);
         });
@@ -129,17 +112,6 @@ impl Settings {
     }
 }
 
-/// True when subscription `name` exists and reads `outbox.event_queue`: the
-/// [`lookup`] that publish makes on every call, without copying the settings.
-/// With SQL older than 0.7.0 there is no catalog: `default` reads the queue.
-pub fn reads_queue(name: &str) -> bool {
-    if pg::catalog::outbox_relid(c"subscription_catalog").is_none() {
-        return name == validate::DEFAULT_SUBSCRIPTION;
-    }
-    pg::accept_invalidations();
-    CACHE.with(|c| c.with(load, |m| m.get(name).is_some_and(|s| s.queue)))
-}
-
 /// [`lookup`], raising 42704 when the subscription does not exist.
 pub fn require(name: &str) -> Settings {
     lookup(name).unwrap_or_else(|| {
@@ -151,58 +123,11 @@ pub fn require(name: &str) -> Settings {
     })
 }
 
-/// `outbox._queue_clear(force boolean) -> bigint`: for drop_subscription of
-/// the `default` made at install, which holds SHARE ROW EXCLUSIVE on the queue
-/// (so every writer of it has finished): raise 55006 when a lease it handed
-/// out has not expired and `force` is false, else empty the queue and
-/// `outbox.subject_repairs`; returns the events removed. Both statements read
-/// a snapshot taken now, not the transaction's: at REPEATABLE READ or
-/// SERIALIZABLE the transaction's snapshot can predate the lock, and would
-/// neither count nor delete rows that publishers committed before it.
-#[pg_extern(name = "_queue_clear", volatile, parallel_unsafe)]
-pub fn queue_clear(force: Option<bool>) -> i64 {
-    let force = force.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "force must not be NULL"));
-    let count = |rows: &plans::Rows| {
-        let mut n = 0;
-        rows.for_each(|r| n = r.i64(0).unwrap_or(0));
-        n
-    };
-    let leased: i64 = plans::run_latest(&QUEUE_LEASED, &[], count);
-    if leased > 0 && !force {
-        errors::raise_hint(
-            errors::OBJECT_IN_USE,
-            format!("subscription 'default' has {leased} leases in flight"),
-            "Wait for the workers to finish, or pass force => true (their acks then change nothing).",
-        );
-    }
-    plans::run_latest(&QUEUE_CLEAR, &[], count)
-}
-
-/// `outbox._queue_to_log(subscription text) -> bigint`: for
-/// `outbox._default_to_log()`, which holds SHARE ROW EXCLUSIVE on the queue
-/// (every writer of it has finished) and has given `subscription` its lanes
-/// at a cursor taken after that lock: move every event of the queue, and the
-/// archive's cancelled ones, into rows of their own of `subscription`
-/// ([`QUEUE_TO_LOG`]); returns how many. Under a snapshot taken now, as
-/// [`queue_clear`], so that at REPEATABLE READ or SERIALIZABLE the rows
-/// publishers committed before the lock move too: the cursor, taken later,
-/// counts their events as read.
-#[pg_extern(name = "_queue_to_log", volatile, parallel_unsafe)]
-pub fn queue_to_log(subscription: Option<&str>) -> i64 {
-    let subscription =
-        subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
-    plans::run_latest(&QUEUE_TO_LOG, &[subscription.into()], |rows| {
-        let mut n = 0;
-        rows.for_each(|r| n = r.i64(0).unwrap_or(0));
-        n
-    })
-}
-
 /// `outbox._log_forget(subscription text, lanes boolean)`: for
-/// drop_subscription of a subscription of the log, delete its lanes
+/// drop_subscription, delete its lanes
 /// (`lanes`: first, waiting for a claim that moves one), or the rest of its
 /// state (batches, exception rows, delivery record, activity: once its leases
-/// are counted). Under a snapshot taken now, as [`queue_clear`]: at
+/// are counted). Under a snapshot taken now: at
 /// REPEATABLE READ or SERIALIZABLE the transaction's snapshot would miss rows
 /// written after it (left behind) or find rows changed since (40001).
 #[pg_extern(name = "_log_forget", volatile, parallel_unsafe)]

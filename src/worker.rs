@@ -6,8 +6,8 @@
 //! the worker's argument. Each pass, in its own transaction:
 //! 1. takes the topics committed since the last pass from shared memory (see
 //!    `wakeup`), plus every topic whose delayed events, retries or expired leases
-//!    came due since the last pass, in the queue and in the log
-//!    (src/log/due.rs), and sends one NOTIFY per topic;
+//!    came due in the log since the last pass (src/log/due.rs), and sends one
+//!    NOTIFY per topic;
 //! 2. checks prepared transactions that published: once committed, it notifies;
 //! 3. computes when the next delayed event comes due and sleeps until then (at
 //!    most 1 s), unless its latch is set first.
@@ -292,7 +292,6 @@ thread_local! {
 /// event comes due, if any.
 fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i64> {
     let mut topics: Vec<String> = taken.topics.clone();
-    let due_sql = if sweep_all { sql::DUE_ALL } else { sql::DUE_BY_CLOCK };
     let next = Spi::connect(|c| {
         // The worker may start before CREATE EXTENSION (or after DROP EXTENSION).
         let installed = c
@@ -303,26 +302,7 @@ fn notify_pass(taken: &Taken, since: i64, now: i64, sweep_all: bool) -> Option<i
         if !installed {
             return Err(String::new());
         }
-        let since_ts = pg::timestamptz(since);
-        let now_ts = pg::timestamptz(now);
-        let rows = c.select(due_sql, None, &[since_ts.into(), now_ts.into()]).map_err(|e| e.to_string())?;
-        for r in rows {
-            if let Ok(Some(t)) = r.get::<String>(1) {
-                if !topics.contains(&t) {
-                    topics.push(t);
-                }
-            }
-        }
-        let next = log::due::next_due(c, sql::NEXT_DUE, now)?;
-        // The log's subscriptions (0.12.0 SQL): its own due times.
-        if !log::due::readable() {
-            return Ok(next);
-        }
-        let log_next = log::due::pass(c, since, now, sweep_all, &mut topics)?;
-        Ok::<_, String>(match (next, log_next) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (a, b) => a.or(b),
-        })
+        log::due::pass(c, since, now, sweep_all, &mut topics)
     });
     for t in &topics {
         wakeup::notify_now(t);

@@ -32,14 +32,7 @@ DSN_PRELOAD = (
 REPO = Path(os.environ.get("OUTBOX_REPO") or Path(__file__).resolve().parents[2])
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or str(REPO / "scripts" / "pgcluster.sh")
 
-# 'default' reads the log (0.12.0), as a fresh install makes it. Tests marked
-# `queue` run against a 'default' that reads outbox.event_queue, as an install
-# before 0.12.0 has until the upgrade moves it: the queue's code serves such a
-# database (and a restored dump of one) until then. OUTBOX_TEST_DEFAULT=queue
-# runs every test that way.
-DEFAULT_ON_QUEUE = os.environ.get("OUTBOX_TEST_DEFAULT") == "queue"
-
-TABLES = "outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics, outbox.subject_repairs"
+TABLES = "outbox.dispatch_keys, outbox.topics"
 
 
 def connect(dsn, autocommit=True, **kw):
@@ -73,12 +66,9 @@ class DB:
         with connect(self.dsn) as c:
             return c.execute(sql, params).fetchall()
 
-    def clean(self, extra=(), queue=False):
-        """Empty every table and put 'default' back in its install state: on the
-        log, with its lanes from the first event; `queue` (or
-        OUTBOX_TEST_DEFAULT=queue): reading outbox.event_queue, as an install
-        before 0.12.0 has it."""
-        queue = queue or DEFAULT_ON_QUEUE
+    def clean(self, extra=()):
+        """Empty every table and put 'default' back in its install state, with
+        its lanes from the first event."""
         with connect(self.dsn) as c:
             # A leftover lock would make TRUNCATE hang: fail loudly instead.
             c.execute("SET lock_timeout = '10s'")
@@ -91,11 +81,9 @@ class DB:
             # The default subscription back to its install state.
             c.execute("UPDATE outbox.subscription_catalog SET max_attempts = NULL, backoff_base = NULL, "
                       "backoff_max = NULL, default_lease = NULL, paused = false, paused_at = NULL, topics = NULL, "
-                      "dead_letter_policy = NULL, max_lag = NULL, storage = %s WHERE name = 'default'",
-                      ("queue" if queue else "log",))
+                      "dead_letter_policy = NULL, max_lag = NULL WHERE name = 'default'")
             c.execute("UPDATE outbox.subscription_activity SET last_claim_at = NULL, lost_events = 0, lost_at = NULL")
-            if not queue:
-                c.execute("SELECT outbox._log_subscribe('default', 'earliest')")
+            c.execute("SELECT outbox._log_subscribe('default', 'earliest')")
 
     def close(self):
         for c in self._conns:
@@ -117,7 +105,7 @@ def sqlstate(conn, sql, params=None):
 
 # The log's readers (src/log/claim.rs): emptied by every clean().
 READER_TABLES = ("outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions", "outbox.log_delivered")
-# The log ring itself (0.8.0, src/log/).
+# The log ring itself (src/log/).
 LOG_TABLES = ("outbox.log_0", "outbox.log_1", "outbox.log_2", "outbox.log_3", "outbox.log_state")
 
 
@@ -171,33 +159,9 @@ def restart_preload_cluster(reason):
     return True
 
 
-def put_default_on_queue(dsn):
-    """Make 'default' read outbox.event_queue, as an install before 0.12.0 has it
-    until the upgrade moves it (its lanes go: the queue's 'default' has none)."""
-    with connect(dsn) as c:
-        c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-        c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
-
-
-def on_queue(request):
-    """Whether the test runs against a 'default' that reads the queue."""
-    return request.node.get_closest_marker("queue") is not None
-
-
-class Cleaner(DB):
-    """A DB whose clean() keeps the test's storage for 'default' (`queue` marker)."""
-
-    def __init__(self, dsn, name, queue):
-        super().__init__(dsn, name)
-        self.queue = queue
-
-    def clean(self, extra=(), queue=None):
-        super().clean(extra, self.queue if queue is None else queue)
-
-
 @pytest.fixture
 def plain(plain_dsn, request):
-    db = Cleaner(plain_dsn, "plain", on_queue(request))
+    db = DB(plain_dsn, "plain")
     db.clean()
     yield db
     db.close()
@@ -206,19 +170,17 @@ def plain(plain_dsn, request):
 @pytest.fixture
 def logdb(plain_dsn, request):
     """`plain` (every clean() empties the log ring and its readers too), with
-    no subscription reading the log: the install's 'default' of the log is
-    dropped (one reading the queue, `queue` marker, stays)."""
-    db = Cleaner(plain_dsn, "plain", on_queue(request))
+    no subscription reading the log: the install's 'default' is dropped."""
+    db = DB(plain_dsn, "plain")
     db.clean()
-    if not (db.queue or DEFAULT_ON_QUEUE):
-        db.one("SELECT outbox.drop_subscription('default', true)")
+    db.one("SELECT outbox.drop_subscription('default', true)")
     yield db
     db.close()
 
 
 @pytest.fixture
 def preload(preload_dsn, request):
-    db = Cleaner(preload_dsn, "preload", on_queue(request))
+    db = DB(preload_dsn, "preload")
     db.clean()
     yield db
     db.close()
@@ -359,22 +321,29 @@ class CronCluster:
         with connect(self.dsn) as c:
             c.execute("CREATE EXTENSION pg_cron")
             c.execute("CREATE EXTENSION outbox_ext")
-        put_default_on_queue(self.dsn)  # the archive's counts below are the queue's
         with connect(self.dsn) as c:
             self.info["pg_cron_version"] = c.execute(
                 "SELECT extversion FROM pg_extension WHERE extname = 'pg_cron'"
             ).fetchone()[0]
-            # Material for run_maintenance: 5 delivered events and 2 dead ones,
-            # aged past the default windows (7 days / 30 days), and one pending
-            # event that must survive.
+            # Material for run_maintenance: 5 rows of their own delivered after a
+            # retry and 2 dead ones, aged past the default windows (7 days / 30
+            # days), and one pending a retry that must survive; the ring emptied,
+            # as the log's retention empties it, so that the rows may go.
             c.execute("SELECT outbox.publish_batch('cron.t', array_fill('{}'::jsonb, ARRAY[8]))")
-            ids = c.execute("SELECT id, lease_token FROM outbox.claim('w', 7)").fetchall()
-            for i, tok in ids[:5]:
+            ids = c.execute("SELECT id, lease_token FROM outbox.claim('w', 8) ORDER BY id").fetchall()
+            assert len(ids) == 8
+            for n, (i, tok) in enumerate(ids):
+                retry = {5: None, 6: None, 7: "1 hour"}.get(n, "0")
+                want = "dead" if retry is None else "pending"
+                assert c.execute("SELECT outbox.fail(%s, %s, 'x', retry_in => %s::interval, permanent => %s)",
+                                 (i, tok, retry, retry is None)).fetchone()[0] == want
+            again = c.execute("SELECT id, lease_token FROM outbox.claim('w', 8)").fetchall()
+            assert len(again) == 5
+            for i, tok in again:
                 assert c.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0]
-            for i, tok in ids[5:]:
-                assert c.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", (i, tok)).fetchone()[0] == "dead"
-            c.execute("UPDATE outbox.event_archive SET finished_at = now() - interval '8 days'")
-            c.execute("UPDATE outbox.event_queue SET dead_at = now() - interval '31 days' WHERE state = 'dead'")
+            c.execute("TRUNCATE outbox.log_0, outbox.log_1, outbox.log_2, outbox.log_3")
+            c.execute("UPDATE outbox.log_exceptions SET delivered_at = now() - interval '8 days' WHERE state = 'delivered'")
+            c.execute("UPDATE outbox.log_exceptions SET dead_at = now() - interval '31 days' WHERE state = 'dead'")
             # pg_cron >= 1.5 accepts 'N seconds'; older versions only cron syntax.
             try:
                 c.execute("SELECT cron.schedule('outbox-retention', '2 seconds', 'CALL outbox.run_maintenance()')")
@@ -418,8 +387,6 @@ def pytest_sessionfinish(session, exitstatus):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cron_last: uses the pg_cron cluster; run at the end")
     config.addinivalue_line("markers", "disruptive: may leave the preload cluster without its worker; run late")
-    config.addinivalue_line("markers", "queue: runs against a 'default' that reads outbox.event_queue, as an install "
-                            "before 0.12.0 has until the upgrade moves it (its tables, is_head, the low-water mark)")
 
 
 @pytest.fixture

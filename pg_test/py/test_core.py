@@ -23,8 +23,7 @@ def claim_rows(conn, worker, n=100, lease=None, topics=None):
 
 
 def count_in(conn, *states):
-    """The default subscription's events in `states` (outbox.deliveries, whichever
-    storage it reads)."""
+    """The default subscription's events in `states` (outbox.deliveries)."""
     return conn.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' "
                         "AND state = ANY (%s)", (list(states),)).fetchone()[0]
 
@@ -304,12 +303,12 @@ def test_claim_in_long_transaction_not_reclaimable_before_lease_ends(plain):
     assert claim_rows(o, "other", 1, "1 s") == [], "lease already expired: it was computed from transaction start"
 
 
-@pytest.mark.queue
 def test_direct_insert_matches_sql_insert_and_yields_to_triggers(plain):
-    """publish() without a subject inserts its row directly (src/pg/heap.rs), not with
-    an INSERT statement. The row, its index entries and its visibility must be what
-    the INSERT would have produced; and once the table has something an INSERT must
-    run (here a trigger), publish() must take the INSERT path so that it runs."""
+    """publish() appends its row to the log directly (src/pg/heap.rs), not with
+    an INSERT statement. The row, its index entries and its visibility must be
+    what the INSERT would have produced; and once the ring table has something
+    an INSERT must run (here a row trigger), publish() must take the INSERT path
+    so that it runs."""
     c = plain.conn()
     c.execute("SET outbox.notify = off")
     with c.transaction():
@@ -320,46 +319,49 @@ def test_direct_insert_matches_sql_insert_and_yields_to_triggers(plain):
         # A second call in the same transaction sees the first (same key, same id).
         again = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 2}', dispatch_key => 'direct-1')").fetchone()[0]
         ready = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 3}')").fetchone()[0]
+        xid = c.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
     assert again == direct
     row = c.execute(
-        "SELECT topic, subject, dispatch_key, payload, headers, state, attempts, max_attempts, "
-        "visible_at > now() + interval '59 minutes', published_at <= now(), blocks_subject, is_head "
-        "FROM outbox.event_queue WHERE id = %s",
+        "SELECT topic, subject, dispatch_key, payload, headers, max_attempts, "
+        "deliver_at > now() + interval '59 minutes', published_at <= now(), txid::text "
+        "FROM outbox.log WHERE id = %s",
         (direct,),
     ).fetchone()
     max_attempts = int(c.execute("SHOW outbox.max_attempts").fetchone()[0])
-    assert row == ("core.direct", None, "direct-1", {"n": 1}, {"h": "v"}, "pending", 0, max_attempts,
-                   True, True, False, True)
+    assert row == ("core.direct", None, "direct-1", {"n": 1}, {"h": "v"}, max_attempts, True, True, xid)
     # Index entries: found through each index, and only through the ones whose
     # predicate the row satisfies.
     c.execute("SET enable_seqscan = off")
     c.execute("SET enable_bitmapscan = off")
-    assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE id IN (%s, %s)", (direct, ready)).fetchone()[0] == 2
-    assert c.execute(
-        "SELECT count(*) FROM outbox.event_queue WHERE state <> 'dead' AND is_head AND visible_at < 'infinity' "
-        "AND id IN (%s, %s)", (direct, ready)).fetchone()[0] == 2
-    assert c.execute("SELECT count(*) FROM outbox.event_queue WHERE state = 'dead' AND dead_at < 'infinity'").fetchone()[0] == 0
+    lanes = [r[0] for r in c.execute("SELECT lane FROM outbox.log WHERE id IN (%s, %s)", (direct, ready)).fetchall()]
+    assert c.execute("SELECT count(*) FROM outbox.log WHERE lane = ANY(%s::int2[]) AND id IN (%s, %s)",
+                     (lanes, direct, ready)).fetchone()[0] == 2
+    assert c.execute("SELECT count(*) FROM outbox.log WHERE deliver_at < 'infinity' AND id IN (%s, %s)",
+                     (direct, ready)).fetchone()[0] == 1
     c.execute("RESET enable_seqscan")
     c.execute("RESET enable_bitmapscan")
     # amcheck: every heap row that satisfies an index's predicate has its entry.
     c.execute("CREATE EXTENSION IF NOT EXISTS amcheck")
     checked = c.execute("SELECT count(bt_index_check(indexrelid::regclass, true)) FROM pg_index "
-                        "WHERE indrelid = 'outbox.event_queue'::regclass").fetchone()[0]
-    assert checked == 4
+                        "WHERE indrelid = ANY (ARRAY['outbox.log_0', 'outbox.log_1', 'outbox.log_2', "
+                        "'outbox.log_3']::regclass[])").fetchone()[0]
+    assert checked == 12
     got = c.execute("SELECT id FROM outbox.claim('w', 10, topics => ARRAY['core.direct'])").fetchall()
     assert [r[0] for r in got] == [ready]
 
-    # A trigger on the table: publish() must run it, so it must use the INSERT.
+    # A row trigger on the ring tables: publish() must run it, so it must use the INSERT.
     c.execute("CREATE TABLE public.direct_seen (id bigint)")
     c.execute("CREATE FUNCTION public.direct_seen_f() RETURNS trigger LANGUAGE plpgsql AS "
               "$$BEGIN INSERT INTO public.direct_seen VALUES (NEW.id); RETURN NEW; END$$")
-    c.execute("CREATE TRIGGER direct_seen AFTER INSERT ON outbox.event_queue "
-              "FOR EACH ROW EXECUTE FUNCTION public.direct_seen_f()")
+    for n in range(4):
+        c.execute(f"CREATE TRIGGER direct_seen AFTER INSERT ON outbox.log_{n} "
+                  "FOR EACH ROW EXECUTE FUNCTION public.direct_seen_f()")
     try:
         via_sql = c.execute("SELECT outbox.publish('core.direct', '{\"n\": 4}')").fetchone()[0]
         assert c.execute("SELECT array_agg(id) FROM public.direct_seen").fetchone()[0] == [via_sql]
     finally:
-        c.execute("DROP TRIGGER direct_seen ON outbox.event_queue")
+        for n in range(4):
+            c.execute(f"DROP TRIGGER direct_seen ON outbox.log_{n}")
         c.execute("DROP FUNCTION public.direct_seen_f()")
         c.execute("DROP TABLE public.direct_seen")
     # Without the trigger the direct path is back, and the table is still sound.

@@ -1,20 +1,25 @@
-"""The default subscription moves onto the log (0.10.0): the install's
-'default', which reads outbox.event_queue, can be dropped; publish then writes
-the log alone; 'default' created again reads the log, and every call that
-names no subscription (claim, replay, replay_dead, cancel) goes there, with
-the claim contract of any subscription of the log. outbox.events then reads
-the log, with the default subscription's state."""
+"""The default subscription on the log: it can be dropped and created again,
+and every call that names no subscription (claim, replay, replay_dead,
+cancel) goes to it, with the claim contract of any subscription; outbox.events
+reads the log, with the default subscription's state. Delivery records,
+max_lag, cancels of unread events, and the views' plans."""
 
 import threading
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
 
 from conftest import connect, sqlstate
 
-# These start from the install's 'default' over the queue.
-pytestmark = pytest.mark.queue
+
+
+@pytest.fixture
+def logdb(plain):
+    """'default' as a fresh install makes it: these tests drop it, or read
+    beside it."""
+    return plain
 
 CLAIM = "SELECT id, subject, lease_token, attempt, topic FROM outbox.claim('w', %s, '30 s')"
 
@@ -52,42 +57,9 @@ def start_waiting(fn, what):
     return t, done
 
 
-def queue_rows(db):
-    return db.one("SELECT count(*) FROM outbox.event_queue")[0]
-
-
 def states(db, ids):
     rows = db.all("SELECT id, state FROM outbox.events WHERE id = ANY(%s) ORDER BY id", (ids,))
     return [r[1] for r in rows]
-
-
-def test_drop_default_empties_the_queue_and_publish_writes_the_log_alone(logdb):
-    c = logdb.conn()
-    c.execute("SELECT outbox.create_subscription('mail')")
-    before = [publish(c, subject="s") for _ in range(3)]
-    assert queue_rows(logdb) == 3
-    leased = claim(c, 1)                          # a lease, then let it expire
-    c.execute("UPDATE outbox.event_queue SET visible_at = now() - interval '1 s' WHERE state = 'leased'")
-    c.execute("SELECT outbox.drop_subscription('default')")
-    assert queue_rows(logdb) == 0
-    after = publish(c, subject="s")
-    assert queue_rows(logdb) == 0, "publish wrote the queue after the drop"
-    # The old holder's token is stale; claims without a subscription have none.
-    assert ack(c, leased[0]) is False
-    assert sqlstate(c, CLAIM, (1,)) == "42704"
-    # Every event is still one row of outbox.events, with no default state.
-    rows = logdb.all("SELECT id, state, attempts FROM outbox.events ORDER BY id")
-    assert [r[0] for r in rows] == before + [after]
-    assert all(r[1] is None and r[2] is None for r in rows)
-    # ... and the other subscription receives them all, in order.
-    got = []
-    while rows := c.execute("SELECT id, subject, lease_token FROM outbox.claim('w', 10, subscription => 'mail')").fetchall():
-        for r in rows:
-            assert ack(c, r)
-            got.append(r[0])
-    assert got == before + [after]
-    s = logdb.all("SELECT name, storage FROM outbox.subscriptions ORDER BY name")
-    assert s == [("mail", "log")]
 
 
 def test_drop_default_with_leases_in_flight_needs_force(plain):
@@ -95,7 +67,7 @@ def test_drop_default_with_leases_in_flight_needs_force(plain):
     publish(c)
     row = claim(c, 1)[0]
     assert sqlstate(c, "SELECT outbox.drop_subscription('default')") == "55006"
-    assert queue_rows(plain) == 1                 # nothing half-applied
+    assert plain.one("SELECT count(*) FROM outbox.subscriptions WHERE name = 'default'")[0] == 1  # nothing half-applied
     c.execute("SELECT outbox.drop_subscription('default', force => true)")
     assert ack(c, row) is False
     assert fail(c, row) == "stale"
@@ -106,9 +78,7 @@ def test_default_created_again_reads_the_log_with_the_whole_contract(logdb):
     c.execute("SELECT outbox.drop_subscription('default')")
     old = publish(c)                              # committed before: not its own
     c.execute("SELECT outbox.create_subscription('default')")
-    assert logdb.one("SELECT storage FROM outbox.subscriptions WHERE name = 'default'")[0] == "log"
     ids = [publish(c, subject="k") for _ in range(3)] + [publish(c)]
-    assert queue_rows(logdb) == 0
     assert states(logdb, [old]) == [None]
     assert states(logdb, ids) == ["pending"] * 4
     rows = claim(c)
@@ -144,61 +114,6 @@ def test_default_created_again_reads_the_log_with_the_whole_contract(logdb):
     c.execute("SELECT outbox.drop_subscription('default')")
     assert logdb.one("SELECT count(*) FROM outbox.log_lanes")[0] == 0
     assert states(logdb, ids) == [None] * 4
-
-
-def test_a_publisher_running_during_the_drop_leaves_nothing_in_the_queue(logdb):
-    """The drop waits for a publisher of the queue that is running; a publisher
-    that read the catalog before the drop committed, and then waited for the
-    drop's lock, reads it again and writes the log alone."""
-    first, dropper, second = logdb.conn(), logdb.conn(), logdb.conn()
-    warm = publish(second)                        # its catalog copy: 'default' reads the queue
-    first.execute("BEGIN")
-    a = publish(first)                            # holds its lock on the queue
-    t, done = start_waiting(lambda: dropper.execute("SELECT outbox.drop_subscription('default')"),
-                            "drop, behind the running publisher,")
-    second.execute("BEGIN")
-    result = {}
-    p, published = start_waiting(lambda: result.update(id=publish(second)), "second publisher, behind the drop,")
-    first.execute("COMMIT")
-    t.join(10)
-    p.join(10)
-    assert done.is_set() and published.is_set()
-    second.execute("COMMIT")
-    assert queue_rows(logdb) == 0
-    ids = [r[0] for r in logdb.all("SELECT id FROM outbox.log ORDER BY id")]
-    assert ids == [warm, a, result["id"]]
-
-
-@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
-def test_publish_in_a_transaction_begun_before_the_drop(logdb, isolation):
-    """A transaction whose snapshot predates the drop still learns of it: the
-    catalog copy is read after the queue's lock, from a fresh snapshot."""
-    c, pub = logdb.conn(), logdb.conn()
-    pub.execute(f"BEGIN ISOLATION LEVEL {isolation}")
-    pub.execute("SELECT count(*) FROM outbox.subscription_catalog")
-    c.execute("SELECT outbox.drop_subscription('default')")
-    e = publish(pub)
-    pub.execute("COMMIT")
-    assert queue_rows(logdb) == 0
-    assert logdb.one("SELECT count(*) FROM outbox.log WHERE id = %s", (e,))[0] == 1
-
-
-def test_rolled_back_drop_changes_nothing(plain):
-    c = plain.conn()
-    e = publish(c)
-    c.execute("BEGIN")
-    c.execute("SELECT outbox.drop_subscription('default')")
-    c.execute("ROLLBACK")
-    assert queue_rows(plain) == 1
-    f = publish(c)
-    assert queue_rows(plain) == 2
-    assert sorted(r[0] for r in claim(c)) == [e, f]
-
-
-def test_create_default_while_the_queue_default_exists_is_refused(plain):
-    c = plain.conn()
-    assert sqlstate(c, "SELECT outbox.create_subscription('default')") == "42710"
-    assert plain.one("SELECT storage FROM outbox.subscription_catalog WHERE name = 'default'")[0] == "queue"
 
 
 def test_health_watches_a_default_of_the_log(logdb):
@@ -240,7 +155,7 @@ def test_delivery_time_at_batch_precision_and_stats_per_subscription(logdb):
         "SELECT topic, delivered, delivered_last_minute, delivered_last_hour, ready, leased "
         "FROM outbox.stats WHERE subscription = 'audit'"))
     assert s == {"t.a": (4, 4, 4, 0, 0), "t.b": (1, 1, 1, 0, 0)}
-    # The queue's default has its own rows, unchanged by the subscription's acks.
+    # 'default' has its own rows, unchanged by the subscription's acks.
     q = dict((r[0], r[1:]) for r in logdb.all("SELECT topic, ready, delivered FROM outbox.stats WHERE subscription = 'default'"))
     assert q == {"t.a": (4, 0), "t.b": (1, 0)}
     # Retention removes the record (each batch row counts as one row).
@@ -297,6 +212,7 @@ def _drain(c, sub):
 
 def test_max_lag_lets_retention_pass_a_lagging_subscription_and_counts_its_loss(logdb):
     c, admin = logdb.conn(), logdb.conn()
+    c.execute("SELECT outbox.drop_subscription('default', true)")  # it would hold the log too
     admin.execute("SET outbox.retention_delivered = 0")
     c.execute("SELECT outbox.create_subscription('capped', topics => ARRAY['t.*'], max_lag => '1 s')")
     c.execute("SELECT outbox.create_subscription('full')")
@@ -342,7 +258,9 @@ def test_max_lag_input(plain):
     for bad in ("0 s", "-1 s", "101 years"):
         assert sqlstate(c, "SELECT outbox.create_subscription('x', max_lag => %s::interval)", (bad,)) == "22023"
     assert plain.one("SELECT count(*) FROM outbox.subscription_catalog WHERE name = 'x'")[0] == 0
-    assert sqlstate(c, "SELECT outbox.alter_subscription('default', max_lag => '1 h')") == "22023"
+    # 'default' is a subscription like any other: it takes a max_lag too.
+    assert sqlstate(c, "SELECT outbox.alter_subscription('default', max_lag => '1 h')") is None
+    assert plain.one("SELECT max_lag FROM outbox.subscriptions WHERE name = 'default'")[0] == timedelta(hours=1)
     c.execute("SELECT outbox.create_subscription('x')")
     c.execute("SELECT outbox.alter_subscription('x', max_lag => '2 h')")
     assert plain.one("SELECT max_lag FROM outbox.subscriptions WHERE name = 'x'")[0].total_seconds() == 7200
@@ -375,7 +293,7 @@ def test_cancel_an_event_the_subscription_has_not_read(logdb):
     d = dict(logdb.all("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'c'"))
     assert d == {a: "cancelled", b: "delivered", x: "delivered"}
     # Another subscription is not affected.
-    assert c.execute("SELECT outbox.cancel(%s)", (a,)).fetchone()[0] is True     # the queue's default: its own cancel
+    assert c.execute("SELECT outbox.cancel(%s)", (a,)).fetchone()[0] is True     # 'default': its own cancel
 
 
 def test_replay_of_an_event_cancelled_before_it_was_read_puts_it_back_in_order(logdb):
@@ -443,18 +361,6 @@ def test_cancel_waits_for_a_claim_moving_the_lane(logdb):
 
 
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
-def test_a_drop_whose_snapshot_predates_a_publish_still_empties_the_queue(logdb, isolation):
-    dropper, pub = logdb.conn(), logdb.conn()
-    dropper.execute(f"BEGIN ISOLATION LEVEL {isolation}")
-    dropper.execute("SELECT 1")                      # its snapshot, before the publish
-    e = publish(pub)
-    dropper.execute("SELECT outbox.drop_subscription('default')")
-    dropper.execute("COMMIT")
-    assert queue_rows(logdb) == 0
-    assert logdb.one("SELECT count(*) FROM outbox.log WHERE id = %s", (e,))[0] == 1
-
-
-@pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 def test_a_drop_of_a_log_subscription_whose_snapshot_predates_its_claims_leaves_nothing(logdb, isolation):
     dropper, w = logdb.conn(), logdb.conn()
     w.execute("SELECT outbox.create_subscription('s')")
@@ -468,21 +374,6 @@ def test_a_drop_of_a_log_subscription_whose_snapshot_predates_its_claims_leaves_
     dropper.execute("COMMIT")
     for t in ("log_lanes", "log_batches", "log_exceptions", "log_delivered"):
         assert logdb.one(f"SELECT count(*) FROM outbox.{t} WHERE subscription = 's'")[0] == 0, t
-
-
-def test_dispatch_keys_keep_deduplicating_once_the_queue_default_is_dropped(logdb):
-    c = logdb.conn()
-    c.execute("SELECT outbox.drop_subscription('default')")
-    c.execute("SELECT outbox.create_subscription('ledger')")
-    first = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'order-42')").fetchone()[0]
-    c.execute("CALL outbox.run_maintenance()")
-    again = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'order-42')").fetchone()[0]
-    assert again == first
-    assert [r[0] for r in _claim_sub(c, "ledger")] == [first]
-    # Gone from the log and from every row of its own: the key goes too.
-    c.execute("TRUNCATE outbox.log_0, outbox.log_1, outbox.log_2, outbox.log_3")
-    c.execute("CALL outbox.run_maintenance()")
-    assert logdb.one("SELECT count(*) FROM outbox.dispatch_keys")[0] == 0
 
 
 def test_a_cancelled_dead_letter_of_the_log_has_no_dead_at(logdb):
@@ -520,18 +411,6 @@ def test_max_lag_counts_only_what_is_lost(logdb):
     assert ack(c, rows[out])
     assert logdb.one("SELECT state FROM outbox.deliveries WHERE subscription = 'cap' AND event_id = %s",
                      (failed,))[0] == "dead"
-
-
-def test_purging_the_archive_keeps_a_key_whose_event_the_log_still_holds(logdb):
-    c = logdb.conn()
-    c.execute("SELECT outbox.create_subscription('l1')")
-    first = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'KA')").fetchone()[0]
-    row = claim(c)[0]                                      # the queue's default delivers it
-    assert ack(c, row)
-    c.execute("SELECT outbox._purge_step('delivered', '0 s', 1000)")
-    again = c.execute("SELECT outbox.publish('t.a', '{}', dispatch_key => 'KA')").fetchone()[0]
-    assert again == first                                  # l1 has not read it: still retained
-    assert [r[0] for r in _claim_sub(c, "l1")] == [first]
 
 
 def test_the_views_of_the_log_never_run_in_a_parallel_plan(logdb):

@@ -1,5 +1,5 @@
-"""The event log ring (0.8.0, src/log.rs): with outbox.log_write on, every
-committed event is appended exactly once, in its publisher's transaction, with
+"""The event log ring (src/log/mod.rs): every committed event is appended
+exactly once, in its publisher's transaction, with
 that transaction's id and its lane; the maintenance step rotates and truncates
 the ring without ever queueing for a lock. Real sessions on the cluster without
 preload (no background worker rotates behind a test's back)."""
@@ -17,16 +17,14 @@ COLS = "id, txid::text::bigint, lane, topic, subject, dispatch_key, payload::tex
 
 
 def logging_conn(logdb, **kw):
-    c = logdb.conn(**kw)
-    c.execute("SET outbox.log_write = on")
-    return c
+    return logdb.conn(**kw)
 
 
 def log_rows(logdb):
     return logdb.all(" UNION ALL ".join(f"SELECT {COLS} FROM {t}" for t in RING) + " ORDER BY 1")
 
 
-def queue_ids(logdb):
+def event_ids(logdb):
     return [r[0] for r in logdb.all("SELECT id FROM outbox.events ORDER BY id")]
 
 
@@ -43,7 +41,7 @@ def test_committed_events_are_logged_once_with_their_transaction_id(logdb):
     xid = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
     c.execute("COMMIT")
     rows = log_rows(logdb)
-    assert [r[0] for r in rows] == [a, b, *batch] == queue_ids(logdb)
+    assert [r[0] for r in rows] == [a, b, *batch] == event_ids(logdb)
     assert {r[1] for r in rows} == {xid}
     assert [(r[3], r[4], r[5], r[6]) for r in rows] == [
         ("log.a", None, None, '{"n": 1}'),
@@ -54,7 +52,7 @@ def test_committed_events_are_logged_once_with_their_transaction_id(logdb):
     assert {r[7] for r in rows} == {10}
 
 
-def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_queue(logdb):
+def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log(logdb):
     c = logging_conn(logdb)
     c.execute("BEGIN")
     c.execute("SELECT outbox.publish('log.r', '{}')")
@@ -71,7 +69,7 @@ def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_qu
     top = c.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()[0]
     c.execute("COMMIT")
     rows = log_rows(logdb)
-    assert [r[0] for r in rows] == [kept, inner] == queue_ids(logdb)
+    assert [r[0] for r in rows] == [kept, inner] == event_ids(logdb)
     # A subtransaction's event carries the top-level id (what snapshots list).
     assert {r[1] for r in rows} == {top}
 
@@ -89,22 +87,19 @@ def test_rollbacks_savepoints_and_prepared_transactions_decide_the_log_as_the_qu
             c.execute(f"{finish} '{gid}'")
     rows = log_rows(logdb)
     assert [r[6] for r in rows if r[3] == "log.2pc"] == ['{"gid": "log-2pc-a"}']
-    assert [r[0] for r in rows] == queue_ids(logdb)
+    assert [r[0] for r in rows] == event_ids(logdb)
 
 
-def test_every_publish_is_logged_whatever_the_setting_and_role(logdb):
-    """From 0.9.0 the log is always written (named subscriptions read it, and a
-    subscription created while a publisher's transaction is open must find its
-    events there); outbox.log_write only matters with the SQL of 0.8.0."""
+def test_every_publish_is_logged_whatever_the_role(logdb):
+    """The log is always written, whether or not a subscription exists: one
+    created while a publisher's transaction is open must find its events there."""
     c = logdb.conn()
-    c.execute("SET outbox.log_write = off")
     first = c.execute("SELECT outbox.publish('log.off', '{}')").fetchone()[0]
     c.execute("DROP ROLE IF EXISTS log_test_user")
     c.execute("CREATE ROLE log_test_user")
     c.execute("GRANT outbox_publisher TO log_test_user")
     try:
         c.execute("SET ROLE log_test_user")
-        assert sqlstate(c, "SET outbox.log_write = on") == "42501"
         got = c.execute("SELECT outbox.publish('log.role', '{}')").fetchone()[0]
         c.execute("RESET ROLE")
         assert [r[0] for r in log_rows(logdb)] == [first, got]
@@ -150,11 +145,8 @@ def test_publish_has_its_transaction_id_before_it_draws_an_event_id(logdb):
     """Invariant 2 of src/log/mod.rs. A session holding the log table's lock
     makes a publisher wait where it opens the table to insert, after it drew its
     event id: it must already have its transaction id (the insert alone would
-    assign it only after the wait). Without the queue's 'default' (0.10.0), so
-    that no insert into the queue gives the transaction its id first."""
+    assign it only after the wait)."""
     locker, pub, watch = logdb.conn(), logging_conn(logdb), logdb.conn()
-    watch.execute("SELECT outbox.drop_subscription(name) FROM outbox.subscription_catalog "
-                  "WHERE name = 'default' AND storage = 'queue'")
     pub.execute("SELECT outbox.publish('log.order', '{}')")  # caches warm: no statement runs below
     pid = pub.execute("SELECT pg_backend_pid()").fetchone()[0]
     before = watch.execute("SELECT last_value FROM outbox.event_id_seq").fetchone()[0]
@@ -303,7 +295,7 @@ def test_an_altered_ring_table_is_written_through_sql(logdb):
 def test_concurrent_publishers_log_exactly_the_committed_events(logdb):
     """Eight sessions publish with and without subjects, a third of their
     transactions rolled back and some savepoints undone; the log then holds
-    exactly the queue's events, each once, with its own transaction's id."""
+    exactly the committed events, each once, with its own transaction's id."""
     errors = []
 
     def run(k):
@@ -329,7 +321,7 @@ def test_concurrent_publishers_log_exactly_the_committed_events(logdb):
     rows = log_rows(logdb)
     ids = [r[0] for r in rows]
     assert len(ids) == len(set(ids)) == 8 * 26
-    assert ids == queue_ids(logdb)
+    assert ids == event_ids(logdb)
 
 
 def test_retention_keeps_a_table_until_every_reader_has_passed_it(logdb):

@@ -191,7 +191,7 @@ def test_an_expired_lease_not_yet_reclaimed_can_still_be_acked(logdb):
 
 
 def test_bad_arguments_get_documented_errors_and_change_nothing(plain):
-    logdb = plain  # 'default' exists, whichever storage it reads
+    logdb = plain  # 'default' exists
     c = logdb.conn()
     c.execute("SELECT outbox.create_subscription('s')")
     cases = [

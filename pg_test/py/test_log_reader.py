@@ -32,7 +32,6 @@ def publisher(dsn, seed, stop, prepared, errors, two_pc):
     rnd = random.Random(seed)
     try:
         with connect(dsn) as c:
-            c.execute("SET outbox.log_write = on")
             c.execute("SET outbox.notify = off")  # a NOTIFY cannot be prepared
             k = 0
             while not stop.is_set():
@@ -200,8 +199,6 @@ def test_a_transaction_running_at_the_cursor_is_read_by_the_next_window(logdb):
     the cursor was taken (m already covers its id); the next window must have it
     (only the cursor's in-progress list finds it), and the one after must not."""
     t1, t2, r = logdb.conn(), logdb.conn(), logdb.conn()
-    for c in (t1, t2):
-        c.execute("SET outbox.log_write = on")
     lo = cursor(r)
     t1.execute("BEGIN")
     a = t1.execute("SELECT outbox.publish('rd.late', '{}')").fetchone()[0]
@@ -220,7 +217,6 @@ def test_a_transaction_running_at_the_cursor_is_read_by_the_next_window(logdb):
 def test_a_repeatable_read_reader_sees_commits_after_its_snapshot(logdb):
     """The cursor and the window take fresh snapshots, not the transaction's."""
     p, r = logdb.conn(), logdb.conn()
-    p.execute("SET outbox.log_write = on")
     r.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
     lo = cursor(r)
     a = p.execute("SELECT outbox.publish('rd.rr', '{}')").fetchone()[0]
@@ -250,8 +246,6 @@ def test_a_cursor_taken_in_a_writing_transaction_leaves_its_events_to_a_later_wi
     so the transaction's events (published before or after the cursor) are read
     by the first window that ends after its commit, once."""
     r, other = logdb.conn(), logdb.conn()
-    for c in (r, other):
-        c.execute("SET outbox.log_write = on")
     c0 = cursor(r)
     r.execute("BEGIN")
     before = r.execute("SELECT outbox.publish('rd.own', '{}')").fetchone()[0]

@@ -1,5 +1,5 @@
 """The operators' read side (0.11.0): outbox.blocked_subjects(), outbox.delivered_per_minute()
-and the read-only role outbox_monitor, on the queue's 'default' and on a subscription of the log."""
+and the read-only role outbox_monitor, on 'default' and on a named subscription."""
 
 import psycopg
 import pytest
@@ -152,7 +152,7 @@ def test_monitor_role_reads_counts_states_and_errors_but_no_payloads(plain):
             "SELECT headers FROM outbox.events LIMIT 1",
             "SELECT * FROM outbox.events LIMIT 1",
             "SELECT count(*) FROM outbox.log",
-            "SELECT count(*) FROM outbox.event_queue",
+            "SELECT count(*) FROM outbox.log_lanes",
             "SELECT count(*) FROM outbox.log_exceptions",
             f"SELECT outbox.replay({ids['dead']})",
             f"SELECT outbox.cancel({ids['retry']})",

@@ -54,7 +54,7 @@ def test_every_subscription_receives_every_event_and_default_still_does(plain):
     ids = [publish(c, subject=f"s{i % 3}") for i in range(30)]
     assert sorted(drain(c, "ledger")) == ids
     assert sorted(drain(c, "mail")) == ids
-    # 'default' reads the queue as before.
+    # 'default' reads the log beside it.
     assert sorted(drain(c, None)) == ids
     # Nothing is left anywhere: no batch, no exception row.
     assert plain.one("SELECT count(*) FROM outbox.log_batches")[0] == 0
@@ -501,8 +501,7 @@ def test_a_claimable_event_never_waits_for_another_events_lease(plain):
     events meet in one lane's batch. A claim that would come back short does
     not wait for the batch's events out under another worker's lease (0.12.0,
     src/log/claim.rs): outside a transaction block it moves them aside, still
-    leased to their holder, and hands out the lane's newer events, as the
-    queue would. A subject's own
+    leased to their holder, and hands out the lane's newer events. A subject's own
     later event still waits for its earlier one."""
     c = plain.conn()
     c.execute("SELECT outbox.create_subscription('nw')")

@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from conftest import DEFAULT_ON_QUEUE, connect
+from conftest import connect
 from scratch_db import create_db, drop_db, ensure_login_role, role_dsn
 
 OUTBOX_ROLES = ("outbox_publisher", "outbox_worker", "outbox_admin", "outbox_monitor")
@@ -169,21 +169,15 @@ CALLS = {
     "_log_maintenance": "SELECT outbox._log_maintenance(now(), '{}')",
     "_maintenance_steps": "SELECT * FROM outbox._maintenance_steps()",
     "_maintenance_step": "SELECT * FROM outbox._maintenance_step('keys')",
-    "_lock_subject": "SELECT outbox._lock_subject('s')",
-    "_promote_heads": "SELECT outbox._promote_heads(ARRAY['s'])",
     "_wake": "SELECT outbox._wake(NULL)",
     "nextval": "SELECT nextval('outbox.event_id_seq')",
     "setval": "SELECT setval('outbox.event_id_seq', 1)",
 }
 VIEWS = ("events", "stats", "maintenance_log", "subscriptions", "deliveries")
 TABLE_WRITES = {
-    "event_queue": (
-        "INSERT INTO outbox.event_queue (topic, payload, max_attempts, visible_at) VALUES ('sec.t', '{}', 1, now())",
-        "state = state",
-    ),
-    "event_archive": (
-        "INSERT INTO outbox.event_archive (id, topic, payload, state, attempts, max_attempts, published_at, finished_at) "
-        "VALUES (-1, 'sec.t', '{}', 'delivered', 1, 1, now(), now())",
+    "log_exceptions": (
+        "INSERT INTO outbox.log_exceptions (subscription, id, lane, topic, payload, max_attempts, published_at, "
+        "state, attempts, visible_at) VALUES ('default', -1, 0, 'sec.t', '{}', 1, now(), 'pending', 0, now())",
         "state = state",
     ),
     "dispatch_keys": ("INSERT INTO outbox.dispatch_keys (dispatch_key, event_id) VALUES ('sec-k', 1)", "event_id = event_id"),
@@ -204,8 +198,7 @@ READS = {k for k in CALLS if k.startswith("select_")}
 WORKER_CALLS = {"claim", "ack", "ack_batch", "fail", "extend_lease"}
 ADMIN_CALLS = {"replay", "replay_dead", "cancel", "create_topic", "alter_topic", "drop_topic",
                "purge", "purge_dead", "run_maintenance", "health", "wakeup_status"}
-INTERNAL = {"_purge_step", "_log_maintenance", "_maintenance_steps", "_maintenance_step", "_promote_heads", "_wake",
-            "_lock_subject"}
+INTERNAL = {"_purge_step", "_log_maintenance", "_maintenance_steps", "_maintenance_step", "_wake"}
 
 DENIED = {
     # "outbox_publisher may publish (single and batch) and nothing else"
@@ -213,7 +206,7 @@ DENIED = {
     # "A worker cannot publish, replay or purge"; it reads events only through claim.
     "work_u": sorted(set(CALLS) - WORKER_CALLS),
     # The admin reads everything but writes only through the API, and does not deliver.
-    "admin_u": sorted(WRITES | WORKER_CALLS | {"_wake", "_lock_subject"}),
+    "admin_u": sorted(WRITES | WORKER_CALLS | {"_wake"}),
     "nobody_u": sorted(CALLS),
 }
 CASES = [(role, call) for role, calls in DENIED.items() for call in calls]
@@ -307,7 +300,7 @@ def test_admin_may_replay_cancel_manage_topics_and_read(plain, roles):
         # Reads everything.
         states = dict(adm.execute("SELECT id, state FROM outbox.events").fetchall())
         assert states == {dead1: "pending", dead2: "pending", pending: "cancelled"}
-        for rel in ("event_queue", "event_archive", "dispatch_keys", "topics", "maintenance_runs", *VIEWS):
+        for rel in ("log_exceptions", "dispatch_keys", "topics", "maintenance_runs", *VIEWS):
             adm.execute(f"SELECT count(*) FROM outbox.{rel}")
         checks = [r[0] for r in adm.execute("SELECT check_name FROM outbox.health()").fetchall()]
         assert len(set(checks)) == 9  # backlog, dead letters, leases, xmin, dead tuples, id sequence, worker, subscription, log ring
@@ -316,14 +309,19 @@ def test_admin_may_replay_cancel_manage_topics_and_read(plain, roles):
         adm.close()
 
 
-@pytest.mark.queue  # the queue's row retention; the log's is by table (test_log.py)
 @pytest.mark.parametrize("stmt", ["CALL outbox.purge('0')", "CALL outbox.purge_dead('0')", "CALL outbox.run_maintenance()"])
 def test_admin_may_run_retention(plain, roles, stmt):
-    """Each in a new session, as pg_cron runs it (see also BUG-S7)."""
+    """Each in a new session, as pg_cron runs it (see also BUG-S7). Retention
+    removes rows of their own (a dead letter; an event delivered after a retry)
+    once the log no longer holds their events: the ring is emptied first, as
+    the log's retention empties it."""
     _dead_event(plain, "sec.ret")
     i = plain.one("SELECT outbox.publish('sec.ret', '{}')")[0]
     (tok,) = plain.one("SELECT lease_token FROM outbox.claim('setup', 1, NULL, ARRAY['sec.ret'])")
+    assert plain.one("SELECT outbox.fail(%s, %s, 'once', retry_in => '0')", (i, tok))[0] == "pending"
+    (tok,) = plain.one("SELECT lease_token FROM outbox.claim('setup', 1, NULL, ARRAY['sec.ret'])")
     assert plain.one("SELECT outbox.ack(%s, %s)", (i, tok))[0]
+    plain.one("TRUNCATE outbox.log_0, outbox.log_1, outbox.log_2, outbox.log_3")
     with connect(roles["admin_u"]) as adm:
         adm.execute(stmt)
     left = dict(plain.all("SELECT state, count(*) FROM outbox.events GROUP BY state"))
@@ -420,9 +418,7 @@ def test_hostile_search_path_changes_nothing(plain, hostile):
     assert sorted(i for i, _, _ in got) == sorted([e1, e2, e3, e4, e5])
     toks = {t for _, t, _ in got}
     assert uuid.UUID(FIXED_UUID) not in toks
-    # The queue leases each event with a token of its own; the log shares one
-    # among a batch round's events (README, claim).
-    assert not DEFAULT_ON_QUEUE or len(toks) == 5
+    # A batch round's events share one token (README, claim).
     for _, _, exp in got:
         assert near_now(exp, plain, timedelta(minutes=2))
     tok = {i: t for i, t, _ in got}

@@ -166,14 +166,13 @@ def wait_until(pred, timeout, what, workers=()):
 # ---------------------------------------------------------------- fixtures
 
 def _clean(dsn, conn):
-    DB(dsn, "preload").clean()  # whichever storage 'default' reads
+    DB(dsn, "preload").clean()
     conn.execute("DELETE FROM outbox.topics WHERE topic LIKE 'wk.%'")
 
 
 def unfinished(conn, topic, dead=False):
     """The default subscription's events of `topic` not delivered yet (pending
-    or leased; dead ones too when `dead`), from outbox.deliveries, whichever
-    storage it reads."""
+    or leased; dead ones too when `dead`), from outbox.deliveries."""
     states = ["pending", "leased"] + (["dead"] if dead else [])
     return conn.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'default' "
                         "AND topic = %s AND state = ANY (%s)", (topic, states)).fetchone()[0]

@@ -9,7 +9,7 @@
 -- Fixture: a registered topic and one event per state. Tokens are kept in fx.
 SELECT outbox.create_topic('fx.topic', max_attempts => 3);
 -- The pending event is published after the claim: which three of four events
--- a claim takes is the storage's choice (the log reads lanes, not id order).
+-- a claim takes is the log's choice (it reads lanes, not id order).
 SELECT count(*) FROM outbox.publish_batch('fx.topic', ARRAY['"leased"', '"dead"', '"delivered"']::jsonb[],
                                           ARRAY['s1', 's2', NULL], ARRAY['k1', 'k2', 'k3']);
 CREATE TEMP TABLE fx AS
@@ -26,8 +26,6 @@ SELECT count(*) FROM outbox.claim('fxs', 10, interval '1 hour', subscription => 
 -- Fingerprint of everything the extension stores.
 CREATE FUNCTION pg_temp.fingerprint() RETURNS text LANGUAGE sql AS $$
     SELECT md5(concat_ws('|',
-        (SELECT string_agg(q::text, ',' ORDER BY q.id) FROM outbox.event_queue q),
-        (SELECT string_agg(a::text, ',' ORDER BY a.id) FROM outbox.event_archive a),
         (SELECT string_agg(k::text, ',' ORDER BY k.dispatch_key) FROM outbox.dispatch_keys k),
         (SELECT string_agg(t::text, ',' ORDER BY t.topic) FROM outbox.topics t),
         (SELECT string_agg(c::text, ',' ORDER BY c.name) FROM outbox.subscription_catalog c),
@@ -392,13 +390,13 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('health', 'huge thresholds', $$SELECT count(*) FROM outbox.health('178000000 years', 9223372036854775807, '178000000 years', '178000000 years', 9223372036854775807)$$, '22023'),
 ('wakeup_status', 'no arguments', $$SELECT count(*) FROM outbox.wakeup_status()$$, 'ok:1'),
 ('_lock_row', 'a row', $$SELECT outbox._lock_row('outbox.subscription_catalog'::regclass::oid, (SELECT ctid FROM outbox.subscription_catalog ORDER BY name LIMIT 1))$$, 'ok:true'),
-('_lock_row', 'NULL row', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, NULL)$$, 'ok:NULL'),
+('_lock_row', 'NULL row', $$SELECT outbox._lock_row('outbox.log_exceptions'::regclass::oid, NULL)$$, 'ok:NULL'),
 ('_lock_row', 'no such relation', $$SELECT outbox._lock_row(0, '(0,1)')$$, '42P01'),
 ('_lock_row', 'a view', $$SELECT outbox._lock_row('outbox.events'::regclass::oid, '(0,1)')$$, '22023'),
-('_lock_row', 'an index', $$SELECT outbox._lock_row('outbox.event_queue_pkey'::regclass::oid, '(0,1)')$$, '22023'),
-('_lock_row', 'offset past the page', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,65535)')$$, '22023'),
-('_lock_row', 'offset 0', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(0,0)')$$, '22023'),
-('_lock_row', 'block past the end', $$SELECT outbox._lock_row('outbox.event_queue'::regclass::oid, '(4294967294,1)')$$, '22023');
+('_lock_row', 'an index', $$SELECT outbox._lock_row('outbox.log_exceptions_pkey'::regclass::oid, '(0,1)')$$, '22023'),
+('_lock_row', 'offset past the page', $$SELECT outbox._lock_row('outbox.log_exceptions'::regclass::oid, '(0,65535)')$$, '22023'),
+('_lock_row', 'offset 0', $$SELECT outbox._lock_row('outbox.log_exceptions'::regclass::oid, '(0,0)')$$, '22023'),
+('_lock_row', 'block past the end', $$SELECT outbox._lock_row('outbox.log_exceptions'::regclass::oid, '(4294967294,1)')$$, '22023');
 
 -- ---------------------------------------------------------------------------
 -- Subscriptions: the subscription argument of claim, replay, replay_dead and
@@ -468,7 +466,7 @@ INSERT INTO cases (fn, label, call, expect) VALUES
 ('drop_subscription', 'NULL force', $$SELECT outbox.drop_subscription('fxsub', NULL)$$, '22004'),
 ('drop_subscription', 'unknown name', $$SELECT outbox.drop_subscription('nope')$$, '42704'),
 ('drop_subscription', 'malformed name', $$SELECT outbox.drop_subscription('No pe')$$, '22023'),
-('drop_subscription', 'queue default, leases in flight', $$SELECT outbox.drop_subscription('default')$$, '55006'),
+('drop_subscription', 'default, leases in flight', $$SELECT outbox.drop_subscription('default')$$, '55006'),
 ('inbox_receive', 'NULL consumer', $$SELECT outbox.inbox_receive(NULL, 'm')$$, '22004'),
 ('inbox_receive', 'NULL message_id', $$SELECT outbox.inbox_receive('c', NULL)$$, '22004'),
 ('inbox_receive', 'empty consumer', $$SELECT outbox.inbox_receive('', 'm')$$, '22023'),

@@ -5,8 +5,7 @@ Sessions (threads, one psycopg 3 connection per thread and database) drive a ran
 seeded mix of operations against a preloaded cluster with maintenance OFF
 (outbox.maintenance_interval = 0), in two databases, `postgres` and `other`, each
 served by its own background worker. Each database has three subscriptions: `default`
-(over the log, as a fresh 0.12.0 install has it; on the queue where --default-on-log
-says so, below) and two named ones over the log, created before any load starts, so
+(as the install made it) and two named ones, created before any load starts, so
 every committed event of the run is theirs: sub_a (every topic; the topics' and the
 GUCs' policy) and sub_b (a topic filter; max_attempts 2, its own backoff and lease,
 dead letters under 'skip'):
@@ -41,42 +40,27 @@ dead letters under 'skip'):
   bigops      publish_batch with 200-2000 distinct subjects (54000 above the
               documented 1000 is an accepted refusal) and claim + one batch ack of
               thousands of events with distinct subjects
-  scenarios   two targeted races in the mix: replay of a cancelled event while its
-              subject's head is acked; a claim in an explicit READ COMMITTED transaction
-              that claims again right after a low-water step and rolls back
+  scenarios   a targeted race in the mix: replay of a cancelled event (waiting in
+              its head's batch) while its subject's head is acked
   sampler     pg_stat_activity every 50 ms: any backend running outbox.claim that
               waits on a Lock (with its blockers and the lock it waits for)
 
---default-on-log [DB] (`all` when the option is absent; DB `other` when it is given
-without a value; `none`: neither): the databases whose `default` reads the log, as
-the install made it (0.12.0), so that claim, replay, replay_dead and cancel without a
-subscription read the log there. In the other databases `default` is put back on the
-queue at setup (outbox.event_queue), as an install before 0.12.0 has it until its
-upgrade, so the queue's code path keeps its coverage: `--default-on-log other` (the
-layout before 0.12.0's switch: the queue in `postgres`) or `--default-on-log none`
-(the queue in both). Where it reads the log, the workers' claims, acks (a batch ack becomes one ack(ids[], tokens[]), counted as
-for a named subscription), fails and cancels in transactions then use it; the
-operator runs the named operator's actions for it (with NULL as subscription; its
-alter_topic sets its policy); the named workers claim it too; bigops and the
-scenarios run against it (the replay race then cancels an event waiting in its
-head's batch). The option also adds, for every subscription of the log, operator
-cancels of events not read yet (the newest published) or waiting in a batch (a
-later event of a subject just handed out), sometimes replayed (in autocommit, or
-in a transaction held open, sometimes rolled back); and the check queue_empty, about
-the queue's storage: outbox.event_queue and outbox.event_archive stay empty in DB
-(sampled during the load, and after the drain). Where `default` reads the queue, the
-operator picks its events by the queue's columns (heads, leased heads), a batch ack
-learns which ids it acked from the archive rows it inserted, and the low-water
-scenario watches the queue's claim low-water mark: those exist only there.
+`default` is served like the named subscriptions: the workers' claims, acks (a
+batch ack is one ack(ids[], tokens[])), fails and cancels in transactions use it;
+the operator runs the named operator's actions for it (with NULL as subscription;
+its alter_topic sets its policy); the named workers claim it too; bigops and the
+scenario run against it. Every subscription's operator also cancels events not
+read yet (the newest published) or waiting in a batch (a later event of a subject
+just handed out), sometimes replayed (in autocommit, or in a transaction held
+open, sometimes rolled back).
 
 Every CYCLE (12 s) the load calms down for CALM (3.5 s): no long transaction holds an
-xid (so the claim low-water mark can step), and one database is left to the low-water
-race.
+xid then, so the lanes' windows close.
 
 Claims run with lock_timeout = 2 s (55P03 in claim is a violation) and
 statement_timeout = 10 s. Then the checker quiesces: load stops, every prepared
 transaction is resolved, every open transaction ends; without any maintenance
-(never run_maintenance, purge, _purge_step, _audit_low_water) every dead and
+(never run_maintenance, purge, _purge_step) every dead and
 cancelled event is replayed (for a named subscription: replay(id, sub) of its rows of
 outbox.deliveries in state dead or cancelled) and plain autocommit claim + ack workers,
 one per database and subscription, drain until every committed event is acked in
@@ -92,9 +76,8 @@ checked for `default`, sub_a and sub_b alike:
                     exactly once (ack() = true in a committed transaction; an array
                     ack of a named subscription that acked only some of its events
                     counts as unknown); a committed event never acked is "stranded"
-                    and printed with its queue row and _claim_low_water() (named:
-                    its row of outbox.deliveries, the log, the subscription's
-                    counters); an acked event is 'delivered' there; no claim returns
+                    and printed with its row of outbox.deliveries, whether the log
+                    holds it, and the subscription's counters; an acked event is 'delivered' there; no claim returns
                     an event outside the subscription's topics or the claim's own
                     topics; outbox.log holds every committed event
   uncommitted       claim never returned, and no table holds (outbox.events,
@@ -164,8 +147,6 @@ TOPICS = {
                     dead_letter_policy="block"),
     "chk.unreg": None,
     # claimed only by the scenario threads (and by the rare worker claiming every topic)
-    "chk.lw": dict(max_attempts=10, backoff_base="10 ms", backoff_max="200 ms", default_lease="2 s",
-                   dead_letter_policy="block"),
     "chk.rp": dict(max_attempts=10, backoff_base="10 ms", backoff_max="200 ms", default_lease="2 s",
                    dead_letter_policy="block"),
 }
@@ -175,7 +156,7 @@ NSUBJECTS = 10
 EPOCH = 15.0
 # Named subscriptions (0.9.0), created in every database before any load starts, so
 # every committed event of the run is theirs (when its topic matches). sub_a takes
-# every topic (the big, low-water and replay scenarios' too) with the topics' and the
+# every topic (the big and replay scenarios' too) with the topics' and the
 # GUCs' policy; sub_b has a topic filter and a policy of its own: two attempts,
 # short backoff and lease, dead letters that let their subject go on ('skip').
 NAMED = {
@@ -185,17 +166,6 @@ NAMED = {
                   backoff_base="10 ms", backoff_max="100 ms", default_lease="400 ms", dead_letter_policy="skip"),
 }
 SUBS = ["default"] + list(NAMED)
-# --default-on-log: in these databases 'default' reads the log, as the install made
-# it (0.12.0), so claim, replay, replay_dead and cancel without a subscription read
-# the log there (as sub_a does: every topic, the topics' and the GUCs' policy), and
-# outbox.event_queue must stay empty; in the others it is put back on the queue at
-# setup. Filled in by main() (both databases unless the option says otherwise).
-LOG_DEFAULT = set()
-
-
-def on_log(db, sub):
-    """Whether the subscription reads the log in that database."""
-    return sub != "default" or db in LOG_DEFAULT
 
 
 def subarg(sub):
@@ -211,8 +181,8 @@ def topic_matches(topic, patterns):
 
 
 CYCLE = 12.0      # every CYCLE seconds the load calms down for the last CALM seconds:
-CALM = 3.5        # no long transaction holds an xid then, so the claim low-water mark
-QUIET_BEFORE = 3.0  # can step (long holders stop QUIET_BEFORE seconds earlier)
+CALM = 3.5        # no long transaction holds an xid then, so the log's windows close
+QUIET_BEFORE = 3.0  # (long holders stop QUIET_BEFORE seconds earlier)
 
 
 def phase():
@@ -228,17 +198,8 @@ def quiet():
     return phase() >= CYCLE - CALM - QUIET_BEFORE
 
 
-def lw_db():
-    """The database reserved for the low-water scenario during the current calm window
-    (alternates); all other load uses the other database then."""
-    return DBS[int(time.time() // CYCLE) % 2]
-
-
 def pick_db(rnd):
-    db = rnd.choice(DBS)
-    if calm() and db == lw_db():
-        db = [d for d in DBS if d != db][0]
-    return db
+    return rnd.choice(DBS)
 
 
 def subjects_now():
@@ -263,7 +224,7 @@ SERVER_SETTINGS = {
     "outbox.max_attempts": "4",
 }
 INVARIANTS = ["server_errors", "delivery", "uncommitted", "subject_order", "fencing", "cancel", "claim_no_wait",
-              "dispatch_keys"]   # + "queue_empty" with --default-on-log
+              "dispatch_keys"]
 RETRY = {"40001", "40P01"}
 APP = "chk"
 
@@ -314,8 +275,7 @@ class Ctx:
         self.replay_log = []
         self.recent_pub = {db: [] for db in DBS}   # (id, topic, subject) as publish returned them
         self.pub_by_subject = {db: defaultdict(list) for db in DBS}   # subject -> ids, publish order
-        self.big_out = Counter()
-        self.queue_seen = {}      # db -> the queue_empty violation was recorded  # big events committed in a log-default database, not yet acked
+        self.big_out = Counter()   # big events committed, not yet acked (bigops)
         self.ever_skip = set((db, t) for db in DBS for t, a in TOPICS.items()
                              if a and a["dead_letter_policy"] == "skip")
         self.committed_keys = {db: [] for db in DBS}   # (key, id) of committed events
@@ -526,16 +486,10 @@ def pub_tx(ctx, rnd, c, db, tag):
             # Read first (the snapshot), publish later: the subject's head, leased now,
             # may be acked in between.
             pool = subjects_now()
-            if db in LOG_DEFAULT:
-                # no queue to read: a subject a claim handed out lately
-                with ctx.lock:
-                    hot = sorted(set(r[7] for r in ctx.claimed[-300:] if r[0] == db and r[7] in pool))
-                row = (rnd.choice(hot),) if hot else None
-            else:
-                row = c.execute("SELECT q.subject FROM outbox.event_queue q WHERE q.is_head AND q.state = 'leased' "
-                                "AND q.subject = ANY(%s) AND NOT EXISTS (SELECT 1 FROM outbox.event_queue p "
-                                "WHERE p.subject = q.subject AND p.id > q.id) ORDER BY random() LIMIT 1",
-                                (pool,)).fetchone()
+            # a subject a claim handed out lately
+            with ctx.lock:
+                hot = sorted(set(r[7] for r in ctx.claimed[-300:] if r[0] == db and r[7] in pool))
+            row = (rnd.choice(hot),) if hot else None
             first_subject = row[0] if row else rnd.choice(pool)
             ctx.op(k="pub_snapshot", db=db, tag=tag, subj=first_subject, iso=iso)
             time.sleep(rnd.uniform(0.05, 0.6))
@@ -882,36 +836,9 @@ def worker_auto(ctx, rnd, c, db, wname, n):
 
 
 def ack_batch(ctx, c, db, wname, rows, wtx):
-    """Batch ack in its own transaction; which ids this transaction acked comes from
-    the archive rows it inserted (xmin). Where 'default' reads the log there is no
-    archive: one ack(ids[], tokens[]) as for a named subscription."""
-    if db in LOG_DEFAULT:
-        return ack_array_named(ctx, c, db, rows, wtx, "default")
-    ids = [r[0] for r in rows]
-    toks = [r[5] for r in rows]
-    seq = ctx.tick()
-    try:
-        c.execute("BEGIN")
-        cnt = c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", (ids, toks)).fetchone()[0]
-        mine = c.execute("SELECT coalesce(array_agg(id), '{}') FROM outbox.event_archive WHERE id = ANY(%s) "
-                         "AND xmin::text = (pg_current_xact_id()::text::bigint %% 4294967296)::text", (ids,)).fetchone()[0]
-        xid = c.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
-        c.execute("COMMIT")
-    except psycopg.Error as ex:
-        ctx.server_error(ex, "batch ack", db=db, n=len(ids), wtx=wtx, accepted=("55P03",))
-        safe_rollback(c)
-        raise
-    end = ctx.tick()
-    mine = set(mine)
-    if cnt != len(mine):
-        ctx.violation("delivery", f"batch ack returned {cnt} but archived {len(mine)} rows", db=db, ids=ids[:50])
-    with ctx.lock:
-        ctx.wtx[wtx] = {"db": db, "xid": xid, "client": "commit", "end": end}
-        for i, tok in zip(ids, toks):
-            ctx.acks.append((db, i, wtx, i in mine, "default", str(tok), seq))
-    ctx.inc("batch acks")
-    ctx.inc("acks true", len(mine))
-    ctx.op(k="ack_batch", db=db, ids=ids if len(ids) <= 50 else f"{len(ids)} ids", acked=len(mine), wtx=wtx, xid=xid)
+    """Batch ack in its own transaction: one ack(ids[], tokens[]), as for a named
+    subscription."""
+    return ack_array_named(ctx, c, db, rows, wtx, "default")
 
 
 def worker_tx(ctx, rnd, c, db, wname, n):
@@ -935,15 +862,9 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                 # An operator-style change in the same transaction: cancel a queued event
                 # (often the newest claimable one).
                 stage = "cancel"
-                order = "id DESC" if rnd.random() < 0.6 else "random()"
-                if db in LOG_DEFAULT:
-                    # 'default' reads the log: a recent event, often not read yet or
-                    # waiting in a batch (0.10.0)
-                    eid = pick_fresh(ctx, rnd, db, "default")
-                    eid = (eid,) if eid else None
-                else:
-                    eid = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND is_head "
-                                    f"AND topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') ORDER BY {order} LIMIT 1").fetchone()
+                # a recent event, often not read yet or waiting in a batch
+                eid = pick_fresh(ctx, rnd, db, "default")
+                eid = (eid,) if eid else None
                 if eid:
                     t0 = ctx.tick()
                     ok = c.execute("SELECT outbox.cancel(%s)", (eid[0],)).fetchone()[0]
@@ -962,7 +883,7 @@ def worker_tx(ctx, rnd, c, db, wname, n):
                 elif a < 0.72:
                     fail_call(ctx, c, db, row, rnd.random() < 0.15, wtx)
             if r + 1 < rounds:
-                time.sleep(rnd.uniform(0.012, 0.04))  # let the low-water mark step inside the tx
+                time.sleep(rnd.uniform(0.012, 0.04))
         if not quiet():
             time.sleep(rnd.choice([0, 0, rnd.uniform(0.05, 0.4)]))
         stage = "end"
@@ -1062,11 +983,8 @@ def sworker(ctx, idx):
     n = 0
     while not ctx.stop.is_set():
         db = pick_db(rnd)
-        if db in LOG_DEFAULT:
-            # 'default' over the log gets these workers' claims too (late acks, bulk)
-            sub = rnd.choices(list(NAMED) + ["default"], weights=[3, 2, 2])[0]
-        else:
-            sub = rnd.choices(list(NAMED), weights=[3, 2])[0]
+        # 'default' gets these workers' claims too (late acks, bulk)
+        sub = rnd.choices(list(NAMED) + ["default"], weights=[3, 2, 2])[0]
         n += 1
         c = None
         try:
@@ -1252,10 +1170,10 @@ def soperator(ctx):
 
 
 def soperator_step(ctx, rnd, c, db, sub):
-    """One action of the operator of a subscription of the log (a named one, or
-    'default' where it reads the log: then every call passes NULL as subscription)."""
+    """One action of the operator of a subscription (a named one, or 'default':
+    then every call passes NULL as subscription)."""
     sa = subarg(sub)
-    if ctx.args.default_on_log and rnd.random() < 0.3:
+    if rnd.random() < 0.3:
         cancel_fresh(ctx, rnd, c, db, sub)
         return
     a = rnd.random()
@@ -1429,66 +1347,11 @@ def operator(ctx):
         try:
             c = s.get(db)
             a = rnd.random()
-            if db in LOG_DEFAULT and not 0.55 <= a < 0.70:
-                # 'default' reads the log here: the named operator's actions, for it
-                # (alter_topic below sets its dead-letter policy and max_attempts)
+            if not 0.55 <= a < 0.70:
+                # the named operator's actions, for 'default' (alter_topic below
+                # sets its dead-letter policy and max_attempts)
                 soperator_step(ctx, rnd, c, db, "default")
-            elif a < 0.30:
-                # Cancel a queued event behind a leased head, then replay it in a
-                # transaction held open while the head may be acked (defect 5).
-                row = c.execute(
-                    "SELECT q.id FROM outbox.event_queue q WHERE q.state = 'pending' AND NOT q.is_head "
-                    "AND q.topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') AND EXISTS (SELECT 1 FROM outbox.event_queue h "
-                    "WHERE h.subject = q.subject AND h.is_head AND h.state = 'leased') "
-                    "ORDER BY random() LIMIT 1").fetchone()
-                if row is None:
-                    row = c.execute("SELECT id FROM outbox.event_queue WHERE state = 'pending' AND subject IS NOT NULL "
-                                    "AND topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') ORDER BY random() LIMIT 1").fetchone()
-                if row:
-                    eid = row[0]
-                    t0 = ctx.tick()
-                    ok = c.execute("SELECT outbox.cancel(%s)", (eid,)).fetchone()[0]
-                    ctx.inc("cancels")
-                    ctx.op(k="cancel", db=db, id=eid, ok=ok)
-                    if ok:
-                        ctx.note_cancel(db, "default", eid, t0)
-                        if rnd.random() < 0.7:
-                            time.sleep(rnd.uniform(0, 0.1))
-                            t0 = ctx.tick()
-                            c.execute("BEGIN")
-                            ok2 = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
-                            if not quiet():
-                                time.sleep(rnd.uniform(0.05, 0.4))
-                            if rnd.random() < 0.1:
-                                c.execute("ROLLBACK")
-                                if ok2:
-                                    ctx.note_replay_try(db, "default", eid, t0)
-                                ctx.op(k="replay", db=db, id=eid, ok=ok2, rolledback=True)
-                            else:
-                                c.execute("COMMIT")
-                                if ok2:
-                                    ctx.note_replay_try(db, "default", eid, t0)
-                                    with ctx.lock:
-                                        ctx.replayed["default"].add((db, eid))
-                                ctx.inc("replays")
-                                ctx.op(k="replay", db=db, id=eid, ok=ok2)
-            elif a < 0.45:
-                for (eid,) in c.execute("SELECT id FROM outbox.event_queue WHERE state = 'dead' "
-                                        "ORDER BY random() LIMIT 3").fetchall():
-                    t0 = ctx.tick()
-                    ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
-                    if ok:
-                        ctx.note_replay_try(db, "default", eid, t0)
-                        with ctx.lock:
-                            ctx.replayed["default"].add((db, eid))
-                    ctx.inc("replays")
-                    ctx.op(k="replay", db=db, id=eid, ok=ok, dead=True)
-            elif a < 0.55:
-                pat = rnd.choice([None, "chk.*", "chk.fast", "chk.skip"])
-                n = c.execute("SELECT outbox.replay_dead(%s)", (pat,)).fetchone()[0]
-                ctx.inc("replay_dead calls")
-                ctx.op(k="replay_dead", db=db, pattern=pat, n=n)
-            elif a < 0.70:
+            else:
                 topic = rnd.choice(["chk.fast", "chk.skip", "chk.slow"])
                 pol = rnd.choice(["block", "skip"])
                 ma = rnd.choice([None, 2, 3, 4, 5])
@@ -1499,28 +1362,6 @@ def operator(ctx):
                           (topic, ma, pol))
                 ctx.inc("alter_topic")
                 ctx.op(k="alter_topic", db=db, topic=topic, policy=pol, max_attempts=ma)
-            elif a < 0.75:
-                # cancel of any live event (pending, dead, or a leased one: false)
-                row = c.execute("SELECT id FROM outbox.event_queue WHERE topic NOT IN ('chk.big', 'chk.lw', 'chk.rp') "
-                                "ORDER BY random() LIMIT 1").fetchone()
-                if row:
-                    t0 = ctx.tick()
-                    ok = c.execute("SELECT outbox.cancel(%s)", (row[0],)).fetchone()[0]
-                    if ok:
-                        ctx.note_cancel(db, "default", row[0], t0)
-                    ctx.inc("cancels")
-                    ctx.op(k="cancel", db=db, id=row[0], ok=ok)
-            else:
-                for (eid,) in c.execute("SELECT id FROM outbox.event_archive WHERE state = 'cancelled' "
-                                        "AND topic NOT IN ('chk.lw', 'chk.rp') ORDER BY random() LIMIT 2").fetchall():
-                    t0 = ctx.tick()
-                    ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
-                    if ok:
-                        ctx.note_replay_try(db, "default", eid, t0)
-                        with ctx.lock:
-                            ctx.replayed["default"].add((db, eid))
-                    ctx.inc("replays")
-                    ctx.op(k="replay", db=db, id=eid, ok=ok, cancelled=True)
         except psycopg.Error as ex:
             ctx.server_error(ex, "operator", db=db)
             if is_conn_error(ex):
@@ -1539,9 +1380,8 @@ def idler(ctx):
         try:
             c = s.get(db)
             c.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-            # the snapshot, held (the queue's 'default' has its hot table to read)
-            c.execute("SELECT count(*) FROM outbox.event_queue" if db not in LOG_DEFAULT
-                      else "SELECT pg_current_snapshot()")
+            # the snapshot, held
+            c.execute("SELECT pg_current_snapshot()")
             ctx.op(k="idle_rr", db=db)
             ctx.inc("idle RR transactions")
             ctx.stop.wait(rnd.uniform(0.5, 3.0))
@@ -1571,10 +1411,7 @@ def bigops(ctx):
         ctx.big_db = db
         try:
             c = s.get(db)
-            if db in LOG_DEFAULT:
-                out = ctx.big_out[db]   # no queue to count: what this thread committed
-            else:
-                out = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
+            out = ctx.big_out[db]   # what this thread committed
             if out < ctx.args.big_ack:
                 m = rnd.randint(1001, 2000) if rnd.random() < 0.12 else rnd.randint(700, 1000)
                 big_publish(ctx, rnd, c, db, f"b-{n}", m)
@@ -1583,20 +1420,14 @@ def bigops(ctx):
             # clean up (expired leases of a failed batch become claimable after 5 s)
             t_end = time.time() + 12
             while time.time() < t_end and not ctx.stop.is_set() and not quiet():
-                if db not in LOG_DEFAULT:
-                    left = c.execute("SELECT count(*) FROM outbox.event_queue WHERE topic = 'chk.big'").fetchone()[0]
-                    if not left:
-                        break
                 cw = f"big-cl{n}-{time.monotonic_ns()}"
                 with ctx.lock:
                     ctx.wtx[cw] = {"db": db, "xid": None, "client": "commit"}
                 rows = claim(ctx, c, db, "bigw", cw, 500, "5 s", ["chk.big"])
                 if rows:
                     ack_batch(ctx, c, db, "bigw", rows, f"big-clb{n}-{time.monotonic_ns()}")
-                elif db in LOG_DEFAULT:
-                    break   # the rest (leases of a failed batch) goes to the drain
                 else:
-                    time.sleep(0.5)
+                    break   # the rest (leases of a failed batch) goes to the drain
             ctx.big_out[db] = 0
             bphase += 1
         except psycopg.Error as ex:
@@ -1755,110 +1586,6 @@ def scenario_replay(ctx):
     b.close()
 
 
-def scenario_lowwater(ctx):
-    """During calm windows, in the database the rest of the load leaves alone then: a
-    publisher P publishes E0 and, once a claim of another session (S) has stepped the
-    claim low-water mark, commits; an explicit READ COMMITTED transaction T claims E0,
-    claims again ~10 ms later (taking the next step of the mark inside T) and rolls
-    back. On 0.3.0 the mark then passes E0 for good (defect 2)."""
-    rnd = random.Random(ctx.args.seed * 7001)
-    p = Session(ctx, "scen-lw-p", ["SET statement_timeout = '30s'"])
-    st = Session(ctx, "scen-lw-s", WORKER_SETTINGS)
-    t = Session(ctx, "scen-lw-t", WORKER_SETTINGS)
-    n = 0
-    while not ctx.stop.wait(rnd.uniform(0.02, 0.1)):
-        if not calm() or phase() > CYCLE - 0.3:
-            continue
-        n += 1
-        db = lw_db()
-        try:
-            cp, cs, ct = p.get(db), st.get(db), t.get(db)
-            # S first delivers what the rest of the load and the earlier rounds left in this
-            # database (it would hold the mark back)
-            with ctx.lock:
-                ctx.wtx[f"lw-d{n}"] = {"db": db, "xid": None, "client": "commit"}
-            t_end = time.time() + 0.8
-            while time.time() < t_end:
-                got = claim(ctx, cs, db, "lw-s", f"lw-d{n}", 200, "2 s", WORK_TOPICS + ["chk.lw", "chk.big", "chk.rp"])
-                if not got:
-                    break
-                for r in got:
-                    ack_auto(ctx, cs, db, "lw-s", r)
-            tag = f"lw-{n}"
-            tx = {"tag": tag, "db": db, "iso": "READ COMMITTED", "mode": "scenario", "ops": [], "xid": None,
-                  "client": None}
-            with ctx.lock:
-                ctx.pubtx[tag] = tx
-            subj = f"lw{n}" if rnd.random() < 0.5 else None
-            pk = f"{tag}.0.0"
-            ctx.pubops[pk] = (tag, 0, 0)
-            op = {"k": 0, "ids": [], "sp": None, "sp_rb": False}
-            tx["ops"].append(op)
-            cp.execute("BEGIN")
-            eid = cp.execute("SELECT outbox.publish('chk.lw', %s::jsonb, %s)", (payload(pk, rnd), subj)).fetchone()[0]
-            op["ids"].append(eid)
-            tx["xid"] = cp.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
-            # the queue's claim low-water mark (none where 'default' reads the log)
-            key0 = (cp.execute("SELECT visible_at, id FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
-                    if db not in LOG_DEFAULT else None)
-            ctx.op(k="published", db=db, tag=tag, pk=pk, id=eid, subj=subj, topic="chk.lw")
-            # S steps the mark while P is open (claims of a topic nobody publishes); P commits
-            # right after S's last claim, and T claims right after that.
-            with ctx.lock:
-                ctx.wtx[f"lw-s{n}"] = {"db": db, "xid": None, "client": "commit"}
-            for _ in range(rnd.randint(2, 8)):
-                time.sleep(0.0105)
-                claim(ctx, cs, db, "lw-s", f"lw-s{n}", 1, "2 s", ["chk.none"])
-            cp.execute("COMMIT")
-            tx["client"] = "commit"
-            wtx = f"lw-t{n}"
-            rec = {"db": db, "xid": None, "client": None}
-            with ctx.lock:
-                ctx.wtx[wtx] = rec
-            ct.execute("BEGIN")
-            rows = claim(ctx, ct, db, "lw", wtx, 5, "2 s", ["chk.lw"])
-            # Claim again until a step of the mark has happened inside T (at most ~0.4 s;
-            # only S and T claim in this database during the calm window).
-            moved = False
-            for _ in range(60 if key0 else 3):   # no queue row: 'default' reads the log here
-                time.sleep(0.0105)
-                claim(ctx, ct, db, "lw", wtx, 1, "2 s", ["chk.lw"])
-                # -infinity (no mark) has no Python datetime: NULL instead.
-                lwm = ct.execute("SELECT NULLIF(low_water_at, '-infinity'), low_water_id "
-                                 "FROM outbox._claim_low_water()").fetchone()
-                if key0 and lwm and lwm[0] is not None and (lwm[0], lwm[1]) > tuple(key0):
-                    moved = True
-                    break
-            ctx.op(k="lw_mark", db=db, id=eid, key0=str(key0), mark=str(lwm), passed=moved, claimed=[r[0] for r in rows])
-            rec["xid"] = ct.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
-            ct.execute("ROLLBACK")
-            rec["client"] = "rollback"
-            ctx.inc("scenario low-water rollbacks")
-            ctx.op(k="wrollback", db=db, wtx=wtx, scenario="lw", ids=[r[0] for r in rows])
-        except psycopg.Error as ex:
-            ctx.server_error(ex, "scenario low-water", db=db)
-            for sess in (p, st, t):
-                c = sess.c.get(db)
-                if c is not None and not is_conn_error(ex):
-                    safe_rollback(c)
-                else:
-                    sess.drop(db)
-    for sess in (p, st, t):
-        sess.close()
-
-
-def check_queue_empty(ctx, c, db, when):
-    """Where 'default' reads the log, nothing is ever written to the queue's tables."""
-    nq, na = c.execute("SELECT (SELECT count(*) FROM outbox.event_queue), "
-                       "(SELECT count(*) FROM outbox.event_archive)").fetchone()
-    if (nq or na) and not ctx.queue_seen.get(db):
-        ctx.queue_seen[db] = True
-        ids = [r[0] for r in c.execute("SELECT id FROM outbox.event_queue UNION ALL "
-                                       "SELECT id FROM outbox.event_archive ORDER BY 1 LIMIT 20").fetchall()]
-        ctx.violation("queue_empty", f"{db}: 'default' reads the log, yet outbox.event_queue holds {nq} rows and "
-                      f"outbox.event_archive {na} ({when}; ids {ids})", db=db, ids=ids)
-
-
 def sampler(ctx, done, db):
     s = Session(ctx, "sampler", ["SET statement_timeout = '5s'"])
     seen = set()
@@ -1881,8 +1608,6 @@ def sampler(ctx, done, db):
         try:
             c = s.get(db)
             k += 1
-            if db in LOG_DEFAULT and k % 20 == 0:
-                check_queue_empty(ctx, c, db, "during the load")
             for pid, dat, wt, we, query, blockers, app, binfo, waiting in c.execute(q).fetchall():
                 ctx.inc("lock-wait samples")
                 key = (pid, tuple(blockers or []))
@@ -1980,32 +1705,13 @@ def drain(ctx):
 
 def drain_left(c, sub, db):
     """How much is left to deliver (0 = all of it): the subscription's counters and its
-    undelivered rows of outbox.deliveries; for a 'default' on the queue, its rows of
-    outbox.events that are not delivered (the queue's rows and the archive's cancelled
-    ones; outbox.deliveries would read the whole log for the named subscriptions too)."""
-    if not on_log(db, sub):
-        return c.execute("SELECT count(*) FROM outbox.events WHERE state <> 'delivered'").fetchone()[0]
+    undelivered rows of outbox.deliveries."""
     return c.execute("SELECT coalesce(lag_events, 0) + coalesce(leases_in_flight, 0) + coalesce(dead_letters, 0) + "
                      "(SELECT count(*) FROM outbox.deliveries d WHERE d.subscription = s.name "
                      "AND d.state <> 'delivered') FROM outbox.subscriptions s WHERE s.name = %s", (sub,)).fetchone()[0]
 
 
 def drain_replay(ctx, c, db, sub):
-    if not on_log(db, sub):
-        for (eid,) in c.execute("SELECT id FROM outbox.events WHERE state = 'cancelled'").fetchall():
-            t0 = ctx.tick()
-            ok = c.execute("SELECT outbox.replay(%s)", (eid,)).fetchone()[0]
-            if ok:
-                ctx.note_replay_try(db, sub, eid, t0)
-                with ctx.lock:
-                    ctx.replayed["default"].add((db, eid))
-            ctx.inc("drain replays")
-            ctx.op(k="replay", db=db, id=eid, ok=ok, drain=True)
-        nd = c.execute("SELECT outbox.replay_dead()").fetchone()[0]
-        if nd:
-            ctx.inc("drain replay_dead", nd)
-            ctx.op(k="replay_dead", db=db, n=nd, drain=True)
-        return
     for (eid, st) in c.execute("SELECT event_id, state FROM outbox.deliveries WHERE subscription = %s "
                                "AND state IN ('dead', 'cancelled')", (sub,)).fetchall():
         t0 = ctx.tick()
@@ -2040,17 +1746,9 @@ def drain_one(ctx, db, sub, t0, res):
             wtx = f"drain-{db}-{rounds}" if sub == "default" else f"drain-{sub}-{db}-{rounds}"
             with ctx.lock:
                 ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
-            if not on_log(db, sub):
-                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None)
-                if len(rows) > 20:
-                    ack_batch(ctx, c, db, "drain", rows, f"drain-b-{db}-{rounds}")
-                else:
-                    for row in rows:
-                        ack_auto(ctx, c, db, "drain", row)
-            else:
-                rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None, subarg(sub))
-                if rows:
-                    ack_array_named(ctx, c, db, rows, f"drain-b-{sub}-{db}-{rounds}", sub)
+            rows = claim(ctx, c, db, "drain", wtx, 500, "10 s", None, subarg(sub))
+            if rows:
+                ack_array_named(ctx, c, db, rows, f"drain-b-{sub}-{db}-{rounds}", sub)
             got = len(rows)
             if not got:
                 # Polled only when a claim found nothing: outbox.subscriptions is not cheap.
@@ -2133,12 +1831,10 @@ class Analysis:
         for db in DBS:
             c = self.c[db]
             t0 = time.time()
-            # Where 'default' reads the log, outbox.events is the log joined with
-            # outbox.deliveries (seconds over the whole log): the log itself, and the
-            # state of 'default' from its rows in outbox.log_exceptions (check_delivery).
-            q = ("SELECT id, topic, subject, NULL::text, payload->>'pk', NULL::jsonb, max_attempts FROM outbox.log"
-                 if db in LOG_DEFAULT else
-                 "SELECT id, topic, subject, state, payload->>'pk', errors, max_attempts FROM outbox.events")
+            # outbox.events is the log joined with outbox.deliveries (seconds over
+            # the whole log): the log itself, and the state of 'default' from its
+            # rows in outbox.log_exceptions (check_delivery).
+            q = "SELECT id, topic, subject, NULL::text, payload->>'pk', NULL::jsonb, max_attempts FROM outbox.log"
             for eid, topic, subj, state, pk, errors, maxa in c.execute(q).fetchall():
                 rows[(db, eid)] = (topic, subj, state, pk, errors, maxa)
             self.load_times[f"{db}/events"] += time.time() - t0
@@ -2152,15 +1848,14 @@ class Analysis:
             for sub, eid, state, att, topic, subj, pk, err in c.execute(
                     "SELECT subscription, id, state, attempts, topic, subject, payload->>'pk', last_error "
                     "FROM outbox.log_exceptions").fetchall():
-                if sub in self.named_rows and on_log(db, sub):
+                if sub in self.named_rows:
                     self.named_rows[sub][(db, eid)] = (state, att, topic, subj, pk, err)
             t0 = time.time()
             for eid, pk, txid in c.execute("SELECT id, payload->>'pk', txid::text FROM outbox.log").fetchall():
                 self.log_rows[(db, eid)] = (pk, txid)
             t1 = time.time()
             for name, lag, leases, dead in c.execute(
-                    "SELECT name, lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions "
-                    "WHERE storage = 'log'").fetchall():
+                    "SELECT name, lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions").fetchall():
                 self.named_stats[(db, name)] = (lag, leases, dead)
             self.load_times[f"{db}/log"] += t1 - t0
             self.load_times[f"{db}/subscriptions"] += time.time() - t1
@@ -2227,8 +1922,6 @@ class Analysis:
             self.check_handouts(final, sub)
             self.check_fencing(sub)
             self.check_cancels(sub)
-        for db in sorted(LOG_DEFAULT):
-            check_queue_empty(ctx, self.c[db], db, "after the drain")
         self.check_keys()
         self.check_lockwaits()
 
@@ -2300,18 +1993,13 @@ class Analysis:
                               db=key[0], id=key[1], wtx=good[key], sub=sub)
             if n == 0 and key not in unknown:
                 stranded.append(key)
-            elif sub == "default" and not on_log(key[0], sub):
-                if row is not None and row[2] != "delivered":
-                    ctx.violation("delivery", f"event {key[0]}/{key[1]} acked but its state is {row[2]}",
-                                  db=key[0], id=key[1])
-            if n and on_log(key[0], sub):
+            if n:
                 nrow = self.named_rows[sub].get(key)
                 if nrow is not None and nrow[0] != "delivered":
                     ctx.violation("delivery", f"[{sub}] event {key[0]}/{key[1]} acked but outbox.deliveries says "
                                   f"{nrow[0]} (attempts {nrow[1]})", db=key[0], id=key[1], sub=sub)
             if row is None and sub == "default":
-                rel = "outbox.log" if key[0] in LOG_DEFAULT else "outbox.events"
-                ctx.violation("delivery", f"committed event {key[0]}/{key[1]} ({tag}) is missing from {rel}",
+                ctx.violation("delivery", f"committed event {key[0]}/{key[1]} ({tag}) is missing from outbox.log",
                               db=key[0], id=key[1])
         if sub != "default":
             for key in good:
@@ -2319,59 +2007,12 @@ class Analysis:
                     ctx.violation("delivery", f"[{sub}] acked event {key[0]}/{key[1]} of topic {final[key][0]}, "
                                   f"outside its topics", db=key[0], id=key[1], sub=sub)
         self.stranded[sub] = stranded
-        self.describe_stranded([k for k in stranded if not on_log(k[0], sub)])
-        self.describe_stranded_named([k for k in stranded if on_log(k[0], sub)], sub)
-
-    def describe_stranded(self, stranded):
-        """One violation per stranded subject (its first stranded event, in full) and per
-        stranded event without a subject."""
-        ctx = self.ctx
-        if not stranded:
-            return
-        # -infinity (no mark) has no Python datetime: NULL instead.
-        lw = {db: self.c[db].execute("SELECT publish_floor::text, NULLIF(low_water_at, '-infinity'), low_water_id, "
-                                      "step_pending, resets FROM outbox._claim_low_water()").fetchone() for db in DBS}
-        groups = defaultdict(list)
-        for db, eid in stranded:
-            row = self.final.get((db, eid))
-            subj = row[1] if row else None
-            groups[(db, subj if subj is not None else f"#{eid}")].append(eid)
-        self.stranded_groups = groups
-        for (db, gkey), eids in sorted(groups.items(), key=lambda kv: (kv[0][0], min(kv[1]))):
-            eid = min(eids)
-            c = self.c[db]
-            ev = c.execute("SELECT id, topic, subject, state, attempts, max_attempts, available_at, lease_expires_at, "
-                           "published_at, last_error FROM outbox.events WHERE id = %s", (eid,)).fetchone()
-            q = c.execute("SELECT id, state, is_head, visible_at, blocks_subject, subject, attempts, leased_by "
-                          "FROM outbox.event_queue WHERE id = %s", (eid,)).fetchone()
-            hint = []
-            if q is not None:
-                subj = q[5]
-                earlier = c.execute("SELECT count(*) FROM outbox.event_queue WHERE subject = %s AND id < %s "
-                                    "AND (state <> 'dead' OR blocks_subject)", (subj, eid)).fetchone()[0] if subj else 0
-                if not q[2] and earlier == 0:
-                    hint.append("is_head = false and no earlier live event of its subject: never promoted")
-                elif earlier:
-                    hint.append(f"behind {earlier} earlier live events of its subject")
-                if q[2] and lw[db] and lw[db][1] is not None and (q[3], q[0]) < (lw[db][1], lw[db][2]):
-                    hint.append("a head below the claim low-water mark")
-                if q[1] == "dead":
-                    hint.append("dead after the drain")
-            else:
-                hint.append("not in event_queue")
-            tag = self.committed.get((db, eid))
-            t = ctx.pubtx.get(tag, {})
-            if (db, eid) in ctx.cancelled["default"]:
-                hint.append("it was cancelled and replayed")
-            hint.append(f"publisher {tag} iso={t.get('iso')} mode={t.get('mode')}")
-            more = f"; {len(eids) - 1} later events of this subject stranded too" if len(eids) > 1 else ""
-            ctx.violation("delivery", f"stranded: committed event {db}/{eid} never acked ({'; '.join(hint)}){more}",
-                          db=db, id=eid, subj=(q[5] if q else (ev[2] if ev else None)),
-                          events_row=fmt_row(ev), queue_row=fmt_row(q), low_water=fmt_row(lw[db]))
+        self.describe_stranded_named(stranded, sub)
 
     def describe_stranded_named(self, stranded, sub):
-        """As describe_stranded, for a named subscription: its row in outbox.deliveries
-        (if any), whether the log holds the event, the subscription's counters."""
+        """One violation per stranded subject (its first stranded event, in full)
+        and per stranded event without a subject: its row in outbox.deliveries (if
+        any), whether the log holds the event, the subscription's counters."""
         ctx = self.ctx
         groups = defaultdict(list)
         for db, eid in stranded:
@@ -2401,9 +2042,9 @@ class Analysis:
             more = f"; {len(eids) - 1} later events of this subject stranded too" if len(eids) > 1 else ""
             ctx.violation("delivery", f"[{sub}] stranded: committed event {db}/{eid} never acked "
                           f"({'; '.join(hint)}){more}", db=db, id=eid, subj=(ev[2] if ev else None), sub=sub,
-                          events_row=fmt_row(ev), queue_row=fmt_row(d),
-                          low_water=f"{sub} lag_events, leases_in_flight, dead_letters: "
-                                    f"{self.named_stats.get((db, sub))}")
+                          events_row=fmt_row(ev), deliveries_row=fmt_row(d),
+                          counters=f"{sub} lag_events, leases_in_flight, dead_letters: "
+                                   f"{self.named_stats.get((db, sub))}")
         if len(groups) > 40:
             ctx.violation("delivery", f"[{sub}] ... {len(groups) - 40} more stranded subjects")
 
@@ -2415,16 +2056,11 @@ class Analysis:
         db = key[0]
         if key in ctx.cancelled[sub]:
             return "cancelled"
-        if not on_log(db, sub):
-            went_dead = key in ctx.dead_reported[sub] or any(
-                (e.get("error") == "checker: permanent") or (e.get("attempt") or 0) >= maxa for e in (errors or []))
-            skip = (db, topic) in ctx.ever_skip
-        else:
-            # A dead letter is delivered only after a replay (the operator's, or the
-            # drain's), so every event that ever went dead and was acked is in replayed.
-            went_dead = key in ctx.dead_reported[sub] or key in ctx.replayed[sub]
-            pol = NAMED[sub]["dead_letter_policy"] if sub in NAMED else None
-            skip = pol == "skip" or (pol is None and (db, topic) in ctx.ever_skip)
+        # A dead letter is delivered only after a replay (the operator's, or the
+        # drain's), so every event that ever went dead and was acked is in replayed.
+        went_dead = key in ctx.dead_reported[sub] or key in ctx.replayed[sub]
+        pol = NAMED[sub]["dead_letter_policy"] if sub in NAMED else None
+        skip = pol == "skip" or (pol is None and (db, topic) in ctx.ever_skip)
         if went_dead and skip:
             return "dead under skip"
         return None
@@ -2775,20 +2411,8 @@ def setup(ctx):
                       "dead_letter_policy => %s)",
                       (name, a["topics"], a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
                        a["dead_letter_policy"]))
-        if db in LOG_DEFAULT:
-            # 'default' as the install made it: over the log (0.12.0)
-            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
-            if not st or st[0] != "log":
-                raise RuntimeError(f"{db}: the install's 'default' has storage {st}, not the log")
-        else:
-            # 'default' on the queue, as an install before 0.12.0 has it until
-            # the upgrade moves it (0.12.0 installs it on the log): the queue's
-            # checks below still run here.
-            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
         c.close()
-    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}"
-        + (f"; 'default' over the log in {', '.join(sorted(LOG_DEFAULT))}" if LOG_DEFAULT else ""))
+    log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}")
 
 
 def main():
@@ -2810,17 +2434,7 @@ def main():
                     help="hard limit for the whole run in seconds (default: duration + drain-max + 180)")
     ap.add_argument("--big-ack", type=int, default=5000,
                     help="bigops acks one database's big events in one batch once it has this many")
-    ap.add_argument("--default-on-log", nargs="?", const="other", default="all", choices=DBS + ["all", "none"],
-                    help="the databases whose 'default' reads the log, as a fresh 0.12.0 install has it (absent: "
-                         "all; given without a value: other; none: neither); in the others it is put back on the "
-                         "queue. Adds cancels of events not read yet or waiting in a batch (+ replays) for every "
-                         "subscription of the log, and the queue_empty check")
     args = ap.parse_args()
-    if args.default_on_log == "none":
-        args.default_on_log = None
-    if args.default_on_log:
-        LOG_DEFAULT.update(DBS if args.default_on_log == "all" else [args.default_on_log])
-        INVARIANTS.append("queue_empty")
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     print(f"seed {args.seed}", flush=True)
@@ -2856,7 +2470,6 @@ def main():
         threads.append(threading.Thread(target=idler, args=(ctx,), name="idler", daemon=True))
         threads.append(threading.Thread(target=bigops, args=(ctx,), name="bigops", daemon=True))
         threads.append(threading.Thread(target=scenario_replay, args=(ctx,), name="scen-replay", daemon=True))
-        threads.append(threading.Thread(target=scenario_lowwater, args=(ctx,), name="scen-lowwater", daemon=True))
         res_t = threading.Thread(target=resolver, args=(ctx,), name="resolver", daemon=True)
         samp_done = threading.Event()
         samp_ts = [threading.Thread(target=sampler, args=(ctx, samp_done, db), name=f"sampler-{db}", daemon=True)
@@ -2952,10 +2565,8 @@ def report(ctx, an, drain_time):
         f"{cnt['named replays']}, replay_dead {cnt['named replay_dead calls']}, cancels {cnt['named cancels']} "
         f"(+{cnt['named cancels in worker tx']} in worker tx), alter_subscription {cnt['alter_subscription']}; "
         f"drain replays {cnt['drain named replays']}")
-    if ctx.args.default_on_log:
-        fresh = {k[len("fresh "):]: v for k, v in sorted(cnt.items()) if k.startswith("fresh cancel")}
-        log(f"default over the log in {sorted(LOG_DEFAULT)}; cancels of events not read yet / waiting in a batch "
-            f"and their replays: {fresh}")
+    fresh = {k[len("fresh "):]: v for k, v in sorted(cnt.items()) if k.startswith("fresh cancel")}
+    log(f"cancels of events not read yet / waiting in a batch and their replays: {fresh}")
     for sub in SUBS:
         exp = len(an.expected(sub))
         log(f"  {sub}: {exp} committed events to deliver, {sum(1 for k in an.expected(sub) if len(an.good_acks[sub].get(k, [])) == 1)} "
@@ -2983,7 +2594,7 @@ def report(ctx, an, drain_time):
                 if shown > 60:
                     break
                 log(f"      {msg}")
-                for k in ("events_row", "queue_row", "low_water", "detail"):
+                for k in ("events_row", "deliveries_row", "counters", "detail"):
                     if c.get(k):
                         text = [t.strip() for t in str(c[k]).strip().splitlines() if t.strip()]
                         bt = [i for i, t in enumerate(text) if re.match(r"^\d+: ", t)]

@@ -5,8 +5,6 @@
 # the lease, attempts, fencing), 2 server crashes under load (default and two named
 # subscriptions: nothing committed lost in any of them, nothing uncommitted, acks
 # survive, subject order), 3 background worker crashes, 4 timeouts inside calls.
-# `default` reads the log, as a fresh 0.12.0 install has it; CRASH_DEFAULT_STORAGE=queue
-# puts it back on the queue (an install before 0.12.0), for the queue's code path.
 # The exit code is the verdict; the last line is `N passed, N failed`.
 #   CRASH_CASES=1,3 pg_test/suites/crash.sh     # a subset (cases 1..4)
 set -uo pipefail
@@ -23,8 +21,7 @@ if ! bash scripts/pgcluster.sh start "$NAME" "$PORT" --preload; then
     echo "0 passed, 1 failed"
     exit 1
 fi
-"$PY" pg_test/suites/crash_test.py --cluster "$NAME" --port "$PORT" --only "${CRASH_CASES:-1,2,3,4}" \
-    --default-storage "${CRASH_DEFAULT_STORAGE:-log}" &
+"$PY" pg_test/suites/crash_test.py --cluster "$NAME" --port "$PORT" --only "${CRASH_CASES:-1,2,3,4}" &
 child=$!
 # Forward a runner's timeout to python so it can clean up, then stop the cluster.
 trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM INT

@@ -32,20 +32,15 @@
                       other people use is not safe, and a loop-mounted small file
                       system needs mount privileges the test must not assume.
 
-`default` reads the event log, as a fresh 0.12.0 install has it, and every check reads
-the public views (outbox.events, outbox.deliveries, outbox.subscriptions).
---default-storage queue puts `default` back on the queue (outbox.event_queue), as an
-install before 0.12.0 has it until its upgrade, so the queue's code path keeps its
-coverage; only then do the checks about the queue's own storage run as well (the lease
-columns of its rows: a leased row has a token, a pending or dead one none, no token
-shared by two rows, no row both queued and archived; the tokens of held leases). The
-faults of case 4 lock the tables of the storage `default` reads (the queue, or the
-log's lanes, batches and per-event rows); case 3c loads maintenance with old rows
-of outbox.event_archive (its retention runs whatever `default` reads).
+Every check reads the public views (outbox.events, outbox.deliveries,
+outbox.subscriptions). The faults of case 4 lock the tables the calls of `default`
+write (the log's lanes, batches and rows of their own); case 3c loads maintenance
+with old rows of their own of `default` (delivered after a retry, of events the
+log no longer holds).
 
 The cluster is owned by the caller (crash.sh starts it with --preload); this script
 crashes and restarts it. Usage:
-  crash_test.py --cluster NAME --port PORT [--only 1,2,3,4] [--seed N] [--default-storage log|queue]
+  crash_test.py --cluster NAME --port PORT [--only 1,2,3,4] [--seed N]
 Last line: `N passed, N failed`; exit status 1 on any failure.
 """
 
@@ -70,8 +65,6 @@ REPO = os.environ.get("OUTBOX_REPO") or os.path.dirname(os.path.dirname(HERE))
 PGCLUSTER = os.environ.get("OUTBOX_PGCLUSTER") or os.path.join(REPO, "scripts", "pgcluster.sh")
 PG_BINDIR = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
 PG_ROOT = os.environ.get("OUTBOX_PG_ROOT", "/tmp/outbox-pg")
-# What 'default' reads: 'log' (a fresh 0.12.0 install) or 'queue' (--default-storage).
-DEFAULT_STORAGE = "log"
 
 
 def log(msg):
@@ -159,29 +152,9 @@ SELECT count(*) FILTER (WHERE n = 0), count(*) FILTER (WHERE rows > 1)
 """
 CONSISTENCY_NAMES = ["leased deliveries without leased_by/lease_expires_at/attempt",
                      "events with two rows of one subscription in outbox.deliveries"]
-# ... and of the queue's own rows, where 'default' reads the queue (its lease tokens
-# are not in any view).
-QUEUE_CONSISTENCY_SQL = """
-SELECT
-  (SELECT count(*) FROM outbox.event_queue WHERE state = 'leased'
-      AND (lease_token IS NULL OR leased_by IS NULL OR leased_at IS NULL OR attempts < 1)),
-  (SELECT count(*) FROM outbox.event_queue WHERE state = 'pending' AND lease_token IS NOT NULL),
-  (SELECT count(*) FROM outbox.event_queue WHERE state = 'dead' AND lease_token IS NOT NULL),
-  (SELECT count(*) FROM outbox.event_queue q JOIN outbox.event_archive a USING (id)),
-  (SELECT count(*) FROM (SELECT lease_token FROM outbox.event_queue WHERE lease_token IS NOT NULL
-                          GROUP BY 1 HAVING count(*) > 1) d)
-"""
-
-
 def consistency_problems(conn, where=""):
     r = conn.execute(CONSISTENCY_SQL).fetchone()
-    probs = [f"{where}{n}: {v}" for n, v in zip(CONSISTENCY_NAMES, r) if v]
-    if DEFAULT_STORAGE == "queue":
-        r = conn.execute(QUEUE_CONSISTENCY_SQL).fetchone()
-        names = ["leased rows without token/leased_by/leased_at/attempt", "pending rows with a token",
-                 "dead rows with a token", "rows both queued and archived", "shared lease tokens"]
-        probs += [f"{where}queue: {n}: {v}" for n, v in zip(names, r) if v]
-    return probs
+    return [f"{where}{n}: {v}" for n, v in zip(CONSISTENCY_NAMES, r) if v]
 
 
 def default_left(conn, topic):
@@ -981,20 +954,22 @@ def case_bgworker_sigterm_in_maintenance(cl):
     runs a long retention pass must still stop it."""
     probs = []
     with cl.connect() as c:
-        # Old delivered rows: one maintenance pass then takes several seconds.
-        c.execute("INSERT INTO outbox.event_archive (id, topic, payload, state, attempts, max_attempts, "
-                  "published_at, finished_at) SELECT -g, 'c3.old', '{}', 'delivered', 1, 10, "
-                  "now() - interval '9 days', now() - interval '8 days' FROM generate_series(1, 150000) g")
+        # Old delivered rows of their own, of events the log no longer holds (ids
+        # below every id it holds): one maintenance pass then takes several seconds.
+        c.execute("INSERT INTO outbox.log_exceptions (subscription, id, lane, topic, payload, max_attempts, "
+                  "published_at, state, attempts, visible_at, delivered_at) SELECT 'default', -g, 0, 'c3.old', '{}', 10, "
+                  "now() - interval '9 days', 'delivered', 2, now() - interval '9 days', now() - interval '8 days' "
+                  "FROM generate_series(1, 150000) g")
     if not wait_until(lambda: worker_pid(cl), 15):
         return probs + ["no background worker running"], {}
     bg_setup_only = cl.connect()
     bg_setup_only.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
     bg_setup_only.execute("SELECT pg_reload_conf()")
     bg_setup_only.close()
-    running = wait_until(lambda: cl.one("SELECT count(*) < 149000 FROM outbox.event_archive WHERE topic = 'c3.old'")[0],
+    running = wait_until(lambda: cl.one("SELECT count(*) < 149000 FROM outbox.log_exceptions WHERE topic = 'c3.old'")[0],
                          20, step=0.05)
     pid = worker_pid(cl)
-    left = cl.one("SELECT count(*) FROM outbox.event_archive WHERE topic = 'c3.old'")[0]
+    left = cl.one("SELECT count(*) FROM outbox.log_exceptions WHERE topic = 'c3.old'")[0]
     if not running or left == 0:
         probs.append(f"could not catch the worker inside a maintenance pass ({left} rows left)")
     cl.one("SELECT pg_terminate_backend(%s)", (pid,))
@@ -1009,7 +984,7 @@ def case_bgworker_sigterm_in_maintenance(cl):
     with cl.connect() as c:
         c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
         c.execute("SELECT pg_reload_conf()")
-        c.execute("DELETE FROM outbox.event_archive WHERE topic = 'c3.old'")
+        c.execute("DELETE FROM outbox.log_exceptions WHERE topic = 'c3.old'")
     log(f"  3c: worker {pid} terminated during maintenance ({left} of 150000 old rows left): "
         f"{'exited' if gone else 'ignored it'}")
     return probs, {"bgworker_kills": 1}
@@ -1031,32 +1006,24 @@ def expect_sqlstate(conn, sql, params, want, what, probs):
 
 
 def lease_snapshot(conn, ids):
-    """Each event's lease in 'default' (outbox.deliveries), and on the queue its token too."""
+    """Each event's lease in 'default' (outbox.deliveries)."""
     snap = dict((i, (st, att, by, str(exp))) for i, st, att, by, exp in conn.execute(
         "SELECT event_id, state, attempts, leased_by, lease_expires_at FROM outbox.deliveries "
         "WHERE subscription = 'default' AND event_id = ANY(%s)", (ids,)).fetchall())
-    if DEFAULT_STORAGE == "queue":
-        for i, tok in conn.execute("SELECT id, lease_token FROM outbox.event_queue WHERE id = ANY(%s)", (ids,)).fetchall():
-            snap[i] = snap.get(i, ()) + (str(tok) if tok else None,)
     return snap
 
 
-# The tables the calls of 'default' write, for the faults of case 4: the queue, or the
-# log's lanes (claims), batches (claims, acks, fails, extends of batch events) and
-# per-event rows (fails).
-def storage_tables():
-    if DEFAULT_STORAGE == "queue":
-        return "outbox.event_queue"
+# The tables the calls of 'default' write, for the faults of case 4: the log's lanes
+# (claims), batches (claims, acks, fails, extends of batch events) and rows of their
+# own (fails).
+def written_tables():
     return "outbox.log_lanes, outbox.log_batches, outbox.log_exceptions"
 
 
 def lock_held_rows(conn, hid):
     """Row locks under which ack/fail/extend of hid[0] must wait."""
-    if DEFAULT_STORAGE == "queue":
-        conn.execute("SELECT 1 FROM outbox.event_queue WHERE id = %s FOR UPDATE", (hid[0],))
-    else:
-        # the batches of 'default' (the held events are out in them)
-        conn.execute("SELECT 1 FROM outbox.log_batches WHERE subscription = 'default' FOR UPDATE")
+    # the batches of 'default' (the held events are out in them)
+    conn.execute("SELECT 1 FROM outbox.log_batches WHERE subscription = 'default' FOR UPDATE")
 
 
 def case_timeouts(cl):
@@ -1072,7 +1039,7 @@ def case_timeouts(cl):
 
     # a) lock_timeout: another session holds ACCESS EXCLUSIVE on the hot relations.
     b.execute("BEGIN")
-    b.execute(f"LOCK TABLE {storage_tables()} IN ACCESS EXCLUSIVE MODE")
+    b.execute(f"LOCK TABLE {written_tables()} IN ACCESS EXCLUSIVE MODE")
     a.execute("SET lock_timeout = '200ms'")
     calls = [
         ("claim", "SELECT * FROM outbox.claim('w4', 100, '30 s', ARRAY['c4.t'])", None),
@@ -1098,10 +1065,10 @@ def case_timeouts(cl):
         params = (hid[0], htok[0]) if what != "ack batch" else (hid[:10], htok[:10])
         expect_sqlstate(a, sql, params, "57014", f"statement_timeout in {what}", probs)
     b.execute("ROLLBACK")
-    # A SHARE lock blocks claim's UPDATE (of the queue's rows, or of a lane and its
-    # new batch): statement_timeout inside claim.
+    # A SHARE lock blocks claim's UPDATE (of a lane and its new batch):
+    # statement_timeout inside claim.
     b.execute("BEGIN")
-    b.execute(f"LOCK TABLE {storage_tables()} IN SHARE MODE")
+    b.execute(f"LOCK TABLE {written_tables()} IN SHARE MODE")
     expect_sqlstate(a, calls[0][1], None, "57014", "statement_timeout in claim (SHARE lock)", probs)
     b.execute("ROLLBACK")
     a.execute("RESET statement_timeout")
@@ -1183,31 +1150,16 @@ def main():
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--only", default="1,2,3,4")
     ap.add_argument("--seed", type=int, default=None)
-    ap.add_argument("--default-storage", choices=["log", "queue"], default="log",
-                    help="what 'default' reads: the log, as a fresh 0.12.0 install has it (default), or the "
-                         "queue, as an install before 0.12.0 has it until its upgrade")
     args = ap.parse_args()
-    global DEFAULT_STORAGE
-    DEFAULT_STORAGE = args.default_storage
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     cl = Cluster(args.cluster, args.port)
     cl.wait_ready()
     with cl.connect() as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
-        if DEFAULT_STORAGE == "queue":
-            # 'default' back on the queue, as an install before 0.12.0 has it until
-            # the upgrade moves it: the queue's code path under the same faults.
-            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
-        elif c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone() != ("log",):
-            # not a fresh install: 'default' made again over the log
-            c.execute("SELECT outbox.drop_subscription('default', force => true)")
+        if not c.execute("SELECT EXISTS (SELECT 1 FROM outbox.subscriptions WHERE name = 'default')").fetchone()[0]:
             c.execute("SELECT outbox.create_subscription('default', start => 'now')")
-        st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
-        if st != (DEFAULT_STORAGE,):
-            raise RuntimeError(f"'default' should read the {DEFAULT_STORAGE}, its storage is {st}")
-    log(f"crash tests on {cl.name} (port {cl.port}), seed {seed}, 'default' on the {DEFAULT_STORAGE}")
+    log(f"crash tests on {cl.name} (port {cl.port}), seed {seed}")
     passed = failed = 0
     totals = defaultdict(int)
     for key, title, fn in CASES:

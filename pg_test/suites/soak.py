@@ -7,16 +7,13 @@ handlers that outlive their lease, SIGKILL crashes) run for --duration seconds,
 alongside the background worker's maintenance (every 1 s; it also seals and
 truncates the event log's ring tables, outbox.retention_delivered being 15s) and
 CALL outbox.purge('2 s') every second. Every worker claims from each subscription
-in turn (SUBS): the install's `default`, which reads the event log as a fresh
-0.12.0 install has it (every topic, the topics' policy), and two made with
-outbox.create_subscription before the publishers start, which read the log too:
+in turn (SUBS): the install's `default` (every topic, the topics' policy), and two
+made with outbox.create_subscription before the publishers start:
 `soak_log` (default's configuration) and `soak_filt` (soak.orders and soak.mail
-only, with its own max_attempts, backoff, lease and dead-letter policy).
---default-storage queue puts `default` back on the queue (outbox.event_queue), as
-an install before 0.12.0 has it until its upgrade, so the queue's code path keeps
-its coverage. Then the workers drain every subscription and the checker reads
-every process's log plus the public views (outbox.deliveries per subscription;
-for a `default` on the queue, outbox.events) and verifies, per subscription:
+only, with its own max_attempts, backoff, lease and dead-letter policy). Then the
+workers drain every subscription and the checker reads every process's log plus
+the public views (outbox.deliveries per subscription) and verifies, per
+subscription:
 
   delivery     every committed event whose topic matches the subscription's filter is
                delivered (ack()=true logged by a worker of that subscription, or
@@ -41,15 +38,10 @@ for a `default` on the queue, outbox.events) and verifies, per subscription:
                letter blocks its subject exactly under the policy that applies
                (subscription's, else topic's)
 
-Only with --default-storage queue, about the queue's storage: the dead letters'
-blocks_subject in outbox.event_queue (the blocking seen through the queue's own
-column, as the log's is read from its per-event rows).
-
 By default it starts its own throwaway cluster (scripts/pgcluster.sh, name
 outbox-soak, port 5481, preloaded) and stops it at the end:
   python pg_test/suites/soak.py --duration 60      # what CI runs (pg_test/suites/soak.sh)
   python pg_test/suites/soak.py --duration 3600    # the one-hour soak
-  python pg_test/suites/soak.py --default-storage queue   # `default` on the queue
 Last line: `N passed, N failed` (one per invariant plus the run itself); exit 1 on failure.
 """
 
@@ -93,39 +85,24 @@ CLUSTER_SETTINGS = {
     # The log's ring tables are sealed and truncated during the run (once every
     # subscription has read them), so the soak covers the log's retention too; for an
     # event gone from outbox.deliveries the checker relies on the workers' ack logs.
-    # (The queue's archive is purged by CALL outbox.purge('2 s') every second anyway.)
     "outbox.retention_delivered": "15s",
 }
 NSUBJECTS = 40
 PURGE_AGE = 2.0
 
 # The subscriptions the workers claim from, each worker taking them in turn.
-# Every one reads the event log; 'default' is the install's (0.12.0), the others
-# are made by outbox.create_subscription before the publishers start.
-# name -> its filter and policy (None = the topic's / the GUC), or None for a
-# 'default' put back on the queue (--default-storage queue, set_default_storage).
-DEFAULT_ON_LOG = {"topics": None, "max_attempts": None, "backoff_base": None, "backoff_max": None,
-                  "default_lease": None, "policy": None}
+# 'default' is the install's, the others are made by outbox.create_subscription
+# before the publishers start. name -> its filter and policy (None = the topic's
+# / the GUC).
 SUBS = {
-    "default": dict(DEFAULT_ON_LOG),
+    "default": {"topics": None, "max_attempts": None, "backoff_base": None, "backoff_max": None,
+                "default_lease": None, "policy": None},
     "soak_log": {"topics": None, "max_attempts": None, "backoff_base": None, "backoff_max": None,
                  "default_lease": None, "policy": None},
     "soak_filt": {"topics": ["soak.orders", "soak.mail"], "max_attempts": 4, "backoff_base": "50 ms",
                   "backoff_max": "400 ms", "default_lease": "2 s", "policy": "skip"},
 }
-LOG_SUBS = [s for s, cfg in SUBS.items() if cfg]
-
-
-def set_default_storage(storage):
-    """'log' (a fresh install's 'default', the default) or 'queue' (an install before
-    0.12.0): what the workers, the supervisor and the checker take 'default' to read."""
-    global LOG_SUBS
-    SUBS["default"] = dict(DEFAULT_ON_LOG) if storage == "log" else None
-    LOG_SUBS = [s for s, cfg in SUBS.items() if cfg]
-
-
-def on_log(sub):
-    return bool(SUBS.get(sub))
+LOG_SUBS = list(SUBS)
 
 
 def topic_matches(topic, pattern):
@@ -381,30 +358,20 @@ def worker_main(dsn, name, until, logdir, seed, chaos, drainfile):
 # Supervisor
 # ---------------------------------------------------------------------------
 
-def setup_db(dsn, storage):
+def setup_db(dsn):
     with connect(dsn) as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
         c.execute("DROP SCHEMA IF EXISTS soak CASCADE")
         c.execute("CREATE SCHEMA soak")
         c.execute("CREATE TABLE soak.subject_seq (subject text PRIMARY KEY, seq int NOT NULL)")
-        c.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys, outbox.topics")
-        if storage == "queue":
-            # 'default' back on the queue, as an install before 0.12.0 has it until
-            # the upgrade moves it: the queue's code path (claim, leases, subjects,
-            # dead letters) under the same load.
-            c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-            c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
-        else:
-            # 'default' on the log, as a fresh 0.12.0 install makes it. A database that
-            # is not fresh (--dsn) gets it made again, so that it has no earlier event.
-            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
-            if st is None or st[0] != "log" or c.execute("SELECT EXISTS (SELECT 1 FROM outbox.events)").fetchone()[0]:
-                if st is not None:
-                    c.execute("SELECT outbox.drop_subscription('default', force => true)")
-                c.execute("SELECT outbox.create_subscription('default', start => 'now')")
-            st = c.execute("SELECT storage FROM outbox.subscriptions WHERE name = 'default'").fetchone()
-            if st != ("log",):
-                raise RuntimeError(f"'default' should read the log, its storage is {st}")
+        c.execute("TRUNCATE outbox.dispatch_keys, outbox.topics")
+        # 'default' as a fresh install makes it. A database that is not fresh
+        # (--dsn) gets it made again, so that it has no earlier event.
+        exists = c.execute("SELECT EXISTS (SELECT 1 FROM outbox.subscriptions WHERE name = 'default')").fetchone()[0]
+        if not exists or c.execute("SELECT EXISTS (SELECT 1 FROM outbox.events)").fetchone()[0]:
+            if exists:
+                c.execute("SELECT outbox.drop_subscription('default', force => true)")
+            c.execute("SELECT outbox.create_subscription('default', start => 'now')")
         for t, cfg in TOPICS.items():
             if cfg:
                 ma, bb, bm, dl, pol, rd = cfg
@@ -449,8 +416,7 @@ class Supervisor:
             self.incarnation[idx] += 1
         cmd = [sys.executable, os.path.abspath(__file__), "--role", role, "--dsn", self.dsn, "--name", name,
                "--index", str(idx), "--until", str(until), "--logdir", self.logdir,
-               "--seed", str(self.rnd.randrange(1 << 30)), "--chaos", "1",
-               "--default-storage", self.args.default_storage]
+               "--seed", str(self.rnd.randrange(1 << 30)), "--chaos", "1"]
         self.procs[(role, idx)] = subprocess.Popen(cmd)
 
     def background(self):
@@ -610,8 +576,7 @@ def read_logs(logdir, prefix):
 class Checker:
     # A row of the final state, per subscription: (id, topic, subject, dispatch_key, state,
     # attempts, max_attempts, payload tx, payload j, last_error, lease expiry epoch).
-    # Read from outbox.deliveries for every subscription of the log ('default' too,
-    # unless --default-storage queue: then from outbox.events).
+    # Read from outbox.deliveries for every subscription.
     def __init__(self, dsn, logdir):
         self.v = defaultdict(list)   # invariant -> violations
         pubs = read_logs(logdir, "pub")
@@ -624,15 +589,7 @@ class Checker:
         self.sown = {}      # subscription -> ids whose row is the event's own (outbox.log_exceptions)
         self.t_read = time.time()
         with connect(dsn) as c:
-            self.db, self.blocks = {}, {}
-            if not on_log("default"):
-                self.db = {r[0]: r for r in c.execute(
-                    "SELECT id, topic, subject, dispatch_key, state, attempts, max_attempts, payload->>'tx', "
-                    "(payload->>'j')::int, last_error, "
-                    "extract(epoch FROM lease_expires_at)::float8 FROM outbox.events").fetchall()}
-                # The queue's own column (queue only): whether each dead letter blocks its subject.
-                self.blocks = {r[0]: r[1] for r in c.execute(
-                    "SELECT id, blocks_subject FROM outbox.event_queue WHERE state = 'dead'").fetchall()}
+            self.db = {}
             self.dup_keys_db = c.execute(
                 "SELECT dispatch_key, array_agg(id) FROM outbox.events WHERE dispatch_key IS NOT NULL "
                 "GROUP BY 1 HAVING count(*) > 1").fetchall()
@@ -663,8 +620,7 @@ class Checker:
                     "AND state = 'leased' AND lease_expires_at < clock_timestamp() - interval '5 s' GROUP BY 1",
                     (list(SUBS),)).fetchall():
                 self.sstuck[sub] = n
-            if on_log("default"):
-                self.db = self.sdb["default"]
+            self.db = self.sdb["default"]
 
     def bad(self, inv, msg):
         self.v[inv].append(msg)
@@ -742,7 +698,7 @@ class Checker:
             row = self.db.get(i)
             tok = (row[7], row[8]) if row else ((claims[i][0]["tx"], claims[i][0]["pj"]) if i in claims else None)
             if tok is None:
-                # Gone from the queue and never claimed there: what a subscription of the log stored.
+                # Gone from 'default' and never claimed there: what another subscription stored.
                 for sub in LOG_SUBS:
                     lrow, lcl = self.sdb[sub].get(i), sclaims[sub].get(i)
                     if lrow or lcl:
@@ -757,10 +713,7 @@ class Checker:
         self.outcome = {}
         nsubj = set()
         for sub in SUBS:
-            if not on_log(sub):
-                db, blocks = self.db, self.blocks
-            else:
-                db, blocks = self.sdb[sub], self.sblocks[sub]
+            db, blocks = self.sdb[sub], self.sblocks[sub]
             stuck = self.sstuck.get(sub, 0)
             nsubj |= self.check_subscription(sub, db, blocks, stuck, sclaims[sub], sacks[sub], sfails[sub],
                                              sexts[sub], committed, never, unknown)
@@ -800,9 +753,8 @@ class Checker:
 
     def check_subscription(self, sub, db, blocks, stuck, claims, acks, fails, exts, committed, never, unknown):
         """Every invariant but keys' publish side, for one subscription: db is its final
-        state per event (outbox.deliveries for one of the log, outbox.events for a
-        'default' on the queue), blocks its dead letters' blocking (the log's per-event
-        rows; the queue's blocks_subject), claims/acks/fails/exts its workers' records.
+        state per event (outbox.deliveries), blocks its dead letters' blocking (its
+        rows of their own), claims/acks/fails/exts its workers' records.
         Returns the subjects claimed."""
         pre = "" if sub == "default" else f"[{sub}] "
 
@@ -813,7 +765,7 @@ class Checker:
                 self.bad("uncommitted", f"{pre}event {i} of rolled-back transaction {tok} is stored ({row[4]})")
             elif i not in committed and tok not in unknown:
                 self.bad("uncommitted", f"{pre}event {i} {tok} was never published by a committed transaction")
-            elif on_log(sub) and i in committed and tok != (committed[i]["tx"], committed[i]["j"]):
+            elif i in committed and tok != (committed[i]["tx"], committed[i]["j"]):
                 self.bad("uncommitted", f"{pre}event {i} carries payload {tok}, its publisher's "
                                         f"{(committed[i]['tx'], committed[i]['j'])}")
             if not sub_matches(sub, row[1]):
@@ -835,7 +787,7 @@ class Checker:
             k = atts[-1]
             row = db.get(i)
             oks = [a for a in acks.get(i, []) if a["ok"]]
-            if (row is not None and row[5] != k and on_log(sub) and i not in self.sown[sub]
+            if (row is not None and row[5] != k and i not in self.sown[sub]
                     and row[4] == "delivered" and row[5] == 1 and oks
                     and oks[0]["t"] < self.t_read - PURGE_AGE + 1.0):
                 # outbox.deliveries shows an event of the log without a row of its own as
@@ -928,11 +880,8 @@ class Checker:
                 self.bad("dead", f"{pre}event {i} is dead (last_error {row[9]!r}) with no dead-lettering failure logged")
         for i, fl in fails.items():
             row = db.get(i)
-            if not on_log(sub):
-                ma = row[6] if row else max_attempts_of(claims[i][0]["topic"] if claims.get(i) else "")
-            else:
-                # The subscription's own max_attempts overrides the topic's.
-                ma = max_attempts_of(claims[i][0]["topic"] if claims.get(i) else (row[1] if row else ""), sub)
+            # The subscription's own max_attempts overrides the topic's.
+            ma = max_attempts_of(claims[i][0]["topic"] if claims.get(i) else (row[1] if row else ""), sub)
             for f in fl:
                 want = "dead" if (f["perm"] or f["att"] >= ma) else "pending"
                 if f["res"] not in (want, "stale"):
@@ -942,16 +891,14 @@ class Checker:
                     self.bad("dead", f"{pre}event {i}: fail() returned dead but the event is {row[4] if row else 'gone'}")
 
         # --- per-subject order ---------------------------------------------------
-        # The queue's claim is one statement whose snapshot is taken at its start, so
-        # its claims are ordered by that server time (exp - lease). A claim of the log
-        # reads lanes and rows with a fresh snapshot per statement, so it may hand out
+        # A claim reads lanes and rows with a fresh snapshot per statement, so it may hand out
         # seq k+1 after seq k was acked during the call: its claims are ordered by the
         # time the call had returned (logged by the worker before it acks or fails).
         by_subj = defaultdict(list)
         for i, cl in claims.items():
             for c in cl:
                 if c["subj"]:
-                    by_subj[c["subj"]].append((c["t"] if on_log(sub) else c["at"], c["seq"], i, c["att"]))
+                    by_subj[c["subj"]].append((c["t"], c["seq"], i, c["att"]))
         for subj, lst in by_subj.items():
             lst.sort()
             top = (0, None)
@@ -995,9 +942,6 @@ def main():
     ap.add_argument("--cluster", default="outbox-soak")
     ap.add_argument("--port", type=int, default=5481)
     ap.add_argument("--keep", action="store_true", help="leave the cluster and logs behind")
-    ap.add_argument("--default-storage", choices=["log", "queue"], default="log",
-                    help="what 'default' reads: the log, as a fresh 0.12.0 install has it (default), or the "
-                         "queue, as an install before 0.12.0 has it until its upgrade")
     # internal: child processes
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--name", help=argparse.SUPPRESS)
@@ -1006,7 +950,6 @@ def main():
     ap.add_argument("--logdir", help=argparse.SUPPRESS)
     ap.add_argument("--chaos", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    set_default_storage(args.default_storage)
 
     if args.role == "publisher":
         publisher_main(args.dsn, args.index, args.until, args.logdir, args.seed)
@@ -1025,8 +968,8 @@ def main():
     try:
         dsn = own_cluster(args) if owned else args.dsn
         log(f"soak: {args.duration:.0f}s, {args.publishers} publishers, {args.workers} workers, "
-            f"seed {args.seed}, 'default' on the {args.default_storage}, logs {logdir}")
-        m0 = setup_db(dsn, args.default_storage)
+            f"seed {args.seed}, logs {logdir}")
+        m0 = setup_db(dsn)
         sup = Supervisor(args, dsn, logdir)
         t0 = time.time()
         try:

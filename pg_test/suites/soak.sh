@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Soak test: 60 s of publishers, failing/crashing workers, maintenance and
 # purges, then the invariant checker (pg_test/suites/soak.py). It starts and stops
-# its own preloaded cluster (outbox-soak, port 5481). `default` reads the log, as a
-# fresh 0.12.0 install has it; SOAK_DEFAULT_STORAGE=queue puts it back on the queue
-# (an install before 0.12.0), for the queue's code path. The hour-long run:
+# its own preloaded cluster (outbox-soak, port 5481). The hour-long run:
 #   .venv/bin/python pg_test/suites/soak.py --duration 3600
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
@@ -16,8 +14,7 @@ PY="${OUTBOX_TEST_PYTHON:-.venv/bin/python}"
 cleanup() { bash scripts/pgcluster.sh stop "$NAME" >/dev/null 2>&1 || true; }
 trap cleanup EXIT
 
-"$PY" pg_test/suites/soak.py --duration "${SOAK_DURATION:-60}" --cluster "$NAME" --port "$PORT" \
-    --default-storage "${SOAK_DEFAULT_STORAGE:-log}" &
+"$PY" pg_test/suites/soak.py --duration "${SOAK_DURATION:-60}" --cluster "$NAME" --port "$PORT" &
 child=$!
 # Forward a runner's timeout to python so it can clean up, then stop the cluster.
 trap 'kill -TERM "$child" 2>/dev/null; wait "$child"; exit 143' TERM INT

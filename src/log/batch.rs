@@ -64,9 +64,9 @@ pub struct Round {
 }
 
 /// A lease token of a batch round, as the `uuid` workers hold. It is an RFC 9562
-/// version 8 (vendor-specific) UUID, so it never equals a token of the queue
-/// (`gen_random_uuid()`, version 4) and ack, fail and extend_lease know from the
-/// token alone which storage holds the event ([`TokenKind`]):
+/// version 8 (vendor-specific) UUID, so ack, fail and extend_lease know from the
+/// token alone where the lease is kept ([`TokenKind`]), and a uuid of another
+/// kind (`gen_random_uuid()`, version 4) matches no lease:
 ///
 /// | bytes | content |
 /// |---|---|
@@ -89,11 +89,11 @@ pub const RANDOM_MASK: u64 = (1 << 48) - 1;
 /// Largest batch id a token can name (the sequence `outbox.log_batch_seq` stops there).
 pub const MAX_BATCH_ID: i64 = (1 << 48) - 1;
 
-/// Which storage a lease token's event is in.
+/// Where a lease token's lease is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TokenKind {
-    /// Not a log token: the queue of the `default` subscription (version 4).
-    Queue,
+    /// Not a token this extension hands out (another version or kind).
+    Foreign,
     /// A batch round ([`Token`]).
     Batch,
     /// A lease of a row of the exception table ([`exception_token`]).
@@ -103,12 +103,12 @@ pub enum TokenKind {
 /// The kind of the token spelled by `b`.
 pub fn token_kind(b: &[u8; 16]) -> TokenKind {
     if b[6] >> 4 != 8 || b[8] >> 6 != 2 {
-        return TokenKind::Queue;
+        return TokenKind::Foreign;
     }
     match b[6] & 0x0f {
         0 => TokenKind::Batch,
         1 => TokenKind::Exception,
-        _ => TokenKind::Queue,
+        _ => TokenKind::Foreign,
     }
 }
 
@@ -741,10 +741,10 @@ mod tests {
         }
         let x = exception_token(u64::MAX, u64::MAX);
         assert_eq!(token_kind(&x), TokenKind::Exception);
-        // gen_random_uuid() makes version 4: the queue's.
+        // gen_random_uuid() makes version 4: not a token of ours.
         let mut q = x;
         q[6] = 0x4f;
-        assert_eq!(token_kind(&q), TokenKind::Queue);
+        assert_eq!(token_kind(&q), TokenKind::Foreign);
         assert_eq!(token_kind(&exception_token(0, 0)), TokenKind::Exception);
         // The random part keeps 48 bits; higher bits are dropped on both sides.
         let t = Token { batch: 1, round: 1, random: u64::MAX };

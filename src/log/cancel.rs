@@ -20,7 +20,7 @@
 //!      holders from rows of their own, so none of the subject is handed out
 //!      ahead of an earlier one), and that row is cancelled in the same
 //!      transaction. An event out (leased), done or already moved is not
-//!      cancelled: cancel takes pending or dead events only, as for the queue.
+//!      cancelled: cancel takes pending or dead events only.
 //! 2. **The subject goes on.** A cancelled row does not hold its subject
 //!    (only pending, leased, and dead rows under `block` do), so later events
 //!    follow as if it had been delivered; earlier ones are unaffected.

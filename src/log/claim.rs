@@ -2,10 +2,9 @@
 //! (docs/design/subscriptions.md, "Claiming: lanes and batches"), and ack,
 //! fail and extend_lease for the tokens they hand out.
 //!
-//! `outbox.claim(..., subscription => name)` for a named subscription runs
-//! here (src/claim.rs routes it); `default` still claims from the queue. A
-//! lease token says which storage holds its event ([`TokenKind`]), so `ack`,
-//! `fail` and `extend_lease` route by token (src/lease.rs).
+//! `outbox.claim` runs here once src/claim.rs has checked its arguments. A
+//! lease token says where its lease is kept ([`TokenKind`]: a batch round or
+//! a row of its own), so `ack`, `fail` and `extend_lease` route by token.
 //!
 //! # A claim
 //! 1. Exception rows first (src/log/exceptions.rs): retries, expired leases,
@@ -77,11 +76,10 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    ANY_SUBJECT, BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_0110, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT,
-    BATCH_INSERT_0110, BATCH_PUT, BATCH_PUT_MANY, BATCH_PUT_ROUNDS_0110, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL,
-    EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_0100, LANES_WITH_NEWS,
-    LANE_HAS_MORE, LANE_LOCK, LANE_PUT, LANE_PUT_0100, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE,
-    SUBSCRIBE_0100, SUBSCRIBE_LISTED, SUBSCRIBE_LISTED_0100, TOPICS_OF,
+    ANY_SUBJECT, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_MANY,
+    BATCH_PUT_ROUNDS, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH,
+    FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
+    PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -100,7 +98,7 @@ pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
 /// goes on (µs). A handler slower than this, on a lane with a backlog, costs
 /// one row per slow event; the lane's other subjects wait at most this long
 /// for it, not for its whole lease, even while other lanes keep every claim
-/// full. A claim that would come back short does not wait at all (0.12.0),
+/// full. A claim that would come back short does not wait at all,
 /// outside a transaction block: it moves them aside at once and serves the
 /// lane's newer events.
 pub const LANE_HOLD_US: i64 = 1_000_000;
@@ -139,13 +137,7 @@ struct Lane {
     batch: Option<i64>,
     /// Events cancelled before the lane read them (src/log/cancel.rs): the
     /// claim that reads one leaves it out of its batch and drops it from here.
-    /// None with the SQL of 0.9.0 (no such column).
-    skips: Option<Vec<i64>>,
-}
-
-/// True when the installed SQL keeps the lanes' skips and first cursor (0.10.0 on).
-fn lanes_have_skips() -> bool {
-    pg::catalog::outbox_column(c"log_lanes", c"skips")
+    skips: Vec<i64>,
 }
 
 fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option<Cursor> {
@@ -153,8 +145,7 @@ fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option
 }
 
 fn lanes(subscription: &str) -> Vec<Lane> {
-    let skips = lanes_have_skips();
-    plans::run_latest(if skips { &LANES_0100 } else { &LANES }, &[subscription.into()], |rows| {
+    plans::run_latest(&LANES, &[subscription.into()], |rows| {
         let mut out = Vec::with_capacity(rows.len());
         rows.for_each(|r| {
             let (Some(tid), Some(lane), Some(lo)) = (r.tid(0), r.i16(1), cursor_at(r.text(2), r.i64(3), r.text(4)))
@@ -168,7 +159,7 @@ fn lanes(subscription: &str) -> Vec<Lane> {
                 hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
                 pos: r.i64(8),
                 batch: r.i64(9),
-                skips: skips.then(|| r.i64_array(10).unwrap_or_default()),
+                skips: r.i64_array(10).unwrap_or_default(),
             });
         });
         out
@@ -178,7 +169,8 @@ fn lanes(subscription: &str) -> Vec<Lane> {
 fn put_lane(subscription: &str, l: &Lane) {
     let xn = |c: &Cursor| c.xn.to_string();
     let (lo_xn, hi_xn) = (xn(&l.lo), l.hi.as_ref().map(xn));
-    let mut args: Vec<DatumWithOid<'_>> = vec![
+    let skips = if l.skips.is_empty() { None } else { Some(l.skips.clone()) };
+    let args: Vec<DatumWithOid<'_>> = vec![
         subscription.into(),
         l.lane.into(),
         l.lo.snapshot.as_str().into(),
@@ -189,15 +181,9 @@ fn put_lane(subscription: &str, l: &Lane) {
         hi_xn.as_deref().into(),
         l.pos.into(),
         l.batch.into(),
+        skips.into(),
     ];
-    let stmt = match &l.skips {
-        Some(skips) => {
-            args.push(if skips.is_empty() { None } else { Some(skips.clone()) }.into());
-            &LANE_PUT_0100
-        }
-        None => &LANE_PUT,
-    };
-    plans::run_latest(stmt, &args, |_| ());
+    plans::run_latest(&LANE_PUT, &args, |_| ());
 }
 
 /// A batch row: its state, lane and subscription.
@@ -205,8 +191,8 @@ pub(super) struct Loaded {
     pub(super) batch: Batch,
     lane: i16,
     subscription: String,
-    /// The worker of each round (round r at r - 1); None for a batch made
-    /// before 0.11.0 or under older SQL, whose rounds' workers are unknown.
+    /// The worker of each round (round r at r - 1); None when its row keeps
+    /// none.
     pub(super) holders: Holders,
 }
 
@@ -220,22 +206,12 @@ pub(super) fn holder(holders: Option<&[Option<String>]>, round: Option<u16>) -> 
     holders?.get(r).cloned().flatten()
 }
 
-/// True when the installed SQL keeps the workers of a batch's rounds (0.11.0).
-fn batches_have_holders() -> bool {
-    pg::catalog::outbox_column(c"log_batches", c"leased_by")
-}
-
 /// The batch `id`, read after its lock was taken; None when it is finished
 /// (deleted) or its subscription was dropped.
 pub(super) fn load_batch(id: i64) -> Option<Loaded> {
-    let with_holders = batches_have_holders();
-    let stmt = if with_holders { &BATCH_GET_0110 } else { &BATCH_GET };
-    let (bytes, lane, subscription, holders) = plans::run_latest(stmt, &[id.into()], |rows| {
+    let (bytes, lane, subscription, holders) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
         let mut out = None;
-        rows.for_each(|r| {
-            let holders = if with_holders { r.text_array_with_nulls(3) } else { None };
-            out = Some((r.bytes(0), r.i16(1), r.text(2), holders))
-        });
+        rows.for_each(|r| out = Some((r.bytes(0), r.i16(1), r.text(2), r.text_array_with_nulls(3))));
         out
     })?;
     let (Some(bytes), Some(lane), Some(subscription)) = (bytes, lane, subscription) else {
@@ -267,15 +243,12 @@ fn load_batches(ids: Vec<i64>) -> HashMap<i64, Batch> {
 }
 
 /// Write batch `id`; false when its row is gone (drop_subscription removed
-/// it). A finished batch is deleted, and from 0.10.0 its encoding is kept in
+/// it). A finished batch is deleted, and its encoding kept in
 /// `outbox.log_delivered` with the time it finished, when an event was acked
 /// from it: the delivery time of those events, at batch precision, with no
 /// write per event (src/log/views.rs).
 fn store_batch(id: i64, b: &Batch) -> bool {
     if b.finished() {
-        if outbox_relid(c"log_delivered").is_none() {
-            return plans::run_latest(&BATCH_DELETE, &[id.into()], |rows| rows.len()) > 0;
-        }
         let acked = (0..b.len()).any(|i| b.state(i) == super::batch::State::Done);
         plans::run_latest(&BATCH_FINISH, &[id.into(), b.encode().into(), acked.into()], |rows| rows.len()) > 0
     } else {
@@ -330,7 +303,7 @@ struct Claim<'a> {
 /// with the claim's others ([`Claim::flush`]).
 struct Pending {
     batch: i64,
-    /// Whether the batch keeps its rounds' workers (made from 0.11.0 on).
+    /// Whether the batch keeps its rounds' workers.
     holders: bool,
     lane: i16,
     state: Vec<u8>,
@@ -384,7 +357,7 @@ impl Claim<'_> {
         if pending.is_empty() {
             return;
         }
-        // A batch made before 0.11.0 keeps no workers of its rounds: it gets none.
+        // A batch whose row keeps no workers of its rounds gets none.
         let (with, without): (Vec<&Pending>, Vec<&Pending>) = pending.iter().partition(|p| p.holders);
         let mut written: Vec<i64> = Vec::new();
         let collect = |rows: &plans::Rows| {
@@ -399,7 +372,7 @@ impl Claim<'_> {
             let (ids, states) = parts(&with);
             let rounds: Vec<i32> = with.iter().map(|p| i32::from(p.token.round)).collect();
             let args = [ids.into(), states.into(), rounds.into(), self.req.worker.into()];
-            written.extend(plans::run_latest(&BATCH_PUT_ROUNDS_0110, &args, collect));
+            written.extend(plans::run_latest(&BATCH_PUT_ROUNDS, &args, collect));
         }
         if !without.is_empty() {
             let (ids, states) = parts(&without);
@@ -502,9 +475,9 @@ impl Claim<'_> {
         };
         let mut rows: Vec<Moved> = Vec::new();
         for (i, was_out) in b.expire(self.now) {
-            // An expired event stays leased, its lease expired, as an expired
-            // lease of the queue does: its token still acks until a claim
-            // takes it again, and that claim counts the attempt as the queue's does.
+            // An expired event stays leased, its lease expired: its token
+            // still acks until a claim takes it again, and that claim records
+            // the expiry against the attempt.
             rows.push(leave(b, i, if was_out { rounds[i] } else { None }));
         }
         if !rows.is_empty() {
@@ -752,7 +725,7 @@ impl Claim<'_> {
                 dirty = true;
                 continue;
             }
-            let skips = l.skips.clone().unwrap_or_default();
+            let skips = l.skips.clone();
             let open = self.open_subjects(l.lane, &events, &skips);
             if !self.cut(&mut events, &skips, &open, left) {
                 break; // the claim's budget of rows for the exception table is spent
@@ -760,9 +733,7 @@ impl Claim<'_> {
             let mut b = self.build(l.lane, &events, &skips, &open);
             // Every event of the piece is read now: a skip among them is done
             // with (each event is in exactly one window, src/log/mod.rs).
-            if let Some(skips) = l.skips.as_mut() {
-                skips.retain(|id| !events.iter().any(|e| e.id == *id));
-            }
+            l.skips.retain(|id| !events.iter().any(|e| e.id == *id));
             l.pos = events.last().map(|e| e.id);
             l.hi = Some(hi);
             dirty = true;
@@ -776,14 +747,8 @@ impl Claim<'_> {
             // the token gets it after.
             let expires = self.round_expires(l.lane, &b, &picks);
             let token = b.hand_out(0, &picks, self.now, expires, pg::strong_random());
-            let mut args = vec![self.req.subscription.into(), l.lane.into(), b.encode().into()];
-            let stmt = if batches_have_holders() {
-                args.push(self.req.worker.into());
-                &BATCH_INSERT_0110
-            } else {
-                &BATCH_INSERT
-            };
-            let id = plans::run_latest(stmt, &args, |rows| {
+            let args = [self.req.subscription.into(), l.lane.into(), b.encode().into(), self.req.worker.into()];
+            let id = plans::run_latest(&BATCH_INSERT, &args, |rows| {
                 let mut id = None;
                 rows.for_each(|r| id = r.i64(0));
                 id
@@ -1000,15 +965,14 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         let mut all = lanes(req.subscription);
         if all.is_empty() {
             // Lanes are made by create_subscription and by a restore's rebase
-            // (src/log/restore.rs); a subscription restored without them (a
-            // dump of SQL older than 0.11.0) starts here. One dropped meanwhile
+            // (src/log/restore.rs); a subscription whose lanes are missing
+            // anyway (rows deleted by hand) starts here. One dropped meanwhile
             // gets none (its catalog row is read, and waited for, first).
             let c = cursor();
             let xn = c.xn.to_string();
             let args: [DatumWithOid<'_>; 4] =
                 [req.subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
-            let stmt = if lanes_have_skips() { &SUBSCRIBE_LISTED_0100 } else { &SUBSCRIBE_LISTED };
-            plans::run_latest(stmt, &args, |_| ());
+            plans::run_latest(&SUBSCRIBE_LISTED, &args, |_| ());
             all = lanes(req.subscription);
         }
         let claim = Claim {
@@ -1077,8 +1041,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
 fn subscribe(subscription: &str, c: Cursor) -> bool {
     let xn = c.xn.to_string();
     let args: [DatumWithOid<'_>; 4] = [subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
-    let stmt = if lanes_have_skips() { &SUBSCRIBE_0100 } else { &SUBSCRIBE };
-    plans::run_latest(stmt, &args, |rows| rows.len()) > 0
+    plans::run_latest(&SUBSCRIBE, &args, |rows| rows.len()) > 0
 }
 
 /// `outbox._log_subscribe(subscription text, start text DEFAULT 'now') -> boolean`:
@@ -1214,7 +1177,7 @@ pub fn log_subscription_stats(
 }
 
 /// `outbox._log_backlog(subscription text, published_by timestamptz) -> bigint`
-/// (0.12.0, for `outbox.health()`): how many of the subscription's events
+/// (for `outbox.health()`): how many of the subscription's events
 /// are claimable, or wait only behind an earlier event of their subject, and
 /// have been since `published_by` or earlier: unread ones and ones waiting
 /// in a batch published (and due, if delayed) by then (the lanes' windows up
@@ -1309,12 +1272,6 @@ pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded
     exceptions::insert(subscription, &settings, lane, &rows, None);
     store_batch(batch, &b);
     rows.len() as i32
-}
-
-/// True when `token` was handed out by a claim over the log (a batch round or
-/// an exception row), not by the queue's claim.
-pub fn is_log_token(token: &pgrx::Uuid) -> bool {
-    super::batch::token_kind(token.as_bytes()) != TokenKind::Queue
 }
 
 /// Ack log events: each id with its token (batch rounds, exception rows).
@@ -1434,22 +1391,6 @@ pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval, lease_us: i64) -> Opt
         }
     }
     exceptions::extend(id, token, lease)
-}
-
-/// The body of the C symbols of 0.8.0's internal claim functions
-/// (`outbox._log_claim`, `_log_ack`, `_log_extend`), which 0.9.0 replaced with
-/// `outbox.claim`, `ack` and `extend_lease`: the frozen install script of
-/// 0.8.0 must still load against this library (an upgrade goes through it),
-/// and a call before `ALTER EXTENSION outbox_ext UPDATE` gets a clear error.
-///
-/// # Safety
-/// Called by PostgreSQL through the v1 calling convention; reads nothing.
-pub unsafe fn retired(_fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
-    errors::raise_hint(
-        PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED,
-        "this internal function of outbox_ext 0.8.0 was replaced in 0.9.0",
-        "Run ALTER EXTENSION outbox_ext UPDATE; outbox.claim, ack and extend_lease serve named subscriptions.",
-    )
 }
 
 #[cfg(any(test, feature = "pg_test"))]

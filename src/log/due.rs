@@ -1,9 +1,8 @@
 //! What in the log becomes claimable by the clock or without a commit of its
 //! own, for the background worker's wake-ups (src/worker.rs): the part of its
-//! due-time pass that reads the log's subscriptions (0.12.0).
+//! due-time pass.
 //!
-//! An immediate publish is announced by its own commit, whatever storage reads
-//! it (src/wakeup.rs). Everything else a listener must hear about comes due
+//! An immediate publish is announced by its own commit (src/wakeup.rs). Everything else a listener must hear about comes due
 //! in one of four places, and each has an index-driven probe:
 //! - a delayed event the lane has not read yet: its ring row's `deliver_at`
 //!   (the partial index `log_<n>_deliver_at`, sql/log.sql);
@@ -100,16 +99,9 @@ const BATCHES: &str = "SELECT b.lane, b.state FROM outbox.log_batches b \
 /// Topics of events of lane $1 with ids in $2.
 const TOPICS_OF: &str = "SELECT DISTINCT e.topic FROM outbox.log e WHERE e.lane = $1 AND e.id = ANY ($2)";
 
-/// Whether this database's SQL has what the pass reads (0.12.0: the ring's
-/// `deliver_at` index). Before `ALTER EXTENSION outbox_ext UPDATE` the worker
-/// reads the queue only, as the older library did.
-pub fn readable() -> bool {
-    pg::catalog::outbox_relid(c"log_0_deliver_at").is_some()
-}
-
 /// The timestamptz (µs) that `sql`, a query of one column and at most one
 /// row, returns for `now` ($1), if any: when the next event comes due.
-pub fn next_due(c: &SpiClient<'_>, sql: &str, now: i64) -> Result<Option<i64>, String> {
+fn next_due(c: &SpiClient<'_>, sql: &str, now: i64) -> Result<Option<i64>, String> {
     Ok(c.select(sql, None, &[pg::timestamptz(now).into()])
         .map_err(|e| e.to_string())?
         .first()

@@ -25,10 +25,10 @@
 //!    one (version 8, kind 1: [`super::batch::exception_token`]), fail()
 //!    clears it, so an ack, fail or extension with any earlier token matches
 //!    nothing. A row moved here because its batch lease expired keeps the
-//!    batch's token until a claim hands it out again, as an expired lease of
-//!    the queue can still be acked until it is claimed again.
+//!    batch's token until a claim hands it out again: an expired lease can
+//!    still be acked until it is claimed again.
 //! 3. **Claims never wait.** Candidate rows are taken with `_lock_row`
-//!    ([`crate::pg::try_lock_row`]), as the queue's claim takes its rows.
+//!    ([`crate::pg::try_lock_row`]).
 //! 4. **A dead letter follows the policy its topic has when it commits.**
 //!    A row of the log turns dead in two places: fail(), and a claim that
 //!    finds an expired lease on the last attempt (a row moved out of its
@@ -63,11 +63,11 @@
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_ACK_DROP, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY,
-    EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC,
+    EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK,
+    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC,
 };
 use crate::subscriptions::Settings;
-use crate::{errors, gucs, pg};
+use crate::{errors, pg};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use std::collections::HashSet;
 
@@ -252,14 +252,13 @@ fn by_token<R>(f: impl Fn() -> R) -> R {
 
 /// Ack the exception rows among (`ids`, `tokens`); returns the ids acked. A
 /// delivered row keeps the event's attempt history for `retention_delivered`
-/// (the maintenance step `delivered`), unless `outbox.keep_delivered` is off.
+/// (the maintenance step `delivered`).
 pub fn ack(ids: Vec<i64>, tokens: Vec<pgrx::Uuid>) -> Vec<i64> {
     if ids.is_empty() {
         return vec![];
     }
-    let stmt = if gucs::keep_delivered() { &EXC_ACK } else { &EXC_ACK_DROP };
     by_token(|| {
-        plans::run_latest(stmt, &[ids.clone().into(), tokens.clone().into()], |rows| {
+        plans::run_latest(&EXC_ACK, &[ids.clone().into(), tokens.clone().into()], |rows| {
             let mut out = Vec::new();
             rows.for_each(|r| out.extend(r.i64(0)));
             out

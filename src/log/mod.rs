@@ -1,16 +1,12 @@
 //! The event log: the append-only ring of `outbox.log_0` .. `outbox.log_3`
-//! (sql/log.sql) that named subscriptions read in commit order
-//! (docs/design/subscriptions.md; [`claim`], [`exceptions`]).
-//!
-//! From 0.9.0 publish appends every event here, beside its
-//! `outbox.event_queue` row (which the `default` subscription still reads);
-//! with the SQL of 0.8.0 only when `outbox.log_write` is on.
+//! (sql/log.sql) that every subscription reads in commit order ([`claim`],
+//! [`exceptions`]). publish appends every event here and nowhere else.
 //!
 //! # Invariants, and why they hold
 //! 1. **A log row exists iff its publish committed.** It is inserted in the
-//!    publishing (sub)transaction, next to the queue row, by the same heap insert
-//!    an INSERT statement ends in ([`crate::pg::heap`]); a rollback, or a
-//!    rollback to a savepoint, undoes both. A dispatch key that names an
+//!    publishing (sub)transaction by the same heap insert an INSERT statement
+//!    ends in ([`crate::pg::heap`]); a rollback, or a rollback to a savepoint,
+//!    undoes it. A dispatch key that names an
 //!    existing event writes neither.
 //! 2. **A transaction's id is assigned before any of its events' ids is drawn,**
 //!    and the row's `txid` is that top-level id. publish and publish_batch call
@@ -87,7 +83,6 @@ pub mod views;
 
 use crate::errors;
 use crate::pg;
-use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::param;
 use crate::pg::heap::{self, LogRow};
 use crate::pg::plans;
@@ -112,17 +107,6 @@ thread_local! {
     /// The ring table publishers append to, valid for the relcache generation it
     /// was read under.
     static CURRENT_TABLE: pg::GenerationCache<usize> = const { pg::GenerationCache::new(c"log_state") };
-}
-
-/// True when publish should append to the log: the installed SQL has the
-/// named subscriptions that read it (0.9.0 or later; the library may be newer
-/// than the SQL until `ALTER EXTENSION outbox_ext UPDATE`), or, with the SQL of
-/// 0.8.0, `outbox.log_write` is on. From 0.9.0 every event is logged, whether
-/// or not a named subscription exists yet: a subscription created while a
-/// transaction that published is still open must find that transaction's
-/// events in the log (it receives every event committed after it).
-pub fn enabled() -> bool {
-    outbox_relid(c"log_exceptions").is_some() || (crate::gucs::log_write() && outbox_relid(c"log_state").is_some())
 }
 
 /// The open ring table, as committed now (a snapshot taken now: the copy is
@@ -166,17 +150,13 @@ pub fn append(rows: &[LogRow<'_>]) {
 /// The maintenance step `log`: truncate sealed tables past retention, rotate
 /// the open one (`outbox._log_rotate`), at READ COMMITTED when the transaction
 /// has not taken a snapshot yet. Returns 0 (one batch always finishes
-/// the step; TRUNCATE reports no row count). Nothing to do with SQL older than
-/// 0.8.0.
+/// the step; TRUNCATE reports no row count).
 pub fn rotate() -> i64 {
     // Its checks must see every committed row (invariant 4): the background
     // worker's step transaction starts here, so it can run at READ COMMITTED
     // whatever default_transaction_isolation says. Elsewhere the SQL function
     // does nothing at another level.
     pg::read_committed_if_fresh();
-    if outbox_relid(c"log_state").is_none() {
-        return 0;
-    }
     let _tables: Option<i32> = plans::one(&ROTATE, &[]);
     0
 }

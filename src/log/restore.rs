@@ -76,19 +76,17 @@ thread_local! {
     static PENDING: pg::GenerationCache<bool> = const { pg::GenerationCache::new(c"log_restore") };
 }
 
-/// True while a restored log waits for its rebase (never under SQL older
-/// than 0.11.0, which has no marker table).
+/// True while a restored log waits for its rebase.
 pub fn pending() -> bool {
     pg::accept_invalidations();
     PENDING.with(|c| {
         c.with(
             || {
-                pg::catalog::outbox_relid(c"log_restore").is_some()
-                    && plans::run_latest(&RESTORE_PENDING, &[], |rows| {
-                        let mut found = false;
-                        rows.for_each(|r| found = r.bool(0).unwrap_or(false));
-                        found
-                    })
+                plans::run_latest(&RESTORE_PENDING, &[], |rows| {
+                    let mut found = false;
+                    rows.for_each(|r| found = r.bool(0).unwrap_or(false));
+                    found
+                })
             },
             |p| *p,
         )

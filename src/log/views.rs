@@ -69,10 +69,10 @@ pub fn log_batch_states(
     TableIterator::new(out)
 }
 
-/// `outbox._log_batch_holders(subscription text)` (0.11.0): one row per event
-/// out in one of the subscription's batches in flight whose round's worker is
-/// known: `id` and `leased_by`, the worker that claimed it (a batch keeps the
-/// worker of each round; batches made before 0.11.0 have none).
+/// `outbox._log_batch_holders(subscription text)`: one row per event out in
+/// one of the subscription's batches in flight whose round's worker is known:
+/// `id` and `leased_by`, the worker that claimed it (a batch keeps the worker
+/// of each round).
 #[pg_extern(name = "_log_batch_holders", stable, parallel_unsafe)]
 pub fn log_batch_holders(
     subscription: Option<&str>,
@@ -80,9 +80,6 @@ pub fn log_batch_holders(
     let subscription =
         subscription.unwrap_or_else(|| errors::raise(errors::NULL_VALUE, "subscription must not be NULL"));
     let mut out = Vec::new();
-    if !pg::catalog::outbox_column(c"log_batches", c"leased_by") {
-        return TableIterator::new(out);
-    }
     plans::run_rows(&BATCH_HOLDERS, &[subscription.into()], |rows| {
         rows.for_each(|r| {
             let (Some(b), Some(holders)) =

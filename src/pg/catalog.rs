@@ -17,43 +17,6 @@ pub fn outbox_relid(name: &std::ffi::CStr) -> Option<pg_sys::Oid> {
     }
 }
 
-/// True when relation `rel` of schema outbox has a column `col` (syscache
-/// lookups): which SQL version is installed, where a version added a column.
-pub fn outbox_column(rel: &std::ffi::CStr, col: &std::ffi::CStr) -> bool {
-    let Some(relid) = outbox_relid(rel) else { return false };
-    // SAFETY: a syscache lookup by relation oid and a C string name.
-    unsafe { pg_sys::get_attnum(relid, col.as_ptr()) != pg_sys::InvalidAttrNumber as i16 }
-}
-
-/// True when the installed SQL has `outbox._lock_row(oid, tid)` (0.5.0 on). A
-/// library newer than the installed SQL (before `ALTER EXTENSION outbox_ext
-/// UPDATE`) uses the statements of 0.4.0, so workers keep running through an
-/// upgrade. Looked up in the syscache on every call (two hash probes), not cached:
-/// the answer changes with ALTER EXTENSION, its rollback, or DROP and CREATE
-/// EXTENSION in the same session, and the catalog, unlike the data, is read as
-/// of now at every isolation level.
-pub fn row_lock_installed() -> bool {
-    // SAFETY: syscache probes with keys built here: a C string for the name, an
-    // oidvector palloc'd in the current memory context, and the namespace oid.
-    unsafe {
-        let nsp = pg_sys::get_namespace_oid(c"outbox".as_ptr(), true);
-        if nsp == pg_sys::InvalidOid {
-            return false;
-        }
-        let args = [pg_sys::OIDOID, pg_sys::TIDOID];
-        let vector = pg_sys::buildoidvector(args.as_ptr(), args.len() as i32);
-        let found = pg_sys::SearchSysCacheExists(
-            pg_sys::SysCacheIdentifier::PROCNAMEARGSNSP as i32,
-            pg_sys::Datum::from(c"_lock_row".as_ptr()),
-            pg_sys::Datum::from(vector),
-            pg_sys::Datum::from(nsp),
-            pg_sys::Datum::from(0usize),
-        );
-        pg_sys::pfree(vector.cast());
-        found
-    }
-}
-
 /// The lock [`relfilenode`] takes on the table (kept until transaction end).
 #[derive(Clone, Copy)]
 pub enum TableLock {

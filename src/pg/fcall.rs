@@ -95,14 +95,6 @@ impl Call {
         Call { fcinfo }
     }
 
-    /// How many arguments the call passed: the installed SQL declaration's count,
-    /// which lets one library serve the SQL of an older version until
-    /// `ALTER EXTENSION ... UPDATE` (claim gained `subscription` in 0.7.0).
-    pub fn nargs(&self) -> usize {
-        // SAFETY: `new`'s contract: a live frame.
-        unsafe { (*self.fcinfo).nargs as usize }
-    }
-
     /// Argument `n`, or None when SQL NULL.
     pub fn arg<T: FromDatum>(&self, n: usize) -> Option<T> {
         // SAFETY: `new`'s contract: a live frame and `T` the declared type;

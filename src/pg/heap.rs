@@ -1,7 +1,7 @@
-//! Direct insertion of new events into `outbox.event_queue` and the log ring
-//! (`outbox.log_0` .. `outbox.log_3`).
+//! Direct insertion of new events into the log ring (`outbox.log_0` ..
+//! `outbox.log_3`).
 //!
-//! publish() without a subject is one row insert, but as an SPI statement each call
+//! publish() is one row insert, but as an SPI statement each call
 //! paid for executor start-up: a 19-column projection (defaults included), the
 //! RETURNING projection, plan revalidation and ModifyTable set-up. perf on a
 //! 50,000-call loop put ExecInitResult alone at a fifth of publish()'s time. This
@@ -21,10 +21,9 @@
 //! What an INSERT statement would do and this path does not: fire triggers, apply
 //! column defaults, check constraints, row-level security, generated columns,
 //! rules.
-//! The extension's table has none of these (state has no CHECK on purpose, see
-//! sql/schema.sql), and [`insert`] verifies the relation still looks like that on
-//! every call; if anyone added a trigger, a column or RLS, it returns None and the
-//! caller uses the SPI statement instead.
+//! The ring tables have none of these, and [`append_log`] verifies the relation
+//! still looks like that on every call; if anyone added a trigger, a column or
+//! RLS, it returns false and the caller uses the SPI statement instead.
 
 use super::catalog::outbox_relid;
 use super::fcall::Value;
@@ -42,34 +41,6 @@ struct Shape {
     nullable: &'static [usize],
 }
 
-/// outbox.event_queue (sql/schema.sql).
-const EVENT_QUEUE: Shape = Shape {
-    name: c"event_queue",
-    columns: &[
-        pg_sys::INT8OID,        // id
-        pg_sys::TEXTOID,        // topic
-        pg_sys::TEXTOID,        // subject
-        pg_sys::TEXTOID,        // dispatch_key
-        pg_sys::JSONBOID,       // payload
-        pg_sys::JSONBOID,       // headers
-        pg_sys::TEXTOID,        // state
-        pg_sys::INT4OID,        // attempts
-        pg_sys::INT4OID,        // max_attempts
-        pg_sys::TIMESTAMPTZOID, // visible_at
-        pg_sys::UUIDOID,        // lease_token
-        pg_sys::TEXTOID,        // leased_by
-        pg_sys::TIMESTAMPTZOID, // leased_at
-        pg_sys::TEXTOID,        // last_error
-        pg_sys::JSONBOID,       // errors
-        pg_sys::TIMESTAMPTZOID, // published_at
-        pg_sys::TIMESTAMPTZOID, // dead_at
-        pg_sys::BOOLOID,        // blocks_subject
-        pg_sys::BOOLOID,        // is_head
-    ],
-    // [`insert`] leaves these NULL.
-    nullable: &[2, 3, 5, 10, 11, 12, 13, 14, 16],
-};
-
 /// The ring tables outbox.log_0 .. outbox.log_3 (sql/log.sql).
 const LOG_NAMES: [&std::ffi::CStr; 4] = [c"log_0", c"log_1", c"log_2", c"log_3"];
 const LOG_COLUMNS: [pg_sys::Oid; 11] = [
@@ -86,21 +57,6 @@ const LOG_COLUMNS: [pg_sys::Oid; 11] = [
     pg_sys::TIMESTAMPTZOID, // deliver_at
 ];
 const LOG_NULLABLE: [usize; 4] = [4, 5, 7, 10];
-
-/// A validated event without a subject, ready to insert.
-pub struct NewEvent<'a> {
-    /// The event's id (reserved by a dispatch key or drawn by [`next_event_id`]).
-    pub id: i64,
-    pub topic: &'a str,
-    pub dispatch_key: Option<&'a str>,
-    /// jsonb (the caller's, possibly toasted: heap_insert handles that).
-    pub payload: Value,
-    /// jsonb.
-    pub headers: Option<Value>,
-    pub max_attempts: i32,
-    /// timestamptz; None or a past time means now.
-    pub deliver_at: Option<Value>,
-}
 
 /// One event of the log (sql/log.sql), ready to append.
 pub struct LogRow<'a> {
@@ -182,9 +138,8 @@ unsafe fn only_restore_trigger(trigdesc: *const pg_sys::TriggerDesc) -> bool {
 
 /// Draw the next event id from `outbox.event_id_seq` (nextval, no SQL statement).
 ///
-/// publish draws the id before its INSERT, after the subject lock, on every
-/// path: a rule on the queue (`DO ALSO ... NEW.id`) would otherwise re-evaluate a
-/// `nextval()` in the statement and see another id than the event's.
+/// publish draws the id before its insert, after the subject lock, on every
+/// path, so that the id order of a subject is its commit order (src/publish.rs).
 pub fn next_event_id() -> i64 {
     let Some(seqid) = outbox_relid(c"event_id_seq") else {
         errors::raise(errors::INTERNAL, "outbox.event_id_seq does not exist");
@@ -280,47 +235,8 @@ fn insert_rows<const N: usize>(shape: &Shape, rows: impl FnOnce(i64) -> Vec<Tupl
     }
 }
 
-/// Insert `e` as a ready (or delayed) subject-less event and return its id, or
-/// None when the table's shape rules this path out (then nothing was done and the
-/// caller must use its SPI statement). Errors are PostgreSQL's own (disk full,
-/// lock timeout, ...), raised as from an INSERT.
-///
-/// `floor` gives the least visible_at the event may get (the publish floor of
-/// src/lowwater.rs); it is called once the table is known to be ours, after the
-/// read-only check, and may assign the transaction id, as the insert would.
-pub fn insert(e: &NewEvent<'_>, floor: impl FnOnce() -> i64) -> Option<i64> {
-    debug_assert!(e.payload.oid() == pg_sys::JSONBOID);
-    debug_assert!(e.headers.is_none_or(|h| h.oid() == pg_sys::JSONBOID));
-    debug_assert!(e.deliver_at.is_none_or(|d| d.oid() == pg_sys::TIMESTAMPTZOID));
-    let done = insert_rows::<19>(&EVENT_QUEUE, |now| {
-        let visible_at = match e.deliver_at.map(|d| d.datum().value() as i64) {
-            Some(d) if d > now => d,
-            _ => now,
-        };
-        let visible_at = visible_at.max(floor());
-        // SAFETY: cstring_to_text copies a C string literal into a palloc'd text.
-        let pending = unsafe { pg_sys::cstring_to_text(c"pending".as_ptr()) };
-        vec![tuple([
-            (0, Some(pg_sys::Datum::from(e.id))),
-            (1, e.topic.into_datum()),
-            (3, e.dispatch_key.and_then(|k| k.into_datum())),
-            (4, Some(e.payload.datum())),
-            (5, e.headers.map(|h| h.datum())),
-            (6, Some(pg_sys::Datum::from(pending))),
-            (7, Some(pg_sys::Datum::from(0i32))),
-            (8, Some(pg_sys::Datum::from(e.max_attempts))),
-            (9, Some(pg_sys::Datum::from(visible_at))),
-            (15, Some(pg_sys::Datum::from(now))),
-            (17, Some(pg_sys::Datum::from(false))),
-            (18, Some(pg_sys::Datum::from(true))),
-        ])]
-    });
-    done.then_some(e.id)
-}
-
 /// Append `rows` to the ring table `log_<table>` (0..=3), or return false when
-/// the table's shape (or its absence, with SQL older than 0.8.0) rules the direct
-/// path out; then nothing was written.
+/// the table's shape rules the direct path out; then nothing was written.
 pub fn append_log(table: usize, rows: &[LogRow<'_>]) -> bool {
     let shape = Shape { name: LOG_NAMES[table], columns: &LOG_COLUMNS, nullable: &LOG_NULLABLE };
     insert_rows::<11>(&shape, |now| {
@@ -359,7 +275,8 @@ thread_local! {
 
 /// Give each partial index its predicate's compiled state from a backend-lifetime
 /// cache. ExecInsertIndexTuples otherwise plans and compiles every partial-index
-/// predicate (three on event_queue) on every call: a tenth of publish()'s time.
+/// predicate (the ring tables' `deliver_at` index) on every call: a tenth of
+/// publish()'s time in the measurement that introduced this cache.
 /// An entry is used only if its source predicate is `equal()` to the one the
 /// relcache gives now, so a changed index simply gets a new entry.
 ///

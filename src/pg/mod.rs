@@ -7,17 +7,17 @@
 //! - [`fcall`]: the v1 call interface (arguments, set results, the array reader);
 //!   [`search_path`](mod@search_path): the pinned search path of the hot-path functions.
 //! - [`plans`]: saved SPI plans, and [`plans::run_latest`], which runs one under a
-//!   snapshot taken now (headship decisions must see every commit that preceded
-//!   the subject lock they hold).
+//!   snapshot taken now (the log's reads must see every commit that preceded
+//!   the locks they hold).
 //! - [`heap`]: publish's direct heap insert, a port of the executor's insert path.
 //! - [`catalog`]: the extension's relations and functions, a table's file node.
-//! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject locks,
-//!   called directly instead of through an SQL statement, and the waiting
-//!   share-mode variant for the log's dead-letter policy lock.
+//! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject, lane
+//!   and batch locks, called directly instead of through an SQL statement, and
+//!   the waiting share-mode variant for the log's dead-letter policy lock.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
 //! - [`xid_assigned`], [`uses_xact_snapshot`], [`read_only`], [`assign_xid`]:
-//!   transaction state the low-water mark and the subject rules branch on.
+//!   transaction state the log's cursors and retention branch on.
 //! - [`now`], [`timestamptz`], [`database_id`], [`SharedLatch`], [`notify`]:
 //!   small accessors for the background worker and the wake-ups.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
@@ -71,15 +71,6 @@ pub fn advisory_xact_lock(k1: i32, k2: i32) {
     }
 }
 
-/// Take RowExclusiveLock on relation `relid` (as an INSERT, UPDATE or DELETE
-/// does), kept until transaction end. Waits for a conflicting lock; once the lock
-/// is granted, the invalidations of every transaction that held it have been
-/// read, so a cache checked after this call reflects their commits.
-pub fn lock_for_write(relid: pg_sys::Oid) {
-    // SAFETY: a lock manager call with a valid relation oid and a lock mode.
-    unsafe { pg_sys::LockRelationOid(relid, pg_sys::RowExclusiveLock as pg_sys::LOCKMODE) }
-}
-
 /// `pg_try_advisory_xact_lock(k1, k2)`: take the lock if it is free, never wait.
 pub fn try_advisory_xact_lock(k1: i32, k2: i32) -> bool {
     // SAFETY: a plain V1 function call with two int4 arguments; returns bool.
@@ -101,27 +92,6 @@ pub fn advisory_xact_lock_shared(k1: i32, k2: i32) {
             pg_sys::pg_advisory_xact_lock_shared_int4,
             &[k1.into_datum(), k2.into_datum()],
         );
-    }
-}
-
-/// True when no other session holds advisory lock (k1, k2) at this instant: takes
-/// it as a session lock and releases it at once, so nothing is left held, even if
-/// an error follows (the two calls have nothing between them that can fail).
-pub fn advisory_lock_is_free(k1: i32, k2: i32) -> bool {
-    // SAFETY: plain V1 function calls with two int4 arguments; returns bool.
-    unsafe {
-        let got = pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_try_advisory_lock_int4,
-            &[k1.into_datum(), k2.into_datum()],
-        )
-        .is_some_and(|d| d.value() != 0);
-        if got {
-            pgrx::fcinfo::direct_function_call_as_datum(
-                pg_sys::pg_advisory_unlock_int4,
-                &[k1.into_datum(), k2.into_datum()],
-            );
-        }
-        got
     }
 }
 
@@ -294,12 +264,6 @@ pub fn in_transaction_block() -> bool {
 pub fn subxact_id() -> pg_sys::SubTransactionId {
     // SAFETY: reads backend-local transaction state.
     unsafe { pg_sys::GetCurrentSubTransactionId() }
-}
-
-/// `max_locks_per_transaction`, the lock table's share per backend.
-pub fn max_locks_per_xact() -> usize {
-    // SAFETY: reads a postmaster-level GUC variable.
-    (unsafe { pg_sys::max_locks_per_xact }).max(1) as usize
 }
 
 /// Keep Rust backtraces out of error reports.

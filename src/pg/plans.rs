@@ -47,8 +47,7 @@ fn plan_for(client: &SpiClient<'_>, stmt: &Stmt) -> Rc<OwnedPreparedStatement> {
 ///
 /// Every statement run here, a plain SELECT too, leaves the transaction with an
 /// id: pgrx's `SpiClient::update` assigns one (`GetCurrentTransactionId`) before
-/// it executes. Code that must see a transaction without one
-/// ([`crate::lowwater::claim_start`]) runs before any statement.
+/// it executes.
 pub fn run<R>(stmt: &Stmt, args: &[DatumWithOid<'_>], f: impl FnOnce(pgrx::spi::SpiTupleTable<'_>) -> R) -> R {
     Spi::connect_mut(|client| {
         let plan = plan_for(client, stmt);

@@ -194,8 +194,11 @@ macro_rules! subscribe_sql {
 
 const SUBSCRIBE_TYPES: &[pg_sys::Oid] = &[pg_sys::TEXTOID, pg_sys::TEXTOID, pg_sys::INT8OID, pg_sys::TEXTOID];
 
-/// A subscription's lanes, starting at one cursor (`_log_subscribe`).
-pub const SUBSCRIBE: Stmt = Stmt { sql: subscribe_sql!("", "", ""), types: SUBSCRIBE_TYPES };
+/// A subscription's lanes, starting at one cursor (`_log_subscribe`), which
+/// the lanes also keep as `start_snap`: events visible in it are not the
+/// subscription's.
+pub const SUBSCRIBE: Stmt =
+    Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", ""), types: SUBSCRIBE_TYPES };
 
 /// The condition of [`SUBSCRIBE_LISTED`].
 macro_rules! listed {
@@ -207,15 +210,7 @@ macro_rules! listed {
 /// [`SUBSCRIBE`] for a subscription still in the catalog, whose row is
 /// key-share locked (a drop_subscription in progress is waited for, and then
 /// nothing is inserted).
-pub const SUBSCRIBE_LISTED: Stmt = Stmt { sql: subscribe_sql!("", "", listed!()), types: SUBSCRIBE_TYPES };
-
-/// [`SUBSCRIBE`] that also keeps the first cursor's snapshot as the lanes'
-/// `start_snap` (0.10.0: events visible in it are not the subscription's).
-pub const SUBSCRIBE_0100: Stmt =
-    Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", ""), types: SUBSCRIBE_TYPES };
-
-/// [`SUBSCRIBE_LISTED`] with `start_snap`, as [`SUBSCRIBE_0100`].
-pub const SUBSCRIBE_LISTED_0100: Stmt =
+pub const SUBSCRIBE_LISTED: Stmt =
     Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", listed!()), types: SUBSCRIBE_TYPES };
 
 /// Whether lane $1 holds an event above id $2 (a batch's slow events would
@@ -240,17 +235,9 @@ pub const TOPICS_OF: Stmt = Stmt {
     types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID],
 };
 
-/// A subscription's lanes, with each row's ctid for `_lock_row`.
+/// A subscription's lanes, with each row's ctid for `_lock_row`, and the
+/// events cancelled before the lane read them.
 pub const LANES: Stmt = Stmt {
-    sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id \
-            FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
-           WHERE n.subscription = $1",
-    types: &[pg_sys::TEXTOID],
-};
-
-/// [`LANES`] with the events cancelled before the lane read them (0.10.0).
-pub const LANES_0100: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
                  n.pos, b.id, n.skips \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
@@ -284,15 +271,15 @@ const LANE_PUT_TYPES: [pg_sys::Oid; 11] = [
     pg_sys::INT8ARRAYOID,
 ];
 
-/// Write a lane's cursor, window and batch (the caller holds its row).
-pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(""), types: LANE_PUT_TYPES.split_at(10).0 };
+/// Write a lane's cursor, window, batch and skips (the caller holds its row).
+pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_PUT_TYPES };
 
-/// [`LANE_PUT`] that also writes the lane's skips ($11, 0.10.0).
-pub const LANE_PUT_0100: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_PUT_TYPES };
-
-/// A batch's state, lane and subscription (read under the batch's advisory lock).
-pub const BATCH_GET: Stmt =
-    Stmt { sql: "SELECT state, lane, subscription FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+/// A batch's state, lane, subscription and the workers of its rounds (read
+/// under the batch's advisory lock).
+pub const BATCH_GET: Stmt = Stmt {
+    sql: "SELECT state, lane, subscription, leased_by FROM outbox.log_batches WHERE id = $1",
+    types: &[pg_sys::INT8OID],
+};
 
 /// The states of batches $1 (those that still exist), for an ack of
 /// events of several batches: one statement, not one per batch.
@@ -307,22 +294,16 @@ pub const BATCH_PUT_MANY: Stmt = Stmt {
 };
 
 /// [`BATCH_PUT_MANY`] for the rounds one claim handed out: each batch's round
-/// $3 (in order) is kept as worker $4's (0.11.0). Returns the ids written.
-pub const BATCH_PUT_ROUNDS_0110: Stmt = Stmt {
+/// $3 (in order) is kept as worker $4's. Returns the ids written.
+pub const BATCH_PUT_ROUNDS: Stmt = Stmt {
     sql: "UPDATE outbox.log_batches b SET state = u.state, leased_by[u.round] = $4 \
             FROM unnest($1::int8[], $2::bytea[], $3::int4[]) AS u(id, state, round) \
            WHERE b.id = u.id RETURNING b.id",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::BYTEAARRAYOID, pg_sys::INT4ARRAYOID, pg_sys::TEXTOID],
 };
 
-/// [`BATCH_GET`] with the workers of the batch's rounds (0.11.0).
-pub const BATCH_GET_0110: Stmt = Stmt {
-    sql: "SELECT state, lane, subscription, leased_by FROM outbox.log_batches WHERE id = $1",
-    types: &[pg_sys::INT8OID],
-};
-
 /// The states of a subscription's batches with their rounds' workers
-/// (`_log_batch_holders`, 0.11.0).
+/// (`_log_batch_holders`).
 pub const BATCH_HOLDERS: Stmt = Stmt {
     sql: "SELECT state, leased_by FROM outbox.log_batches WHERE subscription = $1 AND leased_by IS NOT NULL",
     types: &[pg_sys::TEXTOID],
@@ -341,15 +322,9 @@ pub const EXC_LOCK_ALL: Stmt =
 pub const BATCH_STATES: Stmt =
     Stmt { sql: "SELECT state FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
 
-/// A new batch of subscription $1, lane $2, state $3, with a fresh id (returned).
+/// A new batch of subscription $1, lane $2, state $3, whose first round is
+/// worker $4's, with a fresh id (returned).
 pub const BATCH_INSERT: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state) \
-          VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3) RETURNING id",
-    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
-};
-
-/// [`BATCH_INSERT`] whose first round is worker $4's (0.11.0).
-pub const BATCH_INSERT_0110: Stmt = Stmt {
     sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
           VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3, ARRAY[$4]) RETURNING id",
     types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TEXTOID],
@@ -364,7 +339,7 @@ pub const BATCH_DELETE: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
 
 /// [`BATCH_DELETE`] that keeps the finished batch's encoding $2 in
-/// `outbox.log_delivered` (0.10.0) when $3 (some event was acked from it).
+/// `outbox.log_delivered` when $3 (some event was acked from it).
 pub const BATCH_FINISH: Stmt = Stmt {
     sql: "WITH b AS (DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane), \
                d AS (INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
@@ -451,7 +426,7 @@ macro_rules! dead_blocks {
 /// topics: pending from its deliver_at, no attempt yet), `leased` (moved out
 /// of a batch while out under a lease, expired or not: still leased, token $6,
 /// expiry $5, one attempt; a claim that takes it again records 'lease expired'
-/// and makes it dead when that was its last, as the queue's claim does), `retry`
+/// and makes it dead when that was its last), `retry`
 /// (failed: pending from $5 with error $7) and `dead` (failed for good). $8 is
 /// the subscription's dead-letter policy (NULL: not set).
 /// With $9, only while batch $9 exists (key-share locked: a drop_subscription
@@ -634,7 +609,7 @@ pub const EXC_DEAD_POLICY: Stmt = Stmt {
 };
 
 /// Ack exception rows: delivered, with their attempt history kept for
-/// retention (`outbox.keep_delivered` on). A pair (id $1[i], token $2[i])
+/// retention. A pair (id $1[i], token $2[i])
 /// matches the row the token leases now, or the batch lease of a row moved
 /// here that no claim has handed out again; each pair on its own (one id may
 /// come with the tokens of several subscriptions).
@@ -642,14 +617,6 @@ pub const EXC_ACK: Stmt = Stmt {
     sql:
         "UPDATE outbox.log_exceptions e SET state = 'delivered', delivered_at = clock_timestamp(), lease_token = NULL \
             FROM unnest($1::int8[], $2::uuid[]) AS p(id, tok) \
-           WHERE e.lease_token = p.tok AND e.id = p.id AND e.state IN ('pending', 'leased') \
-          RETURNING e.id",
-    types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
-};
-
-/// [`EXC_ACK`] with `outbox.keep_delivered` off: the rows go.
-pub const EXC_ACK_DROP: Stmt = Stmt {
-    sql: "DELETE FROM outbox.log_exceptions e USING unnest($1::int8[], $2::uuid[]) AS p(id, tok) \
            WHERE e.lease_token = p.tok AND e.id = p.id AND e.state IN ('pending', 'leased') \
           RETURNING e.id",
     types: &[pg_sys::INT8ARRAYOID, pg_sys::UUIDARRAYOID],
