@@ -168,8 +168,8 @@ CREATE INDEX log_delivered_finished ON outbox.log_delivered (finished_at);
 -- have one: an event acked from its batch on the first try costs no row here.
 --   state       'pending' (claimable from visible_at), 'leased' (visible_at is
 --               the lease expiry), 'delivered' (acked after a retry: its
---               attempt history, kept for retention_delivered unless
---               outbox.keep_delivered is off), 'dead' (a dead letter),
+--               attempt history, kept for retention_delivered), 'dead'
+--               (a dead letter),
 --               'cancelled' (by outbox.cancel; kept for replay until
 --               retention_dead);
 --   attempts    deliveries started, the batch's first one included;

@@ -24,11 +24,6 @@ E2E_SYSTEMS = [
 
 FULL = {
     "reps": 3,
-    # 0.12.0 installs 'default' on the log. True: put it back on the queue (the
-    # install of a release before 0.12.0, the baseline the scenarios built for
-    # the queue compare against; sql.py, QUEUE_DEFAULT_BASELINE). False: measure
-    # the install as it is, every publish writing the log alone.
-    "queue_default": True,
     "s1_clients": [1, 4, 16], "s1_seconds": 5,
     # 1: also publish (outbox background) with each of these numbers of named
     # subscriptions existing, at the top client count (0.9.0; target: the largest
@@ -37,8 +32,6 @@ FULL = {
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination
-    # also drain with outbox.keep_delivered = off in these cells (informational)
-    "drain_nokeep_cells": [(2, 100), (4, 100)],
     "subjects": 1000, "subject_cells": [(2, 100), (4, 500)],
     "e2e_rates": [1000, 5000], "e2e_seconds": 4, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
@@ -95,7 +88,7 @@ QUICK = dict(FULL, **{
     "s1_clients": [1, 16], "s1_seconds": 1,
     "s2_seconds": 0.7,
     "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
-    "drain_cells": [(2, 100), (4, 500)], "drain_nokeep_cells": [],
+    "drain_cells": [(2, 100), (4, 500)],
     "subject_cells": [(2, 100)],
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
@@ -204,8 +197,6 @@ def main(argv=None):
         cluster_lib = _so_stat()
         ctx = Ctx(cluster, prof, out_dir, say)
         ctx.sql(S.OUTBOX_SCHEMA)
-        if prof["queue_default"]:
-            ctx.sql(S.QUEUE_DEFAULT_BASELINE)
         for stmt in S.PGQ_SCHEMA.split(";\n"):
             ctx.sql(stmt.rstrip(";"))
         for stmt in S.PLAIN_SCHEMA.split(";\n"):
@@ -366,8 +357,6 @@ def _restart_on_new_library(ctx, cluster, say):
     ctx.sql("SET outbox.allow_drop = on")
     ctx.sql("DROP EXTENSION outbox_ext CASCADE")
     ctx.sql(S.OUTBOX_SCHEMA)
-    if ctx.p["queue_default"]:
-        ctx.sql(S.QUEUE_DEFAULT_BASELINE)
     ctx.sql("RESET outbox.allow_drop")
     return _so_stat()
 

@@ -37,12 +37,8 @@ def write_markdown(ctx, path, meta, plots):
                "(a shared machine: absolute figures are noisy, ratios within one run are the signal)")
     out.append("- clients: Python psycopg 3 (one process per worker/publisher) and pgbench, over the "
                "cluster's unix socket; every statement is its own transaction unless stated")
-    if ctx.p.get("queue_default", True):
-        out.append("- the `default` subscription is put back on the queue after `CREATE EXTENSION` (an install of "
-                   "a release before 0.12.0: `queue_default`), so every publish writes `outbox.event_queue` and the log")
-    else:
-        out.append("- the `default` subscription reads the log, as 0.12.0 installs it (`--set queue_default=False`): "
-                   "a publish writes the log alone")
+    out.append("- the `default` subscription reads the log, as `CREATE EXTENSION` makes it: a publish writes the "
+               "log alone")
     out.append("")
     out.append("Medians are over the repetitions shown; every run's value is in `results.csv`.")
     out.append("")

@@ -356,8 +356,6 @@ def s2_batch(ctx):
 DRAIN_VARIANTS = {
     "outbox": ("outbox", None),
     "plain": ("plain", None),
-    # informational: ack deletes instead of archiving (outbox.keep_delivered = off)
-    "outbox_nokeep": ("outbox", {"outbox.keep_delivered": "off"}),
     # scenario 10: outbox.claim selecting payload::text (as the log drain does)
     "outbox_text": ("outbox_text", None),
 }
@@ -423,8 +421,7 @@ def s3_drain(ctx):
             if not _cell(p, workers, batch):
                 continue
             prm = {"workers": workers, "batch": batch}
-            nokeep = [tuple(c) for c in p["drain_nokeep_cells"]]
-            variants = ["outbox", "plain"] + (["outbox_nokeep"] if (workers, batch) in nokeep else [])
+            variants = ["outbox", "plain"]
             for rep in range(p["reps"]):
                 for system in variants:
                     eps, empty = _drain_once(ctx, system, workers, batch, n)
@@ -441,10 +438,7 @@ def s3_drain(ctx):
           f"(two round trips per batch); events/s from the first claim to the last ack; median of "
           f"{p['reps']} runs (backlog loaded, `VACUUM ANALYZE`d and checkpointed before each run). "
           "Target: outbox >= 1.0x plain in every cell.\n\n")
-    nk = bool(p["drain_nokeep_cells"])
-    md += ("| workers | batch | outbox | plain | outbox/plain | PgQ (1 consumer) |"
-           + (" outbox, keep_delivered=off (info) |" if nk else "") + "\n|---|---|---|---|---|---|"
-           + ("---|" if nk else "") + "\n")
+    md += "| workers | batch | outbox | plain | outbox/plain | PgQ (1 consumer) |\n|---|---|---|---|---|---|\n"
     worst = None
     ctx.series["s3"] = {}
     for batch in p["drain_batches"]:
@@ -458,17 +452,10 @@ def s3_drain(ctx):
             r = _ratio(o, pl)
             worst = r if worst is None or (r is not None and r < worst) else worst
             md += f"| {workers} | {batch} | {_fmt(o)} | {_fmt(pl)} | {_fmt(r, 2)}x{'' if (r or 0) >= 1.0 else ' MISSED'} | {_fmt(q)} |"
-            if nk:
-                nko = ctx.med("s3_drain", "outbox_nokeep", prm, "events_per_s")
-                md += f" {_fmt(nko)} ({_fmt(_ratio(nko, pl), 2)}x) |" if nko else " |"
             md += "\n"
             ctx.series["s3"][(workers, batch)] = {"outbox": o, "plain": pl, "pgq": q}
             ctx.target(f"3 w{workers} b{batch}", f"drain outbox / plain SKIP LOCKED, {workers} workers, batch {batch}",
                        r, ">=", 1.0)
-    if nk:
-        md += ("\nThe informational last column runs the same outbox drain with `outbox.keep_delivered = off` in the "
-               "workers' sessions (ack deletes instead of moving the event to outbox.event_archive); it shows what "
-               "the archive costs and is not a target.\n")
     md += ("\nPgQ is a log: one consumer reads each batch between two ticks (ticks made every `batch` events "
            "while loading) and nothing is deleted per event, so it is the upper reference, not a like-for-like "
            "competing-consumer queue. It runs with one consumer per batch size.\n\n")
@@ -1330,8 +1317,6 @@ def _s7_setup(ctx, dbs):
         ctx.sql(f"CREATE DATABASE {db}")
         c = agents.connect(ctx.cluster.dsn(db))
         c.execute(S.OUTBOX_SCHEMA)
-        if ctx.p["queue_default"]:
-            c.execute(S.QUEUE_DEFAULT_BASELINE)
         for stmt in S.PLAIN_SCHEMA.split(";\n"):
             c.execute(stmt.rstrip(";"))
         conns[db] = c

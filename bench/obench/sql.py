@@ -45,21 +45,6 @@ CREATE EXTENSION pgq;
 SELECT pgq.create_queue('bench_q');"""
 
 OUTBOX_SCHEMA = "CREATE EXTENSION outbox_ext;"
-# 0.12.0 installs 'default' on the log. The bench keeps the queue's 'default'
-# (an install before 0.12.0, until its upgrade) as the baseline its scenarios
-# compare the log against, run after OUTBOX_SCHEMA; on an older build the
-# catalog has no storage column and this changes nothing.
-QUEUE_DEFAULT_BASELINE = """\
-DO $$
-BEGIN
-    IF EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('outbox.subscription_catalog')
-                  AND attname = 'storage' AND NOT attisdropped) THEN
-        DELETE FROM outbox.log_lanes WHERE subscription = 'default';
-        UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default';
-    END IF;
-END
-$$"""
-
 # ---------------------------------------------------------------------------
 # Scenario 1: publish, one event per transaction (pgbench scripts)
 # ---------------------------------------------------------------------------

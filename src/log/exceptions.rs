@@ -54,11 +54,9 @@
 //!    only, so it never waits for the row a fail() holds; it does wait for a
 //!    transaction that holds a dead row's lock (cancel, replay), and if that
 //!    transaction then turns another event of the topic dead, the two
-//!    deadlock and PostgreSQL fails one of them with 40P01 (the same cycle
-//!    went through the topic row's lock before 0.14.0). Everything here is in
-//!    the library: it holds whichever SQL version
-//!    is installed (0.13.0 on, where the policy change calls
-//!    [`apply_dead_letter_policy`]).
+//!    deadlock and PostgreSQL fails one of them with 40P01. The policy change
+//!    runs here ([`apply_dead_letter_policy`]), beside the fails and claims
+//!    whose lock it takes.
 
 use crate::pg::fcall::SetResult;
 use crate::pg::plans;

@@ -1,4 +1,4 @@
-//! The log through pg_dump and restore (0.11.0; sql/restore.sql).
+//! The log through pg_dump and restore (sql/restore.sql).
 //!
 //! pg_dump keeps the log ring, its state and the readers' tables (lanes,
 //! batches, rows of their own, finished batches). Their transaction ids are

@@ -510,7 +510,7 @@ macro_rules! exc_exhausted {
 /// [`EXC_DEAD_POLICY`] then reads the policy again under a newer snapshot.
 ///
 /// The subject test is two probes, each bounded by an index
-/// (`log_exceptions_open`; `log_exceptions_leased`, 0.11.0), not one probe
+/// (`log_exceptions_open`; `log_exceptions_leased`), not one probe
 /// with an OR: that one read every row of the subscription leased into the
 /// future for each blocked row it passed, and after a consumer's crash had
 /// parked thousands of rows a claim took seconds (found with the relay's
