@@ -82,6 +82,7 @@ def test_a_fingerprint_another_build_recorded_is_refused_everywhere(db):
 
 def test_sql_of_0x_is_refused_with_the_way_to_move(db):
     with connect(db) as c:
+        c.execute("ALTER EXTENSION outbox_ext DROP FUNCTION outbox._sql_fingerprint()")
         c.execute("DROP FUNCTION outbox._sql_fingerprint()")
         c.execute("UPDATE pg_extension SET extversion = '0.16.0' WHERE extname = 'outbox_ext'")
         state, hint, msg = refused(c, "SELECT outbox.publish('hs.x', '{}')")
