@@ -90,6 +90,7 @@ pgrx::extension_sql_file!(
     requires = ["retention", wakeup::wakeup_status]
 );
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
+pgrx::extension_sql_file!("../sql/dump_guard.sql", name = "dump_guard", requires = ["guard"]);
 pgrx::extension_sql_file!(
     "../sql/comments.sql",
     name = "comments",

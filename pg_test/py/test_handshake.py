@@ -10,6 +10,7 @@ and 0.x SQL (a version below 1.0.0 and no recorded fingerprint).
 
 import os
 import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -202,3 +203,48 @@ def test_the_background_worker_serves_nothing_in_a_mismatched_database_and_goes_
     finally:
         drop_db(preload_dsn, bad)
         drop_db(preload_dsn, good)
+
+
+OLD_COMMENT = "Transactional outbox: publish in your transaction, claim with fenced leases, ack/fail with backoff"
+PG_BIN = os.environ.get("PG_BINDIR", "/usr/lib/postgresql/15/bin")
+
+
+def test_a_dump_of_0x_is_refused_before_any_row_loads(plain_dsn, tmp_path):
+    """A 0.x dump sets the extension's 0.x comment right after CREATE EXTENSION and
+    before any data. The dump here is a 1.x dump with that one line as every 0.x
+    dump has it: restored in one transaction it fails there with 0A000 and leaves
+    nothing; a 1.x dump as it is restores."""
+    src, dst = "outbox_hs_dump_src", "outbox_hs_dump_dst"
+    src_dsn = create_db(plain_dsn, src)
+    dst_dsn = create_db(plain_dsn, dst, extension=False)
+    try:
+        with connect(src_dsn) as c:
+            c.execute("SELECT outbox.publish('hs.dump', '{}')")
+        plain = tmp_path / "dump.sql"
+        r = subprocess.run([f"{PG_BIN}/pg_dump", "-Fp", "-d", src_dsn, "-f", str(plain)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        text = plain.read_text()
+        line = re.search(r"^COMMENT ON EXTENSION outbox_ext IS '([^']*)';$", text, re.M)
+        assert line, "pg_dump wrote no COMMENT ON EXTENSION outbox_ext"
+        assert text.index(line.group(0)) < text.index("COPY outbox."), "the comment must come before the data"
+        old = tmp_path / "dump-0x.sql"
+        old.write_text(text.replace(line.group(0), f"COMMENT ON EXTENSION outbox_ext IS '{OLD_COMMENT}';"))
+
+        r = subprocess.run([f"{PG_BIN}/psql", "-X", "-q", "-1", "-v", "ON_ERROR_STOP=1", "-d", dst_dsn, "-f", str(old)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode != 0
+        assert "this is a dump of outbox_ext 0.x" in r.stderr, r.stderr
+        with connect(dst_dsn) as c:
+            assert c.execute("SELECT count(*) FROM pg_extension WHERE extname = 'outbox_ext'").fetchone()[0] == 0
+            state, _, _ = refused(c, f"CREATE EXTENSION outbox_ext; COMMENT ON EXTENSION outbox_ext IS '{OLD_COMMENT}'")
+            assert state == "0A000"
+
+        r = subprocess.run([f"{PG_BIN}/psql", "-X", "-q", "-1", "-v", "ON_ERROR_STOP=1", "-d", dst_dsn, "-f", str(plain)],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        with connect(dst_dsn) as c:
+            assert c.execute("SELECT count(*) FROM outbox.events WHERE topic = 'hs.dump'").fetchone()[0] == 1
+    finally:
+        drop_db(plain_dsn, src)
+        drop_db(plain_dsn, dst)
