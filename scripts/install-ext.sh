@@ -73,3 +73,15 @@ for f in "${files[@]}"; do
     mv -f "$tmp" "$dest"
     echo "install-ext: installed $dest"
 done
+
+# Scripts of other builds left in the extension directory (a 0.x install, an
+# upgrade script a newer checkout shipped) would offer versions this library does
+# not serve: the directory holds this package's scripts and nothing else of ours.
+ext_dir="$(dirname "/$(printf '%s\n' "${files[@]}" | sed 's|^\./||' | grep -m1 '/extension/outbox_ext.control$')")"
+for f in "$ext_dir"/outbox_ext--*.sql; do
+    [ -e "$f" ] || continue
+    if ! printf '%s\n' "${files[@]}" | grep -qxF "./${f#/}"; then
+        rm -f "$f"
+        echo "install-ext: removed $f (not in this package)"
+    fi
+done

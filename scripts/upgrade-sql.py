@@ -15,7 +15,8 @@ The output is, in this order:
   2. every function or procedure that is new or whose definition changed
      (CREATE OR REPLACE), and every view whose definition changed;
   3. every COMMENT ON and pg_extension_config_dump call that is new or changed;
-  4. sql/security.sql, which is idempotent: privileges and SECURITY DEFINER come
+  4. sql/handshake.sql: the updating library records its fingerprint;
+     sql/security.sql, which is idempotent: privileges and SECURITY DEFINER come
      out exactly as a fresh install sets them, new functions included;
   5. sql/upgrade/OLD--NEW.post.sql verbatim, if it exists: what must follow
      the new definitions (a trigger on a new function, grants kept across a
@@ -243,6 +244,9 @@ def assemble(old, new, new_install):
     for kind in ("routine", "view", "comment", "dump"):
         if parts[kind]:
             out += [f"-- {titles[kind]}", ""] + [p + "\n" for p in parts[kind]]
+    # The handshake (src/handshake.rs): the library running the update records its
+    # fingerprint, so the next call of any session is served.
+    out += ["-- sql/handshake.sql", "", (REPO / "sql" / "handshake.sql").read_text().strip(), ""]
     out += ["-- sql/security.sql (idempotent): privileges as a fresh install sets them", "",
             (REPO / "sql" / "security.sql").read_text().strip(), ""]
     if post.strip():

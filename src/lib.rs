@@ -15,6 +15,7 @@
 //!   launcher per cluster, one worker per database with the extension (wake-ups
 //!   and retention), and the shared table of served databases
 //! - [`sql`] — every SQL statement the Rust code runs, and the predicates they share
+//! - [`handshake`] — this library serves only the SQL it was built with
 //! - [`gucs`], [`validate`], [`errors`], [`xact`] — plumbing
 //! - [`pg`] — the only module that talks to PostgreSQL internals: the v1 call
 //!   interface ([`pg::fcall`]), saved SPI plans ([`pg::plans`]), publish's direct
@@ -29,6 +30,7 @@ pub mod backoff;
 pub mod claim;
 pub mod errors;
 pub mod gucs;
+pub mod handshake;
 pub mod launcher;
 pub mod lease;
 pub mod log;
@@ -78,8 +80,14 @@ pgrx::extension_sql_file!(
     requires = ["retention", wakeup::wakeup_status]
 );
 pgrx::extension_sql_file!("../sql/guard.sql", name = "guard", requires = ["monitoring"]);
-pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["guard", wakeup::announce]);
+pgrx::extension_sql_file!("../sql/dump_guard.sql", name = "dump_guard", requires = ["guard"]);
+pgrx::extension_sql_file!("../sql/comments.sql", name = "comments", requires = ["dump_guard", wakeup::announce]);
 pgrx::extension_sql_file!("../sql/announce.sql", name = "announce", requires = ["comments", wakeup::announce]);
+pgrx::extension_sql_file!(
+    "../sql/handshake.sql",
+    name = "handshake",
+    requires = ["announce", handshake::library_fingerprint]
+);
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
 v1_function!(outbox_publish, pg_finfo_outbox_publish, publish::publish);
@@ -103,6 +111,7 @@ pub extern "C-unwind" fn _PG_init() {
     gucs::init(preloaded);
     xact::init();
     pg::count_relcache_invalidations();
+    pg::count_function_invalidations();
     if preloaded {
         registry::init();
         pg::utility::install(registry::pause);

@@ -81,6 +81,7 @@ fn pattern_kind(pattern: Option<&str>) -> &'static str {
 /// `outbox._check_topic(topic text)`: [`topic`] for the SQL functions; 22004 for NULL.
 #[pg_extern(name = "_check_topic", immutable, parallel_safe)]
 fn check_topic(topic: Option<&str>) {
+    crate::handshake::check();
     let Some(t) = topic else {
         errors::raise(errors::NULL_VALUE, "topic must not be NULL");
     };
@@ -119,6 +120,7 @@ pub fn subscription(s: &str) {
 /// argument through this, so the grammar has one definition: [`is_subscription`].
 #[pg_extern(name = "_check_subscription", immutable, parallel_safe)]
 fn check_subscription(name: Option<&str>) -> String {
+    crate::handshake::check();
     match name {
         None => DEFAULT_SUBSCRIPTION.to_string(),
         Some(n) => {

@@ -27,7 +27,7 @@ use crate::pg::{self, SharedLatch};
 use crate::registry::{self, Exit, Status, WAKE};
 use crate::sql::worker as sql;
 use crate::wakeup;
-use crate::{gucs, log, maintenance};
+use crate::{gucs, handshake, log, maintenance};
 use pgrx::bgworkers::*;
 use pgrx::prelude::*;
 use std::time::{Duration, Instant};
@@ -474,6 +474,9 @@ pub extern "C-unwind" fn outbox_worker_main(arg: pg_sys::Datum) {
     pg::proc_exit(0);
 }
 
+/// How often a worker whose database's SQL fails the handshake says so.
+const MISMATCH_LOG_EVERY: Duration = Duration::from_secs(60);
+
 /// The worker's loop; returns why it ended.
 fn serve() -> Exit {
     let mut last_check = pg::now();
@@ -487,6 +490,7 @@ fn serve() -> Exit {
     // there, so a due-time sweep in a quiet spell delays no commit.
     let mut last_announce = Instant::now();
     let mut untracked = Untracked::starting();
+    let mut mismatch_logged: Option<Instant> = None;
     loop {
         if stopping() || !BackgroundWorker::wait_latch(Some(sleep)) {
             return Exit::Stopped;
@@ -494,6 +498,21 @@ fn serve() -> Exit {
         if told_to_stop() {
             return Exit::Left;
         }
+        // The handshake (src/handshake.rs): SQL this library was not built with
+        // gets nothing from it, not even a NOTIFY; one line a minute says why.
+        // A DROP EXTENSION meanwhile is seen by the next pass's own check.
+        if let Err(m) = BackgroundWorker::transaction(handshake::verdict) {
+            if mismatch_logged.is_none_or(|at: Instant| at.elapsed() >= MISMATCH_LOG_EVERY) {
+                log!("outbox worker: serving nothing in this database: {} (HINT: {})", m.message, m.hint);
+                mismatch_logged = Some(Instant::now());
+            }
+            if !installed() {
+                return Exit::Absent;
+            }
+            sleep = MAX_SLEEP;
+            continue;
+        }
+        mismatch_logged = None;
         // Coalesce (outbox.wakeup_coalesce, 1 ms): under a stream of commits, let
         // them gather for a moment instead of running one pass (one transaction,
         // one NOTIFY per topic) per commit; at 1 ms the worker stays under 1,000

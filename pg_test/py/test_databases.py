@@ -597,26 +597,6 @@ def test_create_extension_in_a_prepared_transaction_is_served_at_commit_prepared
     assert_background_wakeup(dsn, lst, pid, "dbs.prep", timeout=1.0, what=f"in {name}")
 
 
-def test_update_from_0_5_0_is_served_at_once(dbs, extra_dbs, listeners):
-    """ALTER EXTENSION ... UPDATE from 0.5.0 in a running server announces the
-    database, as CREATE EXTENSION does."""
-    name = f"{BASE}_upd"
-    dsn = create_db(dbs.admin, name, extension=False)
-    time.sleep(1.5)
-    with connect(dsn) as c:
-        have = c.execute(
-            "SELECT 1 FROM pg_available_extension_versions WHERE name = 'outbox_ext' AND version = '0.5.0'"
-        ).fetchone()
-        if not have:
-            pytest.skip("0.5.0's install script is not installed")
-        c.execute("CREATE EXTENSION outbox_ext VERSION '0.5.0'")
-        c.execute("ALTER EXTENSION outbox_ext UPDATE")
-    pid, waited = wait_served(dbs.admin, name, timeout=2.0, what="after ALTER EXTENSION UPDATE from 0.5.0")
-    print(f"[{name}] served {waited:.2f} s after the update")
-    lst = listeners(dsn)
-    assert_background_wakeup(dsn, lst, pid, "dbs.upd", timeout=1.0, what=f"in {name}")
-
-
 def test_alter_database_options_in_an_open_transaction_keep_wakeups(dbs, listeners):
     """Only SET TABLESPACE needs the database to itself: a CONNECTION LIMIT change
     left in an open transaction (a migration tool) must not stop its wake-ups."""

@@ -24,7 +24,9 @@ check grep -q 'usr/lib/postgresql/[0-9]*/lib/outbox_ext.so$' <(contents "$EXT_DE
 check grep -q 'usr/share/postgresql/[0-9]*/extension/outbox_ext.control$' <(contents "$EXT_DEB")
 VERSION="$(sed -n 's/^version *= *"\(.*\)"/\1/p' Cargo.toml | head -1)"
 check grep -q "extension/outbox_ext--$VERSION.sql\$" <(contents "$EXT_DEB")
-# Every released version upgrades: the package carries each upgrade script.
+# Every released version upgrades: the package carries each upgrade script (none
+# before 1.0.0 is tagged).
+shopt -s nullglob
 for f in sql/outbox_ext--*--*.sql; do
     check grep -q "extension/$(basename "$f")\$" <(contents "$EXT_DEB")
 done

@@ -61,6 +61,7 @@ pub type V1Body = unsafe fn(pg_sys::FunctionCallInfo) -> pg_sys::Datum;
 pub unsafe fn call_pinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
     // SAFETY: pin and unpin pair up within this call; an error thrown by `body`
     // skips the unpin, and the (sub)transaction abort then pops the pin.
+    crate::handshake::check();
     unsafe {
         let pinned = search_path::pin();
         let result = body(fcinfo);
@@ -74,6 +75,7 @@ pub unsafe fn call_pinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_
 /// # Safety
 /// `fcinfo` is the call frame PostgreSQL passed to the function.
 pub unsafe fn call_unpinned(fcinfo: pg_sys::FunctionCallInfo, body: V1Body) -> pg_sys::Datum {
+    crate::handshake::check();
     // SAFETY: the caller's contract is `body`'s.
     unsafe { body(fcinfo) }
 }

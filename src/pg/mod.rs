@@ -548,6 +548,44 @@ pub fn count_relcache_invalidations() {
     unsafe { pg_sys::CacheRegisterRelcacheCallback(Some(count_relcache_invalidation), pg_sys::Datum::from(0)) };
 }
 
+thread_local! {
+    /// Invalidations of pg_proc rows (any function) this backend has processed.
+    static FUNCTION_GENERATION: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+#[pgrx::pg_guard]
+extern "C-unwind" fn count_function_invalidation(_arg: pg_sys::Datum, _cache: i32, _hash: u32) {
+    FUNCTION_GENERATION.with(|g| g.set(g.get().wrapping_add(1)));
+}
+
+/// Start counting invalidations of function definitions (once per process, from
+/// `_PG_init`). Every CREATE, REPLACE or DROP of a function, and so every
+/// CREATE, ALTER ... UPDATE and DROP EXTENSION of ours, sends one to every
+/// backend, which processes it before its next statement: what the handshake's
+/// cached verdict (src/handshake.rs) is valid until.
+pub fn count_function_invalidations() {
+    // SAFETY: registering a static callback with no argument; PostgreSQL keeps a
+    // fixed number of slots and raises an error when they are full.
+    unsafe {
+        pg_sys::CacheRegisterSyscacheCallback(
+            pg_sys::SysCacheIdentifier::PROCOID as i32,
+            Some(count_function_invalidation),
+            pg_sys::Datum::from(0),
+        )
+    };
+}
+
+/// How many function-definition invalidations this backend has processed.
+pub fn function_generation() -> u64 {
+    FUNCTION_GENERATION.with(|g| g.get())
+}
+
+/// Whether an extension script (CREATE or ALTER EXTENSION) is running.
+pub fn creating_extension() -> bool {
+    // SAFETY: a plain read of a backend-local global.
+    unsafe { pg_sys::creating_extension }
+}
+
 /// How many relcache invalidations of watched relations (or full resets) this
 /// backend has processed.
 pub fn relcache_generation() -> u64 {

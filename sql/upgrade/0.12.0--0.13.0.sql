@@ -1,6 +1,0 @@
--- 0.12.0 -> 0.13.0: no DDL a diff cannot derive. A topic's dead-letter policy
--- change now reaches the log's dead letters through
--- outbox._log_apply_dead_letter_policy (src/log/exceptions.rs), under a
--- snapshot taken after the topic row's lock, and rewrites the rows a claim
--- could still turn dead; the new function, _apply_dead_letter_policy's new
--- body and their comments follow.

@@ -1,6 +1,0 @@
--- 0.13.0 -> 0.14.0: no DDL a diff cannot derive. Every dead transition of the
--- log (fail(), and a claim that finds a last lease expired) now holds its
--- topic's dead-letter policy lock in share mode, and a policy change takes it
--- exclusively (src/log/exceptions.rs, invariant 4). That is all in the
--- library; outbox._log_apply_dead_letter_policy no longer rewrites the rows a
--- claim could still turn dead, and its comment, which follows, says so.
