@@ -283,10 +283,11 @@ def _drain(c, sub="default"):
 
 
 def test_purge_removes_rows_of_their_own_once_the_log_lets_go(pg_cluster):
-    """Ported from the queue's purge test (issue 39): on the log, `outbox purge` removes the
-    finished batches' delivery records and the delivered rows of their own (an event acked after a
-    retry: its attempt history), `outbox purge --dead` the rows of dead letters and cancelled
-    events, once no ring table holds their events any more; the dry run counts exactly that."""
+    """Ported (issue 39) from the purge test of the removed engine: on the log, `outbox purge`
+    removes the finished batches' delivery records and the delivered rows of their own (an event
+    acked after a retry: its attempt history), `outbox purge --dead` the rows of dead letters and
+    cancelled events, once no ring table holds their events any more; the dry run counts exactly
+    that."""
     db = "cli_purge_rows_of_their_own"
     clilib.fresh_db(db)
     with connect(db) as c, connect(db) as admin:
