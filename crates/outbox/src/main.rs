@@ -34,10 +34,10 @@ struct Cli {
     /// Log format.
     #[arg(long, env = "OUTBOX_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"], global = true)]
     log_format: String,
-    /// PostgreSQL DSN (libpq key/value or URL), for every command that connects. Without it the
-    /// operator commands and `serve` use libpq's PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD,
-    /// PGSSLMODE and PGSSLROOTCERT (which also fill in what a DSN leaves out); `relay` takes the
-    /// `dsn` of its --config file.
+    /// PostgreSQL DSN (libpq key/value or URL; sslmode=require/verify-ca/verify-full use TLS),
+    /// before or after the subcommand. Without it the operator commands and `serve` use libpq's
+    /// PGHOST, PGPORT, PGUSER, PGDATABASE, PGPASSWORD, PGSSLMODE and PGSSLROOTCERT (which also fill
+    /// in what a DSN leaves out); `relay` takes the `dsn` of its --config file.
     #[arg(long, env = "OUTBOX_DSN", value_name = "DSN", global = true, hide_env_values = true)]
     dsn: Option<String>,
     /// Print JSON instead of tables (the operator commands; also accepted after the subcommand).
