@@ -44,16 +44,3 @@ def fresh(pg_cluster, request):
     clilib.fresh_db(name)
     ids = clilib.populate(name)
     return name, ids
-
-
-@pytest.fixture
-def fresh_queue(pg_cluster, request):
-    """`fresh` with a 'default' that reads outbox.event_queue, as an install before
-    0.12.0 has it until the upgrade moves it to the log."""
-    name = "cli_" + request.node.name.lower().replace("[", "_").replace("]", "").replace("-", "_")[:40]
-    clilib.fresh_db(name)
-    with clilib.connect(name) as c:
-        c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 'default'")
-        c.execute("UPDATE outbox.subscription_catalog SET storage = 'queue' WHERE name = 'default'")
-    ids = clilib.populate(name)
-    return name, ids

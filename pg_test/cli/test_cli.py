@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+import clilib
 from clilib import (
     T_DEAD,
     assert_one_line_error,
@@ -253,35 +254,91 @@ def test_purge_on_the_log(fresh):
     batches' records, not the events acked from them, and keeps rows of their own
     (dead letters, cancels) while the log holds their events."""
     db, _ = fresh
-    r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
-    assert r.json()["eligible"] == 6  # 3 delivered + 3 cancelled of default, by outbox.events
     # A batch's record exists once the batch finished (its events may share it with pending ones).
     records = sql1(db, "SELECT count(*) FROM outbox.log_delivered")
+    r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
+    assert r.code == 0, r
+    assert r.json() == {"dry_run": True, "dead": False, "eligible": records}
+    assert sql1(db, "SELECT count(*) FROM outbox.log_delivered") == records
     r = run(["purge", "--older-than", "0", "--json"], db)
     assert r.code == 0, r
-    assert r.json()["removed"] == records
+    assert r.json()["removed"] == records == r.json()["eligible"]
     assert sql1(db, "SELECT count(*) FROM outbox.log_delivered") == 0
     assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 6
+    r = run(["purge", "--dead", "--dry-run", "--older-than", "0", "--json"], db)
+    assert r.code == 0 and r.json()["eligible"] == 0, r
     r = run(["purge", "--dead", "--older-than", "0", "--json"], db)
     assert r.code == 0 and r.json()["removed"] == 0, r
     assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 3
     assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('pending', 'leased')") == 6
 
 
-def test_purge(fresh_queue):
-    """The queue's purge (a 'default' of an install before 0.12.0) removes rows."""
-    db, _ = fresh_queue
+def _drain(c, sub="default"):
+    """Claims until nothing is left; returns {id: (lease_token, subject)}."""
+    got = {}
+    while rows := c.execute("SELECT id, lease_token, subject FROM outbox.claim('cli-test', 100, '1 hour'::interval, "
+                            "subscription => %s)", (sub,)).fetchall():
+        got.update({i: (tok, subj) for i, tok, subj in rows})
+    return got
+
+
+def test_purge_removes_rows_of_their_own_once_the_log_lets_go(pg_cluster):
+    """Ported (issue 39) from the purge test of the removed engine: on the log, `outbox purge`
+    removes the finished batches' delivery records and the delivered rows of their own (an event
+    acked after a retry: its attempt history), `outbox purge --dead` the rows of dead letters and
+    cancelled events, once no ring table holds their events any more; the dry run counts exactly
+    that."""
+    db = "cli_purge_rows_of_their_own"
+    clilib.fresh_db(db)
+    with connect(db) as c, connect(db) as admin:
+        admin.execute("SET outbox.retention_delivered = 0")
+        admin.execute("SELECT outbox._log_rotate()")  # log_0 recorded as open
+        ids = {}
+        for subj in ("a1", "a2", "a3", "retried", "dead", "cancelled"):
+            ids[subj] = c.execute("SELECT outbox.publish('purge.x', '{}', subject => %s)", (subj,)).fetchone()[0]
+        assert c.execute("SELECT outbox.cancel(%s)", (ids["cancelled"],)).fetchone()[0]
+        out = _drain(c)
+        assert set(out) == {ids[s] for s in ("a1", "a2", "a3", "retried", "dead")}, out
+        for s in ("a1", "a2", "a3"):
+            assert c.execute("SELECT outbox.ack(%s, %s)", (ids[s], out[ids[s]][0])).fetchone()[0]
+        assert c.execute("SELECT outbox.fail(%s, %s, 'once', retry_in => '0')",
+                         (ids["retried"], out[ids["retried"]][0])).fetchone()[0] == "pending"
+        assert c.execute("SELECT outbox.fail(%s, %s, 'no', permanent => true)",
+                         (ids["dead"], out[ids["dead"]][0])).fetchone()[0] == "dead"
+        again = _drain(c)
+        assert set(again) == {ids["retried"]}, again
+        assert c.execute("SELECT outbox.ack(%s, %s)", (ids["retried"], again[ids["retried"]][0])).fetchone()[0]
+
+        def own(states):
+            return sql1(db, "SELECT count(*) FROM outbox.log_exceptions WHERE state = ANY(%s)", (states,))
+
+        assert (own(["delivered"]), own(["dead", "cancelled"])) == (1, 2)
+        # While the log holds the events, their rows of their own stay (only batch records go).
+        records = sql1(db, "SELECT count(*) FROM outbox.log_delivered")
+        assert records > 0
+        r = run(["purge", "--dead", "--older-than", "0", "--json"], db)
+        assert r.code == 0 and r.json()["removed"] == 0, r
+        assert run(["purge", "--dry-run", "--older-than", "0", "--json"], db).json()["eligible"] == records
+        # Every reader has passed them: the ring table goes.
+        admin.execute("SELECT outbox._log_rotate()")  # log_0 sealed
+        assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] >= 1
+        assert sql1(db, "SELECT count(*) FROM outbox.log") == 0
     r = run(["purge", "--dry-run", "--older-than", "0", "--json"], db)
-    assert r.json()["eligible"] == 6  # 3 delivered + 3 cancelled of default
-    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 6
+    assert r.json() == {"dry_run": True, "dead": False, "eligible": records + 1}, r
+    assert sql1(db, "SELECT count(*) FROM outbox.log_delivered") == records  # nothing removed
     r = run(["purge", "--older-than", "0", "--json"], db)
     assert r.code == 0, r
-    assert r.json()["removed"] >= 6
-    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('delivered', 'cancelled')") == 0
+    assert r.json()["removed"] == records + 1, r
+    assert sql1(db, "SELECT count(*) FROM outbox.log_delivered") == 0
+    assert (own(["delivered"]), own(["dead", "cancelled"])) == (0, 2)
+    r = run(["purge", "--dead", "--dry-run", "--older-than", "0", "--json"], db)
+    assert r.json()["eligible"] == 2, r
     r = run(["purge", "--dead", "--older-than", "0"], db)
-    assert r.code == 0 and "removed" in r.out, r
-    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state = 'dead'") == 0
-    assert sql1(db, "SELECT count(*) FROM outbox.events WHERE state IN ('pending', 'leased')") == 6
+    assert r.code == 0 and "removed 2 rows" in r.out, r
+    assert sql1(db, "SELECT count(*) FROM outbox.log_exceptions") == 0
+    # A second purge finds nothing.
+    r = run(["purge", "--older-than", "0", "--json"], db)
+    assert r.code == 0 and r.json()["removed"] == 0, r
 
 
 def test_tail(fresh):
@@ -436,3 +493,186 @@ def test_json_keys_keep_the_column_order(shared_db):
     assert list(r.json()[0])[:4] == ["id", "topic", "subject", "dispatch_key"], r.out
     r = run(["subscriptions", "ls", "--json"], db)
     assert list(r.json()[0])[:3] == ["name", "topics", "paused"], r.out
+
+
+# ---- global flags (issue 39, item 9) ------------------------------------------------------------
+
+WHSEC = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _place(where, flag, cmd):
+    """`outbox FLAG CMD...` or `outbox CMD... FLAG`."""
+    return [*flag, *cmd] if where == "before" else [*cmd, *flag]
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_dsn_before_or_after_an_operator_command(shared_db, where):
+    """--dsn is one global flag: `outbox --dsn X stats` and `outbox stats --dsn X` both work (no
+    OUTBOX_DSN and no PG* variable here, so the flag is the only way to the database)."""
+    db, ids = shared_db
+    flag = ["--dsn", dsn(db)]
+    r = run(_place(where, flag, ["stats", "--json"]))
+    assert r.code == 0, r
+
+    def counts(rows):
+        return {(x["subscription"], x["topic"], x["ready"], x["dead"], x["delivered"]) for x in rows}
+
+    assert counts(r.json()) == counts(run(["stats", "--json"], db).json())
+    assert T_DEAD in {x["topic"] for x in r.json()}
+    # A nested subcommand.
+    r = run(_place(where, flag, ["events", "ls", "--state", "dead", "--json"]))
+    assert r.code == 0, r
+    assert sorted(x["id"] for x in r.json()) == sorted(ids["dead"])
+    # The flag is what is used: one naming a missing database fails with its name, and the flag
+    # goes before OUTBOX_DSN (as before the change).
+    assert_one_line_error(run(_place(where, ["--dsn", dsn("cli_no_such_db")], ["stats"])), "cli_no_such_db")
+    r = run(_place(where, flag, ["stats", "--json"]), env={"OUTBOX_DSN": dsn("cli_no_such_db")})
+    assert r.code == 0, r
+
+
+def test_json_before_the_subcommand(shared_db):
+    db, _ = shared_db
+    r = run(["--json", "subscriptions", "ls"], db)
+    assert r.code == 0, r
+    assert [(x["name"], x["lag_events"], x["dead_letters"]) for x in r.json()] == [
+        (x["name"], x["lag_events"], x["dead_letters"]) for x in run(["subscriptions", "ls", "--json"], db).json()]
+    # The columns `ls` names, in the view's order (issue 39: nothing of the removed engine).
+    assert list(r.json()[0]) == [
+        "name", "topics", "paused", "paused_at", "lag_events", "lag", "oldest_undelivered_id",
+        "oldest_undelivered_at", "ready", "leases_in_flight", "dead_letters", "last_claim_at", "max_attempts",
+        "backoff_base", "backoff_max", "default_lease", "created_at", "updated_at", "dead_letter_policy",
+        "max_lag", "lost_events", "lost_at"]
+    lines = run(["subscriptions", "ls"], db).out.splitlines()
+    header = next(ln for ln in lines if "NAME" in ln)
+    assert [c.strip() for c in header.replace("┆", "│").split("│") if c.strip()] == [
+        "NAME", "TOPICS", "PAUSED", "LAG EVENTS", "LAG", "READY", "LEASED", "DEAD", "LAST CLAIM", "LOST"], lines
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_dsn_before_or_after_relay(pg_cluster, where):
+    """The relay takes the global --dsn in either place: it connects and creates its subscription."""
+    db = f"cli_relay_dsn_{where}"
+    clilib.fresh_db(db)
+    sub = f"relay-{where}"
+    cmd = ["relay", "--sink", "webhook", "--webhook-url", "http://127.0.0.1:9/hook", "--webhook-secret", WHSEC,
+           "--metrics-listen", "off", "--subscription", sub]
+    p = subprocess.Popen([outbox_bin(), *_place(where, ["--dsn", dsn(db)], cmd)], env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and p.poll() is None:
+            if sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name = %s", (sub,)) == 1:
+                break
+            time.sleep(0.2)
+        assert p.poll() is None, p.stderr.read()
+        assert sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name = %s", (sub,)) == 1
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert "panicked" not in p.stderr.read()
+    # The flag is what is used (no OUTBOX_DSN, no config file here): without it there is no DSN.
+    assert_one_line_error(run(cmd), "no PostgreSQL DSN")
+
+
+def test_relay_dsn_flag_beats_its_config_file(pg_cluster, tmp_path):
+    """The relay's precedence is kept: --dsn (or OUTBOX_DSN), then the config file's dsn."""
+    db = "cli_relay_dsn_config"
+    clilib.fresh_db(db)
+    cfg = tmp_path / "relay.toml"
+    cfg.write_text(f'sink = "webhook"\ndsn = "{dsn("cli_no_such_db")}"\n'
+                   f'[webhook]\nsecrets = ["{WHSEC}"]\n[[webhook.endpoints]]\nname = "a"\nurl = "http://127.0.0.1:9/"\n')
+    cmd = ["relay", "--config", str(cfg), "--metrics-listen", "off"]
+    # The file's alone: its (missing) database.
+    r = run(cmd, timeout=60)
+    assert_one_line_error(r, "cli_no_such_db")
+    # The flag, before or after, wins over it; so does OUTBOX_DSN.
+    for argv, env in ((["--dsn", dsn(db), *cmd], None), ([*cmd, "--dsn", dsn(db)], None),
+                      (cmd, {"OUTBOX_DSN": dsn(db)})):
+        p = subprocess.Popen([outbox_bin(), *argv], env=clean_env(env), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and p.poll() is None:
+                if sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name LIKE 'relay-%'") > 0:
+                    break
+                time.sleep(0.2)
+            assert p.poll() is None, (argv, p.stderr.read())
+            assert sql1(db, "SELECT count(*) FROM outbox.subscriptions WHERE name LIKE 'relay-%'") > 0, argv
+        finally:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        with connect(db) as c:
+            c.execute("SELECT outbox.drop_subscription(name, force => true) FROM outbox.subscriptions "
+                      "WHERE name LIKE 'relay-%'")
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_dsn_before_or_after_serve(shared_db, where):
+    """`outbox --dsn X serve` and `outbox serve --dsn X` serve that database."""
+    import urllib.request
+
+    db, _ = shared_db
+    port = _free_port()
+    cmd = ["serve", "--listen", f"127.0.0.1:{port}"]
+    p = subprocess.Popen([outbox_bin(), *_place(where, ["--dsn", dsn(db)], cmd)], env=clean_env(),
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        body, deadline = None, time.monotonic() + 30
+        while time.monotonic() < deadline and p.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/stats", timeout=5) as resp:
+                    body = __import__("json").loads(resp.read())
+                    break
+            except OSError:
+                time.sleep(0.2)
+        assert body is not None, p.stderr.read() if p.poll() is not None else "no answer"
+        assert T_DEAD in {x["topic"] for x in body["stats"]}
+        assert {x["name"] for x in body["subscriptions"]} == {"default", "ledger"}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    assert "panicked" not in p.stderr.read()
+    # The flag is what is used: a missing database refuses the start, in one line, with its name.
+    r = run(_place(where, ["--dsn", dsn("cli_no_such_db")], ["serve", "--listen", f"127.0.0.1:{_free_port()}"]),
+            timeout=30)
+    assert_one_line_error(r, "cli_no_such_db")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--json", "relay"],
+        ["relay", "--json"],
+        ["relay", "--sink", "nats", "--json"],
+        ["--json", "serve"],
+        ["serve", "--json", "--listen", "127.0.0.1:1"],
+        ["--json", "completions", "bash"],
+        ["completions", "bash", "--json"],
+    ],
+)
+def test_json_is_a_usage_error_where_it_means_nothing(shared_db, argv):
+    """--json on a command that prints no data: exit 2, one line, nothing started or printed."""
+    db, _ = shared_db
+    r = run(["--dsn", dsn(db), *argv])
+    assert r.code == 2, r
+    assert r.out == "", r
+    assert_one_line_error(r, "--json does not apply to 'outbox " + next(a for a in argv if not a.startswith("-")))

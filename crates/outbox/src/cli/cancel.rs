@@ -12,7 +12,7 @@ use super::{conn, ensure_subscription, Common};
 #[derive(Debug, Args)]
 pub struct CancelArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     /// Event ids to cancel (each must be pending or dead).
     #[arg(required = true)]
     ids: Vec<i64>,

@@ -18,7 +18,7 @@ use super::{conn, ensure_subscription, json_rows, sql_error, time, topic_match_s
 #[derive(Debug, Args)]
 pub struct EventsArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     #[command(subcommand)]
     command: EventsCommand,
 }

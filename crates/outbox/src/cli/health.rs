@@ -14,7 +14,7 @@ use super::{conn, json_rows, Common};
 #[derive(Debug, Args)]
 pub struct HealthArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     /// Ready events older than this are a backlog (health()'s backlog_age).
     #[arg(long, default_value = "1 minute")]
     backlog_age: String,

@@ -5,8 +5,8 @@
 //! - Only the extension's SQL API is used: the views `outbox.stats`, `outbox.events`,
 //!   `outbox.deliveries`, `outbox.subscriptions`, `outbox.topics`, and the public functions and
 //!   procedures (`replay`, `cancel`, `create_topic`, `purge`, ...). Nothing here writes a table.
-//! - Every command takes `--json` and a DSN from `--dsn`, `OUTBOX_DSN`, or libpq's `PG*` variables
-//!   (see [`conn`]). Before running, the command checks that the extension is installed.
+//! - Every command takes `--json` and a DSN from the global `--dsn`, `OUTBOX_DSN`, or libpq's `PG*`
+//!   variables (see [`conn`]). Before running, the command checks that the extension is installed.
 //! - Every failure is one line on stderr (`outbox: error: ...`) and a non-zero exit status; a
 //!   server error is rewritten into a hint when its cause is common (no privilege, no extension).
 //! - Guardrails (replay, cancel) check every event's state before changing anything, and rely on the
@@ -34,14 +34,13 @@ use serde_json::{Map, Value};
 use tokio_postgres::types::ToSql;
 use tokio_postgres::Client;
 
-/// Options every operator command takes (global within the command, so they may follow a nested
-/// subcommand: `outbox events ls --json`).
-#[derive(Debug, Clone, Args)]
+/// Options every operator command takes. `--json` is global within the command, so it may follow
+/// a nested subcommand (`outbox events ls --json`); `outbox --json events ls` sets it too. The DSN
+/// is the top-level global `--dsn`/`OUTBOX_DSN` (`main.rs`), handed over after parsing.
+#[derive(Debug, Clone, Default, Args)]
 pub struct Common {
-    /// PostgreSQL DSN (libpq key/value or URL). Without it, libpq's PGHOST, PGPORT, PGUSER,
-    /// PGDATABASE, PGPASSWORD, PGSSLMODE and PGSSLROOTCERT are used; they also fill in what the DSN
-    /// leaves out.
-    #[arg(long, env = "OUTBOX_DSN", global = true, hide_env_values = true)]
+    /// The top-level `--dsn` (or `OUTBOX_DSN`); None: libpq's `PG*` variables (see [`conn`]).
+    #[arg(skip)]
     pub dsn: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
@@ -83,10 +82,27 @@ pub enum CliCommand {
     Topics(topics::TopicsArgs),
     /// List, create, drop, pause or resume subscriptions.
     Subscriptions(subscriptions::SubscriptionsArgs),
-    /// Remove delivered and cancelled events (or dead letters) past their retention, with progress.
+    /// Remove delivery records (or dead letters' and cancelled events' rows) past their retention.
     Purge(purge::PurgeArgs),
     /// Stream new events as they commit (LISTEN outbox plus polling), until Ctrl-C.
     Tail(tail::TailArgs),
+}
+
+impl CliCommand {
+    /// The options of the command, for `main` to hand the top-level `--dsn` and `--json` over.
+    pub fn common_mut(&mut self) -> &mut Common {
+        match self {
+            CliCommand::Stats(a) => &mut a.common,
+            CliCommand::Health(a) => &mut a.common,
+            CliCommand::Events(a) => &mut a.common,
+            CliCommand::Replay(a) => &mut a.common,
+            CliCommand::Cancel(a) => &mut a.common,
+            CliCommand::Topics(a) => &mut a.common,
+            CliCommand::Subscriptions(a) => &mut a.common,
+            CliCommand::Purge(a) => &mut a.common,
+            CliCommand::Tail(a) => &mut a.common,
+        }
+    }
 }
 
 /// Runs one operator command and returns the process exit status. Errors are returned for `main`

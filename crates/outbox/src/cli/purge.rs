@@ -1,9 +1,20 @@
 //! `outbox purge [--dead] [--older-than D]`: retention now, through the public procedures
-//! `CALL outbox.purge(...)` (delivered and cancelled events) or `CALL outbox.purge_dead(...)`
-//! (dead letters). They commit after every batch, so a second connection can watch them work: the
-//! progress bar polls an estimate of the rows still eligible (from `outbox.events`, with each
-//! topic's retention) while the procedure runs, and the final count is the one the procedure
-//! reports. `--dry-run` prints the estimate and removes nothing.
+//! `CALL outbox.purge(...)` or `CALL outbox.purge_dead(...)`.
+//!
+//! The log is retained by table (its ring tables are truncated whole by maintenance), so a purge
+//! never removes an event from it. What it removes are the rows the log keeps beside it:
+//! - `outbox purge`: the finished batches' delivery records (`outbox.log_delivered`) and the
+//!   delivered rows of their own (`outbox.log_exceptions`: events acked after a retry, with their
+//!   attempt history), past the delivered retention;
+//! - `outbox purge --dead`: the dead letters' and cancelled events' rows of their own, past the
+//!   dead retention.
+//!
+//! A row of its own is kept while the log still holds its event (below `outbox._log_floor()` it
+//! may go). The procedures commit after every batch, so a second connection can watch them work:
+//! the progress bar polls an estimate of the rows still eligible (those same tables, with each
+//! topic's retention; outbox_admin reads them, as it runs the procedures) while the procedure
+//! runs, and the final count is the one the procedure reports. `--dry-run` prints the estimate
+//! and removes nothing.
 
 use std::time::Duration;
 
@@ -19,8 +30,9 @@ use super::{conn, progress_bar, sql_error, Common};
 #[derive(Debug, Args)]
 pub struct PurgeArgs {
     #[command(flatten)]
-    common: Common,
-    /// Purge dead letters (outbox.purge_dead) instead of delivered and cancelled events.
+    pub(crate) common: Common,
+    /// Purge the rows of dead letters and cancelled events (outbox.purge_dead) instead of delivery
+    /// records.
     #[arg(long)]
     dead: bool,
     /// Remove what finished more than this long ago (a PostgreSQL interval: 7 days, 12h);
@@ -30,25 +42,29 @@ pub struct PurgeArgs {
     /// Rows per committed batch.
     #[arg(long, default_value_t = 1000)]
     batch_size: i32,
-    /// Print how many events are eligible; remove nothing.
+    /// Print how many rows are eligible; remove nothing.
     #[arg(long)]
     dry_run: bool,
 }
 
-/// How many events the purge would remove now (an estimate: the procedures also remove the log's
-/// batch records and skip locked rows).
+/// How many rows the purge would remove now (an estimate: the procedures skip locked rows). The
+/// floor below which the log holds no event is read once per statement, as the procedures do.
 async fn eligible(c: &Client, dead: bool, older_than: &Option<String>) -> Result<i64> {
     let sql = if dead {
-        "SELECT count(*) FROM outbox.events e LEFT JOIN outbox.topics t ON t.topic = e.topic \
-         WHERE e.state = 'dead' AND e.dead_at < now() - coalesce($1::text::interval, t.retention_dead, \
-         nullif(current_setting('outbox.retention_dead', true), '')::interval, '30 days')"
+        "SELECT count(*) FROM outbox.log_exceptions x LEFT JOIN outbox.topics t ON t.topic = x.topic \
+         WHERE x.state IN ('dead', 'cancelled') AND coalesce(x.dead_at, x.cancelled_at) < now() - \
+         coalesce($1::text::interval, t.retention_dead, \
+         nullif(current_setting('outbox.retention_dead', true), '')::interval, '30 days') \
+         AND x.id < (SELECT outbox._log_floor())"
     } else {
-        "SELECT count(*) FROM outbox.events e LEFT JOIN outbox.topics t ON t.topic = e.topic \
-         WHERE e.state IN ('delivered', 'cancelled') AND coalesce(e.delivered_at, e.cancelled_at) < now() - \
-         coalesce($1::text::interval, t.retention_delivered, \
-         nullif(current_setting('outbox.retention_delivered', true), '')::interval, '7 days')"
+        "SELECT (SELECT count(*) FROM outbox.log_exceptions x LEFT JOIN outbox.topics t ON t.topic = x.topic \
+         WHERE x.state = 'delivered' AND x.delivered_at < now() - coalesce($1::text::interval, \
+         t.retention_delivered, nullif(current_setting('outbox.retention_delivered', true), '')::interval, \
+         '7 days') AND x.id < (SELECT outbox._log_floor())) \
+         + (SELECT count(*) FROM outbox.log_delivered d WHERE d.finished_at < now() - coalesce($1::text::interval, \
+         nullif(current_setting('outbox.retention_delivered', true), '')::interval, '7 days'))"
     };
-    let row = c.query_one(sql, &[older_than]).await.map_err(|e| sql_error("counting eligible events", &e))?;
+    let row = c.query_one(sql, &[older_than]).await.map_err(|e| sql_error("counting eligible rows", &e))?;
     Ok(row.get(0))
 }
 
@@ -56,7 +72,11 @@ async fn eligible(c: &Client, dead: bool, older_than: &Option<String>) -> Result
 pub async fn run(args: PurgeArgs) -> Result<i32> {
     let json = args.common.json;
     let c = conn::connect(&args.common).await?;
-    let what = if args.dead { "dead letters" } else { "delivered and cancelled events" };
+    let what = if args.dead {
+        "rows of dead letters and cancelled events"
+    } else {
+        "delivery records (finished batches, and events delivered after a retry)"
+    };
     let before = eligible(&c.client, args.dead, &args.older_than).await?;
     if args.dry_run {
         if json {

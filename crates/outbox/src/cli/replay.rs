@@ -31,7 +31,7 @@ use super::{
 #[command(group(clap::ArgGroup::new("what").required(true).args(["ids", "dead"])))]
 pub struct ReplayArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     /// Event ids to replay (each must be dead or cancelled).
     ids: Vec<i64>,
     /// Replay every dead letter matching the filters (bulk).

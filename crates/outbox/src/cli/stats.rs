@@ -11,7 +11,7 @@ use super::{conn, json_rows, topic_match_sql, Common};
 #[derive(Debug, Args)]
 pub struct StatsArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     /// Only this subscription.
     #[arg(long)]
     subscription: Option<String>,

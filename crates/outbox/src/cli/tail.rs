@@ -22,7 +22,7 @@ use super::{conn, json_rows, sql_error, topic_match_sql, Common};
 #[derive(Debug, Args)]
 pub struct TailArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     /// Only topics matching this pattern (exact, `prefix.*` or `*`).
     #[arg(long)]
     topic: Option<String>,
@@ -64,7 +64,7 @@ pub async fn run(args: TailArgs) -> Result<i32> {
     let mut seen: BTreeSet<i64> = BTreeSet::new();
     let mut printed = 0u64;
     // Both streams are made once, before the first query: a signal that arrives while a query
-    // runs is then queued for the next select instead of being lost (a fresh `ctrl_c()` future per
+    // runs is then kept for the next select instead of being lost (a fresh `ctrl_c()` future per
     // loop only sees signals sent after it is polled).
     use tokio::signal::unix::{signal, SignalKind};
     let mut sigterm = signal(SignalKind::terminate())?;

@@ -13,7 +13,7 @@ use super::{conn, json_rows, sql_error, Common, RetryPolicy};
 #[derive(Debug, Args)]
 pub struct TopicsArgs {
     #[command(flatten)]
-    common: Common,
+    pub(crate) common: Common,
     #[command(subcommand)]
     command: TopicsCommand,
 }

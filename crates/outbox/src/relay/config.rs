@@ -1,7 +1,9 @@
 //! Relay configuration: command-line flags, environment variables and an optional TOML file.
 //!
 //! Precedence: a flag, then its environment variable (clap reads both), then the `--config` file,
-//! then the built-in default. Everything is validated here, before any connection is made, so a
+//! then the built-in default. The DSN follows the same order: `--dsn` (a global flag of the
+//! top-level command, so `outbox --dsn X relay` and `outbox relay --dsn X` are the same), then
+//! `OUTBOX_DSN`, then the file's `dsn`. Everything is validated here, before any connection is made, so a
 //! bad value is one error line and a non-zero exit, never a panic or a half-started relay.
 //!
 //! Invariants checked here that the delivery guarantees rely on:
@@ -59,9 +61,14 @@ pub struct RelayArgs {
     /// Sink to deliver into.
     #[arg(long, env = "OUTBOX_SINK", value_enum)]
     pub sink: Option<SinkKind>,
-    /// PostgreSQL connection string (libpq key/value or URL; sslmode=require/verify-ca/verify-full use TLS).
-    #[arg(long, env = "OUTBOX_DSN", value_name = "DSN", hide_env_values = true)]
+    /// PostgreSQL connection string (libpq key/value or URL; sslmode=require/verify-ca/verify-full
+    /// use TLS): the top-level global `--dsn`, or `OUTBOX_DSN` (clap reads both), handed over by
+    /// `main` after parsing; it takes precedence over the config file's `dsn`.
+    #[arg(skip)]
     pub dsn: Option<String>,
+    /// Refused (a usage error, see `main.rs`): this command prints no data.
+    #[arg(long, hide = true)]
+    pub json: bool,
     /// Subscription to claim from (created when missing). Default: relay-<sink>.
     #[arg(long, env = "OUTBOX_SUBSCRIPTION")]
     pub subscription: Option<String>,
@@ -515,7 +522,7 @@ impl RelayArgs {
         self.reject_other_sink(sink, &file)?;
         let dsn = self.dsn.or(file.dsn).unwrap_or_default();
         if dsn.trim().is_empty() {
-            bail!("no PostgreSQL DSN: pass --dsn or set OUTBOX_DSN");
+            bail!("no PostgreSQL DSN: pass --dsn, set OUTBOX_DSN, or set dsn in the --config file");
         }
         let dsn = with_libpq_defaults(&dsn, &|k| std::env::var(k).ok().filter(|v| !v.is_empty()), &|d| {
             std::path::Path::new(d).is_dir()
@@ -759,9 +766,11 @@ mod tests {
             #[command(flatten)]
             relay: RelayArgs,
         }
-        let mut argv = vec!["relay", "--dsn", "host=h"];
+        let mut argv = vec!["relay"];
         argv.extend_from_slice(args);
-        Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?.relay.resolve()
+        let mut relay = Cli::try_parse_from(argv).map_err(|e| anyhow::anyhow!("{e}"))?.relay;
+        relay.dsn = Some("host=h".into());
+        relay.resolve()
     }
 
     fn file(text: &str) -> PathBuf {
@@ -814,6 +823,39 @@ mod tests {
         let _ = std::fs::remove_file(f2);
         assert!(parse(&["--sink", "nats", "--nats-stream", "S"]).is_ok());
         assert!(parse(&["--sink", "webhook", "--webhook-url", "http://h/x", "--webhook-secret", secret]).is_ok());
+    }
+
+    /// The DSN's precedence: the flag (or OUTBOX_DSN, which clap folds into it) over the file's
+    /// `dsn`; the file's alone when there is no flag; none at all is an error.
+    #[test]
+    fn dsn_flag_beats_the_config_file() {
+        use clap::Parser as _;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            relay: RelayArgs,
+        }
+        let f = file("sink = \"nats\"\ndsn = \"host=from-file\"\n");
+        let resolve = |dsn: Option<&str>, config: Option<&PathBuf>| {
+            let mut argv = vec!["relay".to_string()];
+            if let Some(p) = config {
+                argv.extend(["--config".to_string(), p.display().to_string()]);
+            } else {
+                argv.extend(["--sink".to_string(), "nats".to_string()]);
+            }
+            let mut relay = Cli::try_parse_from(argv).unwrap().relay;
+            relay.dsn = dsn.map(str::to_string);
+            relay.resolve()
+        };
+        let host = |c: &RelayConfig| crate::db::parse_dsn(&c.dsn, "t").unwrap().0.get_hosts().to_vec();
+        use tokio_postgres::config::Host;
+        let c = resolve(Some("host=from-flag"), Some(&f)).unwrap();
+        assert_eq!(host(&c), vec![Host::Tcp("from-flag".into())]);
+        let c = resolve(None, Some(&f)).unwrap();
+        assert_eq!(host(&c), vec![Host::Tcp("from-file".into())]);
+        let e = resolve(None, None).unwrap_err().to_string();
+        assert!(e.starts_with("no PostgreSQL DSN"), "{e}");
+        let _ = std::fs::remove_file(f);
     }
 
     #[test]
@@ -881,7 +923,7 @@ mod tests {
                 }
             }
         }
-        for env in ["OUTBOX_LOG", "OUTBOX_LOG_FORMAT", "PGHOST", "PGPORT"] {
+        for env in ["OUTBOX_DSN", "OUTBOX_LOG", "OUTBOX_LOG_FORMAT", "PGHOST", "PGPORT"] {
             if !section.contains(&format!("`{env}`")) {
                 missing.push(env.to_string());
             }

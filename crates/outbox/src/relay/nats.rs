@@ -269,7 +269,7 @@ impl NatsSink {
     /// usable. A stream that now breaks the guarantees stops the relay.
     async fn recover(&self, shutdown: &Shutdown) -> bool {
         // Whoever holds the lock recovers for everyone; the others keep their own backoff rather
-        // than queueing up behind it.
+        // than lining up behind it.
         let Ok(_one) = self.ensure_lock.try_lock() else { return false };
         if self.healthy.load(Ordering::Relaxed) {
             return true;

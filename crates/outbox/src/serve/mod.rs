@@ -56,9 +56,13 @@ pub struct ServeArgs {
     /// served on a loopback listener and its Origin accepted on actions.
     #[arg(long, env = "OUTBOX_DASHBOARD_ORIGIN")]
     public_origin: Option<String>,
-    /// PostgreSQL DSN (libpq key/value or URL); without it libpq's PG* variables are used.
-    #[arg(long, env = "OUTBOX_DSN", hide_env_values = true)]
-    dsn: Option<String>,
+    /// The top-level global `--dsn` (or `OUTBOX_DSN`), handed over by `main` after parsing; without
+    /// it libpq's PG* variables are used.
+    #[arg(skip)]
+    pub dsn: Option<String>,
+    /// Refused (a usage error, see `main.rs`): this command prints no data.
+    #[arg(long, hide = true)]
+    pub json: bool,
     /// Database connections kept open (queries of concurrent requests run in parallel).
     #[arg(long, default_value = "4")]
     pool_size: String,

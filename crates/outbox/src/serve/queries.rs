@@ -156,7 +156,7 @@ pub async fn stats(c: &Client) -> Res<Vec<Map<String, Value>>> {
 pub async fn subscriptions(c: &Client) -> Res<Vec<Map<String, Value>>> {
     Ok(rows(
         c,
-        "SELECT name, topics, paused, storage, lag_events, extract(epoch FROM lag)::float8 AS lag_s, \
+        "SELECT name, topics, paused, lag_events, extract(epoch FROM lag)::float8 AS lag_s, \
          oldest_undelivered_id, ready, leases_in_flight, dead_letters, last_claim_at, lost_events \
          FROM outbox.subscriptions ORDER BY name",
         &[],
@@ -407,7 +407,7 @@ pub async fn event(c: &Client, id: i64, payload_cap: Option<i64>) -> Res<EventDe
     let mut event = match base?.pop() {
         Some(e) => e,
         None => match deliveries.first() {
-            // Known to a subscription of the log only (no `default` over it): show what it has.
+            // Known to named subscriptions only (`default` does not receive it): show what they have.
             Some(d) => {
                 let mut e = Map::new();
                 e.insert("id".into(), Value::from(id));
