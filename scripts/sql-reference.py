@@ -18,7 +18,7 @@ The simplest way to regenerate, with every setup step done for you:
 
 "Public" is every function, procedure, view, table and GUC whose name does not
 start with '_' in schema outbox (GUCs: outbox.<name>), and the roles the
-extension creates (outbox_*). Output is sorted, so two runs against the same
+extension creates (the NOLOGIN roles outbox_*). Output is sorted, so two runs against the same
 install write the same bytes. Python 3.11 standard library plus psycopg 3.
 """
 
@@ -93,7 +93,7 @@ SELECT r.oid, r.rolname, r.rolcanlogin, shobj_description(r.oid, 'pg_authid') AS
        ARRAY(SELECT g.rolname::text FROM pg_auth_members m JOIN pg_roles g ON g.oid = m.roleid
               WHERE m.member = r.oid ORDER BY g.rolname {C}) AS member_of
   FROM pg_roles r
- WHERE r.rolname LIKE 'outbox\\_%'
+ WHERE r.rolname LIKE 'outbox\\_%' AND NOT r.rolcanlogin
  ORDER BY r.rolname {C}
 """
 

@@ -530,7 +530,8 @@ run_docs() {
     section "docs (mdbook $pin, docs/)"
     mkdir -p "$out"
     ensure_extension docs || return 0
-    ensure_plain_cluster || { fail "docs: cluster $PLAIN did not start"; return 0; }
+    # A fresh cluster: earlier suites may have stopped it or left roles behind.
+    if start_cluster "$PLAIN" "$PLAIN_PORT"; then PLAIN_UP=1; else fail "docs: cluster $PLAIN did not start"; return 0; fi
     dsn="$(outbox_pg_dsn "$PLAIN" "$PLAIN_PORT" postgres)"
     if [ "${OUTBOX_DOCS_UPDATE:-0}" = "1" ]; then
         if "$py" "$gen" --dsn "$dsn" --write "$ref"; then pass; else fail "docs: regenerating $ref failed"; fi
