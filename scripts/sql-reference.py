@@ -98,12 +98,13 @@ SELECT r.oid, r.rolname, r.rolcanlogin, shobj_description(r.oid, 'pg_authid') AS
 """
 
 Q_ROLE_FUNCTIONS = f"""
-SELECT DISTINCT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')' AS f
-  FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace,
-       aclexplode(p.proacl) a
- WHERE n.nspname = 'outbox' AND p.proname NOT LIKE '\\_%%'
-   AND a.grantee = %s AND a.privilege_type = 'EXECUTE'
- ORDER BY 1 {C}
+SELECT f FROM (
+  SELECT DISTINCT p.proname || '(' || pg_get_function_identity_arguments(p.oid) || ')' AS f
+    FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace,
+         aclexplode(p.proacl) a
+   WHERE n.nspname = 'outbox' AND p.proname NOT LIKE '\\_%%'
+     AND a.grantee = %s AND a.privilege_type = 'EXECUTE') s
+ ORDER BY f {C}
 """
 
 Q_ROLE_RELATIONS = f"""
@@ -118,7 +119,7 @@ SELECT c.relname, string_agg(a.privilege_type, ', ' ORDER BY a.privilege_type {C
 
 Q_ROLE_COLUMNS = f"""
 SELECT c.relname, a.privilege_type,
-       string_agg(att.attname, ', ' ORDER BY att.attnum)
+       string_agg(att.attname::text, ', ' ORDER BY att.attnum)
   FROM pg_attribute att
   JOIN pg_class c ON c.oid = att.attrelid
   JOIN pg_namespace n ON n.oid = c.relnamespace,
