@@ -21,6 +21,7 @@
 #   OUTBOX_SKIP_SETUP=1       do not run scripts/setup.sh (you just ran it)
 #   OUTBOX_TEST_TIMEOUT=1200  seconds allowed per suite script / pytest run
 #   OUTBOX_PGRX_TIMEOUT=2400  seconds allowed for cargo pgrx test (includes building)
+#   OUTBOX_DOCS_UPDATE=1      docs: write the regenerated SQL reference into docs/src/reference
 #
 # Clusters (see scripts/pgcluster.sh): "outbox-test" on port 5441 without preload
 # (regress, isolation, pytest), "outbox-test-preload" on port 5442 with
@@ -66,7 +67,7 @@ if [ "$#" -eq 0 ]; then
 else
     for arg in "$@"; do
         case "$arg" in
-            -h | --help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+            -h | --help) sed -n '2,28p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         esac
         s="${arg%%:*}"
         case " ${ALL_SUITES[*]} " in
