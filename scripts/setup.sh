@@ -19,6 +19,7 @@ REPO="$(cd "$SCRIPT_DIR/.." && pwd)"
 . "$SCRIPT_DIR/pgenv.sh" --
 
 PGRX_VERSION="0.18.0"
+MDBOOK_VERSION="0.5.4" # the docs book (docs/book.toml); scripts/test.sh docs reads this line
 DEPS_ONLY=0
 for arg in "$@"; do
     case "$arg" in
@@ -157,6 +158,19 @@ if [ -f "$DASH_REQS" ]; then
         "$VENV/bin/python" -m pip install --quiet --disable-pip-version-check -r "$DASH_REQS" </dev/null
         echo "$want" >"$VENV/.dashboard-requirements.sha256"
     fi
+fi
+
+# ---------------------------------------------------------------------------
+# 4b. mdbook, pinned, for the docs book (scripts/test.sh docs): the search feature
+#     only (no `mdbook serve`/watch, which would pull a web server in)
+# ---------------------------------------------------------------------------
+have_mdbook="$(mdbook --version 2>/dev/null || true)"
+if [ "$have_mdbook" != "mdbook v$MDBOOK_VERSION" ]; then
+    log "installing mdbook $MDBOOK_VERSION (found: '${have_mdbook:-none}'; takes a few minutes)"
+    cargo install mdbook --version "=$MDBOOK_VERSION" --locked --force \
+        --no-default-features --features search </dev/null
+else
+    log "mdbook $MDBOOK_VERSION present"
 fi
 
 # Directories postgres must be able to own (for `cargo pgrx test --runas postgres`).
