@@ -87,7 +87,7 @@ LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 100
 AS 'MODULE_PATHNAME', 'outbox_lock_row';
 
 COMMENT ON FUNCTION outbox._lock_row(oid, tid) IS
-'Internal (claim and head promotion; no role is granted it). Lock row version "row" (a ctid the calling statement read) of table rel FOR UPDATE without waiting. '
+'Internal (claim: lanes, rows of their own, activity; no role is granted it). Lock row version "row" (a ctid the calling statement read) of table rel FOR UPDATE without waiting. '
 'Result: true when the transaction now holds the row; false when another transaction holds or is changing it, or when a transaction that committed after the statement''s snapshot changed it (the version read is not the newest). '
 'Unlike FOR UPDATE SKIP LOCKED it never follows the row''s update chain, a step that waits for the transaction changing a newer version whatever the wait policy (PostgreSQL heapam.c, heap_lock_updated_tuple), and never raises a serialization failure. '
 'Errors: 25006 in a read-only transaction (as FOR UPDATE); 42P01 rel does not exist (or was dropped while the call waited for its lock); 42501 without UPDATE on rel; 22023 rel is not a plain table, or no row version at that ctid.';
@@ -97,7 +97,7 @@ LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'outbox_ack';
 
 COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
-'Mark a leased event delivered (moves it to the archive). Returns true when lease_token is the event''s current token, '
+'Mark a leased event delivered for its subscription (in its batch; an event with a row of its own keeps it, state delivered, as its attempt history until retention). Returns true when lease_token is the event''s current token, '
 'false otherwise (stale or unknown token, unknown id, NULL arguments): no error, nothing changes. '
 'The exception: in a read-only transaction or on a standby, PostgreSQL raises 25006 for any non-NULL id and token (the call writes, whatever the token). A fenced ack, as in awa.';
 

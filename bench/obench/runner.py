@@ -123,9 +123,8 @@ class Ctx:
         return self.admin.execute(q, params).fetchone()[0]
 
     def reset_outbox(self, log=False):
-        """Empty the queue; with log, also the log ring (0.8.0; from 0.9.0 every
-        publish appends to it). Only with a build that has the ring."""
-        self.sql(S.LOG_RESET if log else S.QUEUE_RESET)
+        """Empty the outbox (sql.py, LOG_RESET); `log` is kept for the callers."""
+        self.sql(S.LOG_RESET)
 
     def reset_plain(self):
         self.sql("TRUNCATE bench_plain")

@@ -119,12 +119,6 @@ def s1_publish(ctx):  # noqa: C901
         sub_counts = []
     sub_systems = [_s1_sub_system(k) for k in sub_counts]
     systems = [s + (None,) for s in S1_SYSTEMS]
-    # 0.10.0: publish with the queue's 'default' dropped (the log alone), next
-    # to outbox_background in every repetition.
-    log_only = bool(ctx.one(S.HAS_STORAGE))
-    if log_only:
-        at = [s[0] for s in systems].index("outbox_background") + 1
-        systems[at:at] = [("outbox_log_only", "outbox", "background", None, "outbox", None)]
     tmp = tempfile.mkdtemp(prefix="obench-pgbench-")
     scripts = {}
     for name, text in S.PUB1.items():
@@ -156,28 +150,15 @@ def s1_publish(ctx):  # noqa: C901
                         ctx.reset_outbox(log=has_ring)
                         if nsubs:
                             _create_subscriptions(ctx, [f"{S1_SUB_PREFIX}{i}" for i in range(nsubs)])
-                        if name == "outbox_log_only":
-                            ctx.sql(S.QUEUE_DEFAULT_DROP)
                     else:
                         ctx.reset(table)
-                    try:
-                        tps = ctx.pgbench(scripts[script], clients, p["s1_seconds"], notify, gucs)
-                    finally:
-                        if name == "outbox_log_only":
-                            queued = ctx.one("SELECT count(*) FROM outbox.event_queue")
-                            logged = ctx.one(S.LOG_ROWS)
-                            ctx.sql(S.QUEUE_DEFAULT_RESTORE)
-                    if name == "outbox_log_only":
-                        # Publish wrote the log alone, and every event there.
-                        if queued or not logged:
-                            raise HarnessError(f"outbox_log_only: {queued} queue rows and {logged} log rows "
-                                               "after a run without the queue's default")
+                    tps = ctx.pgbench(scripts[script], clients, p["s1_seconds"], notify, gucs)
                     ctx.rec("s1_publish", name, {"clients": clients}, rep, "events_per_s", tps, "ev/s")
                     if nsubs:
                         # The subscriptions existed throughout, and the log got every event.
                         have = len(_named_subscriptions(ctx))
                         logged = ctx.one(S.LOG_ROWS)
-                        queued = ctx.one("SELECT count(*) FROM outbox.event_queue")
+                        queued = ctx.one("SELECT count(*) FROM outbox.events")
                         ctx.rec("s1_publish", name, {"clients": clients}, rep, "log_rows", logged, "rows")
                         ctx.rec("s1_publish", name, {"clients": clients}, rep, "queued_events", queued, "events")
                         if have != nsubs:
@@ -198,8 +179,6 @@ def s1_publish(ctx):  # noqa: C901
         shutil.rmtree(tmp, ignore_errors=True)
         if has_subs:
             _drop_subscriptions(ctx, quiet=True)  # the scenarios after this one start without any
-        if log_only:
-            ctx.sql(S.QUEUE_DEFAULT_RESTORE)
 
     def med(name, c):
         return ctx.med("s1_publish", name, {"clients": c}, "events_per_s")
@@ -216,14 +195,9 @@ def s1_publish(ctx):  # noqa: C901
           f"{p['reps']} runs of {p['s1_seconds']} s; in brackets the ratio to `plain` at the same "
           "client count and the min–max of the runs. An idle session LISTENs on `outbox` "
           f"throughout (it received {heard[0] if heard else 'n/a'} notifications)."
-          + (" Every outbox run empties the log ring (`outbox.log_0`..`log_3`, `outbox.log_state`) with the "
-             "queue tables first: from 0.9.0 every publish appends its event to the log beside its "
-             "`outbox.event_queue` row." if has_ring else "")
+          + (" Every outbox run empties the log ring (`outbox.log_0`..`log_3`, `outbox.log_state`) and its "
+             "readers' tables first." if has_ring else "")
           + (" The outbox runs other than the subscription cell below have no named subscription." if has_subs else "")
-          + (" `outbox_log_only` (0.10.0) is `outbox_background` with the install's `default` subscription dropped "
-             "(`outbox.drop_subscription('default')` after the reset): publish writes the log alone, no "
-             "`outbox.event_queue` row (checked after each run); the queue's `default` is put back afterwards as "
-             "a fresh install makes it." if log_only else "")
           + "\n\n")
     md += "| system | " + " | ".join(f"{c} clients" for c in p["s1_clients"]) + " |\n"
     md += "|---" * (len(p["s1_clients"]) + 1) + "|\n" + "\n".join(rows) + "\n\n"
@@ -281,9 +255,6 @@ def s1_publish(ctx):  # noqa: C901
                _ratio(med("outbox_background", top), med("plain", top)), ">=", 0.85)
     ctx.target("1-off", f"publish outbox(off) / plain INSERT at {top} clients",
                _ratio(med("outbox_off", top), med("plain", top)), ">=", 0.90)
-    if log_only:
-        ctx.target("1-log", f"publish outbox(background), the queue's default dropped (log only) / plain INSERT "
-                   f"at {top} clients", _ratio(med("outbox_log_only", top), med("plain", top)), ">=", 0.90)
     if sub_systems:
         ctx.target("1-subs", f"publish with {sub_counts[-1]} named subscriptions / with {sub_counts[0]} at {top} "
                    "clients (outbox background)", r_subs, ">=", 0.95)
@@ -369,7 +340,7 @@ def _drain_once(ctx, variant, workers, batch, n, subjects=0, info=None):
     ctx.reset(system)
     if outbox:
         ctx.load_outbox(n, subjects=subjects)
-        ctx.sql("VACUUM ANALYZE outbox.event_queue")
+        ctx.sql(S.LOG_VACUUM)
     else:
         ctx.load_plain(n)
         ctx.sql("VACUUM ANALYZE bench_plain")
@@ -382,7 +353,7 @@ def _drain_once(ctx, variant, workers, batch, n, subjects=0, info=None):
     res = g.collect(workers, ctx.p["drain_deadline"] + 30)
     g.join()
     done = sum(r["n"] for r in res)
-    left = ctx.one("SELECT count(*) FROM outbox.event_queue" if outbox else "SELECT count(*) FROM bench_plain")
+    left = ctx.one(S.DEFAULT_LEFT if outbox else "SELECT count(*) FROM bench_plain")
     if done != n or left != 0:
         raise HarnessError(f"{system} drain acked {done} of {n}, {left} left in the table")
     secs = (max(r["t1"] for r in res) - min(r["t0"] for r in res)) / ns
@@ -1331,7 +1302,7 @@ def _s7_setup(ctx, dbs):
 def _s7_reset(conns, system):
     for c in conns.values():
         if system.startswith("outbox"):
-            c.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+            c.execute(S.LOG_RESET)
         else:
             c.execute("TRUNCATE bench_plain")
 

@@ -65,20 +65,29 @@ PUB1 = {
     "pgq": f"SELECT pgq.insert_event('bench_q', 'bench.publish', {_lit(PAYLOAD)});\n",
 }
 
-# The log ring (0.8.0; from 0.9.0 every publish appends the event to it, beside
-# its outbox.event_queue row): outbox.log_0 .. log_3, outbox.log_state naming the
-# table being written (no row: log_0).
+# The log ring, where every publish appends its event: outbox.log_0 .. log_3,
+# outbox.log_state naming the table being written (no row: log_0).
 LOG_RING = [f"outbox.log_{i}" for i in range(4)]
 LOG_TABLES = LOG_RING + ["outbox.log_state"]
-QUEUE_RESET = "TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys"
-LOG_RESET = QUEUE_RESET + ", " + ", ".join(LOG_TABLES)
+# The outbox emptied (the ring, the readers' batches, rows of their own and
+# delivery records, dispatch keys), each subscription's lanes read up to a
+# cursor taken now.
+LOG_RESET = ("DO $$ BEGIN TRUNCATE " + ", ".join(LOG_TABLES) + ", outbox.log_batches, outbox.log_exceptions,"
+             " outbox.log_delivered, outbox.dispatch_keys;\n"
+             " UPDATE outbox.log_lanes SET lo_snap = c.snap, lo_m = c.m, lo_xn = c.xn, hi_snap = NULL, hi_m = NULL,"
+             " hi_xn = NULL, pos = NULL, batch = NULL, skips = NULL FROM outbox._log_cursor() AS c;"
+             # lanes a reset of the readers' tables took (LOG_DRAIN_RESET) start now
+             " PERFORM outbox._log_subscribe(s.name, 'now') FROM outbox.subscription_catalog s; END $$")
+# VACUUM ANALYZE of what a drain of the log reads and writes.
+LOG_VACUUM = "VACUUM ANALYZE " + ", ".join(LOG_RING + ["outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions"])
+# What 'default' has not delivered yet.
+DEFAULT_LEFT = "SELECT lag_events FROM outbox.subscriptions WHERE name = 'default'"
 LOG_ROWS = "SELECT " + " + ".join(f"(SELECT count(*) FROM {t})" for t in LOG_RING)
 # 1 when the installed SQL has the log ring (0.8.0 and later)
 HAS_LOG_RING = "SELECT to_regclass('outbox.log_state') IS NOT NULL"
 
-# Named subscriptions (0.9.0): consumer groups that read the log; 'default'
-# still reads outbox.event_queue. Scenario 1 publishes with some of them
-# existing, scenario 10 drains them.
+# Named subscriptions: consumer groups beside 'default'. Scenario 1 publishes
+# with some of them existing, scenario 10 drains them.
 HAS_SUBSCRIPTIONS = (
     "SELECT count(DISTINCT p.proname) = 2 FROM pg_proc p"
     " WHERE p.pronamespace = to_regnamespace('outbox')"
@@ -88,19 +97,6 @@ SUBSCRIPTIONS_NAMED = "SELECT name FROM outbox.subscription_catalog WHERE name <
 SUBSCRIPTION_CREATE = "SELECT outbox.create_subscription(%(name)s)"
 SUBSCRIPTION_DROP = "SELECT outbox.drop_subscription(%(name)s, force => true)"
 
-# 0.10.0: the install's 'default' (which reads outbox.event_queue) can be
-# dropped; publish then writes the log alone. Scenario 1 measures publish so
-# ('outbox_log_only'), then puts the queue's 'default' back as a fresh install
-# makes it (no function makes a subscription of the queue).
-HAS_STORAGE = (
-    "SELECT EXISTS (SELECT 1 FROM pg_attribute WHERE attrelid = to_regclass('outbox.subscription_catalog')"
-    " AND attname = 'storage' AND NOT attisdropped)"
-)
-QUEUE_DEFAULT_DROP = "SELECT outbox.drop_subscription('default', force => true)"
-QUEUE_DEFAULT_RESTORE = (
-    "WITH a AS (INSERT INTO outbox.subscription_activity (name) VALUES ('default') ON CONFLICT DO NOTHING)"
-    " INSERT INTO outbox.subscription_catalog (name, storage) VALUES ('default', 'queue') ON CONFLICT DO NOTHING"
-)
 
 # ---------------------------------------------------------------------------
 # Scenario 2: publish 1,000 events per transaction (psycopg, one autocommit
@@ -352,7 +348,7 @@ PAYLOAD_BYTES = "SELECT avg(octet_length(payload::text))::float8, count(*) FROM 
 # not read here) and to the log, and each named subscription reads it once.
 LOG_READER = "bench"
 LOG_DRAIN_RESET = ("TRUNCATE " + ", ".join(LOG_TABLES) + ", outbox.log_lanes, outbox.log_batches,"
-                   " outbox.log_exceptions, outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
+                   " outbox.log_exceptions, outbox.dispatch_keys")
 # The ids come back in input order (publish_batch's contract): the harness keeps
 # them to check that each is acked exactly once, and knows each one's subject.
 LOG_LOAD = (
