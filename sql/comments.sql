@@ -162,7 +162,7 @@ COMMENT ON FUNCTION outbox._log_batch_states(text) IS
 'state (''pending'': not handed out yet; ''leased'': out, lease_expires_at its claim''s expiry; ''delivered'': acked), attempts (0 or 1). Errors: 22004 NULL subscription.';
 
 COMMENT ON FUNCTION outbox._log_batch_holders(text) IS
-'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events; 0.11.0): one row per event out in one of the subscription''s batches in flight whose round''s worker is known: '
+'Internal (outbox._log_deliveries, hence outbox.deliveries and outbox.events): one row per event out in one of the subscription''s batches in flight whose round''s worker is known: '
 'id and leased_by, the worker that claimed it. Errors: 22004 NULL subscription.';
 
 COMMENT ON FUNCTION outbox._log_backlog(text, timestamptz) IS
