@@ -901,16 +901,16 @@ mod tests {
     }
 
     #[test]
-    fn readme_lists_every_environment_variable() {
+    fn the_relay_page_lists_every_environment_variable() {
         use clap::CommandFactory as _;
         #[derive(clap::Parser)]
         struct Cli {
             #[command(flatten)]
             relay: RelayArgs,
         }
-        let readme = include_str!("../../../../README.md");
-        let start = readme.find("### Configuration").expect("relay configuration section");
-        let section = &readme[start..start + readme[start..].find("### NATS JetStream sink").expect("next section")];
+        let page = include_str!("../../../../docs/src/tools/relay.md");
+        let start = page.find("## Configuration").expect("relay configuration section");
+        let section = &page[start..start + page[start..].find("## NATS JetStream").expect("next section")];
         let mut missing = Vec::new();
         for arg in Cli::command().get_arguments() {
             if arg.is_hide_set() {
@@ -928,7 +928,7 @@ mod tests {
                 missing.push(env.to_string());
             }
         }
-        assert!(missing.is_empty(), "README's relay configuration table lacks {missing:?}");
+        assert!(missing.is_empty(), "docs/src/tools/relay.md's configuration table lacks {missing:?}");
     }
 
     #[test]
