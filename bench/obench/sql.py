@@ -225,7 +225,7 @@ HOLD_XMIN = "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox.
 # worker and run_maintenance() run), called in a loop by another session with a
 # short outbox.retention_delivered, so that it seals the open ring table and
 # truncates sealed ones the readers have passed while the workers drain.
-ROTATE_SET = "SET outbox.retention_delivered = %s"
+ROTATE_SET = "SELECT set_config('outbox.retention_delivered', %s, false)"
 ROTATE = "SELECT outbox._log_rotate()"
 RING_STATE = "SELECT count(*) FILTER (WHERE sealed_at IS NOT NULL), count(*) FROM outbox.log_state"
 
