@@ -38,10 +38,11 @@ FULL = {
     # hist_log_dead dead letters of its own (claim + fail(permanent), ~1 ms per
     # event here); hist_iters timed claims per run
     "hist_delivered": 1_000_000, "hist_iters": 40, "hist_log_dead": 100_000,
-    # 6b, 6c: a backlog of steady_backlog events drained by 2 workers while a
-    # publisher adds steady_rate ev/s; 6c: another session runs the log step of
-    # maintenance every 0.1 s with outbox.retention_delivered = rotate_retention s
-    "steady_backlog": 50_000, "steady_rate": 1000, "rotate_retention": 1,
+    # 6b, 6c: a backlog of steady_backlog (6c: rotate_backlog, over three ring
+    # tables) events drained by 2 workers while a publisher adds steady_rate
+    # ev/s; 6c: another session runs the log step of maintenance every 0.1 s
+    # with outbox.retention_delivered = rotate_retention s
+    "steady_backlog": 50_000, "steady_rate": 1000, "rotate_backlog": 500_000, "rotate_retention": 0,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
     # 7: s7_clients spread evenly over s7_dbs databases; s7_probes wake-up probes per
     # database and run; wait up to s7_attach_wait s for the databases' workers to
@@ -89,7 +90,7 @@ QUICK = dict(FULL, **{
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
     "hist_delivered": 100_000, "hist_iters": 20, "hist_log_dead": 5_000,
-    "steady_backlog": 10_000,
+    "steady_backlog": 10_000, "rotate_backlog": 100_000,
     "s7_seconds": 2, "s7_probes": 8,
     "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,
     "s9_n": 20_000,
