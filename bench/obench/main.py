@@ -32,16 +32,17 @@ FULL = {
     "s2_seconds": 3,
     "drain_n": 100_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 240,
     "drain_cells": None,  # None = every (workers, batch) combination
-    "subjects": 1000, "subject_cells": [(2, 100), (4, 500)],
     "e2e_rates": [1000, 5000], "e2e_seconds": 4, "e2e_batch": 100, "e2e_workers": 2, "e2e_poll": 0.5,
     "e2e_systems": E2E_SYSTEMS, "e2e_system_rates": {}, "wake_rate": 1000,
-    "hist_delivered": 1_000_000, "hist_dead": 100_000, "hist_iters": 40,
-    # 6a, 6b: also the log variant (0.9.0's named subscriptions): the same
-    # measurement through the subscription bench_log of the log; 6a's log history
-    # has hist_delivered events bench_log acked and hist_log_dead dead letters of
-    # its own (claim + fail(permanent), ~1 ms per event here)
-    "s6_log": True, "hist_log_dead": 100_000,
-    "steady_backlog": 50_000, "steady_rate": 1000, "purge_rows": 1_000_000, "purge_grace": 10,
+    # 6a: the history of `default` holds hist_delivered events it acked and
+    # hist_log_dead dead letters of its own (claim + fail(permanent), ~1 ms per
+    # event here); hist_iters timed claims per run
+    "hist_delivered": 1_000_000, "hist_iters": 40, "hist_log_dead": 100_000,
+    # 6b, 6c: a backlog of steady_backlog (6c: rotate_backlog, over three ring
+    # tables) events drained by 2 workers while a publisher adds steady_rate
+    # ev/s; 6c: another session runs the log step of maintenance every 0.1 s
+    # with outbox.retention_delivered = rotate_retention s
+    "steady_backlog": 50_000, "steady_rate": 1000, "rotate_backlog": 500_000, "rotate_retention": 0,
     "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
     # 7: s7_clients spread evenly over s7_dbs databases; s7_probes wake-up probes per
     # database and run; wait up to s7_attach_wait s for the databases' workers to
@@ -56,9 +57,6 @@ FULL = {
     # 16, because beside 16 workers on 2 cores the 4 of that rule reached ~300 ev/s.
     "s8_rate": 800, "s8_workers": 16, "s8_batch": 100, "s8_poll": 0.5, "s8_reps": 1, "s8_pub_conns": 16,
     "s8_warmup": 2, "s8_clean": 20, "s8_held": 60, "s8_after": 30, "s8_window": 10, "s8_drain_wait": 60,
-    # 8: also the log variant: the same run with the workers claiming through the
-    # subscription bench_log of the log (after the queue's run in each repetition)
-    "s8_log": True,
     # 9: s9_n payloads per column type (jsonb, json, text), read in keyset batches of s9_batch
     "s9_n": 100_000, "s9_batch": 500,
     # 10: drain s10_n events from the log through a named subscription (0.9.0:
@@ -89,11 +87,10 @@ QUICK = dict(FULL, **{
     "s2_seconds": 0.7,
     "drain_n": 50_000, "drain_batches": [100, 500], "drain_workers": [2, 4], "drain_deadline": 120,
     "drain_cells": [(2, 100), (4, 500)],
-    "subject_cells": [(2, 100)],
     "e2e_seconds": 1.5,
     "e2e_system_rates": {"outbox_transaction": [1000], "plain_notify": []},
-    "hist_delivered": 100_000, "hist_dead": 10_000, "hist_iters": 20, "hist_log_dead": 5_000,
-    "steady_backlog": 10_000, "purge_rows": 100_000, "purge_grace": 10,
+    "hist_delivered": 100_000, "hist_iters": 20, "hist_log_dead": 5_000,
+    "steady_backlog": 10_000, "rotate_backlog": 100_000,
     "s7_seconds": 2, "s7_probes": 8,
     "s8_warmup": 1, "s8_clean": 5, "s8_held": 10, "s8_after": 5, "s8_window": 2, "s8_drain_wait": 20,
     "s9_n": 20_000,
@@ -108,7 +105,6 @@ SCENARIOS = [
     ("s1", "1. publish", scenarios.s1_publish),
     ("s2", "2. batch publish", scenarios.s2_batch),
     ("s3", "3. drain", scenarios.s3_drain),
-    ("s5", "5. subjects", scenarios.s5_subjects),
     ("s4", "4. end to end", scenarios.s4_e2e),
     # before 6a: that one leaves a database with the extension (bench_fresh), and in
     # 0.6.0 every such database takes a worker slot (max_worker_processes)
@@ -118,8 +114,8 @@ SCENARIOS = [
     ("s10", "10. log drain", scenarios.s10_log_drain),
     ("s11", "11. relay", relay_scenario.s11_relay),
     ("s6a", "6a. history", scenarios.s6_history),
-    ("s6b", "6b. held xmin", scenarios.s6_xmin),
-    ("s6c", "6c. purge", scenarios.s6_purge),
+    ("s6b", "6b. held snapshot", scenarios.s6_xmin),
+    ("s6c", "6c. ring TRUNCATE", scenarios.s6_rotate),
     ("plans", "claim plans", scenarios.explain_claims),
 ]
 

@@ -145,7 +145,7 @@ END $$""",
 }
 
 # ---------------------------------------------------------------------------
-# Scenario 3/5/6: drain (claim and ack as separate autocommit statements)
+# Scenario 3/6/8: drain (claim and ack as separate autocommit statements)
 # ---------------------------------------------------------------------------
 DRAIN = {
     "outbox": {
@@ -174,16 +174,6 @@ DRAIN = {
         "claim": "SELECT id, lease_token, topic, payload::text FROM outbox.claim(%(worker)s, %(batch)s::int)",
         "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
     },
-    # Scenarios 6a, 6b and 8, their log variant: the same claim and batch ack
-    # through the named subscription 'bench_log' (LOG_SUB) of the log (0.9.0),
-    # created before the events are published. Columns as DRAIN['outbox'] (the
-    # harness reads id and lease_token by position); the lease is the default
-    # one, as in DRAIN['outbox'].
-    "outbox_log": {
-        "claim": ("SELECT id, lease_token, topic, payload FROM outbox.claim(%(worker)s, %(batch)s::int,"
-                  " subscription => 'bench_log')"),
-        "ack": "SELECT outbox.ack(%(ids)s::bigint[], %(tokens)s::uuid[])",
-    },
     "pgq": {
         "next": "SELECT pgq.next_batch('bench_q', 'bench_c')",
         "events": "SELECT ev_id, ev_type, ev_data FROM pgq.get_batch_events(%(batch_id)s)",
@@ -202,45 +192,26 @@ E2E_PUBLISH = {
 }
 
 # ---------------------------------------------------------------------------
-# Scenario 6: history, held xmin, purge
+# Scenario 6: history, held snapshot, ring TRUNCATE
 # ---------------------------------------------------------------------------
-HIST_ARCHIVE = """\
-INSERT INTO outbox.event_archive (id, topic, payload, state, attempts, max_attempts,
-                                  leased_by, published_at, finished_at)
-SELECT nextval('outbox.event_id_seq'), 'bench.hist', %(payload)s::jsonb, 'delivered', 1, 10,
-       'old-worker', now() - interval '2 days', now() - interval '1 day'
-  FROM generate_series(1, %(n)s::int)"""
-
-# Dead letters through the API (publish, claim, fail permanently), 10,000 per round.
-HIST_DEADLETTER = """\
-SELECT count(outbox.fail(c.id, c.lease_token, 'boom', permanent => true))
-  FROM outbox.claim('bench-dead', %(n)s::int, topics => ARRAY['bench.dead-letter']) AS c"""
-
-# Dead tuples as acks leave them: rows deleted from the queue, not yet vacuumed
-# (autovacuum is switched off for the table while the latency is measured).
-HIST_DEADTUPLES = "DELETE FROM outbox.event_queue WHERE topic = 'bench.dead-tuples'"
-
-# The log variant of 6a (history of the log): the subscription LOG_SUB has
-# acked every retained event; dead letters of its own (rows in
-# outbox.log_exceptions) through the API: claim, fail permanently, up to 1,000
-# per round (nothing else is unread then, so every claimed event is one).
-LOG_SUB = "bench_log"
-LOG_SUB_CREATE = "SELECT outbox.create_subscription('bench_log')"
+# 6a's history: the install's `default` subscription has acked every retained
+# event; dead letters of its own (rows in outbox.log_exceptions) through the
+# API: claim, fail permanently, up to 1,000 per round (nothing else is unread
+# then, so every claimed event is one).
 LOG_HIST_DEADLETTER = """\
 SELECT count(outbox.fail(c.id, c.lease_token, 'boom', permanent => true))
-  FROM outbox.claim('bench-dead', %(n)s::int, subscription => 'bench_log') AS c"""
+  FROM outbox.claim('bench-dead', %(n)s::int) AS c"""
 LOG_DELIVERED_RESET = "TRUNCATE outbox.log_delivered"
-LOG_SUB_STATE = (
-    "SELECT lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions WHERE name = 'bench_log'"
+DEFAULT_STATE = (
+    "SELECT lag_events, leases_in_flight, dead_letters FROM outbox.subscriptions WHERE name = 'default'"
 )
 # The relations a subscription of the log writes as it claims and acks (the
 # ring is append-only: publish writes it once), whose n_dead_tup 6b and 8 report
 # for the log variant. LOG_HOT_SHORT: their names in results.csv and the report.
 LOG_HOT = ["outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions"] + LOG_RING
 LOG_HOT_SHORT = [t.split(".", 1)[1] for t in LOG_HOT]
-# 6a: autovacuum off for these while the history is made and measured (as for
-# outbox.event_queue in the queue variant), so the dead tuples of the history's
-# claims, acks and fails stay.
+# 6a: autovacuum off for these while the history is made and measured, so the
+# dead tuples of the history's claims, acks and fails stay.
 LOG_WRITTEN = ["outbox.log_lanes", "outbox.log_batches", "outbox.log_exceptions"]
 REL_STATS = (
     "SELECT relid::regclass::text, n_dead_tup, n_live_tup, autovacuum_count FROM pg_stat_user_tables"
@@ -250,7 +221,13 @@ REL_SIZE = "SELECT sum(pg_total_relation_size(to_regclass(r)))::bigint FROM unne
 
 HOLD_XMIN = "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM outbox.topics; -- kept open"
 
-PURGE = "CALL outbox.purge('0 s')"
+# 6c: the log step of maintenance (outbox._log_rotate(), what the background
+# worker and run_maintenance() run), called in a loop by another session with a
+# short outbox.retention_delivered, so that it seals the open ring table and
+# truncates sealed ones the readers have passed while the workers drain.
+ROTATE_SET = "SELECT set_config('outbox.retention_delivered', %s, false)"
+ROTATE = "SELECT outbox._log_rotate()"
+RING_STATE = "SELECT count(*) FILTER (WHERE sealed_at IS NOT NULL), count(*) FROM outbox.log_state"
 
 DEAD_TUP = (
     "SELECT n_dead_tup, n_live_tup FROM pg_stat_user_tables WHERE relid = %s::regclass"
@@ -306,19 +283,12 @@ MULTIDB_LISTEN = "LISTEN outbox"
 # ---------------------------------------------------------------------------
 # Scenario 8: a session idle in a transaction that holds a transaction id. Its
 # xid holds back the xmin horizon of the whole cluster (VACUUM keeps every dead
-# tuple since), and outbox_ext's claim low-water mark cannot take its second step
-# while it is open (README, Storage). Publishers: E2E_PUBLISH['outbox'];
-# workers: LISTEN outbox + the claim and ack of DRAIN['outbox'].
+# tuple since), and the log's readers cannot read past its position in the
+# ring while it is open. Publishers: E2E_PUBLISH['outbox']; workers: LISTEN
+# outbox + the claim and ack of DRAIN['outbox'] (the `default` subscription).
 HOLD_XID_STMTS = ["BEGIN", "SELECT txid_current()"]
 HOLD_XID = "BEGIN;\nSELECT txid_current();\n-- idle in transaction for the held phase, then\nCOMMIT;"
 HOLDER_STATE = "SELECT state, backend_xid::text, backend_xmin::text FROM pg_stat_activity WHERE pid = %s"
-QUEUE_STATS = (
-    "SELECT n_dead_tup, n_live_tup, autovacuum_count, vacuum_count FROM pg_stat_user_tables"
-    " WHERE relid = 'outbox.event_queue'::regclass"
-)
-LOW_WATER_AGE = (
-    "SELECT extract(epoch FROM clock_timestamp() - low_water_at)::float8 FROM outbox._claim_low_water()"
-)
 
 # ---------------------------------------------------------------------------
 # Scenario 9: payload output. The same payload in a jsonb, a json and a text
@@ -341,11 +311,11 @@ PAYLOAD_BYTES = "SELECT avg(octet_length(payload::text))::float8, count(*) FROM 
 # ---------------------------------------------------------------------------
 # Scenario 10: draining the log through named subscriptions (0.9.0's public
 # API). Before each drain every named subscription is dropped, then the ring,
-# its state, the lanes, batches and exception rows and the queue are emptied;
-# then the readers are created (create_subscription: a cursor taken now), then
-# the backlog is published (publish_batch, chunks of 10,000 events, each its own
-# transaction): every event goes to the queue (the 'default' subscription's,
-# not read here) and to the log, and each named subscription reads it once.
+# its state, the lanes, batches and exception rows are emptied; then the
+# readers are created (create_subscription: a cursor taken now), then the
+# backlog is published (publish_batch, chunks of 10,000 events, each its own
+# transaction): every event goes to the log once, and each named subscription
+# reads it once ('default' loses its lanes here and is not read).
 LOG_READER = "bench"
 LOG_DRAIN_RESET = ("TRUNCATE " + ", ".join(LOG_TABLES) + ", outbox.log_lanes, outbox.log_batches,"
                    " outbox.log_exceptions, outbox.dispatch_keys")
