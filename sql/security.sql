@@ -77,10 +77,10 @@ ALTER FUNCTION outbox._log_cursor_parts() SECURITY DEFINER SET search_path = pg_
 ALTER FUNCTION outbox._log_subscribe(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_in_flight(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_subscription_stats(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION outbox._log_batch_states(text) ROWS 10 SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION outbox._log_batch_holders(text) ROWS 10 SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_batch_states(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_batch_holders(text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_backlog(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
-ALTER FUNCTION outbox._log_delivered(text, timestamptz) ROWS 100 SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
+ALTER FUNCTION outbox._log_delivered(text, timestamptz) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_cancel(text, bigint) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_forget(text, boolean) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
 ALTER FUNCTION outbox._log_detach_subject(text, text) SECURITY DEFINER SET search_path = pg_catalog, pg_temp;
@@ -130,12 +130,3 @@ GRANT SELECT ON outbox.stats, outbox.subscriptions, outbox.deliveries, outbox.to
 GRANT SELECT (id, topic, subject, dispatch_key, state, attempts, max_attempts, available_at, lease_expires_at, leased_by,
               last_error, errors, published_at, delivered_at, dead_at, cancelled_at)
     ON outbox.events TO outbox_monitor;
-
--- Planner estimates for the monitoring views (outbox.stats, deliveries,
--- events), which join every subscription with its batches in flight: with the
--- defaults (1,000 rows a set-returning function, hundreds of rows for a table
--- never analyzed) a fresh install's plan costs millions, which starts JIT
--- compilation, about a second per query for a view over a handful of rows.
--- A subscription has a few batches in flight (the ROWS above), and the catalog
--- is analyzed with its one row here; autovacuum keeps it current as it grows.
-ANALYZE outbox.subscription_catalog;
