@@ -2,7 +2,7 @@
 //! keeps the SQLSTATE of a failure (pages react to 42501, "permission denied", by hiding what the
 //! role may not read, and to 42883, "no such function", by saying the extension is too old).
 //!
-//! Each session is set up once: `statement_timeout` bounds every query a page makes, and without
+//! Each session is set up once: `statement_timeout` bounds every query a page makes, JIT is off, and without
 //! `--allow-actions` `default_transaction_read_only = on` makes the whole dashboard unable to write.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -72,7 +72,10 @@ impl Pool {
         statement_timeout: Duration,
         read_only: bool,
     ) -> Self {
-        let mut setup = format!("SET statement_timeout = {}", statement_timeout.as_millis().max(1));
+        // JIT off: the monitoring views a page reads are planned at millions on a
+        // fresh install (no statistics yet), and compiling that plan took about a
+        // second, a page's whole statement_timeout, for a few rows.
+        let mut setup = format!("SET statement_timeout = {}; SET jit = off", statement_timeout.as_millis().max(1));
         if read_only {
             setup.push_str("; SET default_transaction_read_only = on");
         }
