@@ -15,3 +15,11 @@ $$;
 COMMENT ON FUNCTION outbox._sql_fingerprint() IS
 'The fingerprint of the install script this database runs (its sources'' SHA-256, hex), recorded when the script ran. '
 'Returns text. The library compares it with its own; see outbox._handshake(). No errors.';
+
+COMMENT ON FUNCTION outbox._library_fingerprint() IS
+'Internal: the fingerprint this library was built with (SHA-256 of its install script''s sources, hex). Returns text. '
+'Called by the install and upgrade scripts to record outbox._sql_fingerprint(). No errors.';
+
+COMMENT ON FUNCTION outbox._handshake() IS
+'Internal: this session''s handshake verdict. Returns text: NULL when the installed SQL is the library''s, else the message of '
+'the 55000 error every call into the library raises. No errors.';

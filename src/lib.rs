@@ -86,7 +86,7 @@ pgrx::extension_sql_file!("../sql/announce.sql", name = "announce", requires = [
 pgrx::extension_sql_file!(
     "../sql/handshake.sql",
     name = "handshake",
-    requires = ["announce", handshake::library_fingerprint]
+    requires = ["announce", handshake::library_fingerprint, handshake::handshake]
 );
 pgrx::extension_sql_file!("../sql/security.sql", name = "security", finalize);
 
