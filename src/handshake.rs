@@ -8,7 +8,8 @@
 //! Every upgrade script ends with the same statement, so an `ALTER EXTENSION
 //! UPDATE` records the fingerprint of the library that ran it.
 //!
-//! [`check`] runs at the start of every C entry point (src/pg/fcall.rs) and of the
+//! [`check`] runs at the start of every pinned C entry point (src/pg/fcall.rs;
+//! `_lock_row` runs inside claims that checked) and of the
 //! `#[pg_extern]` functions the SQL-level API calls first; the per-database
 //! background worker runs [`verdict`] each pass (src/worker.rs). A mismatch
 //! raises [`MISMATCH`] (55000), whose HINT follows the direction: the SQL is older
