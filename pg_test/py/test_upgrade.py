@@ -209,6 +209,18 @@ def test_frozen_releases_are_1_x_and_each_has_one_upgrade_script():
         assert guard and guard[0].rstrip().endswith("\\quit"), f"{s} must start with the \\echo ... \\quit guard"
 
 
+def test_the_server_offers_no_version_this_library_does_not_serve(plain_dsn):
+    """The installed package offers its own version and frozen 1.x releases only:
+    no 0.x script (scripts/install-ext.sh removes those other builds left behind)."""
+    with connect(plain_dsn) as c:
+        offered = sorted(r[0] for r in c.execute(
+            "SELECT version FROM pg_available_extension_versions WHERE name = 'outbox_ext'").fetchall())
+        current = c.execute("SELECT default_version FROM pg_available_extensions WHERE name = 'outbox_ext'").fetchone()[0]
+    assert current in offered, offered
+    assert all(v == current or v in OLD_VERSIONS for v in offered), f"versions no release ships: {offered}"
+    assert all(version_key(v) >= (1, 0, 0) for v in offered if v.replace(".", "").isdigit()), offered
+
+
 @pytest.mark.parametrize("old", OLD_VERSIONS)
 def test_upgrade_keeps_events_and_matches_fresh_install(scratch_db, old):
     fresh = connect(scratch_db("outbox_upg_fresh"))
