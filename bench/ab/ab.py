@@ -8,7 +8,7 @@ example a released build from the system install and a development build from
 a relocated copy of the PostgreSQL tree). Per repetition, A then B, it measures
 in database postgres, with outbox.notify = off:
   publish_us       one publish() without subject, in a PL/pgSQL loop of N calls
-  publish_subj_us  the same with a subject out of 500 (the subject lock and head check)
+  publish_subj_us  the same with a subject out of 500 (the subject lock)
   drain_us         claim(100) + batch ack round trips per event until both are drained
 A change is a regression only when B is slower than A in every repetition; the
 spread between repetitions is printed with the medians.
@@ -23,9 +23,10 @@ import psycopg
 
 def run(port, n):
     with psycopg.connect(f"host=127.0.0.1 port={port} user=postgres dbname=postgres", autocommit=True) as c:
-        c.execute("CREATE EXTENSION IF NOT EXISTS outbox_ext")
+        # A fresh install per repetition: both builds start from the same empty log.
+        c.execute("DROP EXTENSION IF EXISTS outbox_ext CASCADE")
+        c.execute("CREATE EXTENSION outbox_ext")
         c.execute("SET outbox.notify = 'off'")
-        c.execute("TRUNCATE outbox.event_queue, outbox.event_archive, outbox.dispatch_keys")
         r = {}
         t = time.perf_counter()
         c.execute(f"DO $$ BEGIN FOR i IN 1..{n} LOOP PERFORM outbox.publish('ab.t', '{{}}'); END LOOP; END $$")
@@ -44,7 +45,6 @@ def run(port, n):
         if done != 2 * n:
             raise SystemExit(f"port {port}: drained {done} of {2 * n} events")
         r["drain_us"] = (time.perf_counter() - t) / done * 1e6
-        c.execute("VACUUM outbox.event_queue")
         return r
 
 

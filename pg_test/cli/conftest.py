@@ -5,28 +5,22 @@ The suite starts its own PostgreSQL cluster, `clitest` on port 5473 with the ext
 keeps it running. The binary under test is $OUTBOX_BIN, else crates/outbox/target/release/outbox.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import clusters  # noqa: E402
 import clilib  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def pg_cluster():
-    subprocess.run(
-        ["bash", clilib.PGCLUSTER, "start", clilib.PG_CLUSTER, str(clilib.PG_PORT), "--preload"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    yield clilib.PG_PORT
-    if os.environ.get("OUTBOX_CLI_KEEP_CLUSTER") != "1":
-        subprocess.run(["bash", clilib.PGCLUSTER, "stop", clilib.PG_CLUSTER], check=False, stdout=subprocess.DEVNULL)
+    with clusters.running(clilib.PG_CLUSTER, clilib.PG_PORT, preload=True, keep_env="OUTBOX_CLI_KEEP_CLUSTER") as port:
+        yield port
 
 
 @pytest.fixture(scope="module")

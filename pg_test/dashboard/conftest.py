@@ -6,31 +6,23 @@ keeps it running. The binary under test is $OUTBOX_BIN, else crates/outbox/targe
 Screenshots and server logs go to target/test-results/dashboard/.
 """
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import clusters  # noqa: E402
 import dashlib  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def pg_cluster():
-    subprocess.run(
-        ["bash", dashlib.clilib.PGCLUSTER, "start", dashlib.clilib.PG_CLUSTER, str(dashlib.clilib.PG_PORT), "--preload"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    yield dashlib.clilib.PG_PORT
-    if os.environ.get("OUTBOX_DASH_KEEP_CLUSTER") != "1":
-        subprocess.run(
-            ["bash", dashlib.clilib.PGCLUSTER, "stop", dashlib.clilib.PG_CLUSTER], check=False, stdout=subprocess.DEVNULL
-        )
+    with clusters.running(dashlib.clilib.PG_CLUSTER, dashlib.clilib.PG_PORT, preload=True, keep_env="OUTBOX_DASH_KEEP_CLUSTER") as port:
+        yield port
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,9 @@ Two clusters, both reached as superuser, database 'postgres':
                            worker can race a test's own purge)
   OUTBOX_TEST_DSN_PRELOAD  shared_preload_libraries = outbox_ext; its background
                            worker serves database 'postgres' (wake-up tests)
-Without the variables, the developer clusters on ports 5445/5446 are used:
+With OUTBOX_TEST_START_CLUSTERS=1 (scripts/test.sh sets it) the session starts both afresh
+(pg_test/clusters.py) and stops them at its end. Without any of these variables, the developer
+clusters on ports 5445/5446 are used:
   scripts/pgcluster.sh start pyt-plain 5445 -c max_prepared_transactions=10
   scripts/pgcluster.sh start pyt-preload 5446 --preload -c max_prepared_transactions=10
 
@@ -18,12 +20,28 @@ import os
 import queue
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import psycopg
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import clusters  # noqa: E402
+
+# Before the DSNs below are read: they name the pair this starts.
+_STARTED_PAIR = os.environ.get("OUTBOX_TEST_START_CLUSTERS") == "1" and not os.environ.get("OUTBOX_TEST_DSN")
+if _STARTED_PAIR:
+    os.environ.update(clusters.start_pair())
+
+
+def pytest_unconfigure(config):
+    if _STARTED_PAIR:
+        clusters.stop_pair()
+
 
 DSN_PLAIN = os.environ.get("OUTBOX_TEST_DSN") or "host=127.0.0.1 port=5445 user=postgres dbname=postgres"
 DSN_PRELOAD = (

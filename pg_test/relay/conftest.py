@@ -6,28 +6,22 @@ running for the next run. nats-server processes are started per test on free loo
 The relay binary is $OUTBOX_BIN, crates/outbox/target/release/outbox, or `outbox` on PATH.
 """
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import clusters  # noqa: E402
 import relaylib  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def pg_cluster():
-    subprocess.run(
-        ["bash", relaylib.PGCLUSTER, "start", relaylib.PG_CLUSTER, str(relaylib.PG_PORT), "--preload"],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    yield relaylib.PG_PORT
-    if os.environ.get("OUTBOX_RELAY_KEEP_CLUSTER") != "1":
-        subprocess.run(["bash", relaylib.PGCLUSTER, "stop", relaylib.PG_CLUSTER], check=False, stdout=subprocess.DEVNULL)
+    with clusters.running(relaylib.PG_CLUSTER, relaylib.PG_PORT, preload=True, keep_env="OUTBOX_RELAY_KEEP_CLUSTER") as port:
+        yield port
 
 
 @pytest.fixture
