@@ -79,7 +79,7 @@ COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
 'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease; events a subscription of the log hands out together from one batch share the longest of their topics'' leases), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
 'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
 'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
-'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
+'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name, or outbox.default_lease over outbox.max_lease when the lease comes from it; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
 'Follows the SKIP LOCKED claim of pgmq, River and Oban, with fencing tokens as in awa and Kleppmann, "How to do distributed locking" (2016).';
 
 CREATE FUNCTION outbox._lock_row(rel oid, "row" tid) RETURNS boolean

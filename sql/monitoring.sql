@@ -57,6 +57,17 @@ BEGIN
     IF backlog_critical < 0 OR dead_tuples_warn < 0 THEN
         RAISE EXCEPTION 'outbox: health() counts must not be negative' USING ERRCODE = '22023';
     END IF;
+    -- 0. The handshake: when the installed SQL is not this library's, every call
+    -- into the library raises 55000, so say so first and read nothing more.
+    why := outbox._handshake();
+    check_name := 'handshake'; value := CASE WHEN why IS NULL THEN 0 ELSE 1 END;
+    status := CASE WHEN why IS NULL THEN 'ok' ELSE 'critical' END;
+    message := COALESCE(why, 'the installed SQL is this library''s');
+    RETURN NEXT;
+    IF why IS NOT NULL THEN
+        RETURN;
+    END IF;
+
     -- 1. Backlog age: by default warn when ready events wait over 60 s, critical past 1,000 of them.
     -- Every subscription's (an event two of them owe counts twice).
     n := COALESCE((SELECT sum(outbox._log_backlog(c.name, now() - backlog_age))
@@ -87,7 +98,9 @@ BEGIN
 
     -- 4. The xmin horizon: a long transaction keeps vacuum from cleaning the
     -- relations every claim and ack rewrites.
-    SELECT a.pid, a.usename, a.application_name, a.state, now() - a.xact_start AS age
+    -- clock_timestamp(): now() is this transaction's start, which a later one passes.
+    SELECT a.pid, a.usename, a.application_name, a.state,
+           GREATEST(clock_timestamp() - a.xact_start, interval '0') AS age
       INTO r
       FROM pg_stat_activity a
      WHERE a.backend_xmin IS NOT NULL AND a.xact_start IS NOT NULL AND a.pid <> pg_backend_pid()
@@ -239,7 +252,7 @@ $$;
 
 COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) IS
 'Health checks, one row each: (check_name text, status ''ok''|''warn''|''critical'', value numeric, message text). '
-'Checks: backlog_age (ready events older than backlog_age, summed over every subscription; critical at backlog_critical), dead_letters (last hour, every subscription), '
+'Checks: handshake (critical, and then the only row, when the installed SQL is not this library''s: its message is the one every call into the library raises with 55000), backlog_age (ready events older than backlog_age, summed over every subscription; critical at backlog_critical), dead_letters (last hour, every subscription), '
 'expired_leases (workers dying; every subscription), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (the log''s hot relation with the most dead tuples: outbox.log_lanes, log_batches, log_exceptions or subscription_activity; warn at dead_tuples_warn and more than twice its live tuples), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '

@@ -84,11 +84,15 @@ pub unsafe fn claim(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
         SetResult::begin(&call);
         return call.finish_set();
     }
-    let lease_us = lease
-        .as_ref()
-        .or(settings.default_lease.as_ref())
-        .and_then(validate::interval_us)
-        .map_or_else(gucs::default_lease_us, |us| us as i64);
+    // outbox.max_lease caps every lease. The call's own was checked above; a
+    // session's outbox.default_lease is its own input, so it is refused like
+    // the call's; a stored default written under a larger max_lease is cut to
+    // the cap (documented with outbox.max_lease).
+    let max = gucs::max_lease_us();
+    let lease_us = match lease.as_ref().or(settings.default_lease.as_ref()).and_then(validate::interval_us) {
+        Some(us) => (us as i64).min(max),
+        None => validate::default_lease_us(),
+    };
     let req = crate::log::exceptions::Request {
         subscription: &name,
         settings: &settings,

@@ -81,7 +81,7 @@ pub fn init(preloaded: bool) {
     PRELOADED.store(preloaded, Ordering::Relaxed);
     GucRegistry::define_int_guc(
         c"outbox.default_lease",
-        c"Lease length for claim() when neither the call nor the topic sets one.",
+        c"Lease length for claim() when neither the call, the subscription nor the topic sets one; over outbox.max_lease, claim() refuses it (22023).",
         c"",
         &DEFAULT_LEASE_MS,
         1,
@@ -91,7 +91,7 @@ pub fn init(preloaded: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.max_lease",
-        c"Longest lease claim() or extend_lease() accepts.",
+        c"Longest lease claim() or extend_lease() accepts; a topic's or subscription's default_lease written under a larger value is cut to it.",
         c"",
         &MAX_LEASE_MS,
         1,

@@ -185,6 +185,20 @@ pub fn lease_us(name: &str, iv: &Interval) -> i64 {
     }
 }
 
+/// `outbox.default_lease` as claim() uses it: at most outbox.max_lease, which
+/// any session may not raise (SUSET) while it may SET the default (USERSET).
+pub fn default_lease_us() -> i64 {
+    let (us, max) = (gucs::default_lease_us(), gucs::max_lease_us());
+    if us > max {
+        errors::raise_hint(
+            INVALID_PARAMETER,
+            format!("outbox.default_lease ({} s) exceeds outbox.max_lease ({} s)", us / 1_000_000, max / 1_000_000),
+            "Set outbox.default_lease to at most outbox.max_lease, or pass claim() a lease.",
+        );
+    }
+    us
+}
+
 /// Validate a non-negative delay of at most 365 days. Returns microseconds.
 pub fn delay_us(name: &str, iv: &Interval) -> i64 {
     match interval_us(iv) {

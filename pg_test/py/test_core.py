@@ -7,6 +7,7 @@ import time
 from collections import Counter, defaultdict
 from datetime import timedelta
 
+import psycopg
 import pytest
 
 from conftest import connect
@@ -387,3 +388,34 @@ def test_a_topic_created_during_a_repeatable_read_transaction_reaches_its_sessio
     finally:
         c.execute("ROLLBACK")
         admin.execute("SELECT outbox.drop_topic('rr.late', true)")
+
+
+def test_a_sessions_default_lease_over_max_lease_is_refused(plain):
+    """outbox.default_lease is USERSET and outbox.max_lease SUSET: a session must not
+    lift its leases past the cap by SETting the default (a crashed worker would
+    strand its events for that long)."""
+    c = plain.conn()
+    c.execute("SELECT outbox.publish('core.cap', '{}')")
+    c.execute("SET outbox.default_lease = '24d'")
+    with pytest.raises(psycopg.Error) as e:
+        c.execute("SELECT * FROM outbox.claim('w', 1)")
+    assert e.value.sqlstate == "22023" and "outbox.max_lease" in str(e.value), e.value
+    # The call's own lease still serves, and nothing was handed out by the refused claim.
+    rows = c.execute("SELECT id, lease_expires_at - clock_timestamp() FROM outbox.claim('w', 1, '1 min')").fetchall()
+    assert len(rows) == 1 and rows[0][1] <= timedelta(minutes=1), rows
+
+
+def test_a_stored_default_lease_above_a_lowered_max_lease_is_cut_to_it(plain):
+    """A topic's default_lease written under the default cap (12 h) and a cap lowered
+    afterwards: the first delivery (a batch round) and a retry (an exception row)
+    are both leased for at most the new cap."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_topic('core.longlease', default_lease => '10 hours')")
+    c.execute("SET outbox.max_lease = '1h'")
+    c.execute("SELECT outbox.publish('core.longlease', '{}')")
+    (eid, tok, left), = c.execute(
+        "SELECT id, lease_token, lease_expires_at - clock_timestamp() FROM outbox.claim('w', 1)").fetchall()
+    assert left <= timedelta(hours=1), left
+    assert c.execute("SELECT outbox.fail(%s, %s, 'again', retry_in => '0 s')", (eid, tok)).fetchone()[0] == "pending"
+    (eid2, left2), = c.execute("SELECT id, lease_expires_at - clock_timestamp() FROM outbox.claim('w', 1)").fetchall()
+    assert eid2 == eid and left2 <= timedelta(hours=1), left2

@@ -248,3 +248,15 @@ def test_a_dump_of_0x_is_refused_before_any_row_loads(plain_dsn, tmp_path):
     finally:
         drop_db(plain_dsn, src)
         drop_db(plain_dsn, dst)
+
+
+def test_health_reports_a_mismatch_as_critical_first(db):
+    """A monitoring check must see what every API call sees: health() names the
+    mismatch as a critical check of its own, and runs nothing that would raise."""
+    with connect(db) as c:
+        assert ("handshake", "ok") in c.execute("SELECT check_name, status FROM outbox.health()").fetchall()
+        record(c, f"'{OTHER}'")
+        rows = c.execute("SELECT check_name, status, message FROM outbox.health()").fetchall()
+        assert rows[0][:2] == ("handshake", "critical"), rows
+        assert "not the SQL this library serves" in rows[0][2]
+        record(c, "outbox._library_fingerprint()")

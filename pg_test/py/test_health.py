@@ -7,7 +7,7 @@ import pytest
 from conftest import connect
 from scratch_db import ensure_login_role, role_dsn
 
-CHECKS = {"backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "id_sequence", "background_worker",
+CHECKS = {"handshake", "backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "id_sequence", "background_worker",
           "subscription", "log_ring"}
 STATUSES = {"ok", "warn", "critical"}
 

@@ -248,6 +248,7 @@ class Ctx:
         self.stop = threading.Event()       # load phase over
         self.pubs_done = threading.Event()  # every load thread has finished
         self.quiescing = threading.Event()  # backends may be terminated on purpose
+        self.drain_stop = threading.Event()  # the drain ran out of its budget: its sessions end
         self.lock = threading.Lock()
         self.seq = 0
         self.ops = []
@@ -669,6 +670,10 @@ def resolver(ctx):
 CLAIM_SQL = ("SELECT id, topic, subject, payload->>'pk', attempt, lease_token "
              "FROM outbox.claim(%s, %s, %s::interval, %s::text[], %s)")
 WORKER_SETTINGS = ["SET lock_timeout = '2s'", "SET statement_timeout = '10s'"]
+# The drain also reads outbox.deliveries and outbox.subscriptions, monitoring views whose
+# cost grows with the log: after a long run (600 s of load, 300,000 events) a drain's
+# first read of them took over 10 s, and with the workers' timeout the drain gave up.
+DRAIN_SETTINGS = ["SET lock_timeout = '2s'", "SET statement_timeout = '120s'"]
 
 
 def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
@@ -1693,8 +1698,14 @@ def drain(ctx):
         t.start()
     for t in ts:
         t.join(max(1.0, t0 + ctx.args.drain_max + 15 - time.time()))
-    left = {k: v for k, v in res.items() if v}
     stuck = [t.name for t in ts if t.is_alive()]
+    if stuck:
+        # The analysis reads what the drain sessions write; they must have ended first.
+        ctx.drain_stop.set()
+        for t in ts:
+            t.join(60)
+    # None: the last statement failed, so how much is left is unknown (not "empty").
+    left = {k: ("unknown" if v is None else v) for k, v in res.items() if v != 0}
     if not left and not stuck:
         log(f"drain: queues empty after {time.time() - t0:.1f}s")
     else:
@@ -1727,7 +1738,7 @@ def drain_replay(ctx, c, db, sub):
 def drain_one(ctx, db, sub, t0, res):
     hard = t0 + ctx.args.drain_max
     stall = ctx.args.stall
-    s = Session(ctx, "drain", WORKER_SETTINGS)
+    s = Session(ctx, "drain", DRAIN_SETTINGS)
     last_progress = time.time()
     last_left = None
     last_replay = 0.0
@@ -1735,6 +1746,9 @@ def drain_one(ctx, db, sub, t0, res):
     left = None
     c = None
     while True:
+        if ctx.drain_stop.is_set():
+            left = left or "stopped at the drain budget"
+            break
         rounds += 1
         now = time.time()
         got = 0

@@ -11,8 +11,9 @@
 # a replay, claim lock waits. `default` is served as a fresh install makes it, with
 # cancels of events not read yet or waiting in a batch, in both databases.
 # It starts and stops its own preloaded cluster (outbox-checker, port 5482); about
-# 2.5 minutes in all. CHECKER_SEED=N reproduces a schedule; the long run:
-#   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed N
+# 2.5 minutes in all. CHECKER_SEED=N reproduces a schedule. A long run leaves a long drain
+# (600 s of load left up to 200,000 events per subscription), so give it the time:
+#   .venv/bin/python pg_test/suites/checker.py --duration 600 --drain-max 600 --deadline 2400 --seed N
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 NAME="${CHECKER_CLUSTER:-outbox-checker}"

@@ -423,7 +423,8 @@ impl Claim<'_> {
             });
             longest
         });
-        self.now.saturating_add(longest.unwrap_or(self.req.lease_us))
+        // A topic's default_lease written under a larger outbox.max_lease is cut to it.
+        self.now.saturating_add(longest.unwrap_or(self.req.lease_us).min(crate::gucs::max_lease_us()))
     }
 
     /// Return the events at `picks` of `batch` (lane `lane`) with `token`,

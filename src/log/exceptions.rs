@@ -198,7 +198,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
         None => (None, None),
     };
-    let args: [DatumWithOid<'_>; 12] = [
+    let args: [DatumWithOid<'_>; 13] = [
         req.subscription.into(),
         plans::ts_param(now),
         (left as i32).into(),
@@ -211,6 +211,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         req.settings.dead_letter_policy.as_deref().into(),
         req.lease_fixed.into(),
         POLICY_LOCK_KEY.into(),
+        Interval::from_micros(crate::gucs::max_lease_us()).into(),
     ];
     let mut dead = Vec::new();
     let n = plans::run_latest(&EXC_CLAIM, &args, |rows| {

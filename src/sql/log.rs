@@ -550,7 +550,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
              visible_at = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.visible_at ELSE clock_timestamp() + CASE WHEN $11 THEN $5 \
-               ELSE COALESCE((SELECT t.default_lease FROM outbox.topics t WHERE t.topic = e.topic), $5) END END, \
+               ELSE LEAST(COALESCE((SELECT t.default_lease FROM outbox.topics t WHERE t.topic = e.topic), $5), $13) END END, \
              leased_by = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.leased_by ELSE $8 END, \
@@ -587,6 +587,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
         pg_sys::TEXTOID,
         pg_sys::BOOLOID,
         pg_sys::INT4OID,
+        pg_sys::INTERVALOID,
     ],
 };
 
