@@ -92,6 +92,14 @@ COMMENT ON FUNCTION outbox._lock_row(oid, tid) IS
 'Unlike FOR UPDATE SKIP LOCKED it never follows the row''s update chain, a step that waits for the transaction changing a newer version whatever the wait policy (PostgreSQL heapam.c, heap_lock_updated_tuple), and never raises a serialization failure. '
 'Errors: 25006 in a read-only transaction (as FOR UPDATE); 42P01 rel does not exist (or was dropped while the call waited for its lock); 42501 without UPDATE on rel; 22023 rel is not a plain table, or no row version at that ctid.';
 
+CREATE FUNCTION outbox._try_policy_lock(topic text) RETURNS boolean
+LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE
+AS 'MODULE_PATHNAME', 'outbox_try_policy_lock';
+
+COMMENT ON FUNCTION outbox._try_policy_lock(text) IS
+'Internal (claim: rows it turns dead; no role is granted it). Take topic''s dead-letter policy lock in share mode without waiting, held until the transaction ends '
+'(a lock of the library''s own, which SQL''s advisory-lock functions cannot name). Result: true when the transaction now holds it; false when a policy change holds it. No errors.';
+
 CREATE FUNCTION outbox.ack(id bigint, lease_token uuid) RETURNS boolean
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 AS 'MODULE_PATHNAME', 'outbox_ack';

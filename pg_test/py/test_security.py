@@ -478,3 +478,35 @@ def test_hostile_search_path_changes_nothing(plain, hostile):
 
     # The shadows were in force all along.
     assert evil.execute("SELECT now()").fetchone()[0] == FAR_FUTURE
+
+
+# The first keys of the library's locks (src/pg/locks.rs), which it once took with
+# PostgreSQL's advisory-lock functions: batches, dead-letter policies, subjects.
+# (Lanes are only ever tried, never waited for.)
+OUR_OLD_KEYS = {"batch": 0x6F62746C, "policy": 0x6F627470, "subject": 1869903970}
+
+
+def test_a_role_without_outbox_privileges_cannot_hold_the_librarys_locks(plain, roles):
+    """Any login role may call pg_advisory_lock. If the library's own locks were
+    advisory locks that SQL can name, nobody_u could make publish, claim and ack
+    wait for as long as it likes (found by a break attempt: each hung until
+    statement_timeout). They live in a lock space SQL cannot reach."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_topic('sec.locks', default_lease => '1 min')")
+    c.execute("SELECT outbox.publish('sec.locks', '{}', subject => 'account:42')")
+    (eid, tok), = c.execute("SELECT id, lease_token FROM outbox.claim('w', 1)").fetchall()
+    nxt = c.execute("SELECT last_value FROM outbox.log_batch_seq").fetchone()[0]
+    with connect(roles["nobody_u"]) as evil:
+        evil.execute("SELECT pg_advisory_lock(%s, hashtext('account:42'))", (OUR_OLD_KEYS["subject"],))
+        evil.execute("SELECT pg_advisory_lock(%s, hashtext('sec.locks'))", (OUR_OLD_KEYS["policy"],))
+        # The batch of the claim above and the next 300 batches.
+        evil.execute("SELECT pg_advisory_lock(%s, k::int) FROM generate_series(%s::bigint - 1, %s::bigint + 300) k",
+                     (OUR_OLD_KEYS["batch"], nxt, nxt))
+        w = plain.conn()
+        w.execute("SET statement_timeout = '5s'")
+        assert w.execute("SELECT outbox.ack(%s, %s)", (eid, tok)).fetchone()[0] is True
+        w.execute("SELECT outbox.publish('sec.locks', '{}', subject => 'account:42')")
+        w.execute("SELECT outbox.create_subscription('sec_locks_sub', start => 'earliest')")
+        got = w.execute("SELECT id, lease_token FROM outbox.claim('w', 10, subscription => 'sec_locks_sub')").fetchall()
+        assert len(got) == 1
+        assert w.execute("SELECT outbox.fail(%s, %s, 'x', permanent => true)", got[0]).fetchone()[0] == "dead"

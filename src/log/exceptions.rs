@@ -58,7 +58,7 @@
 //!    runs here ([`apply_dead_letter_policy`]), beside the fails and claims
 //!    whose lock it takes.
 
-use crate::pg::fcall::SetResult;
+use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
     EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK,
@@ -67,6 +67,7 @@ use crate::sql::log::{
 use crate::subscriptions::Settings;
 use crate::{errors, pg};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
+use pgrx::pg_sys;
 use std::collections::HashSet;
 
 /// Why an event leaves its batch for the exception table.
@@ -198,7 +199,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
         None => (None, None),
     };
-    let args: [DatumWithOid<'_>; 13] = [
+    let args: [DatumWithOid<'_>; 12] = [
         req.subscription.into(),
         plans::ts_param(now),
         (left as i32).into(),
@@ -210,7 +211,6 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         req.settings.max_attempts.into(),
         req.settings.dead_letter_policy.as_deref().into(),
         req.lease_fixed.into(),
-        POLICY_LOCK_KEY.into(),
         Interval::from_micros(crate::gucs::max_lease_us()).into(),
     ];
     let mut dead = Vec::new();
@@ -318,6 +318,19 @@ pub const POLICY_LOCK_KEY: i32 = 0x6f62_7470;
 /// event dead.
 fn lock_policy_shared(topic: &str) {
     pg::advisory_xact_lock_shared(POLICY_LOCK_KEY, pg::hashtext(topic));
+}
+
+/// `outbox._try_policy_lock(topic text) -> boolean`: a claim's try of the
+/// policy lock in share mode for a row it would turn dead (invariant 3: a
+/// claim never waits), inside its own statement ([`EXC_CLAIM`]).
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention (declared STRICT).
+pub unsafe fn try_policy_lock(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // SAFETY: the frame of outbox._try_policy_lock(text) (sql/api.sql).
+    let call = unsafe { Call::new(fcinfo) };
+    let topic: String = call.arg(0).unwrap_or_default();
+    pg_sys::Datum::from(pg::try_advisory_xact_lock_shared(POLICY_LOCK_KEY, pg::hashtext(&topic)))
 }
 
 /// The first column of the first row, as text.

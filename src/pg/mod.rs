@@ -60,39 +60,58 @@ pub fn hashtext(s: &str) -> i32 {
     }
 }
 
-/// `pg_advisory_xact_lock(k1, k2)`: wait for the lock, held until transaction end.
+/// The library's own transaction-level locks, keyed by two int4 like
+/// `pg_advisory_xact_lock(k1, k2)` and shown by `pg_locks` as `advisory`, but
+/// with `objsubid` [`LOCK_SPACE`] where PostgreSQL's functions write 1 or 2.
+///
+/// **No session can take them from SQL.** `pg_advisory_lock` and its kin
+/// build only tags with field 4 set to 1 (one int8 key) or 2 (two int4 keys),
+/// and any login role may call them; with those tags a role with no outbox
+/// privilege could hold a batch's or subject's lock and make publish, claim
+/// and ack wait for it. Only this module builds a tag in [`LOCK_SPACE`], so
+/// every holder of one of these locks is the library, inside a call that
+/// ends with its transaction.
+pub const LOCK_SPACE: u16 = 0x6f62;
+
+fn lock_tag(k1: i32, k2: i32) -> pg_sys::LOCKTAG {
+    pg_sys::LOCKTAG {
+        // SAFETY: MyDatabaseId is set once a backend has connected, before any
+        // SQL function can run.
+        locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
+        locktag_field2: k1 as u32,
+        locktag_field3: k2 as u32,
+        locktag_field4: LOCK_SPACE,
+        locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
+        locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
+    }
+}
+
+fn acquire(k1: i32, k2: i32, mode: u32, dont_wait: bool) -> bool {
+    let tag = lock_tag(k1, k2);
+    // SAFETY: a transaction-level lock (sessionLock false) on a tag of ours;
+    // the lock manager releases it at transaction end.
+    let r = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, dont_wait) };
+    r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+}
+
+/// Wait for the exclusive lock (k1, k2), held until transaction end.
 pub fn advisory_xact_lock(k1: i32, k2: i32) {
-    // SAFETY: a plain V1 function call with two int4 arguments.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_advisory_xact_lock_int4,
-            &[k1.into_datum(), k2.into_datum()],
-        );
-    }
+    acquire(k1, k2, pg_sys::ExclusiveLock, false);
 }
 
-/// `pg_try_advisory_xact_lock(k1, k2)`: take the lock if it is free, never wait.
+/// Take the exclusive lock (k1, k2) if it is free, never wait.
 pub fn try_advisory_xact_lock(k1: i32, k2: i32) -> bool {
-    // SAFETY: a plain V1 function call with two int4 arguments; returns bool.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_try_advisory_xact_lock_int4,
-            &[k1.into_datum(), k2.into_datum()],
-        )
-        .is_some_and(|d| d.value() != 0)
-    }
+    acquire(k1, k2, pg_sys::ExclusiveLock, true)
 }
 
-/// `pg_advisory_xact_lock_shared(k1, k2)`: wait for the lock in share mode,
-/// held until transaction end.
+/// Wait for the lock (k1, k2) in share mode, held until transaction end.
 pub fn advisory_xact_lock_shared(k1: i32, k2: i32) {
-    // SAFETY: a plain V1 function call with two int4 arguments.
-    unsafe {
-        pgrx::fcinfo::direct_function_call_as_datum(
-            pg_sys::pg_advisory_xact_lock_shared_int4,
-            &[k1.into_datum(), k2.into_datum()],
-        );
-    }
+    acquire(k1, k2, pg_sys::ShareLock, false);
+}
+
+/// Take the lock (k1, k2) in share mode if no one holds it exclusively, never wait.
+pub fn try_advisory_xact_lock_shared(k1: i32, k2: i32) -> bool {
+    acquire(k1, k2, pg_sys::ShareLock, true)
 }
 
 /// What [`try_lock_row`] found.

@@ -534,7 +534,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject \
                         AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
-            WHERE (NOT r.dies OR pg_catalog.pg_try_advisory_xact_lock_shared($12, pg_catalog.hashtext(r.topic))) \
+            WHERE (NOT r.dies OR outbox._try_policy_lock(r.topic)) \
               AND outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
          ), upd AS ( \
            UPDATE outbox.log_exceptions e SET \
@@ -550,7 +550,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
              visible_at = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.visible_at ELSE clock_timestamp() + CASE WHEN $11 THEN $5 \
-               ELSE LEAST(COALESCE((SELECT t.default_lease FROM outbox.topics t WHERE t.topic = e.topic), $5), $13) END END, \
+               ELSE LEAST(COALESCE((SELECT t.default_lease FROM outbox.topics t WHERE t.topic = e.topic), $5), $12) END END, \
              leased_by = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.leased_by ELSE $8 END, \
@@ -586,7 +586,6 @@ pub const EXC_CLAIM: Stmt = Stmt {
         pg_sys::INT4OID,
         pg_sys::TEXTOID,
         pg_sys::BOOLOID,
-        pg_sys::INT4OID,
         pg_sys::INTERVALOID,
     ],
 };
