@@ -26,7 +26,9 @@ BEGIN
     FOR stmt IN SELECT m[1] FROM regexp_matches(q, '(drop\s+extension\s[^;]*)', 'g') AS m LOOP
         IF stmt ~ '\moutbox_ext\M' THEN
             names_us := true;
-            cascade := cascade OR stmt ~ '\mcascade\M\s*$';
+            -- CASCADE as the drop behaviour ends the statement after a name; after a
+            -- comma it is a name in the list (DROP EXTENSION IF EXISTS a, cascade).
+            cascade := cascade OR stmt ~ '[^,\s]\s+cascade\s*$';
         END IF;
     END LOOP;
     IF NOT names_us OR cascade OR allow IN ('on', 'true', 'yes', '1', 't', 'y', 'tr', 'tru', 'ye') THEN
