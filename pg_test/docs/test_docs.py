@@ -8,6 +8,7 @@ comparing (then commit the pages). Outputs go to target/test-results/docs/.
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,15 +55,11 @@ def test_reference_covers_every_public_object(dsn):
 @pytest.fixture(scope="module")
 def book():
     pin = re.search(r'^MDBOOK_VERSION="([^"]+)"', (REPO / "scripts" / "setup.sh").read_text(), re.M).group(1)
-    found = run("mdbook", "--version").stdout.strip() if _has("mdbook") else ""
+    found = run("mdbook", "--version").stdout.strip() if shutil.which("mdbook") else ""
     assert found == f"mdbook v{pin}", f"mdbook {pin} is not installed (found {found!r}; scripts/setup.sh installs it)"
     out = OUT / "book"
     r = run("mdbook", "build", REPO / "docs", "-d", out, log="mdbook.log")
     return out, r
-
-
-def _has(cmd):
-    return subprocess.run(["sh", "-c", f"command -v {cmd}"], capture_output=True).returncode == 0
 
 
 def test_book_builds_without_warnings(book):
