@@ -201,3 +201,6 @@ COMMENT ON FUNCTION outbox._check_topic_patterns(text[]) IS
 COMMENT ON FUNCTION outbox._log_detach_subject(text, text) IS
 'Internal (replay and replay_dead of a named subscription): move the events of subject still in its lane''s batch to the exception table (waiting ones parked; ones out stay leased to their holder, same token and expiry), '
 'so that a replayed earlier event of the subject goes before the waiting ones and never alongside one out. Waits for a claim or ack holding that lane or batch. Returns how many moved (integer); 0 for NULL arguments. No errors of its own.';
+
+COMMENT ON FUNCTION outbox._statements() IS
+'Internal (the plan test, pg_test/py/test_plans.py): every statement the claim, ack and publish paths run, one row each: name (text, file::CONST), sql (text), types (oid[]: its parameter types, $1 first). No errors.';

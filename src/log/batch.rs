@@ -18,10 +18,17 @@
 //!   it (after a failure or an expired lease) is from the exception table
 //!   (src/log/exceptions.rs), so attempts beyond the first are counted there.
 //! - **Rounds and fencing.** Each hand-out is a *round* with its own random
-//!   part and lease expiry; its events carry the token (batch, round, random)
-//!   ([`Token`]). An ack or fail is accepted only if the event is out in that
-//!   very round with that random part; a parked or acked event accepts nothing
-//!   from the batch's side.
+//!   part and lease expiry. Each event out gets its own token: (batch, the
+//!   event's position, [`event_random`] of the round's random part and that
+//!   position) ([`Token`]), so no two events of a claim share one, and the
+//!   token of one event says nothing usable about another's. An ack or fail
+//!   is accepted only if the event is out in a round whose random part gives
+//!   the token's; a parked or acked event accepts nothing from the batch's
+//!   side.
+//! - **One lease per event.** Extending one event of a round moves it to a
+//!   round of its own with the same random part (so its token stays valid)
+//!   and the later expiry ([`Batch::extend`]); its round's other events keep
+//!   theirs.
 //! - **Parking.** An event that leaves the batch is *parked* together with every
 //!   later event of its subject in the batch, and the caller moves them all to
 //!   the exception table, where they follow it in id order: a failed event
@@ -72,19 +79,31 @@ pub struct Round {
 /// |---|---|
 /// | 0..6 | batch id, 48 bits, big-endian |
 /// | 6 | `0x80` (version 8) with the kind in the low nibble (0: a batch round) |
-/// | 7, 9 | round, high and low byte |
+/// | 7, 9 | the event's position in the batch, high and low byte |
 /// | 8 | `0x80` (the RFC variant), low six bits zero |
 /// | 10..16 | random part, 48 bits |
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
     pub batch: i64,
-    pub round: u16,
+    /// The event's position in the batch.
+    pub pos: u16,
     /// 48 bits.
     pub random: u64,
 }
 
 /// The random part of a token keeps 48 bits.
 pub const RANDOM_MASK: u64 = (1 << 48) - 1;
+
+/// The random part of the token of the event at position `pos` of a round
+/// whose random part is `round`: SplitMix64's finaliser over both, so that
+/// the events of one round get unrelated tokens, cut to 48 bits.
+pub fn event_random(round: u64, pos: u16) -> u64 {
+    let mut z = (round & RANDOM_MASK) ^ (u64::from(pos) << 48);
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) & RANDOM_MASK
+}
 
 /// Largest batch id a token can name (the sequence `outbox.log_batch_seq` stops there).
 pub const MAX_BATCH_ID: i64 = (1 << 48) - 1;
@@ -129,10 +148,10 @@ impl Token {
         let mut b = [0u8; 16];
         b[..6].copy_from_slice(&(self.batch & MAX_BATCH_ID).to_be_bytes()[2..]);
         b[6] = 0x80;
-        let round = self.round.to_be_bytes();
-        b[7] = round[0];
+        let pos = self.pos.to_be_bytes();
+        b[7] = pos[0];
         b[8] = 0x80;
-        b[9] = round[1];
+        b[9] = pos[1];
         b[10..].copy_from_slice(&(self.random & RANDOM_MASK).to_be_bytes()[2..]);
         b
     }
@@ -146,7 +165,7 @@ impl Token {
         random[2..].copy_from_slice(&b[10..]);
         Token {
             batch: i64::from_be_bytes(batch),
-            round: u16::from_be_bytes([b[7], b[9]]),
+            pos: u16::from_be_bytes([b[7], b[9]]),
             random: u64::from_be_bytes(random),
         }
     }
@@ -365,10 +384,10 @@ impl Batch {
     }
 
     /// Hand out the positions `picks` (from [`Batch::handable`]) at `now` as a
-    /// new round with lease expiry `expires` and random part `random`; returns the round's
-    /// token for batch `batch_id`. Panics if a pick is not handable, or after
-    /// `u16::MAX` rounds.
-    pub fn hand_out(&mut self, batch_id: i64, picks: &[usize], now: i64, expires: i64, random: u64) -> Token {
+    /// new round with lease expiry `expires` and random part `random`; returns
+    /// the round. Each event's token is then [`Batch::token`]. Panics if a
+    /// pick is not handable, or after `u16::MAX` rounds.
+    pub fn hand_out(&mut self, picks: &[usize], now: i64, expires: i64, random: u64) -> u16 {
         let handable = self.handable();
         assert!(picks.iter().all(|p| handable.contains(p)), "hand_out of an event that is not handable");
         assert!(self.rounds.len() < u16::MAX as usize, "too many rounds");
@@ -377,14 +396,17 @@ impl Batch {
         for &p in picks {
             self.state[p] = State::Out(round);
         }
-        Token { batch: batch_id, round, random: random & RANDOM_MASK }
+        round
     }
 
     /// Check that `token` currently holds event `id`; returns its position.
     pub fn holder(&self, id: i64, token: Token) -> Result<usize, Refused> {
         let i = self.position(id).ok_or(Refused::NotInBatch)?;
         match self.state[i] {
-            State::Out(r) if r == token.round && self.rounds[r as usize - 1].random == token.random & RANDOM_MASK => {
+            State::Out(r)
+                if usize::from(token.pos) == i
+                    && event_random(self.rounds[r as usize - 1].random, token.pos) == token.random & RANDOM_MASK =>
+            {
                 Ok(i)
             }
             _ => Err(Refused::Stale),
@@ -426,15 +448,31 @@ impl Batch {
         chain
     }
 
-    /// Extend the lease of the round `token` names to `expires`, if `token`
-    /// holds event `id`. Every event of that round gets the later expiry (a
-    /// round shares one lease: a heartbeat for one event of a concurrently
-    /// handled batch keeps its siblings too).
-    pub fn extend(&mut self, id: i64, token: Token, expires: i64) -> Result<(), Refused> {
-        self.holder(id, token)?;
-        let r = &mut self.rounds[token.round as usize - 1];
-        r.expires = r.expires.max(expires);
-        Ok(())
+    /// Extend the lease of event `id` to `expires` (never shortening it), if
+    /// `token` holds it; its round's other events keep their expiry. Returns
+    /// (the round it was out in, the round it is out in now): an event that
+    /// shared its round moves to a new one with the same random part and hand-out time,
+    /// so its token still holds it.
+    pub fn extend(&mut self, id: i64, token: Token, expires: i64) -> Result<(u16, u16), Refused> {
+        let i = self.holder(id, token)?;
+        let State::Out(r) = self.state[i] else { unreachable!("holder() returned an event not out") };
+        let shared = (0..self.len()).any(|j| j != i && self.state[j] == State::Out(r));
+        let old = self.rounds[r as usize - 1];
+        let later = old.expires.max(expires);
+        if !shared {
+            self.rounds[r as usize - 1].expires = later;
+            return Ok((r, r));
+        }
+        if self.rounds.len() >= u16::MAX as usize {
+            // No round left to split into: the round keeps one lease, the
+            // later one (never shorter than any of its events asked for).
+            self.rounds[r as usize - 1].expires = later;
+            return Ok((r, r));
+        }
+        self.rounds.push(Round { expires: later, ..old });
+        let own = self.rounds.len() as u16;
+        self.state[i] = State::Out(own);
+        Ok((r, own))
     }
 
     /// When round `round`'s lease expires, if the round exists.
@@ -442,10 +480,31 @@ impl Batch {
         self.rounds.get((round as usize).checked_sub(1)?).map(|r| r.expires)
     }
 
-    /// The token of round `round` of batch `batch`, if the round exists.
-    pub fn token(&self, batch: i64, round: u16) -> Option<Token> {
+    /// The round event `i` is out in, if it is out.
+    pub fn round_of(&self, i: usize) -> Option<u16> {
+        match self.state[i] {
+            State::Out(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    /// When the lease of event `i` expires, if it is out.
+    pub fn expiry(&self, i: usize) -> Option<i64> {
+        self.round_expiry(self.round_of(i)?)
+    }
+
+    /// The token of event `i` of batch `batch`, if it is out.
+    pub fn token(&self, batch: i64, i: usize) -> Option<Token> {
+        self.token_in_round(batch, i, self.round_of(i)?)
+    }
+
+    /// The token event `i` of batch `batch` has, or had, when out in round
+    /// `round` (for an event just parked out of that round, which keeps its
+    /// token in the exception table), if the round exists.
+    pub fn token_in_round(&self, batch: i64, i: usize, round: u16) -> Option<Token> {
         let r = self.rounds.get((round as usize).checked_sub(1)?)?;
-        Some(Token { batch, round, random: r.random })
+        let pos = u16::try_from(i).ok()?;
+        Some(Token { batch, pos, random: event_random(r.random, pos) })
     }
 
     /// How many events are out in a round whose lease has not expired at `now`.
@@ -617,45 +676,63 @@ mod tests {
         Batch::new(&[(10, Some("a")), (11, Some("b")), (12, Some("a")), (13, None), (14, Some("b")), (15, Some("a"))])
     }
 
+    /// Hand out `picks` of batch 7 as a new round; the token of each event by id.
+    fn out(b: &mut Batch, picks: &[usize], expires: i64, random: u64) -> std::collections::HashMap<i64, Token> {
+        b.hand_out(picks, T0, expires, random);
+        picks.iter().map(|&p| (b.ids()[p], b.token(7, p).unwrap())).collect()
+    }
+
     #[pg_test]
     fn one_event_per_subject_in_id_order() {
         let mut b = batch();
         assert_eq!(b.handable(), vec![0, 1, 3]);
-        let t1 = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 0xabc);
+        let t1 = out(&mut b, &[0, 1, 3], T0 + 30, 0xabc);
         assert_eq!(b.handable(), Vec::<usize>::new());
-        b.ack(10, t1).unwrap();
+        b.ack(10, t1[&10]).unwrap();
         assert_eq!(b.handable(), vec![2]); // a's next; b's next waits for 11
-        b.ack(11, t1).unwrap();
-        b.ack(13, t1).unwrap();
+        b.ack(11, t1[&11]).unwrap();
+        b.ack(13, t1[&13]).unwrap();
         assert_eq!(b.handable(), vec![2, 4]);
-        let t2 = b.hand_out(7, &[2, 4], T0, T0 + 30, 0xdef);
-        b.ack(12, t2).unwrap();
-        b.ack(14, t2).unwrap();
+        let t2 = out(&mut b, &[2, 4], T0 + 30, 0xdef);
+        b.ack(12, t2[&12]).unwrap();
+        b.ack(14, t2[&14]).unwrap();
         assert!(!b.finished());
-        let t3 = b.hand_out(7, &[5], T0, T0 + 30, 1);
-        b.ack(15, t3).unwrap();
+        let t3 = out(&mut b, &[5], T0 + 30, 1);
+        b.ack(15, t3[&15]).unwrap();
         assert!(b.finished());
         assert_eq!(b.out_unexpired(T0), 0);
     }
 
     #[pg_test]
+    fn each_event_of_a_round_has_its_own_token() {
+        let mut b = batch();
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 0xabc);
+        let randoms: std::collections::HashSet<u64> = t.values().map(|t| t.random).collect();
+        assert_eq!(randoms.len(), 3);
+        // One event's token holds no other event.
+        assert_eq!(b.ack(11, t[&10]), Err(Refused::Stale));
+        assert_eq!(b.ack(11, Token { pos: 1, ..t[&10] }), Err(Refused::Stale));
+        b.ack(11, t[&11]).unwrap();
+    }
+
+    #[pg_test]
     fn an_expired_event_leaves_the_batch_with_its_successors() {
         let mut b = batch();
-        let old = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
-        b.ack(13, old).unwrap();
+        let old = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        b.ack(13, old[&13]).unwrap();
         // Expired but not moved yet: an ack is still accepted.
-        b.ack(11, old).unwrap();
+        b.ack(11, old[&11]).unwrap();
         assert_eq!(b.expire(T0 + 29), vec![]);
         // 10 expired: it and a's later events (12, 15) leave; 14 (b) goes on.
         assert_eq!(b.expire(T0 + 30), vec![(0, true), (2, false), (5, false)]);
-        assert_eq!(b.ack(10, old), Err(Refused::Stale));
-        assert_eq!(b.park(10, old), Err(Refused::Stale));
-        assert_eq!(b.extend(10, old, T0 + 999), Err(Refused::Stale));
-        assert_eq!(b.ack(99, old), Err(Refused::NotInBatch));
+        assert_eq!(b.ack(10, old[&10]), Err(Refused::Stale));
+        assert_eq!(b.park(10, old[&10]), Err(Refused::Stale));
+        assert_eq!(b.extend(10, old[&10], T0 + 999), Err(Refused::Stale));
+        assert_eq!(b.ack(99, old[&10]), Err(Refused::NotInBatch));
         assert_eq!(b.handable(), vec![4]);
-        let t = b.hand_out(7, &[4], T0, T0 + 60, 6);
-        // Same round number, other random part: stale.
-        assert_eq!(b.ack(14, Token { random: 7, ..t }), Err(Refused::Stale));
+        let t = out(&mut b, &[4], T0 + 60, 6)[&14];
+        // Same position, other random part: stale.
+        assert_eq!(b.ack(14, Token { random: t.random ^ 1, ..t }), Err(Refused::Stale));
         b.ack(14, t).unwrap();
         assert_eq!(b.ack(14, t), Err(Refused::Stale));
         assert!(b.finished());
@@ -664,30 +741,30 @@ mod tests {
     #[pg_test]
     fn a_slow_round_is_released_only_when_nothing_else_can_go() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 3600, 5);
+        let t = out(&mut b, &[0, 1, 3], T0 + 3600, 5);
         // 12 and 14 wait behind 10 and 11: nothing handable, but the round is young.
         assert_eq!(b.release(T0 - 1), vec![]);
-        b.ack(11, t).unwrap();
+        b.ack(11, t[&11]).unwrap();
         // 14 can go now: no release, whatever the round's age.
         assert_eq!(b.release(T0), vec![]);
-        let t2 = b.hand_out(7, &[4], T0, T0 + 3600, 6);
-        b.ack(14, t2).unwrap();
-        b.ack(13, t).unwrap();
+        let t2 = out(&mut b, &[4], T0 + 3600, 6);
+        b.ack(14, t2[&14]).unwrap();
+        b.ack(13, t[&13]).unwrap();
         // Only 10 (and a's events behind it) hold the batch: released.
         assert_eq!(b.release(T0), vec![(0, Some(1)), (2, None), (5, None)]);
         assert!(b.finished());
-        assert_eq!(b.ack(10, t), Err(Refused::Stale));
+        assert_eq!(b.ack(10, t[&10]), Err(Refused::Stale));
     }
 
     #[pg_test]
     fn detach_parks_waiting_and_out_events_and_leaves_done_ones() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
-        b.ack(10, t).unwrap();
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        b.ack(10, t[&10]).unwrap();
         // a's events: 10 done, 12 now handable, 15 waiting; 12 goes out.
-        let t2 = b.hand_out(7, &[2], T0, T0 + 30, 6);
+        let t2 = out(&mut b, &[2], T0 + 30, 6);
         assert_eq!(b.detach(&[0, 2, 5]), vec![(2, Some(2)), (5, None)]);
-        assert_eq!(b.ack(12, t2), Err(Refused::Stale));
+        assert_eq!(b.ack(12, t2[&12]), Err(Refused::Stale));
         assert_eq!(b.state(0), State::Done);
     }
 
@@ -698,8 +775,8 @@ mod tests {
         assert_eq!(b.divert(2), vec![0, 2, 5]);
         // An event without a subject leaves alone.
         assert_eq!(b.divert(3), vec![3]);
-        let t = b.hand_out(7, &[1], T0, T0 + 30, 1);
-        b.ack(11, t).unwrap();
+        let t = out(&mut b, &[1], T0 + 30, 1);
+        b.ack(11, t[&11]).unwrap();
         // An acked event stays done when its subject is diverted.
         assert_eq!(b.divert(4), vec![4]);
         assert_eq!(b.state(1), State::Done);
@@ -709,32 +786,39 @@ mod tests {
     #[pg_test]
     fn a_failed_event_parks_its_subject_and_frees_the_batch() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
-        assert_eq!(b.park(10, t).unwrap(), vec![0, 2, 5]);
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        assert_eq!(b.park(10, t[&10]).unwrap(), vec![0, 2, 5]);
         assert_eq!(b.handable(), Vec::<usize>::new()); // 14 waits for 11 still
-        b.ack(11, t).unwrap();
-        b.ack(13, t).unwrap();
-        let t2 = b.hand_out(7, &[4], T0, T0 + 30, 9);
-        b.ack(14, t2).unwrap();
+        b.ack(11, t[&11]).unwrap();
+        b.ack(13, t[&13]).unwrap();
+        let t2 = out(&mut b, &[4], T0 + 30, 9);
+        b.ack(14, t2[&14]).unwrap();
         assert!(b.finished());
     }
 
     #[pg_test]
-    fn extend_keeps_the_round_and_never_shortens_it() {
+    fn extend_moves_one_event_to_a_lease_of_its_own_and_never_shortens_it() {
         let mut b = batch();
-        let t = b.hand_out(7, &[0, 1, 3], T0, T0 + 30, 5);
-        b.extend(10, t, T0 + 100).unwrap();
-        b.extend(11, t, T0 + 50).unwrap();
-        assert_eq!(b.round_expiry(t.round), Some(T0 + 100));
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        assert_eq!(b.extend(10, t[&10], T0 + 100), Ok((1, 2)));
+        // Its token still holds it; a second extension changes its own round only.
+        assert_eq!(b.extend(10, t[&10], T0 + 50), Ok((2, 2)));
+        assert_eq!(b.expiry(0), Some(T0 + 100));
+        assert_eq!(b.expiry(1), Some(T0 + 30));
+        assert_eq!(b.expiry(3), Some(T0 + 30));
+        // The neighbours expire; the extended event does not.
+        assert_eq!(b.expire(T0 + 30), vec![(1, true), (3, true), (4, false)]);
         assert!(b.expire(T0 + 99).is_empty());
+        assert_eq!(b.token(7, 0), Some(t[&10]));
+        b.ack(10, t[&10]).unwrap();
     }
 
     #[pg_test]
     fn tokens_round_trip_through_uuid_bytes() {
         for t in [
-            Token { batch: 0, round: 1, random: 0 },
-            Token { batch: MAX_BATCH_ID, round: u16::MAX, random: RANDOM_MASK },
-            Token { batch: 5, round: 300, random: 0x1234_5678_9abc },
+            Token { batch: 0, pos: 0, random: 0 },
+            Token { batch: MAX_BATCH_ID, pos: u16::MAX, random: RANDOM_MASK },
+            Token { batch: 5, pos: 300, random: 0x1234_5678_9abc },
         ] {
             assert_eq!(Token::from_bytes(t.to_bytes()), t);
             assert_eq!(token_kind(&t.to_bytes()), TokenKind::Batch);
@@ -747,15 +831,15 @@ mod tests {
         assert_eq!(token_kind(&q), TokenKind::Foreign);
         assert_eq!(token_kind(&exception_token(0, 0)), TokenKind::Exception);
         // The random part keeps 48 bits; higher bits are dropped on both sides.
-        let t = Token { batch: 1, round: 1, random: u64::MAX };
+        let t = Token { batch: 1, pos: 1, random: u64::MAX };
         assert_eq!(Token::from_bytes(t.to_bytes()).random, RANDOM_MASK);
     }
 
     #[pg_test]
     fn encoding_round_trips_and_stays_small() {
         let mut b = batch();
-        let t = b.hand_out(42, &[0, 1, 3], T0, T0 + 30, 77);
-        b.ack(10, t).unwrap();
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 77);
+        b.ack(10, t[&10]).unwrap();
         assert_eq!(Batch::decode(&b.encode()), Ok(b.clone()));
         let dense: Vec<(i64, Option<u32>)> = (0..500).map(|i| (1_000_000_000 + i, Some((i % 7) as u32))).collect();
         let big = Batch::new(&dense);
@@ -777,7 +861,7 @@ mod tests {
         assert!(Batch::decode(&[1, 0, 0]).is_err());
         // A state naming a round that does not exist.
         let mut b = batch();
-        b.hand_out(1, &[0], T0, T0 + 1, 1);
+        b.hand_out(&[0], T0, T0 + 1, 1);
         let mut bytes = b.encode();
         let rounds_at = bytes.len() - 23;
         bytes[rounds_at] = 0; // zero rounds...

@@ -76,10 +76,10 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    ANY_SUBJECT, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_MANY,
-    BATCH_PUT_ROUNDS, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO, FETCH,
-    FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
-    PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    ANY_SUBJECT, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
+    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO,
+    FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT,
+    PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -309,7 +309,9 @@ struct Pending {
     state: Vec<u8>,
     ids: Vec<i64>,
     dense: bool,
-    token: Token,
+    round: u16,
+    /// Each event's token, in the order of `ids`.
+    tokens: Vec<[u8; 16]>,
     expires: i64,
 }
 
@@ -328,15 +330,29 @@ fn dense(picks: &[usize], ids: &[i64]) -> bool {
     }
 }
 
+/// The tokens of the events at `picks` of batch `id` (`b`), just handed out.
+fn tokens_of(id: i64, b: &Batch, picks: &[usize]) -> Vec<[u8; 16]> {
+    picks
+        .iter()
+        .map(|&p| {
+            b.token(id, p).unwrap_or_else(|| errors::raise(errors::INTERNAL, "a picked event is not out")).to_bytes()
+        })
+        .collect()
+}
+
+/// The position of `lease_token` in claim()'s result rows (sql/api.sql).
+const TOKEN_COLUMN: usize = 7;
+
 impl Claim<'_> {
-    /// Keep round `token.round` of batch `id` (`b`, lane `lane`), handed out
+    /// Keep round `round` of batch `id` (`b`, lane `lane`), handed out
     /// to this claim's worker as the events at `picks`, to be written and
     /// returned by [`Claim::flush`], with the other rounds of this claim: one
     /// statement writes them all. The batch's lock is held until the claim's
     /// transaction ends, so nothing else changes the batch meanwhile.
     #[allow(clippy::too_many_arguments)]
-    fn defer_round(&self, id: i64, lane: i16, b: &Batch, holders: bool, picks: &[usize], token: Token, expires: i64) {
+    fn defer_round(&self, id: i64, lane: i16, b: &Batch, holders: bool, picks: &[usize], round: u16, expires: i64) {
         let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
+        let tokens = tokens_of(id, b, picks);
         self.pending.borrow_mut().push(Pending {
             batch: id,
             holders,
@@ -344,7 +360,8 @@ impl Claim<'_> {
             state: b.encode(),
             dense: dense(picks, &ids),
             ids,
-            token,
+            round,
+            tokens,
             expires,
         });
     }
@@ -370,7 +387,7 @@ impl Claim<'_> {
         };
         if !with.is_empty() {
             let (ids, states) = parts(&with);
-            let rounds: Vec<i32> = with.iter().map(|p| i32::from(p.token.round)).collect();
+            let rounds: Vec<i32> = with.iter().map(|p| i32::from(p.round)).collect();
             let args = [ids.into(), states.into(), rounds.into(), self.req.worker.into()];
             written.extend(plans::run_latest(&BATCH_PUT_ROUNDS, &args, collect));
         }
@@ -385,18 +402,17 @@ impl Claim<'_> {
         let (together, alone) =
             if together.len() < 2 { (vec![], [alone, together].concat()) } else { (together, alone) };
         for p in alone {
-            self.emit(p.lane, &p.ids, p.dense, p.token, p.expires);
+            self.emit(p.lane, &p.ids, p.dense, &p.tokens, p.expires);
         }
         if !together.is_empty() {
             let (mut lanes, mut ids, mut tokens, mut expires) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
             for p in &together {
-                let token = pgrx::Uuid::from_bytes(p.token.to_bytes());
                 // SAFETY: timestamptz is a by-value int64; every value is a valid datum.
                 let at = unsafe { TimestampWithTimeZone::from_datum(pg_sys::Datum::from(p.expires), false) };
-                for &id in &p.ids {
+                for (&id, token) in p.ids.iter().zip(&p.tokens) {
                     lanes.push(p.lane);
                     ids.push(id);
-                    tokens.push(token);
+                    tokens.push(pgrx::Uuid::from_bytes(*token));
                     expires.push(at);
                 }
             }
@@ -427,27 +443,27 @@ impl Claim<'_> {
         self.now.saturating_add(longest.unwrap_or(self.req.lease_us).min(crate::gucs::max_lease_us()))
     }
 
-    /// Return the events at `picks` of `batch` (lane `lane`) with `token`,
-    /// leased until `expires`.
-    /// Return the events `ids` (in id order) of lane `lane` with `token`,
-    /// leased until `expires`. Dense ones ([`dense`]) are read as one index
-    /// range, the events between them skipped here; sparse ones (later rounds
-    /// of many subjects) id by id.
-    fn emit(&self, lane: i16, ids: &[i64], dense: bool, token: Token, expires: i64) {
-        let uuid = pgrx::Uuid::from_bytes(token.to_bytes());
+    /// Return the events `ids` (in id order) of lane `lane`, each with its
+    /// token in `tokens`, leased until `expires`. Dense ones ([`dense`]) are
+    /// read as one index range, the events between them skipped here; sparse
+    /// ones (later rounds of many subjects) id by id.
+    fn emit(&self, lane: i16, ids: &[i64], dense: bool, tokens: &[[u8; 16]], expires: i64) {
         let (Some(&lo), Some(&hi)) = (ids.first(), ids.last()) else { return };
+        // The statements return a placeholder token; each row gets its own here.
+        let placeholder = pgrx::Uuid::from_bytes([0; 16]);
+        let put = |r: &mut plans::Row| {
+            if let Some(k) = r.i64(0).and_then(|id| ids.binary_search(&id).ok()) {
+                r.set_uuid(TOKEN_COLUMN, &tokens[k]);
+                self.out.put_row(r)
+            }
+        };
         if dense {
-            let args = [lane.into(), lo.into(), hi.into(), uuid.into(), plans::ts_param(expires), (hi - lo + 1).into()];
-            plans::run_latest(&FETCH_RANGE, &args, |rows| {
-                rows.for_each(|r| {
-                    if r.i64(0).is_some_and(|id| ids.binary_search(&id).is_ok()) {
-                        self.out.put_row(r)
-                    }
-                })
-            });
+            let args =
+                [lane.into(), lo.into(), hi.into(), placeholder.into(), plans::ts_param(expires), (hi - lo + 1).into()];
+            plans::run_latest(&FETCH_RANGE, &args, |rows| rows.for_each(put));
         } else {
-            let args = [lane.into(), ids.to_vec().into(), uuid.into(), plans::ts_param(expires)];
-            plans::run_latest(&FETCH, &args, |rows| rows.for_each(|r| self.out.put_row(r)));
+            let args = [lane.into(), ids.to_vec().into(), placeholder.into(), plans::ts_param(expires)];
+            plans::run_latest(&FETCH, &args, |rows| rows.for_each(put));
         }
     }
 
@@ -459,8 +475,9 @@ impl Claim<'_> {
     fn move_out(&self, id: i64, lane: i16, pos: Option<i64>, b: &mut Batch, holders: &Holders) -> bool {
         let rounds: Vec<Option<u16>> =
             (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
-        let token_of =
-            |b: &Batch, i: usize| rounds[i].and_then(|r| b.token(id, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()));
+        let token_of = |b: &Batch, i: usize| {
+            rounds[i].and_then(|r| b.token_in_round(id, i, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()))
+        };
         // An event out in round r leaves still leased to its holder, with the
         // round's token and expiry; one not out leaves parked, due now.
         let leave = |b: &Batch, i: usize, round: Option<u16>| match round.and_then(|r| b.round_expiry(r)) {
@@ -676,8 +693,8 @@ impl Claim<'_> {
                         return 0;
                     }
                     let expires = self.round_expires(l.lane, &b, &picks);
-                    let token = b.hand_out(id, &picks, self.now, expires, pg::strong_random());
-                    self.defer_round(id, l.lane, &b, holders.is_some(), &picks, token, expires);
+                    let round = b.hand_out(&picks, self.now, expires, pg::strong_random());
+                    self.defer_round(id, l.lane, &b, holders.is_some(), &picks, round, expires);
                     return picks.len();
                 }
                 store_batch(id, &b);
@@ -745,9 +762,9 @@ impl Claim<'_> {
             }
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
             // The state does not depend on the batch id, which the insert draws:
-            // the token gets it after.
+            // the tokens get it after.
             let expires = self.round_expires(l.lane, &b, &picks);
-            let token = b.hand_out(0, &picks, self.now, expires, pg::strong_random());
+            b.hand_out(&picks, self.now, expires, pg::strong_random());
             let args = [self.req.subscription.into(), l.lane.into(), b.encode().into(), self.req.worker.into()];
             let id = plans::run_latest(&BATCH_INSERT, &args, |rows| {
                 let mut id = None;
@@ -755,13 +772,13 @@ impl Claim<'_> {
                 id
             })
             .unwrap_or_else(|| errors::raise(errors::INTERNAL, "the batch insert returned no id"));
-            let token = Token { batch: id, ..token };
+            let tokens = tokens_of(id, &b, &picks);
             // A new batch id, known to nobody else yet: nobody holds its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
             let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
-            self.emit(l.lane, &ids, dense(&picks, &ids), token, expires);
+            self.emit(l.lane, &ids, dense(&picks, &ids), &tokens, expires);
             return picks.len();
         }
         if dirty {
@@ -1245,10 +1262,10 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
 /// Returns how many moved.
 pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded: Loaded, positions: &[usize]) -> i32 {
     let Loaded { batch: mut b, holders, .. } = loaded;
-    let rounds: Vec<(usize, Option<(Token, i64)>)> = b
+    let rounds: Vec<(usize, Option<(u16, Token, i64)>)> = b
         .detach(positions)
         .into_iter()
-        .map(|(i, r)| (i, r.and_then(|r| Some((b.token(batch, r)?, b.round_expiry(r)?)))))
+        .map(|(i, r)| (i, r.and_then(|r| Some((r, b.token_in_round(batch, i, r)?, b.round_expiry(r)?)))))
         .collect();
     if rounds.is_empty() {
         return 0;
@@ -1257,13 +1274,13 @@ pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded
     let mut rows: Vec<Moved> = rounds
         .iter()
         .map(|&(i, out)| match out {
-            Some((t, expires)) => Moved {
+            Some((round, t, expires)) => Moved {
                 id: b.ids()[i],
                 kind: Kind::Leased,
                 visible_at: expires,
                 token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
                 error: None,
-                worker: holder(holders.as_deref(), Some(t.round)),
+                worker: holder(holders.as_deref(), Some(round)),
             },
             None => Moved::parked(b.ids()[i], now),
         })
@@ -1334,6 +1351,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
         let t = Token::from_bytes(*token.as_bytes());
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
         if let Some(Loaded { batch: mut b, lane, subscription, holders }) = load_batch(t.batch) {
+            let round = b.position(id).and_then(|i| b.round_of(i));
             if let Ok(parked) = b.park(id, t) {
                 let settings = crate::subscriptions::lookup(&subscription).unwrap_or_default();
                 let (max_attempts, base, cap) = plans::run_latest(&FAIL_INFO, &[lane.into(), id.into()], |rows| {
@@ -1359,7 +1377,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
                                 visible_at: now.saturating_add(delay),
                                 token: None,
                                 error: Some(error.to_string()),
-                                worker: holder(holders.as_deref(), Some(t.round)),
+                                worker: holder(holders.as_deref(), round),
                             }
                         } else {
                             Moved::parked(b.ids()[p], now)
@@ -1383,11 +1401,22 @@ pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval, lease_us: i64) -> Opt
     if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
         let t = Token::from_bytes(*token.as_bytes());
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
-        if let Some(Loaded { batch: mut b, .. }) = load_batch(t.batch) {
+        if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(t.batch) {
             let expires = pg::now().saturating_add(lease_us);
-            if b.extend(id, t, expires).is_ok() {
-                store_batch(t.batch, &b);
-                return b.round_expiry(t.round).map(pg::timestamptz);
+            if let Ok((from, to)) = b.extend(id, t, expires) {
+                match holders {
+                    // The event's lease of its own keeps its worker.
+                    Some(mut h) if from != to => {
+                        let worker = holder(Some(&h), Some(from));
+                        h.resize(usize::from(to), None);
+                        h[usize::from(to) - 1] = worker;
+                        plans::run_latest(&BATCH_PUT_HOLDERS, &[t.batch.into(), b.encode().into(), h.into()], |_| ());
+                    }
+                    _ => {
+                        store_batch(t.batch, &b);
+                    }
+                }
+                return b.round_expiry(to).map(pg::timestamptz);
             }
         }
     }

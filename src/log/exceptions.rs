@@ -21,8 +21,9 @@
 //!    taken after the lane's previous batch was seen finished, and a batch
 //!    finishes in the transaction that moves its last events here, so every row
 //!    moved out of an earlier batch is seen.
-//! 2. **Fencing.** A row's lease is its `lease_token`: a claim gives a new
-//!    one (version 8, kind 1: [`super::batch::exception_token`]), fail()
+//! 2. **Fencing.** A row's lease is its `lease_token`: a claim gives each row
+//!    a new one of its own (version 8, kind 1, the md5 of a fresh
+//!    [`super::batch::exception_token`] and the row's id), fail()
 //!    clears it, so an ack, fail or extension with any earlier token matches
 //!    nothing. A row moved here because its batch lease expired keeps the
 //!    batch's token until a claim hands it out again: an expired lease can

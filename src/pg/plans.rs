@@ -274,6 +274,21 @@ impl Row {
         self.values[i] = pg_sys::Datum::from(v);
     }
 
+    /// Replace the value of uuid column `i` (0-based) with `v`. The bytes
+    /// are copied into the current memory context, which outlives the row's
+    /// use: a result row is copied out when it is stored.
+    pub fn set_uuid(&mut self, i: usize, v: &[u8; 16]) {
+        assert!(self.types[i] == pg_sys::UUIDOID, "set_uuid of another type");
+        // SAFETY: palloc returns 16 writable bytes (or raises); a uuid datum
+        // is a pointer to its 16 bytes.
+        unsafe {
+            let p = pg_sys::palloc(16).cast::<u8>();
+            std::ptr::copy_nonoverlapping(v.as_ptr(), p, 16);
+            self.values[i] = pg_sys::Datum::from(p);
+        }
+        self.nulls[i] = false;
+    }
+
     /// int4 column `i` (0-based), None when NULL or of another type.
     pub fn i32(&self, i: usize) -> Option<i32> {
         (self.types[i] == pg_sys::INT4OID && !self.nulls[i]).then(|| self.values[i].value() as i32)

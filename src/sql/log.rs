@@ -302,6 +302,13 @@ pub const BATCH_PUT_ROUNDS: Stmt = Stmt {
     types: &[pg_sys::INT8ARRAYOID, pg_sys::BYTEAARRAYOID, pg_sys::INT4ARRAYOID, pg_sys::TEXTOID],
 };
 
+/// Write batch $1's state $2 and its rounds' workers $3 (extend_lease of one
+/// event of a shared round: its round of its own keeps its worker).
+pub const BATCH_PUT_HOLDERS: Stmt = Stmt {
+    sql: "UPDATE outbox.log_batches SET state = $2, leased_by = $3 WHERE id = $1 RETURNING id",
+    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::TEXTARRAYOID],
+};
+
 /// The states of a subscription's batches with their rounds' workers
 /// (`_log_batch_holders`).
 pub const BATCH_HOLDERS: Stmt = Stmt {
@@ -500,7 +507,8 @@ macro_rules! exc_exhausted {
 /// that holds it and no other row leased now (a replayed event may sit before
 /// a later one already out), in (visible_at, id) order, each taken with `_lock_row` (never
 /// waits), narrowed to the topics $6 (exact) and $7 (prefixes) when $6 is not
-/// NULL. They get token $4, lease $5 (with $11 false, the lease of the row's
+/// NULL. Each gets a token of its own, derived from $4 and its id (version 8,
+/// kind 1, as [`crate::log::batch::exception_token`] spells one), lease $5 (with $11 false, the lease of the row's
 /// topic when it sets one, else $5) and worker $8; an expired lease on the
 /// last attempt goes dead instead ($10: the subscription's dead-letter
 /// policy). Columns 1-10 are claim's result; 11 is false for a row that went
@@ -546,7 +554,8 @@ pub const EXC_CLAIM: Stmt = Stmt {
         " THEN e.attempts ELSE e.attempts + 1 END, \
              lease_token = CASE WHEN ",
         exc_exhausted!(),
-        " THEN NULL ELSE $4 END, \
+        " THEN NULL ELSE overlay(overlay(md5($4::text || e.id::text) PLACING '81' FROM 13 FOR 2) \
+               PLACING '8' FROM 17 FOR 1)::uuid END, \
              visible_at = CASE WHEN ",
         exc_exhausted!(),
         " THEN e.visible_at ELSE clock_timestamp() + CASE WHEN $11 THEN $5 \

@@ -4,6 +4,7 @@
 pub mod claim;
 pub mod log;
 pub mod publish;
+pub mod registry;
 pub mod topics;
 pub mod worker;
 

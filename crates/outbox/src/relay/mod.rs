@@ -16,8 +16,10 @@
 //! - **Per-subject order.** The outbox hands out a subject's next event only after the previous
 //!   one is acked; in addition the lane never runs two deliveries of one subject at once and
 //!   starts them in claim order.
-//! - **Leases outlive slow deliveries.** A heartbeat extends an event's lease every lease/3 while
-//!   its delivery runs; when the heartbeat finds the lease gone, the delivery is abandoned.
+//! - **Leases outlive slow deliveries.** Each event has a lease (and token) of its own. A heartbeat
+//!   extends an event's lease every lease/3 while its delivery runs, and while it waits for an
+//!   earlier delivery of its subject; when the heartbeat finds the lease gone, the delivery is
+//!   abandoned.
 //! - **No attempts burnt while the sink is down.** The claim loop asks the sink whether it is
 //!   ready before each claim; the NATS sink says no while the broker is unreachable.
 //! - **Graceful stop.** SIGTERM/SIGINT stop claiming; in-flight deliveries finish (or fail with
@@ -628,9 +630,17 @@ async fn claim_loop(
         let batch = Arc::new(BatchStats::new(&lane, events.len()));
         lane.metrics.in_flight.with_label_values(&lane.labels).add(events.len() as i64);
         let mut reserved = reserved;
-        for ev in events {
+        // Events of this claim whose lease a heartbeat lost while they waited.
+        let mut lost: std::collections::HashSet<i64> = std::collections::HashSet::new();
+        for (k, ev) in events.iter().enumerate() {
             // One permit of the reservation per event; the unused rest is released below.
             let Some(permit) = reserved.split(1) else { break };
+            if lost.contains(&ev.id) {
+                lane.metrics.in_flight.with_label_values(&lane.labels).dec();
+                batch.stale.fetch_add(1, Ordering::Relaxed);
+                lane.metrics.stale.with_label_values(&lane.labels).inc();
+                continue;
+            }
             let guard = match &ev.subject {
                 Some(s) => {
                     let m = {
@@ -640,10 +650,24 @@ async fn claim_loop(
                         }
                         map.entry(s.clone()).or_default().clone()
                     };
-                    Some(m.lock_owned().await)
+                    match m.clone().try_lock_owned() {
+                        Ok(g) => Some(g),
+                        // A delivery of this subject still runs (its earlier event's lease
+                        // expired and it was handed out again): wait, keeping the leases of
+                        // this event and of the claim's events after it alive, each its own.
+                        Err(_) => Some(wait_with_heartbeat(&lane, m.lock_owned(), &events[k..], &mut lost).await),
+                    }
                 }
                 None => None,
             };
+            if lost.contains(&ev.id) {
+                drop(guard);
+                lane.metrics.in_flight.with_label_values(&lane.labels).dec();
+                batch.stale.fetch_add(1, Ordering::Relaxed);
+                lane.metrics.stale.with_label_values(&lane.labels).inc();
+                continue;
+            }
+            let ev = ev.clone();
             let lane2 = lane.clone();
             let tx = tx.clone();
             let batch = batch.clone();
@@ -669,6 +693,37 @@ async fn claim_loop(
             });
         }
         drop(reserved);
+    }
+}
+
+/// Waits for `lock` while extending, every lease/3, the lease of each event of `waiting` (each
+/// event's lease is its own); events whose lease is gone are added to `lost`.
+async fn wait_with_heartbeat<T>(
+    lane: &Lane,
+    lock: impl std::future::Future<Output = T>,
+    waiting: &[Event],
+    lost: &mut std::collections::HashSet<i64>,
+) -> T {
+    let lease = lane.cfg.lease;
+    let period = lease / 3;
+    tokio::pin!(lock);
+    loop {
+        tokio::select! {
+            got = &mut lock => return got,
+            _ = tokio::time::sleep(period) => {
+                let live: Vec<&Event> = waiting.iter().filter(|e| !lost.contains(&e.id)).collect();
+                for ev in live {
+                    match lane.ack_db.extend_lease(ev.id, ev.lease_token, lease).await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::warn!(event = ev.id, "lease lost while waiting for its subject's delivery");
+                            lost.insert(ev.id);
+                        }
+                        Err(e) => tracing::warn!(event = ev.id, "extend_lease: {e:#}"),
+                    }
+                }
+            }
+        }
     }
 }
 
