@@ -21,11 +21,11 @@ AS 'MODULE_PATHNAME', 'outbox_publish';
 COMMENT ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) IS
 'Publish one event in the caller''s transaction; returns its id (bigint). It never commits: the event exists iff the caller commits (savepoints included). '
 'Arguments: topic (lowercase dot-separated segments of [a-z0-9_-], 1..255 chars), payload (any JSON value, at most outbox.max_payload_bytes bytes), '
-'subject (ordering key: events of one subject are delivered in commit order; publishers of one subject are serialised by a transaction-scoped advisory lock), '
+'subject (ordering key: events of one subject are delivered in commit order; publishers of one subject are serialised by a transaction-scoped lock; past outbox.max_subject_locks distinct subjects the transaction takes its database''s coarse subject lock instead, and every publisher of a subject waits for it until it ends), '
 'dispatch_key (idempotency key: a second publish with a retained key inserts nothing and returns the first event''s id), '
 'headers (JSON object of string values; W3C traceparent/tracestate are passed through; outbox.traceparent is copied in when absent), '
 'deliver_at (not claimable before this time; past means now). '
-'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large, or the subject''s lock would make the transaction hold more than outbox.max_subject_locks (default 1000) subject locks; '
+'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large; '
 'P0002 unregistered topic with outbox.strict_topics = on. '
 'Follows seeds 000 (publishOutboxEvent in the caller''s transaction, dispatchKey) and 001 (publish_in_tx, subject_id).';
 
@@ -42,7 +42,7 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 'Publish many events of one topic in one call, in the caller''s transaction; returns their ids (SETOF bigint) in input order. '
 'Arguments: topic as in publish; payloads (jsonb[], 1..outbox.max_batch_size elements, none NULL); subjects and dispatch_keys (NULL, or arrays of the same length whose elements may be NULL). '
 'Same validation and semantics as publish: per-subject order follows input order, a repeated dispatch key (in the batch or already retained) returns the first event''s id. '
-'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large, more than 1000 distinct subjects, or more than outbox.max_subject_locks subject locks held by the transaction (each holds an advisory lock until commit); P0002 strict topics. '
+'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large; P0002 strict topics. Any number of distinct subjects: past outbox.max_subject_locks in the transaction, the call takes the coarse subject lock before its first subject (see publish). '
 'Follows pgmq send_batch.';
 
 CREATE FUNCTION outbox.claim(
