@@ -18,8 +18,9 @@
 //!   subject locks take only for a moment.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
-//! - [`xid_assigned`], [`uses_xact_snapshot`], [`read_only`], [`assign_xid`]:
-//!   transaction state the log's cursors and retention branch on.
+//! - [`xid_assigned`], [`uses_xact_snapshot`], [`serializable`], [`read_only`],
+//!   [`assign_xid`]: transaction state the log's cursors, retention and claim
+//!   branch on.
 //! - [`now`], [`timestamptz`], [`database_id`], [`SharedLatch`], [`notify`]:
 //!   small accessors for the background worker and the wake-ups.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
@@ -285,6 +286,12 @@ pub fn read_committed_if_fresh() {
             pg_sys::XactIsoLevel = pg_sys::XACT_READ_COMMITTED as i32;
         }
     }
+}
+
+/// True when the current transaction runs at SERIALIZABLE.
+pub fn serializable() -> bool {
+    // SAFETY: reads a backend-local GUC variable (IsolationIsSerializable in xact.h).
+    unsafe { pg_sys::XactIsoLevel == pg_sys::XACT_SERIALIZABLE as i32 }
 }
 
 /// True under REPEATABLE READ and SERIALIZABLE (one snapshot for the transaction).
