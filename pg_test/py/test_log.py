@@ -385,3 +385,50 @@ def test_rotation_does_nothing_outside_read_committed(logdb):
         assert state(logdb) == [(0, False)]
     admin.execute("SELECT outbox._log_rotate()")
     assert state(logdb) == [(0, True), (1, False)]
+
+
+def drain(c, sub):
+    """Claim and ack everything `sub` is owed now; the ids, in claim order."""
+    got = []
+    while rows := c.execute("SELECT id, lease_token FROM outbox.claim('w', 100, subscription => %s)",
+                            (sub,)).fetchall():
+        c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+        got += [r[0] for r in rows]
+    return got
+
+
+def publish_two(c, topic):
+    return [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch(%s, ARRAY['{}', '{}']::jsonb[])", (topic,))]
+
+
+@pytest.mark.parametrize("start", ["now", "earliest"])
+def test_an_uncommitted_create_subscription_holds_the_ring_tables_it_will_read(logdb, start):
+    """Issue 40, item 5. A subscription's start cursor is taken when
+    create_subscription runs, but its lanes are seen by retention only once it
+    commits. Meanwhile an event committed after the cursor (and, with
+    'earliest', every event the log holds) is owed to it: the ring table that
+    holds it must not be truncated, however many maintenance runs pass, even
+    when every committed reader has read it."""
+    c, admin, creator = logging_conn(logdb), logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.create_subscription('early')")
+    admin.execute("SELECT outbox._log_rotate()")             # log_0 recorded as open
+    before = publish_two(c, "log.late")
+    creator.execute("BEGIN")
+    creator.execute("SELECT outbox.create_subscription('late', start => %s)", (start,))
+    after = publish_two(c, "log.late")                      # committed after late's cursor
+    assert sorted(drain(c, "early")) == before + after      # no committed reader holds log_0 now
+    # Runs until log_0 is sealed and would be truncated, and then some.
+    for _ in range(3):
+        admin.execute("CALL outbox.run_maintenance()")
+    kept = logdb.one("SELECT count(*) FROM outbox.log_0")[0]
+    creator.execute("COMMIT")
+    owed = after if start == "now" else before + after
+    got = drain(c, "late")
+    lost = logdb.one("SELECT lost_events FROM outbox.subscriptions WHERE name = 'late'")[0]
+    assert sorted(got) == sorted(owed), (
+        f"'late' (start {start!r}) claimed {got} of the {owed} owed to it; log_0 kept {kept} of 4 events, "
+        f"lost_events {lost}")
+    # Once it has read them, the next run lets the table go.
+    admin.execute("CALL outbox.run_maintenance()")
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0

@@ -26,7 +26,10 @@
 //!    left for the next run. Under that lock (no event can be added) it checks
 //!    that every reader's lane cursors see all of the table's events and that no
 //!    row was written after the seal, and it runs only at READ COMMITTED, so
-//!    those checks see every committed row.
+//!    those checks see every committed row. A subscription whose
+//!    create_subscription has not committed has lanes no check sees yet: it
+//!    holds every ring table (ACCESS SHARE) until then, so their TRUNCATE waits
+//!    out its 20 ms and leaves them.
 //!
 //! # Reading in commit order
 //! A reader's cursor is `(S, m, xn)` ([`cursor`]): a snapshot `S` taken now (at
