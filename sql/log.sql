@@ -319,17 +319,22 @@ BEGIN
 END
 $$;
 
--- Log retention, one maintenance step (src/log/mod.rs):
--- 1. truncate every sealed table that every reader has finished with and
+-- Log retention, one call of the maintenance step (src/log/mod.rs):
+-- 1. truncate the first sealed table that every reader has finished with and
 --    that nobody has written to for outbox.retention_delivered: sealed that
 --    long ago, and no row of a transaction the seal's snapshot did not see (a
 --    publisher whose copy of the state was stale, or a transaction open
---    across the seal; such a row restarts the table's retention);
--- 2. seal the open table once it has been open for half that (so a table
---    holds at most half the window) and open the next, which must be free.
+--    across the seal; such a row restarts the table's retention), and return
+--    1 at once: the caller commits and calls again;
+-- 2. otherwise seal the open table once it has been open for half that (so a
+--    table holds at most half the window) and open the next, which must be
+--    free, and return 0.
 -- A TRUNCATE waits for its lock at most lock_timeout (20 ms, the function's
 -- own setting): publishers and readers queue behind the request for no
--- longer than that, and a table in use is left for the next run. Opening an
+-- longer than that, and a table in use is left for the next run. The lock
+-- lasts until the caller's commit, so nothing follows a truncation in the
+-- same call: claims would wait on it while the next table is checked (a
+-- claim waited 121 ms behind one call that truncated two tables). Opening an
 -- empty table takes no lock. Nothing a reader has not read past is truncated.
 CREATE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
@@ -342,7 +347,6 @@ DECLARE
     opened    timestamptz;
     nxt       smallint;
     r         record;
-    truncated integer := 0;
 BEGIN
     -- The checks before a TRUNCATE must see every committed row: a REPEATABLE
     -- READ or SERIALIZABLE snapshot could miss rows committed while the lock
@@ -390,7 +394,7 @@ BEGIN
             IF outbox._log_readers_passed(r.n) AND NOT outbox._log_written_since(r.n, r.sealed_snap) THEN
                 EXECUTE format('TRUNCATE outbox.%I', 'log_' || r.n);
                 DELETE FROM outbox.log_state WHERE n = r.n;
-                truncated := truncated + 1;
+                RETURN 1;
             ELSE
                 RAISE EXCEPTION 'not truncated' USING ERRCODE = 'lock_not_available';
             END IF;
@@ -404,17 +408,17 @@ BEGIN
     IF NOT FOUND THEN
         -- Fresh install or restored without state: log_0 has been the open table.
         IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = 0) THEN
-            RETURN truncated;  -- log_0 is sealed and not yet free: wait for it
+            RETURN 0;  -- log_0 is sealed and not yet free: wait for it
         END IF;
         INSERT INTO outbox.log_state (n, opened_at) VALUES (0, now());
-        RETURN truncated;
+        RETURN 0;
     END IF;
     IF opened >= now() - keep / 2 THEN
-        RETURN truncated;
+        RETURN 0;
     END IF;
     nxt := (cur + 1) % 4;
     IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
-        RETURN truncated;  -- the next table is not free yet: keep writing this one
+        RETURN 0;  -- the next table is not free yet: keep writing this one
     END IF;
     -- A free table is empty unless a publisher whose copy of the state was stale
     -- wrote to it after its truncation; then it is emptied first, once every
@@ -422,22 +426,22 @@ BEGIN
     -- ('3:3:' sees no transaction: written since it means holding any row.)
     IF outbox._log_written_since(nxt, '3:3:'::pg_snapshot) THEN
         IF NOT outbox._log_readers_passed(nxt) THEN
-            RETURN truncated;
+            RETURN 0;
         END IF;
         BEGIN
             EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || nxt);
             IF NOT outbox._log_readers_passed(nxt) THEN
-                RETURN truncated;
+                RETURN 0;
             END IF;
             EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
         EXCEPTION WHEN lock_not_available THEN
-            RETURN truncated;
+            RETURN 0;
         END;
     END IF;
     UPDATE outbox.log_state SET sealed_at = now(), sealed_snap = pg_current_snapshot()
      WHERE n = cur;
     INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
-    RETURN truncated;
+    RETURN 0;
 END
 $$;
 
