@@ -47,9 +47,9 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log/mod.rs).';
 
-COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
+COMMENT ON FUNCTION outbox._log_readers_passed(smallint, text) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
-'holds nothing a reader still needs (three index probes per lane). Lanes of subscriptions that no longer hold the table (outbox._log_let_go: past their max_lag) do not count. '
+'holds nothing a reader still needs (three index probes per lane); with only_subscription (default NULL: every reader), that subscription''s lanes alone. Lanes of subscriptions that no longer hold the table (outbox._log_let_go: past their max_lag) do not count. '
 'Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
 COMMENT ON FUNCTION outbox._log_let_go(smallint) IS

@@ -225,7 +225,9 @@ CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE l
 -- each lane costs three index probes, whatever the table's size, and `lane + 0`
 -- keeps the planner from reading a lane's history through (lane, id) for the
 -- third. Runs at READ COMMITTED only (each statement sees every commit).
-CREATE FUNCTION outbox._log_readers_passed(n smallint) RETURNS boolean
+-- With only_subscription, that subscription's lanes alone: outbox.health()
+-- names what 'default' holds.
+CREATE FUNCTION outbox._log_readers_passed(n smallint, only_subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -233,14 +235,15 @@ DECLARE
     behind boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE l.subscription <> ALL (outbox._log_let_go($1)) AND ('
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE l.subscription <> ALL (outbox._log_let_go($1))'
+        '   AND ($2 IS NULL OR l.subscription = $2) AND ('
         '    EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = l.lane AND e.id > l.lo_m)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
         '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))', 'log_' || n)
-    INTO behind USING n;
+    INTO behind USING n, only_subscription;
     RETURN NOT behind;
 END
 $$;
