@@ -1256,13 +1256,17 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
     detach_positions(subscription, lane, batch, loaded, &positions)
 }
 
+/// An event taken out of its batch: its position, and, when it was out, its
+/// round, token and lease expiry.
+type Detached = (usize, Option<(u16, Token, i64)>);
+
 /// Take the events at `positions` out of batch `batch` (`b`, lane `lane`,
 /// its advisory lock held) into the exception table: waiting ones parked,
 /// ones out still leased to their holder with the same token and expiry.
 /// Returns how many moved.
 pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded: Loaded, positions: &[usize]) -> i32 {
     let Loaded { batch: mut b, holders, .. } = loaded;
-    let rounds: Vec<(usize, Option<(u16, Token, i64)>)> = b
+    let rounds: Vec<Detached> = b
         .detach(positions)
         .into_iter()
         .map(|(i, r)| (i, r.and_then(|r| Some((r, b.token_in_round(batch, i, r)?, b.round_expiry(r)?)))))
