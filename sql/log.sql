@@ -219,7 +219,10 @@ CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE l
 
 -- Whether every reader has finished with ring table log_<n>: no lane's cursor
 -- (lo_snap, lo_m, lo_xn) leaves one of its lane's events unseen (an idle
--- lane's cursor does not move, and needs not). The events a cursor has not
+-- lane's cursor does not move, and needs not), and no lane's batch has an
+-- unfinished event there (a batch slides past its cursor: src/log/batch.rs;
+-- probed as "the table holds an event of the lane at or above the batch's
+-- smallest unfinished id", one probe per batch). The events a cursor has not
 -- seen are exactly a window's three branches (src/log/mod.rs): ids above m,
 -- transactions in its xip, transactions in [xmax, xn) with ids up to m. So
 -- each lane costs three index probes, whatever the table's size, and `lane + 0`
@@ -239,7 +242,10 @@ BEGIN
         '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
-        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))', 'log_' || n)
+        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))'
+        ' OR EXISTS (SELECT 1 FROM outbox.log_batches b, outbox._log_batch_min(b.state) AS f(id)'
+        '             WHERE b.subscription <> ALL (outbox._log_let_go($1))'
+        '               AND EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = b.lane AND e.id >= f.id))', 'log_' || n)
     INTO behind USING n;
     RETURN NOT behind;
 END
@@ -284,8 +290,8 @@ BEGIN
             'SELECT count(*) FROM outbox.%1$I e'
             '  JOIN outbox.log_lanes l ON l.subscription = $1 AND l.lane = e.lane'
             '  JOIN outbox.subscription_catalog c ON c.name = $1'
-            ' WHERE NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
-            '   AND (NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false)'
+            ' WHERE ((NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
+            '         AND NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false))'
             '        OR e.id IN (SELECT b.id FROM outbox._log_batch_states($1) b WHERE b.state = ''pending''))'
             '   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = $1 AND x.id = e.id)'
             '   AND (c.topics IS NULL OR EXISTS (SELECT 1 FROM unnest(c.topics) AS p(pattern)'

@@ -73,14 +73,16 @@ pub fn log_cancel(subscription: Option<&str>, id: Option<i64>) -> bool {
     }) else {
         return false; // no lanes (a subscription restored from a dump): nothing read, nothing to decide by
     };
-    if before || passed {
+    if before {
         return false;
     }
-    if !in_window {
+    if !passed && !in_window {
         return plans::run_latest(&CANCEL_UNREAD, &[subscription.into(), lane.into(), id.into()], |rows| rows.len())
             > 0;
     }
-    // Read into a batch: only one still waiting there can be cancelled.
+    // Read into the lane's batch (which slides past the lane's cursor: an
+    // event the cursor passed may still wait there): only one still waiting
+    // there can be cancelled.
     let Some(batch) = batch else { return false };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
     let Some(loaded) = load_batch(batch) else { return false };

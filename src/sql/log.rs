@@ -213,22 +213,6 @@ macro_rules! listed {
 pub const SUBSCRIBE_LISTED: Stmt =
     Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", listed!()), types: SUBSCRIBE_TYPES };
 
-/// Whether lane $1 holds an event above id $2 (a batch's slow events would
-/// hold it back). The first such id in index order, not EXISTS: the planner
-/// drops an EXISTS subquery's LIMIT and read every later id of the lane into
-/// a bitmap (1.5 ms behind a backlog of 6,000, against 0.2 ms).
-pub const LANE_HAS_MORE: Stmt = Stmt {
-    sql: "/* generic plan */ SELECT (SELECT e.id FROM outbox.log e WHERE e.lane = $1 AND e.id > $2 \
-                                      ORDER BY e.id LIMIT 1) IS NOT NULL",
-    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
-};
-
-/// Whether one of events $2 of lane $1 has a subject.
-pub const ANY_SUBJECT: Stmt = Stmt {
-    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) AND l.subject IS NOT NULL)",
-    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID],
-};
-
 /// The topics of events $2 of lane $1.
 pub const TOPICS_OF: Stmt = Stmt {
     sql: "SELECT l.id, l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2)",
@@ -344,6 +328,15 @@ pub const BATCH_PUT: Stmt = Stmt {
 
 pub const BATCH_DELETE: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
+
+/// The acked events $3 (a finished batch's encoding) that a claim dropped
+/// from subscription $1's batch of lane $2 when it compacted it
+/// (src/log/claim.rs), with the time: their delivery time, for the views.
+pub const DELIVERED_INSERT: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
+          VALUES ($1, $2, statement_timestamp(), $3)",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
+};
 
 /// [`BATCH_DELETE`] that keeps the finished batch's encoding $2 in
 /// `outbox.log_delivered` when $3 (some event was acked from it).
