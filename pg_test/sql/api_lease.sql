@@ -4,8 +4,7 @@
 
 -- Fresh set of claimed events: publishes n events of topic t, commits them
 -- (a claim of the log sees committed events only) and claims them one claim
--- each, so that every event has a lease token of its own (the events of one
--- claim share their batch round's token: README, claim).
+-- each (each event has a lease token of its own either way).
 CREATE PROCEDURE pg_temp.fresh(n int, t text DEFAULT 'lease') LANGUAGE plpgsql AS $$
 BEGIN
     CALL pg_temp.reset(restart => true);

@@ -463,24 +463,28 @@ impl Batch {
         later
     }
 
-    /// Extend the lease of event `id` to `expires` (never shortening it), if
-    /// `token` holds it; its round's other events keep their expiry. Returns
-    /// (the round it was out in, the round it is out in now): an event that
-    /// shared its round moves to a new one with the same random part and
-    /// hand-out time, so its token still holds it.
+    /// Set the lease expiry of event `id` to `expires` (a heartbeat; shorter
+    /// is allowed, as for a row of its own), if `token` holds it; its round's
+    /// other events keep their expiry. Returns (the round it was out in, the
+    /// round it is out in now): an event that shared its round moves to a new
+    /// one with the same random part and hand-out time, so its token still
+    /// holds it.
     pub fn extend(&mut self, id: i64, token: Token, expires: i64) -> Result<(u16, u16), Refused> {
         let i = self.holder(id, token)?;
         let State::Out(r) = self.state[i] else { unreachable!("holder() returned an event not out") };
         let shared = (0..self.len()).any(|j| j != i && self.state[j] == State::Out(r));
         let old = self.rounds[r as usize - 1];
-        let later = old.expires.max(expires);
-        if !shared || self.rounds.len() >= u16::MAX as usize {
-            // Alone in its round, or no round left to split into: the round
-            // keeps one lease, the later one.
-            self.rounds[r as usize - 1].expires = later;
+        if !shared {
+            self.rounds[r as usize - 1].expires = expires;
             return Ok((r, r));
         }
-        self.rounds.push(Round { expires: later, ..old });
+        if self.rounds.len() >= u16::MAX as usize {
+            // No round left to split into: the round keeps one lease, the
+            // later one, so that no other event's lease is cut short.
+            self.rounds[r as usize - 1].expires = old.expires.max(expires);
+            return Ok((r, r));
+        }
+        self.rounds.push(Round { expires, ..old });
         let own = self.rounds.len() as u16;
         self.state[i] = State::Out(own);
         Ok((r, own))
@@ -889,12 +893,12 @@ mod tests {
     }
 
     #[pg_test]
-    fn extend_moves_one_event_to_a_lease_of_its_own_and_never_shortens_it() {
+    fn extend_moves_one_event_to_a_lease_of_its_own() {
         let mut b = batch();
         let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
-        assert_eq!(b.extend(10, t[&10], T0 + 100), Ok((1, 2)));
+        assert_eq!(b.extend(10, t[&10], T0 + 50), Ok((1, 2)));
         // Its token still holds it; a second extension changes its own round only.
-        assert_eq!(b.extend(10, t[&10], T0 + 50), Ok((2, 2)));
+        assert_eq!(b.extend(10, t[&10], T0 + 100), Ok((2, 2)));
         assert_eq!(b.expiry(0), Some(T0 + 100));
         assert_eq!(b.expiry(1), Some(T0 + 30));
         assert_eq!(b.expiry(3), Some(T0 + 30));
