@@ -21,11 +21,11 @@ AS 'MODULE_PATHNAME', 'outbox_publish';
 COMMENT ON FUNCTION outbox.publish(text, jsonb, text, text, jsonb, timestamptz) IS
 'Publish one event in the caller''s transaction; returns its id (bigint). It never commits: the event exists iff the caller commits (savepoints included). '
 'Arguments: topic (lowercase dot-separated segments of [a-z0-9_-], 1..255 chars), payload (any JSON value, at most outbox.max_payload_bytes bytes), '
-'subject (ordering key: events of one subject are delivered in commit order; publishers of one subject are serialised by a transaction-scoped advisory lock), '
+'subject (ordering key: events of one subject are delivered in commit order; publishers of one subject are serialised by a transaction-scoped lock; past outbox.max_subject_locks distinct subjects the transaction takes its database''s coarse subject lock instead, and every publisher of a subject waits for it until it ends), '
 'dispatch_key (idempotency key: a second publish with a retained key inserts nothing and returns the first event''s id), '
 'headers (JSON object of string values; W3C traceparent/tracestate are passed through; outbox.traceparent is copied in when absent), '
 'deliver_at (not claimable before this time; past means now). '
-'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large, or the subject''s lock would make the transaction hold more than outbox.max_subject_locks (default 1000) subject locks; '
+'Errors: 22004 NULL topic or payload; 22023 bad topic, headers not an object of strings, deliver_at = infinity; 54000 payload too large; '
 'P0002 unregistered topic with outbox.strict_topics = on. '
 'Follows seeds 000 (publishOutboxEvent in the caller''s transaction, dispatchKey) and 001 (publish_in_tx, subject_id).';
 
@@ -42,7 +42,7 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 'Publish many events of one topic in one call, in the caller''s transaction; returns their ids (SETOF bigint) in input order. '
 'Arguments: topic as in publish; payloads (jsonb[], 1..outbox.max_batch_size elements, none NULL); subjects and dispatch_keys (NULL, or arrays of the same length whose elements may be NULL). '
 'Same validation and semantics as publish: per-subject order follows input order, a repeated dispatch key (in the batch or already retained) returns the first event''s id. '
-'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large, more than 1000 distinct subjects, or more than outbox.max_subject_locks subject locks held by the transaction (each holds an advisory lock until commit); P0002 strict topics. '
+'Errors: 22004 NULL topic, payloads or payload element; 22023 bad topic, array length mismatch, empty or oversized batch (54000 when over outbox.max_batch_size); 54000 payload too large; P0002 strict topics. Any number of distinct subjects: past outbox.max_subject_locks in the transaction, the call takes the coarse subject lock before its first subject (see publish). '
 'Follows pgmq send_batch.';
 
 -- claim, ack, fail and extend_lease plan their statements with enable_seqscan
@@ -88,7 +88,8 @@ COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
 'lease (interval > 0 and <= outbox.max_lease; NULL = the subscription''s default_lease, else the topic''s, else outbox.default_lease; events a subscription of the log hands out together from one batch share the longest of their topics'' leases), topics (NULL = all; exact topic names or prefixes ending in ''.*'', or ''*''), '
 'subscription (NULL = ''default''; a paused subscription returns no rows; its max_attempts and dead_letter_policy override the topic''s). '
 'Result: (id, topic, subject, dispatch_key, payload, headers, attempt, lease_token, lease_expires_at, published_at). '
-'Errors: 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name, or outbox.default_lease over outbox.max_lease when the lease comes from it; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
+'Runs at READ COMMITTED or REPEATABLE READ; at SERIALIZABLE it is refused with 0A000 before it reads or changes anything (run the claiming transaction at READ COMMITTED). At those two levels, in a transaction of its own, it raises neither 40001 nor 40P01. '
+'Errors: 0A000 SERIALIZABLE isolation; 22004 NULL worker or batch_size or NULL topics element; 22023 bad worker, lease, topic pattern or subscription name, or outbox.default_lease over outbox.max_lease when the lease comes from it; 42704 unknown subscription; 54000 batch_size over outbox.max_batch_size. '
 'Follows the SKIP LOCKED claim of pgmq, River and Oban, with fencing tokens as in awa and Kleppmann, "How to do distributed locking" (2016).';
 
 CREATE FUNCTION outbox._lock_row(rel oid, "row" tid) RETURNS boolean
@@ -117,7 +118,8 @@ AS 'MODULE_PATHNAME', 'outbox_ack';
 COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
 'Mark a leased event delivered for its subscription (in its batch; an event with a row of its own keeps it, state delivered, as its attempt history until retention). Returns true when lease_token is the event''s current token, '
 'false otherwise (stale or unknown token, unknown id, NULL arguments): no error, nothing changes. '
-'The exception: in a read-only transaction or on a standby, PostgreSQL raises 25006 for any non-NULL id and token (the call writes, whatever the token). A fenced ack, as in awa.';
+'The exception: in a read-only transaction or on a standby, PostgreSQL raises 25006 for any non-NULL id and token (the call writes, whatever the token). '
+'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. A fenced ack, as in awa.';
 
 CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -144,6 +146,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Arguments: error (text kept as last_error and appended to the attempt history, which keeps the first failure, {"omitted": n} and the latest 18 once it holds 20 entries; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
 'permanent (true dead-letters at once). max_attempts, the backoff and the dead-letter policy are the subscription''s (outbox.alter_subscription), else the topic''s, else the GUCs''. NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
+'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
 'Backoff and dead letters after max_attempts as in River, Oban and pg-boss.';
 
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
@@ -154,6 +157,7 @@ AS 'MODULE_PATHNAME', 'outbox_extend_lease';
 COMMENT ON FUNCTION outbox.extend_lease(bigint, uuid, interval) IS
 'Heartbeat: set the lease expiry to clock_timestamp() + lease. Returns the new expiry (timestamptz), or NULL when the token is stale. '
 'Arguments: lease (interval > 0, <= outbox.max_lease). Errors: 22004 NULL lease; 22023 zero, negative or over-long lease. '
+'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
 'Workers should extend about every lease/3, so one missed heartbeat does not lose the lease.';
 
 CREATE FUNCTION outbox.backoff_delay(

@@ -27,6 +27,8 @@ pub const UNDEFINED_OBJECT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_UNDEFINED_O
 pub const CONFIGURATION_LIMIT: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_CONFIGURATION_LIMIT_EXCEEDED;
 /// SQLSTATE 55006: an object in use (a subscription with leases in flight).
 pub const OBJECT_IN_USE: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_OBJECT_IN_USE;
+/// SQLSTATE 0A000: a call the outbox does not serve in this context (a claim at SERIALIZABLE).
+pub const FEATURE_NOT_SUPPORTED: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_FEATURE_NOT_SUPPORTED;
 /// SQLSTATE XX000 is reserved for internal failures (SPI errors we did not expect).
 pub const INTERNAL: PgSqlErrorCode = PgSqlErrorCode::ERRCODE_INTERNAL_ERROR;
 /// 40001: a change under REPEATABLE READ or SERIALIZABLE met a concurrent one.

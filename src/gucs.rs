@@ -34,11 +34,16 @@ static BACKOFF_MAX_MS: GucSetting<i32> = GucSetting::<i32>::new(30 * 60 * 1000);
 static MAX_ATTEMPTS: GucSetting<i32> = GucSetting::<i32>::new(10);
 /// Payload size limit: 1 MB. Outbox events are notifications, not blobs.
 static MAX_PAYLOAD_BYTES: GucSetting<i32> = GucSetting::<i32>::new(1024 * 1024);
-/// Most subject locks (advisory locks, held until commit) one transaction may take
-/// for publish: each is an entry in the shared lock table,
-/// which at default settings holds about 7,800 (max_locks_per_transaction 64 times
-/// the number of backends); past it every session's lock requests fail (53200).
-static MAX_SUBJECT_LOCKS: GucSetting<i32> = GucSetting::<i32>::new(1_000);
+/// Fine subject locks (held until commit) a transaction takes before it moves to
+/// the coarse lock (src/subject.rs). Each fine lock is an entry in the shared
+/// lock table, which at default settings holds about 7,800 (max_locks_per_transaction
+/// 64 times the number of backends; past it every session's lock requests fail,
+/// 53200); the coarse lock makes every publisher of a subject in the database
+/// wait for the transaction. 256, four times the per-backend average the table
+/// is sized for: transactions of a handful of subjects never come near it and
+/// never make others wait, and it takes about 30 transactions at the limit at
+/// once to fill the table (7 at the 1,000 this replaced).
+static MAX_SUBJECT_LOCKS: GucSetting<i32> = GucSetting::<i32>::new(256);
 /// Largest claim, ack or publish batch.
 static MAX_BATCH_SIZE: GucSetting<i32> = GucSetting::<i32>::new(10_000);
 /// Reject publishes to unregistered topics: a typo in a topic name then fails the
@@ -151,8 +156,8 @@ pub fn init(preloaded: bool) {
     );
     GucRegistry::define_int_guc(
         c"outbox.max_subject_locks",
-        c"Most distinct subject locks one transaction may hold (publish, publish_batch; SQLSTATE 54000 above).",
-        c"Each is an entry in the shared lock table until commit.",
+        c"Subject locks a transaction holds before it moves to one coarse lock (publish, publish_batch).",
+        c"Each is an entry in the shared lock table until commit. A transaction that publishes more distinct subjects takes the database's coarse subject lock instead: from then until it ends, every publisher of a subject in that database waits for it (publishers without a subject never do). Lower means less of the lock table, higher means fewer transactions that hold up the others.",
         &MAX_SUBJECT_LOCKS,
         1,
         1_000_000,
@@ -303,7 +308,7 @@ pub fn max_payload_bytes() -> i64 {
 pub fn max_batch_size() -> i32 {
     MAX_BATCH_SIZE.get()
 }
-/// Per-transaction bound on subject locks.
+/// Fine subject locks a transaction takes before it escalates (src/subject.rs).
 pub fn max_subject_locks() -> usize {
     MAX_SUBJECT_LOCKS.get().max(1) as usize
 }

@@ -6,7 +6,7 @@
 //! - [`lease`] — `outbox.ack`, `outbox.fail`, `outbox.extend_lease`
 //! - [`log`] — the append-only event log ring every subscription reads: lanes,
 //!   batches, rows of their own, and the proofs of delivery order and fencing
-//! - [`subject`] — publish's subject locks and their budget
+//! - [`subject`] — publish's subject locks: fine per subject, one coarse lock past `outbox.max_subject_locks`
 //! - [`subscriptions`] — the per-backend cache of the subscription catalog
 //! - [`maintenance`] — the one list of maintenance steps
 //! - [`backoff`] — retry delays

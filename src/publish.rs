@@ -6,12 +6,13 @@
 //!
 //! Ordering: events of one subject must be claimable in the commit order
 //! of their publishers, but sequence ids are handed out before commit, so a
-//! smaller id can commit later. publish() therefore takes a transaction-scoped
-//! advisory lock on the subject *before* it draws the id (src/subject.rs). A
-//! second publisher of the same subject waits until the first commits or
-//! aborts, so per subject, id order is commit order, and a lane reads a subject
-//! in id order. Different subjects never
-//! wait on each other (except on a 32-bit hash collision, which only serialises).
+//! smaller id can commit later. publish() therefore covers the subject with
+//! the library's subject locks *before* it draws the id (src/subject.rs, which
+//! proves the invariant). A second publisher of the same subject waits until
+//! the first commits or aborts, so per subject, id order is commit order, and a
+//! lane reads a subject in id order. Different subjects wait on each other only
+//! on a 32-bit hash collision, which only serialises, and while a transaction
+//! past `outbox.max_subject_locks` subjects holds the coarse lock.
 //!
 //! Transaction id first: publish gives its transaction an id (after the subject
 //! locks) before it draws any event id, so that every transaction that drew an
@@ -45,9 +46,6 @@ fn topic_max_attempts(topic: &str) -> i32 {
         None => gucs::max_attempts(),
     }
 }
-
-/// Most distinct subjects one publish_batch call may lock (SQLSTATE 54000 above).
-pub const MAX_BATCH_SUBJECTS: usize = 1000;
 
 /// Validate headers (a JSON object of string values) and add the session's
 /// traceparent when the caller gave none. Returns the jsonb to store.
@@ -260,18 +258,7 @@ pub unsafe fn publish_batch(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
 
     let out = SetResult::begin(&call);
     if let Some(subjects) = &subjects {
-        let mut list: Vec<String> = subjects.iter().flatten().cloned().collect();
-        list.sort();
-        list.dedup();
-        // One advisory lock per distinct subject lives in the shared lock table
-        // until commit; past this many, a batch could exhaust it for everyone.
-        if list.len() > MAX_BATCH_SUBJECTS {
-            errors::raise_hint(
-                errors::TOO_LARGE,
-                format!("publish_batch has {} distinct subjects, more than {MAX_BATCH_SUBJECTS}", list.len()),
-                "Split the batch; each distinct subject holds a lock until commit.",
-            );
-        }
+        let list: Vec<String> = subjects.iter().flatten().cloned().collect();
         subject::lock_many(&list);
     }
     let txid = pg::xid_for_insert();

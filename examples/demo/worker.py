@@ -91,6 +91,9 @@ class Worker:
         # others at once); ack/fail batches use explicit transactions.
         self.conn = psycopg.connect(args.dsn, autocommit=True,
                                     application_name=args.name)
+        # outbox.claim refuses SERIALIZABLE (0A000): claim at READ COMMITTED
+        # whatever the database's default_transaction_isolation.
+        self.conn.execute("SET default_transaction_isolation = 'read committed'")
         self.conn.execute("LISTEN outbox")
 
     def handle(self, payload, attempt):

@@ -172,11 +172,16 @@ def test_pause_and_alter_never_wait_for_or_fail_a_worker(plain, isolation):
     """fail() reads the subscription's settings without locking them: a pause or
     a policy change committed while a worker's transaction is open neither waits
     for it nor makes its fail() raise a serialization failure; and a pause left
-    open does not hold up fail()."""
+    open does not hold up fail(). (A claim is refused at SERIALIZABLE: there
+    the worker claims in autocommit and fails in its transaction.)"""
     w, admin = plain.conn(), plain.conn()
     publish(w, n=2)
-    w.execute(f"BEGIN ISOLATION LEVEL {isolation}")
-    rows = claim(w, n=2)
+    if isolation == "SERIALIZABLE":
+        rows = claim(w, n=2)
+        w.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+    else:
+        w.execute(f"BEGIN ISOLATION LEVEL {isolation}")
+        rows = claim(w, n=2)
     assert len(rows) == 2
     admin.execute("SET lock_timeout = '2s'")
     admin.execute("SELECT outbox.pause_subscription('default')")
@@ -250,8 +255,8 @@ def test_replaced_functions_have_one_signature(plain):
     assert got == {"claim": 1, "replay": 1, "replay_dead": 1, "cancel": 1}
 
 
-@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"])
-def test_pause_and_claim_at_every_isolation_level(plain, isolation):
+@pytest.mark.parametrize("isolation", ["READ COMMITTED", "REPEATABLE READ"])
+def test_pause_and_claim_at_every_isolation_level_a_claim_runs_at(plain, isolation):
     c, admin = plain.conn(), plain.conn()
     publish(c, n=2)
     c.execute(f"BEGIN ISOLATION LEVEL {isolation}")

@@ -587,6 +587,32 @@ def test_worker_claims_from_the_subscription_it_is_given(lang, db, spawn):
     assert states(sub, other) == {}
 
 
+@pytest.mark.parametrize("lang", LANGS)
+def test_worker_claims_where_the_default_isolation_is_serializable(lang, db, spawn, dsn):
+    """outbox.claim refuses SERIALIZABLE (0A000): a worker whose sessions start at
+    SERIALIZABLE (here through the connection's options, as a database's or a
+    role's default_transaction_isolation would) sets READ COMMITTED itself and
+    delivers everything."""
+    serializable = psycopg.conninfo.make_conninfo(dsn, options="-c default_transaction_isolation=serializable")
+    with psycopg.connect(serializable, autocommit=True) as c:
+        assert sqlstate_of(c, "SELECT * FROM outbox.claim('probe', 1)") == "0A000"
+    ids = publish_batch(db, "wk.ser", [json.dumps({"seq": i}) for i in range(20)], [f"s{i % 4}" for i in range(20)])
+    w = spawn(lang, sid(lang, "ser"), OUTBOX_DSN=serializable, OUTBOX_TOPICS="wk.ser")
+    wait_until(lambda: unfinished(db, "wk.ser", dead=True) == 0, 30, "deliveries at a SERIALIZABLE default", (w,))
+    assert w.terminate() == 0
+    rows = read_deliveries(w)
+    assert sorted(r["id"] for r in rows) == ids, f"delivery log\n{w.tail()}"
+    assert "0A000" not in w.tail(200), w.tail()
+
+
+def sqlstate_of(conn, sql):
+    try:
+        conn.execute(sql)
+    except psycopg.Error as e:
+        return e.sqlstate
+    return None
+
+
 # ---------------------------------------------------------------- the inbox: exactly-once effects
 
 # The consumer's database: a database of its own, not the outbox's (the inbox

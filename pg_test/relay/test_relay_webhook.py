@@ -18,6 +18,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import psycopg
 from standardwebhooks.webhooks import Webhook
 
 import relaylib as rl
@@ -345,3 +346,44 @@ def test_410_race_and_healthz(pg_cluster, workdir, procs):
     status, body = rl.wait_for(lambda: (lambda h: h if h[0] == 503 else None)(rl.healthz(relay)), 15, "healthz 503")
     assert "unreachable" in json.loads(body)["reason"], body
     assert relay.term() == 0
+
+
+def test_relay_claims_in_a_database_whose_default_isolation_is_serializable(pg_cluster, workdir, procs):
+    """outbox.claim refuses SERIALIZABLE (0A000). The relay's sessions run at READ COMMITTED
+    whatever the database's default_transaction_isolation, so it delivers there (before it set
+    its sessions' level, every claim failed with 0A000 and nothing was delivered)."""
+    db = "relay_ser"
+    rl.fresh_db(db)
+    _oid, oargs = rl.outbox_identity(db)
+    with rl.connect("postgres") as c:
+        c.execute(f'ALTER DATABASE "{db}" SET default_transaction_isolation = serializable')
+    with rl.connect(db) as c:
+        assert c.execute("SHOW default_transaction_isolation").fetchone()[0] == "serializable"
+        try:
+            c.execute("SELECT * FROM outbox.claim('probe', 1)")
+            refused = None
+        except psycopg.Error as e:
+            refused = e.sqlstate
+        assert refused == "0A000", f"a claim at the database's SERIALIZABLE default gave {refused!r}"
+        c.execute("SELECT outbox.create_subscription('relay-webhook', start => 'earliest')")
+        for i in range(20):
+            c.execute("SELECT outbox.publish('ser.thing', %s::jsonb, subject => %s)", (json.dumps({"n": i}), f"s{i % 3}"))
+    recv = GoneReceiver()
+    with recv.lock:
+        recv.enabled = True
+    try:
+        args = ["--sink", "webhook", "--webhook-url", f"http://127.0.0.1:{recv.port}/ok", "--webhook-secret",
+                SECRETS[0], "--poll-interval", "200ms"]
+        relay = rl.start_relay(workdir, "relay", db, args, oargs)
+        procs.append(relay)
+
+        def delivered():
+            with rl.connect(db) as c:
+                return c.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'relay-webhook' "
+                                 "AND state = 'delivered'").fetchone()[0]
+
+        rl.wait_for(lambda: delivered() == 20, 30, f"20 events delivered (relay log: {relay.log_path})")
+        assert "0A000" not in relay.log() and "SERIALIZABLE" not in relay.log(), relay.log()[-2000:]
+        assert relay.term() == 0
+    finally:
+        recv.close()

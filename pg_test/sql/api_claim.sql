@@ -231,3 +231,22 @@ SELECT outbox.publish('t.other', '"x3 other topic"', subject => 'x') IS NOT NULL
 SELECT count(*) AS other_topic_waits_too FROM outbox.claim('w', 100, topics => ARRAY['t.other']);
 CALL pg_temp.make_due($$payload = '"x1"'$$);
 SELECT payload FROM outbox.claim('w', 100) ORDER BY id;
+
+-- ---------------------------------------------------------------------------
+-- Isolation: a claim runs at READ COMMITTED or REPEATABLE READ; at SERIALIZABLE
+-- it is refused (0A000) before it reads or changes anything, in a transaction
+-- block or under default_transaction_isolation.
+-- ---------------------------------------------------------------------------
+CALL pg_temp.reset();
+SELECT outbox.publish('t.iso', '"iso"') IS NOT NULL AS published;
+\set VERBOSITY default
+BEGIN ISOLATION LEVEL SERIALIZABLE;
+SELECT count(*) FROM outbox.claim('w', 100);
+ROLLBACK;
+SET default_transaction_isolation = 'serializable';
+SELECT count(*) FROM outbox.claim('w', 100);
+RESET default_transaction_isolation;
+\set VERBOSITY terse
+BEGIN ISOLATION LEVEL REPEATABLE READ;
+SELECT payload FROM outbox.claim('w', 100);
+COMMIT;

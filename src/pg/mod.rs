@@ -13,11 +13,14 @@
 //! - [`catalog`]: the extension's relations and functions, a table's file node.
 //! - [`advisory_xact_lock`] / [`try_advisory_xact_lock`]: the subject, lane
 //!   and batch locks, called directly instead of through an SQL statement, and
-//!   the waiting share-mode variant for the log's dead-letter policy lock.
+//!   the share-mode variants for the log's dead-letter policy lock and the
+//!   subjects' coarse lock; [`advisory_xact_unlock`] gives back a lock the
+//!   subject locks take only for a moment.
 //! - [`try_lock_row`]: lock one row version without waiting and without following
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
-//! - [`xid_assigned`], [`uses_xact_snapshot`], [`read_only`], [`assign_xid`]:
-//!   transaction state the log's cursors and retention branch on.
+//! - [`xid_assigned`], [`uses_xact_snapshot`], [`serializable`], [`read_only`],
+//!   [`assign_xid`]: transaction state the log's cursors, retention and claim
+//!   branch on.
 //! - [`now`], [`timestamptz`], [`database_id`], [`SharedLatch`], [`notify`]:
 //!   small accessors for the background worker and the wake-ups.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
@@ -112,6 +115,26 @@ pub fn advisory_xact_lock_shared(k1: i32, k2: i32) {
 /// Take the lock (k1, k2) in share mode if no one holds it exclusively, never wait.
 pub fn try_advisory_xact_lock_shared(k1: i32, k2: i32) -> bool {
     acquire(k1, k2, pg_sys::ShareLock, true)
+}
+
+fn release(k1: i32, k2: i32, mode: u32) {
+    let tag = lock_tag(k1, k2);
+    // SAFETY: releases one acquisition of a transaction-level lock of ours
+    // that the caller took in this resource owner (the same call); LockRelease
+    // only warns when it is not held, and then changes nothing.
+    unsafe { pg_sys::LockRelease(&tag, mode as pg_sys::LOCKMODE, false) };
+}
+
+/// Give back one acquisition of the exclusive lock (k1, k2) before transaction
+/// end. Only for a lock the caller took itself in the same call, and did not
+/// hold before: a lock held by an earlier call may protect what that call did.
+pub fn advisory_xact_unlock(k1: i32, k2: i32) {
+    release(k1, k2, pg_sys::ExclusiveLock);
+}
+
+/// [`advisory_xact_unlock`] for a lock taken in share mode.
+pub fn advisory_xact_unlock_shared(k1: i32, k2: i32) {
+    release(k1, k2, pg_sys::ShareLock);
 }
 
 /// What [`try_lock_row`] found.
@@ -263,6 +286,12 @@ pub fn read_committed_if_fresh() {
             pg_sys::XactIsoLevel = pg_sys::XACT_READ_COMMITTED as i32;
         }
     }
+}
+
+/// True when the current transaction runs at SERIALIZABLE.
+pub fn serializable() -> bool {
+    // SAFETY: reads a backend-local GUC variable (IsolationIsSerializable in xact.h).
+    unsafe { pg_sys::XactIsoLevel == pg_sys::XACT_SERIALIZABLE as i32 }
 }
 
 /// True under REPEATABLE READ and SERIALIZABLE (one snapshot for the transaction).

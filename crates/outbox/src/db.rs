@@ -4,7 +4,8 @@
 //! - Only the public API is used: `outbox.claim`, `outbox.ack`, `outbox.fail`, `outbox.extend_lease`,
 //!   `outbox.create_subscription`, `outbox.pause_subscription`, `outbox.outbox_id` and the
 //!   `outbox.subscriptions` view. Every call runs in autocommit, so a claim never holds a lane or a
-//!   batch open across a network round trip to the sink.
+//!   batch open across a network round trip to the sink, and at READ COMMITTED whatever the
+//!   database's default isolation (a claim at SERIALIZABLE is refused).
 //! - Every ack, fail and heartbeat carries the lease token of the claim that handed the event out.
 //!   The extension fences on it: after a lease expired and another worker took the event, our late
 //!   ack returns `false`/`'stale'` and changes nothing. That is what makes SIGKILL, network
@@ -431,9 +432,14 @@ impl Db {
             }
             wakeup.notify_one();
         });
-        if self.listen {
-            client.batch_execute("LISTEN outbox").await.map_err(|e| anyhow!("{}", pg_error(&e)))?;
-        }
+        // outbox.claim refuses SERIALIZABLE (0A000): whatever the database's
+        // default_transaction_isolation, the relay's sessions run at READ COMMITTED.
+        let setup = if self.listen {
+            "SET default_transaction_isolation = 'read committed'; LISTEN outbox"
+        } else {
+            "SET default_transaction_isolation = 'read committed'"
+        };
+        client.batch_execute(setup).await.map_err(|e| anyhow!("{}", pg_error(&e)))?;
         let client = Arc::new(client);
         *guard = Some(client.clone());
         self.wakeup.notify_one();

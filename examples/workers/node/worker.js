@@ -293,6 +293,9 @@ class Db {
     c.on('end', () => { c._outboxBroken = true; this.wake(); });
     try {
       await c.connect();
+      // outbox.claim refuses SERIALIZABLE (0A000): whatever the database's
+      // default_transaction_isolation, this session claims at READ COMMITTED.
+      await c.query("SET default_transaction_isolation = 'read committed'");
     } catch (e) {
       c.end().catch(() => {});
       throw e;

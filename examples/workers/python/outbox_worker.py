@@ -283,7 +283,11 @@ class Db:
         self.connected = False
 
     def _connect(self):
-        return psycopg.connect(self.cfg.dsn, autocommit=True, application_name=self.cfg.name)
+        c = psycopg.connect(self.cfg.dsn, autocommit=True, application_name=self.cfg.name)
+        # outbox.claim refuses SERIALIZABLE (0A000): whatever the database's
+        # default_transaction_isolation, this session claims at READ COMMITTED.
+        c.execute("SET default_transaction_isolation = 'read committed'")
+        return c
 
     def _backoff(self, attempt):
         d = min(self.cfg.reconnect_max, 0.1 * 2 ** attempt)

@@ -243,7 +243,9 @@ ensure_session() {
     local attempt=0
     while [ "$SESSION_UP" -ne 1 ]; do
         start_session
-        if run_sql "LISTEN outbox"; then
+        # outbox.claim refuses SERIALIZABLE (0A000): whatever the database's
+        # default_transaction_isolation, this session claims at READ COMMITTED.
+        if run_sql "SET default_transaction_isolation = 'read committed'; LISTEN outbox"; then
             [ "$LISTENED" -eq 1 ] && log "worker=$NAME reconnected, LISTEN outbox again"
             LISTENED=1
             return 0

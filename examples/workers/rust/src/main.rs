@@ -429,7 +429,11 @@ impl Db {
     fn connect(&self) -> Result<Client, postgres::Error> {
         let mut c = self.cfg.dsn.clone();
         c.application_name(&self.cfg.name);
-        c.connect(NoTls)
+        let mut client = c.connect(NoTls)?;
+        // outbox.claim refuses SERIALIZABLE (0A000): whatever the database's
+        // default_transaction_isolation, this session claims at READ COMMITTED.
+        client.batch_execute("SET default_transaction_isolation = 'read committed'")?;
+        Ok(client)
     }
 
     fn backoff(&self, attempt: u32) -> Duration {
