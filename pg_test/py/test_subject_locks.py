@@ -38,13 +38,19 @@ def coarse_mode(c, pid):
     return row[0] if row else None
 
 
-def assert_bounded(c, what):
+def assert_bounded(c, what, fine=None):
+    """At most K fine locks and the coarse lock; the rest of the backend's
+    locks are the relations the calls touched and the transaction's own ids,
+    a few dozen whatever N is. With `fine`, exactly that many fine locks and
+    the coarse lock held exclusively (the transaction escalated)."""
     k = max_subject_locks(c)
     total, ours = locks_held(c)
-    # K fine locks and the coarse lock; the rest are the relations the calls
-    # touched and the transaction's own ids, a few dozen whatever N is.
     assert ours <= k + 1, f"{what}: {ours} of the library's locks held, more than K + 1 = {k + 1}"
     assert total <= k + 100, f"{what}: {total} locks held by the backend"
+    if fine is not None:
+        fine = k if fine == "K" else fine
+        assert coarse_mode(c, c.info.backend_pid) == "ExclusiveLock", f"{what}: not escalated"
+        assert ours == fine + 1, f"{what}: {ours} of the library's locks held, expected {fine} fine + the coarse one"
 
 
 def drain(c, topic=None):
@@ -77,7 +83,8 @@ def test_ten_thousand_subjects_in_one_transaction_of_publish_calls(plain):
     # And one call at a time, as an application publishes.
     for g in range(N + 1, N + 201):
         c.execute("SELECT outbox.publish('sl.one', '{}', subject => %s)", (f"s{g}",))
-    assert_bounded(c, "a transaction of publish calls over 10,200 subjects")
+    # K fine locks, then the coarse lock for the rest.
+    assert_bounded(c, "a transaction of publish calls over 10,200 subjects", fine="K")
     c.execute("COMMIT")
     assert len(drain(c)) == N + 200
 
@@ -88,7 +95,8 @@ def test_ten_thousand_subjects_in_one_publish_batch(plain):
     ids = c.execute("SELECT outbox.publish_batch('sl.batch', array_agg(jsonb_build_object('n', g) ORDER BY g), "
                     "array_agg('s' || g ORDER BY g)) FROM generate_series(1, %s) g", (N,)).fetchall()
     assert len(ids) == N
-    assert_bounded(c, "publish_batch of 10,000 subjects")
+    # The call escalated before it took any fine lock.
+    assert_bounded(c, "publish_batch of 10,000 subjects", fine=0)
     c.execute("COMMIT")
     assert sorted(drain(c)) == sorted(r[0] for r in ids)
 
