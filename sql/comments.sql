@@ -20,6 +20,7 @@ COMMENT ON FUNCTION outbox._maintenance_steps() IS
 
 COMMENT ON FUNCTION outbox._maintenance_step(text) IS
 'Internal: one batch of a maintenance step (see outbox._maintenance_steps()) in the caller''s transaction: (removed bigint, done boolean; done = nothing more to do in this run). '
+'For log, one outbox._log_rotate() call: removed = ring tables truncated (0 or 1), done once it truncated none; commit before the next call, which releases the truncated table''s lock. '
 'Errors: 22023 unknown step; those of outbox._purge_step().';
 
 COMMENT ON FUNCTION outbox._setting(text) IS
@@ -46,9 +47,9 @@ COMMENT ON FUNCTION outbox._log_maintenance(timestamptz, jsonb) IS
 COMMENT ON FUNCTION outbox._topics_changed() IS
 'Internal trigger function on outbox.topics, outbox.subscription_catalog and outbox.log_state: invalidates every backend''s cached copy of the topic registry (src/topics.rs), of the subscriptions (src/subscriptions.rs) and of the log ring''s open table (src/log/mod.rs).';
 
-COMMENT ON FUNCTION outbox._log_readers_passed(smallint) IS
+COMMENT ON FUNCTION outbox._log_readers_passed(smallint, text) IS
 'Internal: whether every lane of every log reader (outbox.log_lanes) has a cursor that sees every event of ring table outbox.log_<n> (n 0..3), i.e. the table '
-'holds nothing a reader still needs (three index probes per lane). Lanes of subscriptions that no longer hold the table (outbox._log_let_go: past their max_lag) do not count. '
+'holds nothing a reader still needs (three index probes per lane); with only_subscription (default NULL: every reader), that subscription''s lanes alone. Lanes of subscriptions that no longer hold the table (outbox._log_let_go: past their max_lag) do not count. '
 'Meaningful at READ COMMITTED. Returns boolean. Errors: 42P01 for n outside 0..3.';
 
 COMMENT ON FUNCTION outbox._log_let_go(smallint) IS
@@ -67,11 +68,11 @@ COMMENT ON FUNCTION outbox._log_written_since(smallint, pg_snapshot) IS
 'written since a seal that took s. Two index probes. Errors: 42P01 for n outside 0..3.';
 
 COMMENT ON FUNCTION outbox._log_rotate() IS
-'Internal: the maintenance step log (src/log/mod.rs). Truncates every ring table (outbox.log_0 .. outbox.log_3) that every log reader has read past and that nobody '
+'Internal: one call of the maintenance step log (src/log/mod.rs). Truncates the first ring table (outbox.log_0 .. outbox.log_3) that every log reader has read past and that nobody '
 'has written to for outbox.retention_delivered (a row written after its seal restarts that; a subscription past its max_lag does not hold a table, and loses what it had not read there: '
-'outbox._log_note_losses), then, when the open table has been open for half that and the next one '
-'is free, seals it and opens the next. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
-'queue behind it no longer than that; a second concurrent call returns at once. Returns the number of tables truncated (integer). '
+'outbox._log_note_losses) and returns 1 at once: its lock lasts until the caller commits, which should then call again. Otherwise, when the open table has been open for half that and the next one '
+'is free, seals it and opens the next, and returns 0. A TRUNCATE waits for its lock at most 20 ms (lock_timeout) and leaves a table in use for the next run, so publishers and readers '
+'queue behind it no longer than that; a second concurrent call returns 0 at once. Returns integer: 1 when it truncated a table past its retention, else 0. '
 'Only at READ COMMITTED (its checks must see every committed row): in a REPEATABLE READ or SERIALIZABLE transaction it does nothing and returns 0; '
 'the background worker runs it at READ COMMITTED whatever default_transaction_isolation says. No errors.';
 

@@ -228,7 +228,9 @@ CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE l
 -- each lane costs three index probes, whatever the table's size, and `lane + 0`
 -- keeps the planner from reading a lane's history through (lane, id) for the
 -- third. Runs at READ COMMITTED only (each statement sees every commit).
-CREATE FUNCTION outbox._log_readers_passed(n smallint) RETURNS boolean
+-- With only_subscription, that subscription's lanes alone: outbox.health()
+-- names what 'default' holds.
+CREATE FUNCTION outbox._log_readers_passed(n smallint, only_subscription text DEFAULT NULL) RETURNS boolean
 LANGUAGE plpgsql STABLE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -236,7 +238,8 @@ DECLARE
     behind boolean;
 BEGIN
     EXECUTE format(
-        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE l.subscription <> ALL (outbox._log_let_go($1)) AND ('
+        'SELECT EXISTS (SELECT 1 FROM outbox.log_lanes l WHERE l.subscription <> ALL (outbox._log_let_go($1))'
+        '   AND ($2 IS NULL OR l.subscription = $2) AND ('
         '    EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = l.lane AND e.id > l.lo_m)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
@@ -245,8 +248,9 @@ BEGIN
         '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))'
         ' OR EXISTS (SELECT 1 FROM outbox.log_batches b, outbox._log_batch_min(b.state) AS f(id)'
         '             WHERE b.subscription <> ALL (outbox._log_let_go($1))'
+        '               AND ($2 IS NULL OR b.subscription = $2)'
         '               AND EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = b.lane AND e.id >= f.id))', 'log_' || n)
-    INTO behind USING n;
+    INTO behind USING n, only_subscription;
     RETURN NOT behind;
 END
 $$;
@@ -325,17 +329,22 @@ BEGIN
 END
 $$;
 
--- Log retention, one maintenance step (src/log/mod.rs):
--- 1. truncate every sealed table that every reader has finished with and
+-- Log retention, one call of the maintenance step (src/log/mod.rs):
+-- 1. truncate the first sealed table that every reader has finished with and
 --    that nobody has written to for outbox.retention_delivered: sealed that
 --    long ago, and no row of a transaction the seal's snapshot did not see (a
 --    publisher whose copy of the state was stale, or a transaction open
---    across the seal; such a row restarts the table's retention);
--- 2. seal the open table once it has been open for half that (so a table
---    holds at most half the window) and open the next, which must be free.
+--    across the seal; such a row restarts the table's retention), and return
+--    1 at once: the caller commits and calls again;
+-- 2. otherwise seal the open table once it has been open for half that (so a
+--    table holds at most half the window) and open the next, which must be
+--    free, and return 0.
 -- A TRUNCATE waits for its lock at most lock_timeout (20 ms, the function's
 -- own setting): publishers and readers queue behind the request for no
--- longer than that, and a table in use is left for the next run. Opening an
+-- longer than that, and a table in use is left for the next run. The lock
+-- lasts until the caller's commit, so nothing follows a truncation in the
+-- same call: claims would wait on it while the next table is checked (a
+-- claim waited 121 ms behind one call that truncated two tables). Opening an
 -- empty table takes no lock. Nothing a reader has not read past is truncated.
 CREATE FUNCTION outbox._log_rotate() RETURNS integer
 LANGUAGE plpgsql VOLATILE
@@ -348,7 +357,6 @@ DECLARE
     opened    timestamptz;
     nxt       smallint;
     r         record;
-    truncated integer := 0;
 BEGIN
     -- The checks before a TRUNCATE must see every committed row: a REPEATABLE
     -- READ or SERIALIZABLE snapshot could miss rows committed while the lock
@@ -396,7 +404,7 @@ BEGIN
             IF outbox._log_readers_passed(r.n) AND NOT outbox._log_written_since(r.n, r.sealed_snap) THEN
                 EXECUTE format('TRUNCATE outbox.%I', 'log_' || r.n);
                 DELETE FROM outbox.log_state WHERE n = r.n;
-                truncated := truncated + 1;
+                RETURN 1;
             ELSE
                 RAISE EXCEPTION 'not truncated' USING ERRCODE = 'lock_not_available';
             END IF;
@@ -410,17 +418,17 @@ BEGIN
     IF NOT FOUND THEN
         -- Fresh install or restored without state: log_0 has been the open table.
         IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = 0) THEN
-            RETURN truncated;  -- log_0 is sealed and not yet free: wait for it
+            RETURN 0;  -- log_0 is sealed and not yet free: wait for it
         END IF;
         INSERT INTO outbox.log_state (n, opened_at) VALUES (0, now());
-        RETURN truncated;
+        RETURN 0;
     END IF;
     IF opened >= now() - keep / 2 THEN
-        RETURN truncated;
+        RETURN 0;
     END IF;
     nxt := (cur + 1) % 4;
     IF EXISTS (SELECT 1 FROM outbox.log_state WHERE n = nxt) THEN
-        RETURN truncated;  -- the next table is not free yet: keep writing this one
+        RETURN 0;  -- the next table is not free yet: keep writing this one
     END IF;
     -- A free table is empty unless a publisher whose copy of the state was stale
     -- wrote to it after its truncation; then it is emptied first, once every
@@ -428,22 +436,22 @@ BEGIN
     -- ('3:3:' sees no transaction: written since it means holding any row.)
     IF outbox._log_written_since(nxt, '3:3:'::pg_snapshot) THEN
         IF NOT outbox._log_readers_passed(nxt) THEN
-            RETURN truncated;
+            RETURN 0;
         END IF;
         BEGIN
             EXECUTE format('LOCK TABLE outbox.%I IN ACCESS EXCLUSIVE MODE', 'log_' || nxt);
             IF NOT outbox._log_readers_passed(nxt) THEN
-                RETURN truncated;
+                RETURN 0;
             END IF;
             EXECUTE format('TRUNCATE outbox.%I', 'log_' || nxt);
         EXCEPTION WHEN lock_not_available THEN
-            RETURN truncated;
+            RETURN 0;
         END;
     END IF;
     UPDATE outbox.log_state SET sealed_at = now(), sealed_snap = pg_current_snapshot()
      WHERE n = cur;
     INSERT INTO outbox.log_state (n, opened_at) VALUES (nxt, now());
-    RETURN truncated;
+    RETURN 0;
 END
 $$;
 

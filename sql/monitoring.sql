@@ -44,6 +44,11 @@ DECLARE
     w record;
     keep interval;
     why text;
+    has_default boolean := false;
+    default_lag bigint := 0;
+    default_claimed boolean := false;
+    other_claimed text;
+    held text;
 BEGIN
     IF backlog_age IS NULL OR xmin_warn IS NULL OR xmin_critical IS NULL
        OR backlog_critical IS NULL OR dead_tuples_warn IS NULL THEN
@@ -192,6 +197,11 @@ BEGIN
                     s.max_lag, s.lost_events, s.lost_at
                FROM outbox.subscriptions s ORDER BY s.name LOOP
         check_name := 'subscription'; value := r.lag_events;
+        IF r.name = 'default' THEN
+            has_default := true; default_lag := r.lag_events; default_claimed := r.last_claim_at IS NOT NULL;
+        ELSIF r.last_claim_at IS NOT NULL AND other_claimed IS NULL THEN
+            other_claimed := r.name;
+        END IF;
         IF r.paused THEN
             status := 'warn';
             message := format('subscription %L is paused (since %s): %s events wait for it', r.name,
@@ -217,10 +227,38 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
-    -- 9. The log ring: a sealed table its retention should have
+    -- 9. 'default', made by the install, receives every event: an application
+    -- that claims only from named subscriptions leaves it holding the whole
+    -- ring for ever. It is kept (nothing committed is lost), and said as soon
+    -- as another subscription has been claimed from and it never has, and
+    -- while it alone keeps a ring table past outbox.retention_delivered.
+    keep := outbox._retention_guc('outbox.retention_delivered');
+    check_name := 'default_subscription'; value := default_lag; status := 'ok';
+    IF NOT has_default THEN
+        message := 'there is no subscription ''default'': claims without a subscription raise 42704';
+    ELSE
+        SELECT string_agg(format('outbox.log_%s (sealed %s)', s.n, date_trunc('second', s.sealed_at)), ', ' ORDER BY s.sealed_at)
+          INTO held
+          FROM outbox.log_state s
+         WHERE s.sealed_at < now() - keep AND NOT outbox._log_readers_passed(s.n, 'default');
+        message := NULLIF(concat_ws('; ',
+            CASE WHEN NOT default_claimed AND other_claimed IS NOT NULL THEN
+                format('subscription ''default'' has never been claimed from while %L has: it keeps every event undelivered (%s now) and holds each ring table', other_claimed, default_lag) END,
+            CASE WHEN held IS NOT NULL THEN
+                format('subscription ''default'' holds %s past outbox.retention_delivered (%s) with %s events undelivered', held, keep, default_lag) END), '');
+        IF message IS NULL THEN
+            message := format('subscription ''default'': %s events not yet delivered, %s, holding no ring table past outbox.retention_delivered',
+                              default_lag, CASE WHEN default_claimed THEN 'claimed from' ELSE 'no subscription claimed from yet' END);
+        ELSE
+            status := 'warn';
+            message := message || '; if no worker claims without a subscription, SELECT outbox.drop_subscription(''default'') releases the log';
+        END IF;
+    END IF;
+    RETURN NEXT;
+
+    -- 10. The log ring: a sealed table its retention should have
     -- truncated, or an open table its rotation should have sealed, and why.
     -- Ten minutes of slack cover the maintenance interval and a few busy runs.
-    keep := outbox._retention_guc('outbox.retention_delivered');
     check_name := 'log_ring'; value := 0; status := 'ok'; message := NULL;
     FOR r IN SELECT s.n, s.opened_at, s.sealed_at FROM outbox.log_state s ORDER BY s.n LOOP
         IF r.sealed_at IS NOT NULL AND r.sealed_at < now() - keep - interval '10 minutes' THEN
@@ -256,6 +294,8 @@ COMMENT ON FUNCTION outbox.health(interval, bigint, interval, interval, bigint) 
 'expired_leases (workers dying; every subscription), xmin_horizon (age in seconds of the oldest snapshot and the session holding it; prepared transactions too), '
 'dead_tuples (the log''s hot relation with the most dead tuples: outbox.log_lanes, log_batches, log_exceptions or subscription_activity; warn at dead_tuples_warn and more than twice its live tuples), id_sequence (critical when outbox.event_id_seq has a CACHE above 1, which breaks per-subject order), background_worker (ok when a background worker serves this database; critical when the launcher is down, no worker process is free or none serves it yet; warn without preload or when outbox.databases excludes this database), '
 'subscription (one row per subscription, value = its undelivered events: warn when paused, when retention removed events it had not read in the last day (its max_lag), or when it has ready events older than backlog_age and no claim within backlog_age; claims note their time at most once a second per session), '
+'default_subscription (value = the undelivered events of the install''s subscription ''default'', which receives every event: warn as soon as another subscription has been claimed from and ''default'' never has, '
+'and while ''default'' holds a ring table sealed longer ago than outbox.retention_delivered; the message names SELECT outbox.drop_subscription(''default'') for an application that claims only from named subscriptions; ok without ''default''), '
 'log_ring (value = ring tables overdue: warn when a sealed table is still there 10 minutes after outbox.retention_delivered, naming a log reader that has not read past it, '
 'or when the open table has not been sealed within outbox.retention_delivered plus 10 minutes, or when a log restored from a dump waits for its rebase). Errors: 22004 NULL threshold; 22023 interval outside 0..100 years, or a negative backlog_critical or dead_tuples_warn.';
 

@@ -115,6 +115,13 @@ BEGIN
             USING ERRCODE = '42710', HINT = 'Change it with outbox.alter_subscription().';
     END IF;
     INSERT INTO outbox.subscription_activity (name) VALUES (resolved) ON CONFLICT DO NOTHING;
+    -- Retention sees the new lanes only once this transaction commits, yet the
+    -- events committed after the cursor below (with 'earliest', every event
+    -- the log holds) are owed to the subscription already. Holding the ring
+    -- tables until then makes retention's TRUNCATE, which waits 20 ms for its
+    -- lock, leave them for a later run. Taken before the cursor: a truncation
+    -- that committed first removed only events the cursor's snapshot sees.
+    LOCK TABLE outbox.log_0, outbox.log_1, outbox.log_2, outbox.log_3 IN ACCESS SHARE MODE;
     -- Its lanes start at a cursor taken now (src/log/claim.rs): every event
     -- whose transaction commits after this one took it, whenever it was published.
     -- A restored log is rebased first (sql/restore.sql): the new lanes are
@@ -128,6 +135,7 @@ COMMENT ON FUNCTION outbox.create_subscription(text, text[], text, integer, inte
 'Create a subscription (consumer group) over the event log: it receives every event whose topic matches topics and whose transaction commits after this call''s snapshot '
 '(start = ''now''; an event published before, in a transaction that commits after, is included), or every event still in the log (''earliest''). '
 'Claim with outbox.claim(..., subscription => name); ack, fail and extend_lease as for any event. Publishing costs nothing per subscription. '
+'Until its transaction ends it holds every ring table (ACCESS SHARE), so the log''s retention truncates none of them meanwhile; it waits for a truncation in progress to commit. '
 'name may be ''default'' once ''default'' has been dropped: claims without a subscription then read this one. '
 'Arguments: name (1 to 63 characters of [a-z0-9_.-], starting with a letter or digit), topics (claim''s patterns: exact names, prefixes ending in ''.*'', ''*''; NULL = every topic), '
 'start (''now'' or ''earliest''), max_attempts (1..1000000), backoff_base and backoff_max (interval > 0, <= 365 days), default_lease (interval > 0, <= outbox.max_lease), '

@@ -30,19 +30,24 @@ pub const STEPS: [(&str, Option<&str>); 5] = [
     ("inbox", None),
 ];
 
-/// Run one batch of `step` in the current transaction; returns rows affected (a
-/// step is complete when this is below [`BATCH`]).
-pub fn run_step(step: &str) -> i64 {
+/// Run one batch of `step` in the current transaction; returns (rows or, for
+/// `log`, ring tables removed, whether the step is complete). A retention step
+/// is complete when a batch is short of [`batch`]; `log` truncates at most one
+/// table per call, whose lock lasts until the caller commits, so it is complete
+/// only when a call truncated none.
+pub fn run_step(step: &str) -> (i64, bool) {
     if step == "log" {
-        return crate::log::rotate();
+        let n = crate::log::rotate();
+        return (n, n == 0);
     }
-    Spi::get_one_with_args::<i64>(
+    let n = Spi::get_one_with_args::<i64>(
         "SELECT outbox._purge_step($1, NULL, $2::int4)",
         &[step.into(), (batch() as i32).into()],
     )
     .ok()
     .flatten()
-    .unwrap_or(0)
+    .unwrap_or(0);
+    (n, n < batch())
 }
 
 /// `outbox._maintenance_steps() -> TABLE(step text, logged_as text)`: [`STEPS`].
@@ -59,6 +64,5 @@ fn maintenance_step(step: &str) -> TableIterator<'static, (name!(removed, i64), 
     if !STEPS.iter().any(|(s, _)| *s == step) {
         crate::errors::raise(crate::errors::INVALID_PARAMETER, format!("unknown maintenance step {step:?}"));
     }
-    let n = run_step(step);
-    TableIterator::once((n, n < batch()))
+    TableIterator::once(run_step(step))
 }

@@ -335,8 +335,10 @@ fn describe(e: &pgrx::pg_sys::panic::CaughtError) -> String {
     }
 }
 
-/// Run one batch of a maintenance step in its own transaction; returns rows affected.
-fn maintenance_step(step: &str) -> i64 {
+/// Run one batch of a maintenance step in its own transaction, whose commit
+/// releases what the batch locked (a truncated ring table); returns
+/// [`maintenance::run_step`]'s (removed, done).
+fn maintenance_step(step: &str) -> (i64, bool) {
     BackgroundWorker::transaction(|| maintenance::run_step(step))
 }
 
@@ -371,9 +373,9 @@ fn maintenance_batch(m: &mut MaintenanceRun) -> bool {
         })
         .execute();
     match r {
-        // A full batch: more may remain.
-        Ok(n) if n >= maintenance::batch() => m.removed[m.step] += n,
-        Ok(n) => {
+        // A full batch, or a truncated ring table: more may remain.
+        Ok((n, false)) => m.removed[m.step] += n,
+        Ok((n, true)) => {
             m.removed[m.step] += n;
             m.step += 1;
         }

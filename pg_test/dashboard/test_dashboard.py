@@ -208,6 +208,29 @@ def test_health_page(shared_db, servers, driver):
         holder.rollback()
 
 
+def test_health_page_shows_the_default_subscription_warning(pg_cluster, servers, driver):
+    """Issue 40, item 7: an application that claims only from named subscriptions leaves the
+    install's `default` holding the log; health() says so, and the page shows it as a warning
+    that names the remedy."""
+    db = "dash_default_unclaimed"
+    dashlib.fresh_db(db)
+    with dashlib.connect(db) as c:
+        c.execute("SELECT outbox.create_subscription('mailer')")
+        c.execute("SELECT outbox.publish_batch('dash.mail', array_fill('{}'::jsonb, ARRAY[3]))")
+        c.execute("SELECT count(*) FROM outbox.claim('dash-test', 10, subscription => 'mailer')")
+    s = servers(db)
+    driver.get(s.base + "/health")
+    rows = driver.find_elements(By.CSS_SELECTOR, '#checks tr.check[data-check="default_subscription"]')
+    assert len(rows) == 1, [r.get_attribute("data-check") for r in driver.find_elements(By.CSS_SELECTOR, "#checks tr.check")]
+    assert "status-warn" in rows[0].get_attribute("class").split()
+    assert "outbox.drop_subscription('default')" in rows[0].text, rows[0].text
+    assert driver.find_element(By.ID, "health-status").text in ("warn", "critical")
+    st, doc = s.json("/api/health")
+    assert st == 200 and any(ch["check_name"] == "default_subscription" and ch["status"] == "warn"
+                             for ch in doc["checks"]), doc["checks"]
+    shot(driver, "health-default-unclaimed")
+
+
 def test_api_endpoints(shared_db, servers):
     db, ids = shared_db
     s = servers(db)

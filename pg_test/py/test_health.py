@@ -8,7 +8,7 @@ from conftest import connect
 from scratch_db import ensure_login_role, role_dsn
 
 CHECKS = {"handshake", "backlog_age", "dead_letters", "expired_leases", "xmin_horizon", "dead_tuples", "id_sequence", "background_worker",
-          "subscription", "log_ring"}
+          "subscription", "default_subscription", "log_ring"}
 STATUSES = {"ok", "warn", "critical"}
 
 
@@ -163,3 +163,49 @@ def test_health_names_an_overdue_log_table_and_the_reader_that_holds_it(plain):
     assert "outbox.log_1" in message and "not sealed" in message
     c.execute("TRUNCATE outbox.log_state, outbox.log_lanes")
     assert health(c)["log_ring"][:2] == ("ok", 0)
+
+
+def test_health_warns_while_default_is_never_claimed_and_another_subscription_is(plain):
+    """Issue 40, item 7. The install's 'default' receives every event, so an
+    application that claims only from named subscriptions leaves it holding
+    the whole ring for ever. Kept (nothing committed is lost), but said as
+    soon as another subscription has been claimed from and 'default' never."""
+    c = plain.conn()
+    assert health(c)["default_subscription"][:2] == ("ok", 0)
+    c.execute("SELECT outbox.create_subscription('named')")
+    c.execute("SELECT outbox.publish_batch('hd.t', array_fill('{}'::jsonb, ARRAY[3]))")
+    assert health(c)["default_subscription"][0] == "ok"      # nobody has claimed yet
+    rows = c.execute("SELECT id, lease_token FROM outbox.claim('w', 10, subscription => 'named')").fetchall()
+    assert len(rows) == 3
+    c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+    status, value, message = health(c)["default_subscription"]
+    assert (status, value) == ("warn", 3), (status, value, message)
+    assert "never been claimed" in message and "'named'" in message, message
+    assert "outbox.drop_subscription('default')" in message, message
+    # Claimed once, holding no ring table: nothing to say.
+    c.execute("SELECT * FROM outbox.claim('w', 1)")
+    assert health(c)["default_subscription"][0] == "ok"
+    c.execute("SELECT outbox.drop_subscription('default', true)")
+    assert health(c)["default_subscription"][:2] == ("ok", 0)
+
+
+def test_health_warns_while_default_holds_a_ring_table_past_retention(plain):
+    """Issue 40, item 7: 'default' has been claimed from, then no more, and a
+    ring table sealed longer ago than outbox.retention_delivered (7 days) is
+    kept for it alone."""
+    c = plain.conn()
+    assert c.execute("SELECT count(*) FROM outbox.claim('w', 1)").fetchone()[0] == 0
+    c.execute("SELECT outbox.create_subscription('named')")
+    c.execute("SELECT outbox.publish_batch('hd.t', array_fill('{}'::jsonb, ARRAY[2]))")
+    c.execute("INSERT INTO outbox.log_state VALUES (0, now() - interval '30 days', now() - interval '20 days', "
+              "pg_current_snapshot()), (1, now() - interval '20 days', NULL, NULL)")
+    named = c.execute("SELECT id, lease_token FROM outbox.claim('w', 10, subscription => 'named')").fetchall()
+    c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in named], [r[1] for r in named]))
+    assert c.execute("SELECT count(*) FROM outbox.claim('w', 10, subscription => 'named')").fetchone()[0] == 0
+    status, value, message = health(c)["default_subscription"]
+    assert (status, value) == ("warn", 2), (status, value, message)
+    assert "outbox.log_0" in message and "outbox.drop_subscription('default')" in message, message
+    # Once 'default' has read past it, it holds nothing.
+    while rows := c.execute("SELECT id, lease_token FROM outbox.claim('w', 10)").fetchall():
+        c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+    assert health(c)["default_subscription"][:2] == ("ok", 0)

@@ -192,8 +192,10 @@ def test_rotation_seals_opens_and_truncates_past_retention(logdb):
     second = c.execute("SELECT outbox.publish('log.rot', '{}')").fetchone()[0]
     assert logdb.all("SELECT id FROM outbox.log_1") == [(second,)]
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 1
-    assert state(logdb) == [(1, True), (2, False)]
     assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    assert state(logdb) == [(1, False)]                 # a truncation ends the call
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
+    assert state(logdb) == [(1, True), (2, False)]
     # With the default retention nothing is sealed or truncated early.
     admin.execute("RESET outbox.retention_delivered")
     assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0
@@ -222,9 +224,11 @@ def test_rotation_never_waits_for_a_table_in_use_and_publishers_never_wait_for_i
     other.execute("SELECT outbox.publish('log.busy', '{}')")
     assert other.execute("SELECT count(*) FROM outbox.log_0").fetchone()[0] == 1
     reader.execute("COMMIT")
-    # log_0 now, and log_1 (sealed by the run above).
-    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 2
+    # log_0 now, then log_1 (sealed by the run above): one table per call.
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 1
     assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 1
+    assert logdb.one("SELECT count(*) FROM outbox.log_1")[0] == 0
 
 
 def test_two_rotations_at_once_do_not_wait_for_each_other(logdb):
@@ -245,7 +249,7 @@ def test_the_rotation_that_finds_the_next_table_in_use_keeps_writing_the_open_on
     retention): the open table keeps taking events rather than overwrite one."""
     c, admin = logging_conn(logdb), logdb.conn()
     admin.execute("SET outbox.retention_delivered = 0")
-    for _ in range(3):
+    for _ in range(4):  # log_0 opened, sealed, truncated; log_1 sealed
         admin.execute("SELECT outbox._log_rotate()")
     assert state(logdb) == [(1, True), (2, False)]
     # log_3 sealed just now, log_2 open for a day, retention 1 h: log_3 is not
@@ -385,3 +389,115 @@ def test_rotation_does_nothing_outside_read_committed(logdb):
         assert state(logdb) == [(0, False)]
     admin.execute("SELECT outbox._log_rotate()")
     assert state(logdb) == [(0, True), (1, False)]
+
+
+def drain(c, sub):
+    """Claim and ack everything `sub` is owed now; the ids, in claim order."""
+    got = []
+    while rows := c.execute("SELECT id, lease_token FROM outbox.claim('w', 100, subscription => %s)",
+                            (sub,)).fetchall():
+        c.execute("SELECT outbox.ack(%s::bigint[], %s::uuid[])", ([r[0] for r in rows], [r[1] for r in rows]))
+        got += [r[0] for r in rows]
+    return got
+
+
+def publish_two(c, topic):
+    return [r[0] for r in c.execute("SELECT * FROM outbox.publish_batch(%s, ARRAY['{}', '{}']::jsonb[])", (topic,))]
+
+
+@pytest.mark.parametrize("start", ["now", "earliest"])
+def test_an_uncommitted_create_subscription_holds_the_ring_tables_it_will_read(logdb, start):
+    """Issue 40, item 5. A subscription's start cursor is taken when
+    create_subscription runs, but its lanes are seen by retention only once it
+    commits. Meanwhile an event committed after the cursor (and, with
+    'earliest', every event the log holds) is owed to it: the ring table that
+    holds it must not be truncated, however many maintenance runs pass, even
+    when every committed reader has read it."""
+    c, admin, creator = logging_conn(logdb), logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    c.execute("SELECT outbox.create_subscription('early')")
+    admin.execute("SELECT outbox._log_rotate()")             # log_0 recorded as open
+    before = publish_two(c, "log.late")
+    creator.execute("BEGIN")
+    creator.execute("SELECT outbox.create_subscription('late', start => %s)", (start,))
+    after = publish_two(c, "log.late")                      # committed after late's cursor
+    assert sorted(drain(c, "early")) == before + after      # no committed reader holds log_0 now
+    # Runs until log_0 is sealed and would be truncated, and then some.
+    for _ in range(3):
+        admin.execute("CALL outbox.run_maintenance()")
+    kept = logdb.one("SELECT count(*) FROM outbox.log_0")[0]
+    creator.execute("COMMIT")
+    owed = after if start == "now" else before + after
+    got = drain(c, "late")
+    lost = logdb.one("SELECT lost_events FROM outbox.subscriptions WHERE name = 'late'")[0]
+    assert sorted(got) == sorted(owed), (
+        f"'late' (start {start!r}) claimed {got} of the {owed} owed to it; log_0 kept {kept} of 4 events, "
+        f"lost_events {lost}")
+    # Once it has read them, the next run lets the table go.
+    admin.execute("CALL outbox.run_maintenance()")
+    assert logdb.one("SELECT count(*) FROM outbox.log_0")[0] == 0
+
+
+def due_tables(logdb, c, admin):
+    """log_0 and log_1 sealed past retention (0) with one event each, log_2
+    open; the caller has SET outbox.retention_delivered = 0 on admin. A reader
+    holds log_0 while log_1 is sealed, so that both are due at once."""
+    reader = logdb.conn()
+    admin.execute("SELECT outbox._log_rotate()")             # log_0 open
+    a = c.execute("SELECT outbox.publish('log.due', '{}')").fetchone()[0]
+    admin.execute("SELECT outbox._log_rotate()")             # log_0 sealed, log_1 open
+    b = c.execute("SELECT outbox.publish('log.due', '{}')").fetchone()[0]
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM outbox.log_0")
+    assert admin.execute("SELECT outbox._log_rotate()").fetchone()[0] == 0   # log_0 in use; log_1 sealed
+    reader.execute("COMMIT")
+    assert state(logdb) == [(0, True), (1, True), (2, False)]
+    assert logdb.all("SELECT ring, id FROM outbox.log ORDER BY id") == [(0, a), (1, b)]
+
+
+def ring_locks(watch, pid):
+    """The ring tables session `pid` holds ACCESS EXCLUSIVE locks on."""
+    return [r[0] for r in watch.execute(
+        "SELECT c.relname FROM pg_locks l JOIN pg_class c ON c.oid = l.relation "
+        " WHERE l.pid = %s AND l.mode = 'AccessExclusiveLock' AND l.granted "
+        "   AND c.relnamespace = 'outbox'::regnamespace AND c.relname ~ '^log_[0-3]$' ORDER BY 1", (pid,)).fetchall()]
+
+
+def test_a_log_step_truncates_one_table_and_its_lock_goes_with_its_commit(logdb):
+    """Issue 40, item 6. Claims wait on another session only for retention's
+    TRUNCATE lock, at most 20 ms per table and released before the next table:
+    one call of the step truncates one table, holds the lock of that one only,
+    and says there is more; its caller commits before it calls again."""
+    c, admin, watch = logging_conn(logdb), logdb.conn(), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    due_tables(logdb, c, admin)
+    pid = admin.execute("SELECT pg_backend_pid()").fetchone()[0]
+    step = "SELECT removed, done FROM outbox._maintenance_step('log')"
+    admin.execute("BEGIN")
+    first = admin.execute(step).fetchone()
+    held = ring_locks(watch, pid)
+    admin.execute("COMMIT")
+    assert (first, held) == ((1, False), ["log_0"]), (
+        f"one step call returned (removed, done) = {first} holding ACCESS EXCLUSIVE on {held}")
+    assert ring_locks(watch, pid) == []
+    rest = []
+    while not rest or not rest[-1][1]:
+        admin.execute("BEGIN")
+        rest.append(admin.execute(step).fetchone())
+        assert len(ring_locks(watch, pid)) <= 1
+        admin.execute("COMMIT")
+        assert len(rest) < 10, rest
+    # log_1 next, then the rotation: log_2 sealed, log_3 opened.
+    assert rest == [(1, False), (0, True)]
+    assert logdb.one("SELECT count(*) FROM outbox.log")[0] == 0
+    assert state(logdb) == [(2, True), (3, False)]
+
+
+def test_run_maintenance_empties_every_due_ring_table(logdb):
+    """The procedure calls the step until it is done, committing in between."""
+    c, admin = logging_conn(logdb), logdb.conn()
+    admin.execute("SET outbox.retention_delivered = 0")
+    due_tables(logdb, c, admin)
+    admin.execute("CALL outbox.run_maintenance()")
+    assert logdb.one("SELECT count(*) FROM outbox.log")[0] == 0
+    assert state(logdb) == [(2, True), (3, False)]

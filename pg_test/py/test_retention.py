@@ -412,6 +412,41 @@ def test_background_worker_runs_maintenance(preload):
     assert rows_in(c, ["pending", "leased", "dead"]) == sorted(kept_pending + dead_recent)
 
 
+def test_background_worker_empties_every_due_ring_table(preload):
+    """The log step truncates one ring table per call (issue 40, item 6): the
+    worker calls it again, one transaction each, until every due table is
+    empty. Two tables sealed 8 days ago (past the 7-day default), one event
+    each, no subscription to hold them."""
+    c = preload.conn()
+    (t0,) = c.execute("SELECT clock_timestamp()").fetchone()
+    c.execute("SELECT outbox.drop_subscription('default', true)")
+    row = ("(%s, pg_current_xact_id(), 0, 'ret.ring', '{}', 1, now())")
+    c.execute("INSERT INTO outbox.log_0 (id, txid, lane, topic, payload, max_attempts, published_at) VALUES " + row, (-1,))
+    c.execute("INSERT INTO outbox.log_1 (id, txid, lane, topic, payload, max_attempts, published_at) VALUES " + row, (-2,))
+    with c.transaction():
+        c.execute("DELETE FROM outbox.log_state")  # waits for a step of the worker in progress
+        c.execute("INSERT INTO outbox.log_state VALUES "
+                  "(0, now() - interval '9 days', now() - interval '8 days', pg_current_snapshot()), "
+                  "(1, now() - interval '8 days', now() - interval '8 days', pg_current_snapshot()), "
+                  "(2, now(), NULL, NULL)")
+    try:
+        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
+        c.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + 15
+        while True:
+            left = c.execute("SELECT array_agg(n ORDER BY n) FROM outbox.log_state WHERE n IN (0, 1)").fetchone()[0]
+            if left is None:
+                break
+            assert time.monotonic() < deadline, f"ring tables {left} still due after 15 s"
+            time.sleep(0.2)
+    finally:
+        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
+        c.execute("SELECT pg_reload_conf()")
+    assert c.execute("SELECT count(*) FROM outbox.log").fetchone()[0] == 0
+    assert c.execute("SELECT array_agg(error) FROM outbox.maintenance_log WHERE finished_at >= %s AND error IS NOT NULL",
+                     (t0,)).fetchone()[0] is None
+
+
 @pytest.mark.cron_last
 def test_pg_cron_schedules_maintenance_without_preload(cron_cluster):
     """Without preload, retention is scheduled with pg_cron (the documented

@@ -303,7 +303,7 @@ def test_admin_may_replay_cancel_manage_topics_and_read(plain, roles):
         for rel in ("log_exceptions", "dispatch_keys", "topics", "maintenance_runs", *VIEWS):
             adm.execute(f"SELECT count(*) FROM outbox.{rel}")
         checks = [r[0] for r in adm.execute("SELECT check_name FROM outbox.health()").fetchall()]
-        assert len(set(checks)) == 10  # handshake, backlog, dead letters, leases, xmin, dead tuples, id sequence, worker, subscription, log ring
+        assert len(set(checks)) == 11  # handshake, backlog, dead letters, leases, xmin, dead tuples, id sequence, worker, subscription, default subscription, log ring
         adm.execute("SELECT * FROM outbox.wakeup_status()")
     finally:
         adm.close()

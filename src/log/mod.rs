@@ -26,7 +26,13 @@
 //!    left for the next run. Under that lock (no event can be added) it checks
 //!    that every reader's lane cursors see all of the table's events and that no
 //!    row was written after the seal, and it runs only at READ COMMITTED, so
-//!    those checks see every committed row.
+//!    those checks see every committed row. The lock lasts until the step's
+//!    transaction commits, so a call truncates one table and returns; its
+//!    callers ([`crate::maintenance`], `outbox.run_maintenance()`) commit before
+//!    they call again, and claims never wait behind the checks of the next
+//!    table. A subscription whose create_subscription has not committed has
+//!    lanes no check sees yet: it holds every ring table (ACCESS SHARE) until
+//!    then, so their TRUNCATE waits out its 20 ms and leaves them.
 //!
 //! # Reading in commit order
 //! A reader's cursor is `(S, m, xn)` ([`cursor`]): a snapshot `S` taken now (at
@@ -147,18 +153,19 @@ pub fn append(rows: &[LogRow<'_>]) {
     }
 }
 
-/// The maintenance step `log`: truncate sealed tables past retention, rotate
-/// the open one (`outbox._log_rotate`), at READ COMMITTED when the transaction
-/// has not taken a snapshot yet. Returns 0 (one batch always finishes
-/// the step; TRUNCATE reports no row count).
+/// One call of the maintenance step `log` (`outbox._log_rotate`): truncate one
+/// sealed table past retention, or else rotate the open one, at READ
+/// COMMITTED when the transaction has not taken a snapshot yet. Returns the
+/// tables truncated, 0 or 1; after a 1 the caller commits, which releases the
+/// table's lock, and calls again (invariant 4).
 pub fn rotate() -> i64 {
     // Its checks must see every committed row (invariant 4): the background
     // worker's step transaction starts here, so it can run at READ COMMITTED
     // whatever default_transaction_isolation says. Elsewhere the SQL function
     // does nothing at another level.
     pg::read_committed_if_fresh();
-    let _tables: Option<i32> = plans::one(&ROTATE, &[]);
-    0
+    let tables: Option<i32> = plans::one(&ROTATE, &[]);
+    tables.unwrap_or(0) as i64
 }
 
 /// A reader's position in the log: see the module docs.
