@@ -1326,29 +1326,13 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
 /// Returns how many moved.
 pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded: Loaded, positions: &[usize]) -> i32 {
     let Loaded { batch: mut b, holders, .. } = loaded;
-    let rounds: Vec<(usize, Option<(u16, Token, i64)>)> = b
-        .detach(positions)
-        .into_iter()
-        .map(|(i, r)| (i, r.and_then(|r| Some((r, b.token_in_round(batch, i, r)?, b.round_expiry(r)?)))))
-        .collect();
-    if rounds.is_empty() {
+    let now = pg::now();
+    let detached = b.detach(positions);
+    if detached.is_empty() {
         return 0;
     }
-    let now = pg::now();
-    let mut rows: Vec<Moved> = rounds
-        .iter()
-        .map(|&(i, out)| match out {
-            Some((round, t, expires)) => Moved {
-                id: b.ids()[i],
-                kind: Kind::Leased,
-                visible_at: expires,
-                token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
-                error: None,
-                worker: holder(holders.as_deref(), Some(round)),
-            },
-            None => Moved::parked(b.ids()[i], now),
-        })
-        .collect();
+    let mut rows: Vec<Moved> =
+        detached.into_iter().map(|(i, round)| leave(batch, &b, i, round, &holders, now)).collect();
     rows.sort_unstable_by_key(|m| m.id);
     let settings = crate::subscriptions::lookup(subscription).unwrap_or_default();
     exceptions::insert(subscription, &settings, lane, &rows, None);
