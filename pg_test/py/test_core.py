@@ -148,10 +148,12 @@ def test_stale_token_cannot_ack_after_reclaim(plain):
     a = plain.conn()
     b = plain.conn()
     (eid,) = a.execute("SELECT outbox.publish('core.lease', '{\"k\": 1}')").fetchone()
-    (_, tok_a, attempt_a, _), = claim_rows(a, "worker-a", 10, "200 ms")
+    # A lease runs from the claim's start (clock_timestamp()): long enough that a
+    # slow first claim of a backend on a busy machine cannot outlast it.
+    (_, tok_a, attempt_a, _), = claim_rows(a, "worker-a", 10, "2 s")
     assert attempt_a == 1
     assert claim_rows(b, "worker-b", 10, "10 s") == [], "claimed while the first lease was live"
-    time.sleep(0.4)  # let worker-a's lease expire
+    time.sleep(2.2)  # let worker-a's lease expire
     (eid_b, tok_b, attempt_b, _), = claim_rows(b, "worker-b", 10, "10 s")
     assert eid_b == eid and attempt_b == 2 and tok_b != tok_a
 

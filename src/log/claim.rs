@@ -293,6 +293,16 @@ struct Claim<'a> {
     divert_budget: Cell<usize>,
 }
 
+/// What [`Claim::take_batch`] found.
+enum Taken {
+    /// Another session holds the batch's lock.
+    Busy,
+    /// The batch, its lock held: (id, state, its rounds' workers, changed).
+    Batch(Box<(Option<i64>, Batch, Holders, bool)>),
+    /// The batch is finished and gone.
+    Gone,
+}
+
 /// A round a claim handed out from a batch in flight, written and returned
 /// with the claim's others ([`Claim::flush`]).
 struct Pending {
@@ -658,6 +668,21 @@ impl Claim<'_> {
         b
     }
 
+    /// Take batch `id`'s lock without waiting, then move out of it what must
+    /// go (events outside the call's topics, expired leases).
+    fn take_batch(&self, id: i64) -> Taken {
+        if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
+            return Taken::Busy;
+        }
+        match load_batch(id) {
+            Some(Loaded { batch: mut b, holders, lane, .. }) => {
+                let changed = self.narrow(lane, id, &mut b) | self.move_out(id, lane, &mut b, &holders);
+                Taken::Batch(Box::new((Some(id), b, holders, changed)))
+            }
+            None => Taken::Gone,
+        }
+    }
+
     /// Hand out up to `left` events of lane `l`; returns how many.
     ///
     /// The lane's batch first: its lock is tried (an ack holding it means the
@@ -679,30 +704,33 @@ impl Claim<'_> {
         // The lane's batch, its lock held: (id, or None while not inserted;
         // state; its rounds' workers; whether it changed).
         let mut cur: Option<(Option<i64>, Batch, Holders, bool)> = None;
+        // The lane's batch when this claim has nothing to do with it but to
+        // append: its lock is taken only once there is something to append,
+        // so that its holders' acks do not wait for this claim (or, in a
+        // transaction block, for that transaction).
+        let mut later: Option<i64> = None;
         if let Some(id) = l.batch {
-            // A look without the lock first: a batch this claim has nothing
-            // to do with, in a lane with nothing new, is left alone, lock and
-            // all, so that its holders' acks do not wait for this claim.
+            // A look without the lock first.
             if let Some(Loaded { batch: b, .. }) = load_batch(id) {
-                if quiet && !b.wants_claim(self.now) {
-                    return 0;
-                }
-            }
-            if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
-                return 0; // an ack is changing it: the next claim serves it
-            }
-            match load_batch(id) {
-                Some(Loaded { batch: mut b, holders, .. }) => {
-                    let changed = self.narrow(l.lane, id, &mut b) | self.move_out(id, l.lane, &mut b, &holders);
-                    cur = Some((Some(id), b, holders, changed));
-                }
-                None => {
-                    // Finished, and deleted by the ack that finished it.
-                    if !lock(&mut locked) {
+                if !b.wants_claim(self.now) {
+                    if quiet {
                         return 0;
                     }
-                    l.batch = None;
-                    dirty = true;
+                    later = Some(id);
+                }
+            }
+            if later.is_none() {
+                match self.take_batch(id) {
+                    Taken::Busy => return 0, // an ack is changing it: the next claim serves it
+                    Taken::Batch(c) => cur = Some(*c),
+                    Taken::Gone => {
+                        // Finished, and deleted by the ack that finished it.
+                        if !lock(&mut locked) {
+                            return 0;
+                        }
+                        l.batch = None;
+                        dirty = true;
+                    }
                 }
             }
         }
@@ -750,6 +778,17 @@ impl Claim<'_> {
                     l.pos = None;
                     dirty = true;
                     continue;
+                }
+                if let Some(id) = later.take() {
+                    // Something to append: now the batch's lock.
+                    match self.take_batch(id) {
+                        Taken::Busy => break,
+                        Taken::Batch(c) => cur = Some(*c),
+                        Taken::Gone => {
+                            l.batch = None;
+                            dirty = true;
+                        }
+                    }
                 }
                 let skips = l.skips.clone();
                 let open = self.open_subjects(l.lane, &events, &skips);
