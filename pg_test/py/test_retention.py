@@ -373,6 +373,23 @@ def test_purge_dead_of_blocking_letter_does_not_wait_for_publisher(plain):
 # ---------------------------------------------------------------------------
 # Scheduled retention
 # ---------------------------------------------------------------------------
+
+def with_worker_every_second(c, done, what, timeout=15):
+    """Run the background worker's maintenance every second until `done()`
+    returns a true value (returned), failing with `what` after `timeout` s."""
+    try:
+        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
+        c.execute("SELECT pg_reload_conf()")
+        deadline = time.monotonic() + timeout
+        while not (result := done()):
+            assert time.monotonic() < deadline, f"{what} within {timeout} s"
+            time.sleep(0.2)
+        return result
+    finally:
+        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
+        c.execute("SELECT pg_reload_conf()")
+
+
 def test_background_worker_runs_maintenance(preload):
     c = preload.conn()
     c.execute("TRUNCATE outbox.maintenance_runs")
@@ -387,25 +404,18 @@ def test_background_worker_runs_maintenance(preload):
     old_done = make_delivered(c, 7, "ret.bg", age="8 days")  # past the 7 day default
     old_dead = make_dead(c, 3, "ret.bg-dead", age="31 days")  # past the 30 day default
     forget_log(c)
-    try:
-        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
-        c.execute("SELECT pg_reload_conf()")
-        deadline = time.monotonic() + 15
-        while True:
-            runs = c.execute(
-                "SELECT count(*), coalesce(sum(purged_delivered), 0), coalesce(sum(purged_dead), 0), "
-                "       count(*) FILTER (WHERE error IS NOT NULL) "
-                "  FROM outbox.maintenance_log WHERE finished_at >= %s",
-                (t0,),
-            ).fetchone()
-            # Two runs at least: the worker keeps running at the configured pace.
-            if runs[0] >= 2 and runs[1] >= len(old_done) and runs[2] >= len(old_dead):
-                break
-            assert time.monotonic() < deadline, f"no maintenance run purged the old rows within 15 s: {runs}"
-            time.sleep(0.2)
-    finally:
-        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
-        c.execute("SELECT pg_reload_conf()")
+
+    def purged():
+        runs = c.execute(
+            "SELECT count(*), coalesce(sum(purged_delivered), 0), coalesce(sum(purged_dead), 0), "
+            "       count(*) FILTER (WHERE error IS NOT NULL) "
+            "  FROM outbox.maintenance_log WHERE finished_at >= %s",
+            (t0,),
+        ).fetchone()
+        # Two runs at least: the worker keeps running at the configured pace.
+        return runs if runs[0] >= 2 and runs[1] >= len(old_done) and runs[2] >= len(old_dead) else None
+
+    runs = with_worker_every_second(c, purged, "no maintenance run purged the old rows")
     assert runs[1:] == (len(old_done), len(old_dead), 0), runs
     print(f"[preload] maintenance runs since setup: {runs[0]}")
     assert rows_in(c, ["delivered"]) == sorted(kept_new)
@@ -429,19 +439,10 @@ def test_background_worker_empties_every_due_ring_table(preload):
                   "(0, now() - interval '9 days', now() - interval '8 days', pg_current_snapshot()), "
                   "(1, now() - interval '8 days', now() - interval '8 days', pg_current_snapshot()), "
                   "(2, now(), NULL, NULL)")
-    try:
-        c.execute("ALTER SYSTEM SET outbox.maintenance_interval = '1s'")
-        c.execute("SELECT pg_reload_conf()")
-        deadline = time.monotonic() + 15
-        while True:
-            left = c.execute("SELECT array_agg(n ORDER BY n) FROM outbox.log_state WHERE n IN (0, 1)").fetchone()[0]
-            if left is None:
-                break
-            assert time.monotonic() < deadline, f"ring tables {left} still due after 15 s"
-            time.sleep(0.2)
-    finally:
-        c.execute("ALTER SYSTEM RESET outbox.maintenance_interval")
-        c.execute("SELECT pg_reload_conf()")
+    def emptied():
+        return c.execute("SELECT count(*) = 0 FROM outbox.log_state WHERE n IN (0, 1)").fetchone()[0]
+
+    with_worker_every_second(c, emptied, "ring tables 0 and 1 still due")
     assert c.execute("SELECT count(*) FROM outbox.log").fetchone()[0] == 0
     assert c.execute("SELECT array_agg(error) FROM outbox.maintenance_log WHERE finished_at >= %s AND error IS NOT NULL",
                      (t0,)).fetchone()[0] is None
