@@ -205,3 +205,8 @@ COMMENT ON FUNCTION outbox._log_detach_subject(text, text) IS
 
 COMMENT ON FUNCTION outbox._statements() IS
 'Internal (the plan test, pg_test/py/test_plans.py): every statement the claim, ack and publish paths run, one row each: name (text, file::CONST), sql (text), types (oid[]: its parameter types, $1 first). No errors.';
+
+COMMENT ON FUNCTION outbox._log_fold_orphans() IS
+'Internal (outbox._log_rotate): forwards the calls deferred to their commit (outbox.log_deferred) whose batch is gone to the events'' rows of their own, by lease token; returns how many (integer). No errors.';
+COMMENT ON FUNCTION outbox._log_batch_min(bytea) IS
+'Internal (outbox._log_readers_passed): the smallest id (bigint) of the waiting or out events of a batch, given its outbox.log_batches.state; NULL when it has none or the bytes are not a batch. No errors.';

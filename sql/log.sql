@@ -142,6 +142,27 @@ CREATE TABLE outbox.log_batches (
     leased_by    text[]
 ) WITH (fillfactor = 50, vacuum_truncate = false);  -- HOT updates by every ack
 
+-- Calls deferred to their transaction's commit (src/log/deferred.rs): an
+-- ack, fail or extend_lease of a batch event made inside a transaction block
+-- writes a row here instead of the shared batch row, so two transactions that
+-- ack events of the same batches never wait for each other. The transaction
+-- applies its rows to the batch as it commits when the batch is free; else
+-- the next claim or ack that takes the batch applies them. call: 'a' ack,
+-- 'f' fail, 'e' extend_lease; at: when the call was made; us: fail's
+-- retry_in or extend_lease's lease (microseconds).
+CREATE TABLE outbox.log_deferred (
+    seq       bigint      GENERATED ALWAYS AS IDENTITY,
+    batch     bigint      NOT NULL,
+    id        bigint      NOT NULL,
+    token     uuid        NOT NULL,
+    call      "char"      NOT NULL CHECK (call IN ('a', 'f', 'e')),
+    at        timestamptz NOT NULL,
+    us        bigint,
+    permanent boolean     NOT NULL DEFAULT false,
+    error     text
+) WITH (vacuum_truncate = false);
+CREATE INDEX log_deferred_batch ON outbox.log_deferred (batch, seq);
+
 -- Finished batches that acked something (0.10.0): the batch's encoding when
 -- it finished (which events were acked from it: src/log/batch.rs) and when.
 -- An event acked on its first try has no row of its own anywhere, so this is
@@ -219,7 +240,10 @@ CREATE INDEX log_exceptions_token ON outbox.log_exceptions (lease_token) WHERE l
 
 -- Whether every reader has finished with ring table log_<n>: no lane's cursor
 -- (lo_snap, lo_m, lo_xn) leaves one of its lane's events unseen (an idle
--- lane's cursor does not move, and needs not). The events a cursor has not
+-- lane's cursor does not move, and needs not), and no lane's batch has an
+-- unfinished event there (a batch slides past its cursor: src/log/batch.rs;
+-- probed as "the table holds an event of the lane at or above the batch's
+-- smallest unfinished id", one probe per batch). The events a cursor has not
 -- seen are exactly a window's three branches (src/log/mod.rs): ids above m,
 -- transactions in its xip, transactions in [xmax, xn) with ids up to m. So
 -- each lane costs three index probes, whatever the table's size, and `lane + 0`
@@ -242,7 +266,11 @@ BEGIN
         '             WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(l.lo_snap))) AND e.lane = l.lane)'
         ' OR EXISTS (SELECT 1 FROM outbox.%1$I e'
         '             WHERE e.txid >= pg_snapshot_xmax(l.lo_snap) AND e.txid < l.lo_xn'
-        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))', 'log_' || n)
+        '               AND e.lane + 0 = l.lane AND e.id + 0 <= l.lo_m)))'
+        ' OR EXISTS (SELECT 1 FROM outbox.log_batches b, outbox._log_batch_min(b.state) AS f(id)'
+        '             WHERE b.subscription <> ALL (outbox._log_let_go($1))'
+        '               AND ($2 IS NULL OR b.subscription = $2)'
+        '               AND EXISTS (SELECT 1 FROM outbox.%1$I e WHERE e.lane = b.lane AND e.id >= f.id))', 'log_' || n)
     INTO behind USING n, only_subscription;
     RETURN NOT behind;
 END
@@ -287,8 +315,8 @@ BEGIN
             'SELECT count(*) FROM outbox.%1$I e'
             '  JOIN outbox.log_lanes l ON l.subscription = $1 AND l.lane = e.lane'
             '  JOIN outbox.subscription_catalog c ON c.name = $1'
-            ' WHERE NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
-            '   AND (NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false)'
+            ' WHERE ((NOT pg_visible_in_snapshot(e.txid, l.lo_snap)'
+            '         AND NOT COALESCE(pg_visible_in_snapshot(e.txid, l.hi_snap) AND e.id <= l.pos, false))'
             '        OR e.id IN (SELECT b.id FROM outbox._log_batch_states($1) b WHERE b.state = ''pending''))'
             '   AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x WHERE x.subscription = $1 AND x.id = e.id)'
             '   AND (c.topics IS NULL OR EXISTS (SELECT 1 FROM unnest(c.topics) AS p(pattern)'
@@ -364,6 +392,13 @@ BEGIN
         LOCK TABLE outbox.log_state IN SHARE ROW EXCLUSIVE MODE NOWAIT;
     EXCEPTION WHEN lock_not_available THEN
         RETURN 0;
+    END;
+    -- Deferred calls whose batch is gone go to their events' rows of their
+    -- own (src/log/deferred.rs); as the owner, whatever role runs this step.
+    BEGIN
+        PERFORM outbox._log_fold_orphans();
+    EXCEPTION WHEN lock_not_available THEN
+        NULL;  -- a row of its own is busy: the next step forwards them
     END;
     -- A restored log is not rebased yet (sql/restore.sql): its cursors and
     -- txids are another cluster's. Rebased here once the restore looks

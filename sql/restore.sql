@@ -239,6 +239,7 @@ BEGIN
           USING upto;
     END LOOP;
     DELETE FROM outbox.log_batches;
+    DELETE FROM outbox.log_deferred;
     INSERT INTO outbox.log_lanes (subscription, lane, lo_snap, lo_m, lo_xn)
     SELECT c.name, g, cur.snap, cur.m, cur.xn
       FROM outbox.subscription_catalog c, pg_catalog.generate_series(0, 15) AS g

@@ -15,12 +15,14 @@ extern "C-unwind" fn xact_callback(event: pg_sys::XactEvent::Type, _arg: *mut c_
     use pg_sys::XactEvent::*;
     crate::wakeup::on_xact_event(event);
     match event {
+        XACT_EVENT_PRE_COMMIT => crate::log::deferred::on_pre_commit(),
         XACT_EVENT_COMMIT
         | XACT_EVENT_PARALLEL_COMMIT
         | XACT_EVENT_ABORT
         | XACT_EVENT_PARALLEL_ABORT
         | XACT_EVENT_PREPARE => {
             crate::subject::on_xact_end();
+            crate::log::deferred::on_xact_end();
             if crate::gucs::preloaded() {
                 crate::registry::on_xact_end();
             }

@@ -418,7 +418,7 @@ def test_hostile_search_path_changes_nothing(plain, hostile):
     assert sorted(i for i, _, _ in got) == sorted([e1, e2, e3, e4, e5])
     toks = {t for _, t, _ in got}
     assert uuid.UUID(FIXED_UUID) not in toks
-    # Each event of a claim has its own token (README, claim).
+    # A batch round's events share one token (README, claim).
     for _, _, exp in got:
         assert near_now(exp, plain, timedelta(minutes=2))
     tok = {i: t for i, t, _ in got}

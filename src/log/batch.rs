@@ -1,30 +1,37 @@
-//! A batch: one subscription's lease of a slice of one lane's window, and the
-//! state of each event in it (docs/design/subscriptions.md, "Two events of one
-//! subject in one batch").
+//! A batch: one subscription's events in flight in one lane, and the state
+//! of each (docs/design/subscriptions.md, "Two events of one subject in one
+//! batch"; docs/design/claims-1.0.md).
 //!
-//! Claims will lease batches, not rows: a batch row holds the slice's event
-//! ids and one small state per event, so the common case (every event acked on
-//! its first try) writes one row per batch, not one per event. This module is
-//! that state and its rules, with no storage: [`Batch::encode`] and
-//! [`Batch::decode`] give the bytes the row keeps.
+//! Claims lease batches, not rows: a batch row holds its events' ids and one
+//! small state per event, so the common case (every event acked on its first
+//! try) writes one row per claim, not one per event. A lane has at most one
+//! batch, and it slides: a claim that wants more than the batch can hand out
+//! appends the lane's next events to it ([`Batch::append`]), and drops the
+//! events that are finished ([`Batch::compact`]). So an event out for long,
+//! heartbeat or not, holds only the later events of its own subject, never
+//! its lane. This module is that state and its rules, with no storage:
+//! [`Batch::encode`] and [`Batch::decode`] give the bytes the row keeps.
 //!
 //! # The rules, and why they keep the claim contract
-//! - **One event per subject at a time.** Each event knows the previous event
-//!   of its subject in the batch (`prev`). An event is *handable* only when it
-//!   is waiting and its `prev` is done. So a subject's events go out one at a
-//!   time, in id order, which within a lane is commit order (src/log/mod.rs);
-//!   events without a subject have no `prev` and all go out at once.
+//! - **One event per subject at a time.** Each event keeps its subject's key
+//!   (`hashtext`; None without a subject) and the previous unfinished event
+//!   of its key in the batch (`prev`). An event is *handable* only when it is
+//!   waiting and its `prev` is done. Events are appended in the order the
+//!   lane's windows read them, which per subject is commit order
+//!   (src/log/mod.rs), so a subject's events go out one at a time in commit
+//!   order; events without a subject have no `prev` and go out at once. Two
+//!   subjects with one key only wait for each other.
 //! - **Each event goes out of a batch at most once.** Every later delivery of
 //!   it (after a failure or an expired lease) is from the exception table
 //!   (src/log/exceptions.rs), so attempts beyond the first are counted there.
 //! - **Rounds and fencing.** Each hand-out is a *round* with its own random
 //!   part and lease expiry. Each event out gets its own token: (batch, the
-//!   event's position, [`event_random`] of the round's random part and that
-//!   position) ([`Token`]), so no two events of a claim share one, and the
-//!   token of one event says nothing usable about another's. An ack or fail
-//!   is accepted only if the event is out in a round whose random part gives
-//!   the token's; a parked or acked event accepts nothing from the batch's
-//!   side.
+//!   id's low 16 bits, [`event_random`] of the round's random part and the
+//!   id) ([`Token`]), so no two events share one, and one event's token says
+//!   nothing usable about another's. An ack or fail is accepted only if the
+//!   event is out in a round whose random part gives the token's; a parked
+//!   or acked event accepts nothing from the batch's side. Tokens do not
+//!   depend on positions, which compaction changes.
 //! - **One lease per event.** Extending one event of a round moves it to a
 //!   round of its own with the same random part (so its token stays valid)
 //!   and the later expiry ([`Batch::extend`]); its round's other events keep
@@ -32,18 +39,20 @@
 //! - **Parking.** An event that leaves the batch is *parked* together with every
 //!   later event of its subject in the batch, and the caller moves them all to
 //!   the exception table, where they follow it in id order: a failed event
-//!   ([`Batch::park`]), an event whose lease expired ([`Batch::expire`]), and,
-//!   while the batch is built, a delayed event or one outside the claim's topics
-//!   with every event of its subject ([`Batch::divert`]: none of them is out
-//!   yet, so none is handed out ahead of an earlier one that waits in the
-//!   exception table). One failing subject never holds the batch.
-//! - **Finished** when every event is done or parked: the lane's cursor may
-//!   then move past the batch.
+//!   ([`Batch::park`]), an event whose lease expired ([`Batch::expire`]), and
+//!   a subject the caller sends there whole ([`Batch::divert`],
+//!   [`Batch::detach`]). A subject's unfinished events are in the batch or in
+//!   the exception table, never in both: one failing subject never holds the
+//!   batch, and the exception table's order rules cover a subject there.
+//! - **Finished** when every event is done or parked; compaction drops those,
+//!   and a finished batch is deleted.
 
+use std::collections::HashMap;
 use std::fmt;
 
-/// The encoding's version byte (2: rounds keep their hand-out time).
-const VERSION: u8 = 2;
+/// The encoding's version byte (3: events in append order with their subject
+/// keys).
+const VERSION: u8 = 3;
 
 /// Most events one batch holds (state indexes are `u16`).
 pub const MAX_EVENTS: usize = u16::MAX as usize;
@@ -79,14 +88,15 @@ pub struct Round {
 /// |---|---|
 /// | 0..6 | batch id, 48 bits, big-endian |
 /// | 6 | `0x80` (version 8) with the kind in the low nibble (0: a batch round) |
-/// | 7, 9 | the event's position in the batch, high and low byte |
+/// | 7, 9 | the event id's low 16 bits, high and low byte (a check) |
 /// | 8 | `0x80` (the RFC variant), low six bits zero |
 /// | 10..16 | random part, 48 bits |
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Token {
     pub batch: i64,
-    /// The event's position in the batch.
-    pub pos: u16,
+    /// The event id's low 16 bits: a token of one event names no other
+    /// whatever the batch's order.
+    pub tag: u16,
     /// 48 bits.
     pub random: u64,
 }
@@ -94,15 +104,17 @@ pub struct Token {
 /// The random part of a token keeps 48 bits.
 pub const RANDOM_MASK: u64 = (1 << 48) - 1;
 
-/// The random part of the token of the event at position `pos` of a round
-/// whose random part is `round`: SplitMix64's finaliser over both, so that
-/// the events of one round get unrelated tokens, cut to 48 bits.
-pub fn event_random(round: u64, pos: u16) -> u64 {
-    let mut z = (round & RANDOM_MASK) ^ (u64::from(pos) << 48);
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) & RANDOM_MASK
+/// The random part of the token of event `id` handed out in a round whose
+/// random part is `round`: SplitMix64's finaliser over both, so that the
+/// events of one round get unrelated tokens, cut to 48 bits.
+pub fn event_random(round: u64, id: i64) -> u64 {
+    let mix = |mut z: u64| {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    mix((round & RANDOM_MASK) ^ mix(id as u64)) & RANDOM_MASK
 }
 
 /// Largest batch id a token can name (the sequence `outbox.log_batch_seq` stops there).
@@ -148,10 +160,10 @@ impl Token {
         let mut b = [0u8; 16];
         b[..6].copy_from_slice(&(self.batch & MAX_BATCH_ID).to_be_bytes()[2..]);
         b[6] = 0x80;
-        let pos = self.pos.to_be_bytes();
-        b[7] = pos[0];
+        let tag = self.tag.to_be_bytes();
+        b[7] = tag[0];
         b[8] = 0x80;
-        b[9] = pos[1];
+        b[9] = tag[1];
         b[10..].copy_from_slice(&(self.random & RANDOM_MASK).to_be_bytes()[2..]);
         b
     }
@@ -165,7 +177,7 @@ impl Token {
         random[2..].copy_from_slice(&b[10..]);
         Token {
             batch: i64::from_be_bytes(batch),
-            pos: u16::from_be_bytes([b[7], b[9]]),
+            tag: u16::from_be_bytes([b[7], b[9]]),
             random: u64::from_be_bytes(random),
         }
     }
@@ -190,35 +202,61 @@ impl fmt::Display for Corrupt {
         write!(f, "corrupt batch state: {}", self.0)
     }
 }
-
 /// The events of one batch and their state.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Batch {
+    /// In the order they were appended (per subject: commit order).
     ids: Vec<i64>,
-    /// Index of the previous event of the same subject, if any.
+    /// The subject key of each event (None: no subject).
+    keys: Vec<Option<u32>>,
+    /// Index of the previous unfinished event of the same key, if any.
     prev: Vec<Option<u16>>,
     state: Vec<State>,
     rounds: Vec<Round>,
+    /// Position of each id.
+    at: HashMap<i64, u16>,
+}
+
+/// What [`Batch::compact`] dropped.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Compacted {
+    /// The ids of the events that were done (acked), in batch order.
+    pub done: Vec<i64>,
+    /// For each round kept, in its new order, its number before.
+    pub rounds_from: Vec<u16>,
 }
 
 impl Batch {
-    /// A batch of `events` (id, subject key), ids strictly ascending, at most
-    /// [`MAX_EVENTS`]; every event waiting. Panics otherwise (the caller reads
-    /// them from the lane's index in id order).
-    pub fn new<K: Eq + std::hash::Hash>(events: &[(i64, Option<K>)]) -> Batch {
-        assert!(events.len() <= MAX_EVENTS, "batch too large");
-        assert!(events.windows(2).all(|w| w[0].0 < w[1].0), "ids must ascend");
-        let mut last = std::collections::HashMap::new();
-        let prev = events
-            .iter()
-            .enumerate()
-            .map(|(i, (_, key))| key.as_ref().and_then(|k| last.insert(k, i as u16)))
-            .collect();
-        Batch {
-            ids: events.iter().map(|e| e.0).collect(),
-            prev,
-            state: vec![State::Waiting; events.len()],
-            rounds: vec![],
+    /// A batch of `events` (id, subject key) in the lanes' reading order; every
+    /// event waiting. Panics past [`MAX_EVENTS`] or on a repeated id.
+    pub fn new(events: &[(i64, Option<u32>)]) -> Batch {
+        let mut b =
+            Batch { ids: vec![], keys: vec![], prev: vec![], state: vec![], rounds: vec![], at: HashMap::new() };
+        b.append(events);
+        b
+    }
+
+    /// Append `events` (id, subject key), read after every event already in
+    /// the batch; each waits behind the last unfinished event of its key.
+    /// Panics past [`MAX_EVENTS`] or on an id already in the batch (the caller
+    /// reads each event once: src/log/mod.rs).
+    pub fn append(&mut self, events: &[(i64, Option<u32>)]) {
+        assert!(self.len() + events.len() <= MAX_EVENTS, "batch too large");
+        let mut last: HashMap<u32, u16> = HashMap::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            if let Some(k) = k {
+                if matches!(self.state[i], State::Waiting | State::Out(_)) {
+                    last.insert(*k, i as u16);
+                }
+            }
+        }
+        for &(id, key) in events {
+            let i = self.ids.len() as u16;
+            assert!(self.at.insert(id, i).is_none(), "event {id} appended twice");
+            self.ids.push(id);
+            self.keys.push(key);
+            self.prev.push(key.and_then(|k| last.insert(k, i)));
+            self.state.push(State::Waiting);
         }
     }
 
@@ -232,9 +270,14 @@ impl Batch {
         self.ids.is_empty()
     }
 
-    /// The event ids, ascending.
+    /// The event ids, in batch order.
     pub fn ids(&self) -> &[i64] {
         &self.ids
+    }
+
+    /// The subject key of event `i`.
+    pub fn key(&self, i: usize) -> Option<u32> {
+        self.keys[i]
     }
 
     /// The state of event `i` (0-based position).
@@ -244,45 +287,35 @@ impl Batch {
 
     /// The position of event `id`.
     pub fn position(&self, id: i64) -> Option<usize> {
-        self.ids.binary_search(&id).ok()
+        self.at.get(&id).map(|&i| usize::from(i))
     }
 
     fn expired(&self, round: u16, now: i64) -> bool {
         self.rounds[round as usize - 1].expires <= now
     }
 
-    /// True when an event of the batch waits to be handed out (behind its
-    /// subject's earlier event, when none is handable): moving the events out
-    /// aside ([`Batch::release`]) would park those too, one row each.
-    pub fn has_waiting(&self) -> bool {
-        self.state.contains(&State::Waiting)
+    /// How many events of key `k` are waiting or out.
+    pub fn unfinished_of(&self, k: u32) -> usize {
+        (0..self.len())
+            .filter(|&i| self.keys[i] == Some(k) && matches!(self.state[i], State::Waiting | State::Out(_)))
+            .count()
     }
 
-    /// The positions of the events out (in any round), in id order.
-    pub fn out_positions(&self) -> Vec<usize> {
-        (0..self.len()).filter(|&i| matches!(self.state[i], State::Out(_))).collect()
+    /// How many events are done or parked (what [`Batch::compact`] drops).
+    pub fn finished_count(&self) -> usize {
+        self.state.iter().filter(|s| matches!(s, State::Done | State::Parked)).count()
     }
 
-    /// True when an event out follows an earlier event of its subject in the
-    /// batch: it has a subject, whatever the others have.
-    pub fn out_follows_subject(&self) -> bool {
-        (0..self.len()).any(|i| matches!(self.state[i], State::Out(_)) && self.prev[i].is_some())
-    }
-
-    /// Whether a claim at `now` has anything to do with this batch: it is
-    /// finished (the lane moves on), an event is handable, a round's lease
-    /// expired ([`Batch::expire`]), or an event has been out since
-    /// `out_before` or earlier ([`Batch::release`]). A claim that finds none
-    /// of these leaves the batch, and its lock, alone.
-    pub fn wants_claim(&self, now: i64, out_before: i64) -> bool {
+    /// Whether a claim at `now` has anything to do with this batch besides
+    /// appending: it is finished, an event is handable, or a round's lease
+    /// expired ([`Batch::expire`]).
+    pub fn wants_claim(&self, now: i64) -> bool {
         self.finished()
             || !self.handable().is_empty()
-            || self.state.iter().any(|s| {
-                matches!(s, State::Out(r) if self.expired(*r, now) || self.rounds[*r as usize - 1].handed <= out_before)
-            })
+            || self.state.iter().any(|s| matches!(s, State::Out(r) if self.expired(*r, now)))
     }
 
-    /// Positions a claim may hand out, in id order: waiting events whose
+    /// Positions a claim may hand out, in batch order: waiting events whose
     /// subject's previous event is done. (An event whose lease expired is not
     /// handed out again from the batch: [`Batch::expire`] moves it out first.)
     pub fn handable(&self) -> Vec<usize> {
@@ -295,45 +328,26 @@ impl Batch {
 
     /// Park the events whose round's lease expired at `now`, each with every
     /// later event of its subject in the batch; returns the parked positions in
-    /// id order, each with true when it was out (its expired attempt counts)
+    /// batch order, each with true when it was out (its expired attempt counts)
     /// and false for an event parked behind one. The caller moves them all to
     /// the exception table, where the expired ones are claimed again.
     pub fn expire(&mut self, now: i64) -> Vec<(usize, bool)> {
-        let expired: Vec<usize> =
-            (0..self.len()).filter(|&i| matches!(self.state[i], State::Out(r) if self.expired(r, now))).collect();
-        let mut parked = Vec::new();
-        for i in expired {
-            parked.push((i, true));
-            parked.extend(self.park_after(i).into_iter().map(|j| (j, false)));
-            self.state[i] = State::Parked;
-        }
-        parked.sort_unstable();
-        parked
+        let expired = self.expired_events(now);
+        self.expire_at(&expired)
     }
 
-    /// Release the events out in rounds handed out at or before `before`, each
-    /// with every later event of its subject in the batch, when nothing else
-    /// of the batch can be handed out: a slow handler (a long lease, or one
-    /// kept alive with extend_lease) must not hold the rest of its lane. The
-    /// caller moves them to the exception table, the released ones still
-    /// leased to their holder (same token and expiry), the others parked
-    /// behind them. Returns the parked positions in id order, each with the
-    /// round it was out in (None: parked behind one), or nothing when some
-    /// event is still handable or none is old enough.
-    pub fn release(&mut self, before: i64) -> Vec<(usize, Option<u16>)> {
-        if !self.handable().is_empty() {
-            return vec![];
-        }
-        let old: Vec<(usize, u16)> = (0..self.len())
-            .filter_map(|i| match self.state[i] {
-                State::Out(r) if self.rounds[r as usize - 1].handed <= before => Some((i, r)),
-                _ => None,
-            })
-            .collect();
+    /// The positions of the events out whose lease expired at `now`.
+    pub fn expired_events(&self, now: i64) -> Vec<usize> {
+        (0..self.len()).filter(|&i| matches!(self.state[i], State::Out(r) if self.expired(r, now))).collect()
+    }
+
+    /// [`Batch::expire`] for the expired events at `expired` only (those no
+    /// transaction holds: src/log/deferred.rs).
+    pub fn expire_at(&mut self, expired: &[usize]) -> Vec<(usize, bool)> {
         let mut parked = Vec::new();
-        for (i, r) in old {
-            parked.push((i, Some(r)));
-            parked.extend(self.park_after(i).into_iter().map(|j| (j, None)));
+        for &i in expired {
+            parked.push((i, true));
+            parked.extend(self.park_after(i).into_iter().map(|j| (j, false)));
             self.state[i] = State::Parked;
         }
         parked.sort_unstable();
@@ -343,8 +357,9 @@ impl Batch {
     /// Take the events at `positions` out of the batch, whatever their state:
     /// waiting ones are parked, ones out are parked and returned with their
     /// round (their holder keeps the lease, from the exception table), done
-    /// ones stay. For a replayed event, whose subject's events still in the
-    /// batch must now follow it. Returns (position, round if it was out).
+    /// ones stay. For a subject that moves to the exception table whole (a
+    /// replayed event goes before it, or the claim sends it there). Returns
+    /// (position, round if it was out).
     pub fn detach(&mut self, positions: &[usize]) -> Vec<(usize, Option<u16>)> {
         let mut out = Vec::new();
         for &i in positions {
@@ -358,28 +373,42 @@ impl Batch {
         out
     }
 
+    /// The positions of the unfinished (waiting or out) events of key `k`.
+    pub fn unfinished_positions(&self, k: u32) -> Vec<usize> {
+        (0..self.len())
+            .filter(|&i| self.keys[i] == Some(k) && matches!(self.state[i], State::Waiting | State::Out(_)))
+            .collect()
+    }
+
     /// Park every waiting event of the subject of event `i` (before and after
     /// it; `i` alone without a subject), for an event the claim does not hand
     /// out from the batch (delayed, or outside the claim's topics): its subject
     /// then continues from the exception table, in id order. Events already
     /// done stay done. Returns the parked positions. Panics if an event of the
-    /// subject is out: a claim diverts only events it could hand out.
+    /// subject is out: a claim diverts a subject with an event out by
+    /// [`Batch::detach`] instead.
     pub fn divert(&mut self, i: usize) -> Vec<usize> {
-        let root = |mut j: usize| {
-            while let Some(p) = self.prev[j] {
-                j = p as usize;
+        let all: Vec<usize> = match self.keys[i] {
+            None => {
+                if self.state[i] == State::Waiting {
+                    vec![i]
+                } else {
+                    vec![]
+                }
             }
-            j
+            Some(k) => {
+                (0..self.len()).filter(|&j| self.keys[j] == Some(k) && self.state[j] == State::Waiting).collect()
+            }
         };
-        let mine = root(i);
-        let all: Vec<usize> = (0..self.len()).filter(|&j| root(j) == mine && self.state[j] == State::Waiting).collect();
+        if let Some(k) = self.keys[i] {
+            assert!(
+                (0..self.len()).all(|j| self.keys[j] != Some(k) || !matches!(self.state[j], State::Out(_))),
+                "divert of a subject with an event out"
+            );
+        }
         for &j in &all {
             self.state[j] = State::Parked;
         }
-        assert!(
-            (0..self.len()).all(|j| root(j) != mine || !matches!(self.state[j], State::Out(_))),
-            "divert of a subject with an event out"
-        );
         all
     }
 
@@ -404,8 +433,8 @@ impl Batch {
         let i = self.position(id).ok_or(Refused::NotInBatch)?;
         match self.state[i] {
             State::Out(r)
-                if usize::from(token.pos) == i
-                    && event_random(self.rounds[r as usize - 1].random, token.pos) == token.random & RANDOM_MASK =>
+                if token.tag == id as u16
+                    && event_random(self.rounds[r as usize - 1].random, id) == token.random & RANDOM_MASK =>
             {
                 Ok(i)
             }
@@ -433,43 +462,39 @@ impl Batch {
         Ok(parked)
     }
 
-    /// Park every later event of the subject of event `i`; returns them.
+    /// Park every later waiting event of the subject of event `i`; returns them.
     fn park_after(&mut self, i: usize) -> Vec<usize> {
-        let mut chain = vec![i];
-        for j in i + 1..self.len() {
-            if self.prev[j].is_some_and(|p| chain.contains(&(p as usize))) {
-                chain.push(j);
-            }
+        let Some(k) = self.keys[i] else { return vec![] };
+        let later: Vec<usize> =
+            (i + 1..self.len()).filter(|&j| self.keys[j] == Some(k) && self.state[j] == State::Waiting).collect();
+        for &j in &later {
+            self.state[j] = State::Parked;
         }
-        chain.remove(0);
-        for &p in &chain {
-            self.state[p] = State::Parked;
-        }
-        chain
+        later
     }
 
-    /// Extend the lease of event `id` to `expires` (never shortening it), if
-    /// `token` holds it; its round's other events keep their expiry. Returns
-    /// (the round it was out in, the round it is out in now): an event that
-    /// shared its round moves to a new one with the same random part and hand-out time,
-    /// so its token still holds it.
+    /// Set the lease expiry of event `id` to `expires` (a heartbeat; shorter
+    /// is allowed, as for a row of its own), if `token` holds it; its round's
+    /// other events keep their expiry. Returns (the round it was out in, the
+    /// round it is out in now): an event that shared its round moves to a new
+    /// one with the same random part and hand-out time, so its token still
+    /// holds it.
     pub fn extend(&mut self, id: i64, token: Token, expires: i64) -> Result<(u16, u16), Refused> {
         let i = self.holder(id, token)?;
         let State::Out(r) = self.state[i] else { unreachable!("holder() returned an event not out") };
         let shared = (0..self.len()).any(|j| j != i && self.state[j] == State::Out(r));
         let old = self.rounds[r as usize - 1];
-        let later = old.expires.max(expires);
         if !shared {
-            self.rounds[r as usize - 1].expires = later;
+            self.rounds[r as usize - 1].expires = expires;
             return Ok((r, r));
         }
         if self.rounds.len() >= u16::MAX as usize {
             // No round left to split into: the round keeps one lease, the
-            // later one (never shorter than any of its events asked for).
-            self.rounds[r as usize - 1].expires = later;
+            // later one, so that no other event's lease is cut short.
+            self.rounds[r as usize - 1].expires = old.expires.max(expires);
             return Ok((r, r));
         }
-        self.rounds.push(Round { expires: later, ..old });
+        self.rounds.push(Round { expires, ..old });
         let own = self.rounds.len() as u16;
         self.state[i] = State::Out(own);
         Ok((r, own))
@@ -503,8 +528,8 @@ impl Batch {
     /// token in the exception table), if the round exists.
     pub fn token_in_round(&self, batch: i64, i: usize, round: u16) -> Option<Token> {
         let r = self.rounds.get((round as usize).checked_sub(1)?)?;
-        let pos = u16::try_from(i).ok()?;
-        Some(Token { batch, pos, random: event_random(r.random, pos) })
+        let id = self.ids[i];
+        Some(Token { batch, tag: id as u16, random: event_random(r.random, id) })
     }
 
     /// How many events are out in a round whose lease has not expired at `now`.
@@ -517,21 +542,64 @@ impl Batch {
         self.state.iter().all(|s| matches!(s, State::Done | State::Parked))
     }
 
-    /// The bytes a batch row keeps: a version byte, the event count, each id as
-    /// a varint delta from the previous one (the first from 0), each `prev` as a
-    /// varint distance back (0: none), each state as a varint (0 waiting, 1
-    /// done, 2 parked, 2 + r out in round r), then the rounds (count, and for
-    /// each the random part as 6 bytes, the hand-out time and the expiry as 8
-    /// each). A batch of 500 events with dense ids takes about 1.5 KB, under
-    /// the TOAST threshold.
+    /// Drop the events that are done or parked and the rounds no event is out
+    /// in any more. The events left keep their order, states and tokens (a
+    /// token names its event by id, not by position); an event whose `prev`
+    /// was dropped was behind a done one, so it has none now.
+    pub fn compact(&mut self) -> Compacted {
+        let keep: Vec<usize> =
+            (0..self.len()).filter(|&i| matches!(self.state[i], State::Waiting | State::Out(_))).collect();
+        let done: Vec<i64> = (0..self.len()).filter(|&i| self.state[i] == State::Done).map(|i| self.ids[i]).collect();
+        let mut new_pos: HashMap<usize, u16> = HashMap::new();
+        for (n, &i) in keep.iter().enumerate() {
+            new_pos.insert(i, n as u16);
+        }
+        let mut rounds_from: Vec<u16> = keep.iter().filter_map(|&i| self.round_of(i)).collect();
+        rounds_from.sort_unstable();
+        rounds_from.dedup();
+        let new_round: HashMap<u16, u16> = rounds_from.iter().enumerate().map(|(n, &r)| (r, n as u16 + 1)).collect();
+        let rounds = rounds_from.iter().map(|&r| self.rounds[r as usize - 1]).collect();
+        let mut b = Batch { ids: vec![], keys: vec![], prev: vec![], state: vec![], rounds, at: HashMap::new() };
+        for &i in &keep {
+            b.at.insert(self.ids[i], b.ids.len() as u16);
+            b.ids.push(self.ids[i]);
+            b.keys.push(self.keys[i]);
+            b.prev.push(self.prev[i].and_then(|p| new_pos.get(&(p as usize)).copied()));
+            b.state.push(match self.state[i] {
+                State::Out(r) => State::Out(new_round[&r]),
+                s => s,
+            });
+        }
+        *self = b;
+        Compacted { done, rounds_from }
+    }
+
+    /// A finished batch of `done` (acked) events only: what `outbox.log_delivered`
+    /// keeps of a compaction.
+    pub fn delivered(done: &[i64]) -> Batch {
+        let mut b = Batch::new(&done.iter().map(|&id| (id, None)).collect::<Vec<_>>());
+        b.state.iter_mut().for_each(|s| *s = State::Done);
+        b
+    }
+
+    /// The bytes a batch row keeps: a version byte, the event count, each id
+    /// as a zigzag varint delta from the previous one (the first from 0), each
+    /// key as a varint (0: none, else key + 1), each `prev` as a varint
+    /// distance back (0: none), each state as a varint (0 waiting, 1 done, 2
+    /// parked, 2 + r out in round r), then the rounds (count, and for each the
+    /// random part as 6 bytes, the hand-out time and the expiry as 8 each).
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(8 + self.len() * 4 + self.rounds.len() * 22);
+        let mut out = Vec::with_capacity(8 + self.len() * 9 + self.rounds.len() * 22);
         out.push(VERSION);
         put_varint(&mut out, self.len() as u64);
         let mut last = 0i64;
         for &id in &self.ids {
-            put_varint(&mut out, id.wrapping_sub(last) as u64);
+            let d = id.wrapping_sub(last);
+            put_varint(&mut out, ((d << 1) ^ (d >> 63)) as u64);
             last = id;
+        }
+        for k in &self.keys {
+            put_varint(&mut out, k.map_or(0, |k| u64::from(k) + 1));
         }
         for (i, p) in self.prev.iter().enumerate() {
             put_varint(&mut out, p.map_or(0, |p| (i - p as usize) as u64));
@@ -556,8 +624,8 @@ impl Batch {
         out
     }
 
-    /// The batch `bytes` spell, checked: ids ascending, `prev` pointing back,
-    /// rounds that exist.
+    /// The batch `bytes` spell, checked: ids distinct, `prev` pointing back
+    /// to an event of the same key, rounds that exist.
     pub fn decode(bytes: &[u8]) -> Result<Batch, Corrupt> {
         let mut r = Reader { bytes, at: 0 };
         if r.byte()? != VERSION {
@@ -568,21 +636,31 @@ impl Batch {
             return Err(Corrupt("too many events"));
         }
         let mut ids = Vec::with_capacity(n);
+        let mut at = HashMap::with_capacity(n);
         let mut last = 0i64;
         for i in 0..n {
-            let d = r.varint()?;
-            if i > 0 && d == 0 {
-                return Err(Corrupt("ids must ascend"));
+            let z = r.varint()?;
+            let d = ((z >> 1) as i64) ^ -((z & 1) as i64);
+            last = last.wrapping_add(d);
+            if at.insert(last, i as u16).is_some() {
+                return Err(Corrupt("an id appears twice"));
             }
-            last = last.checked_add_unsigned(d).ok_or(Corrupt("id overflow"))?;
             ids.push(last);
+        }
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            keys.push(match r.varint()? {
+                0 => None,
+                k if k <= u64::from(u32::MAX) + 1 => Some((k - 1) as u32),
+                _ => return Err(Corrupt("key out of range")),
+            });
         }
         let mut prev = Vec::with_capacity(n);
         for i in 0..n {
             let back = r.varint()? as usize;
             prev.push(match back {
                 0 => None,
-                b if b <= i => Some((i - b) as u16),
+                b if b <= i && keys[i].is_some() && keys[i - b] == keys[i] => Some((i - b) as u16),
                 _ => return Err(Corrupt("prev out of range")),
             });
         }
@@ -620,7 +698,7 @@ impl Batch {
         if state.iter().any(|s| matches!(s, State::Out(r) if *r == 0 || *r as usize > rounds_n)) {
             return Err(Corrupt("state names a missing round"));
         }
-        Ok(Batch { ids, prev, state, rounds })
+        Ok(Batch { ids, keys, prev, state, rounds, at })
     }
 }
 
@@ -670,14 +748,16 @@ mod tests {
     use pgrx::prelude::*;
 
     const T0: i64 = 1_000_000;
+    const A: Option<u32> = Some(1);
+    const B: Option<u32> = Some(2);
 
     fn batch() -> Batch {
         // ids 10..=15: subjects a, b, a, none, b, a
-        Batch::new(&[(10, Some("a")), (11, Some("b")), (12, Some("a")), (13, None), (14, Some("b")), (15, Some("a"))])
+        Batch::new(&[(10, A), (11, B), (12, A), (13, None), (14, B), (15, A)])
     }
 
     /// Hand out `picks` of batch 7 as a new round; the token of each event by id.
-    fn out(b: &mut Batch, picks: &[usize], expires: i64, random: u64) -> std::collections::HashMap<i64, Token> {
+    fn out(b: &mut Batch, picks: &[usize], expires: i64, random: u64) -> HashMap<i64, Token> {
         b.hand_out(picks, T0, expires, random);
         picks.iter().map(|&p| (b.ids()[p], b.token(7, p).unwrap())).collect()
     }
@@ -711,8 +791,51 @@ mod tests {
         assert_eq!(randoms.len(), 3);
         // One event's token holds no other event.
         assert_eq!(b.ack(11, t[&10]), Err(Refused::Stale));
-        assert_eq!(b.ack(11, Token { pos: 1, ..t[&10] }), Err(Refused::Stale));
+        assert_eq!(b.ack(11, Token { tag: 11, ..t[&10] }), Err(Refused::Stale));
         b.ack(11, t[&11]).unwrap();
+        // Ids 65,536 apart share their low bits, not their tokens.
+        let mut c = Batch::new(&[(1, None), (65_537, None)]);
+        let tc = out(&mut c, &[0, 1], T0 + 30, 5);
+        assert_ne!(tc[&1], tc[&65_537]);
+        assert_eq!(c.ack(65_537, tc[&1]), Err(Refused::Stale));
+    }
+
+    #[pg_test]
+    fn an_appended_event_waits_behind_its_subject_and_slow_events_hold_nothing_else() {
+        let mut b = batch();
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        // 10 (a) is slow; the lane's next events come in: c, a, none.
+        b.append(&[(20, Some(3)), (21, A), (22, None)]);
+        // c and the event without a subject go at once; a's waits for 12 and 15 first.
+        assert_eq!(b.handable(), vec![6, 8]);
+        b.ack(10, t[&10]).unwrap();
+        let t2 = out(&mut b, &[2], T0 + 30, 6);
+        b.ack(12, t2[&12]).unwrap();
+        let t3 = out(&mut b, &[5], T0 + 30, 7);
+        b.ack(15, t3[&15]).unwrap();
+        // 14 (b) still waits for 11; a's next is free now.
+        assert_eq!(b.handable(), vec![6, 7, 8]);
+    }
+
+    #[pg_test]
+    fn compaction_keeps_states_order_and_tokens() {
+        let mut b = batch();
+        let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
+        b.ack(11, t[&11]).unwrap();
+        b.ack(13, t[&13]).unwrap();
+        let t2 = out(&mut b, &[4], T0 + 60, 6);
+        b.append(&[(30, A)]);
+        let c = b.compact();
+        assert_eq!(c.done, vec![11, 13]);
+        assert_eq!(c.rounds_from, vec![1, 2]);
+        assert_eq!(b.ids(), &[10, 12, 14, 15, 30]);
+        assert_eq!(b.handable(), Vec::<usize>::new()); // 12, 15, 30 wait behind 10
+        assert_eq!(b.expiry(b.position(14).unwrap()), Some(T0 + 60));
+        // Tokens name events, not positions: they still hold.
+        b.ack(14, t2[&14]).unwrap();
+        b.ack(10, t[&10]).unwrap();
+        assert_eq!(b.handable(), vec![b.position(12).unwrap()]);
+        assert_eq!(Batch::decode(&b.encode()), Ok(b.clone()));
     }
 
     #[pg_test]
@@ -731,29 +854,11 @@ mod tests {
         assert_eq!(b.ack(99, old[&10]), Err(Refused::NotInBatch));
         assert_eq!(b.handable(), vec![4]);
         let t = out(&mut b, &[4], T0 + 60, 6)[&14];
-        // Same position, other random part: stale.
+        // Same event, other random part: stale.
         assert_eq!(b.ack(14, Token { random: t.random ^ 1, ..t }), Err(Refused::Stale));
         b.ack(14, t).unwrap();
         assert_eq!(b.ack(14, t), Err(Refused::Stale));
         assert!(b.finished());
-    }
-
-    #[pg_test]
-    fn a_slow_round_is_released_only_when_nothing_else_can_go() {
-        let mut b = batch();
-        let t = out(&mut b, &[0, 1, 3], T0 + 3600, 5);
-        // 12 and 14 wait behind 10 and 11: nothing handable, but the round is young.
-        assert_eq!(b.release(T0 - 1), vec![]);
-        b.ack(11, t[&11]).unwrap();
-        // 14 can go now: no release, whatever the round's age.
-        assert_eq!(b.release(T0), vec![]);
-        let t2 = out(&mut b, &[4], T0 + 3600, 6);
-        b.ack(14, t2[&14]).unwrap();
-        b.ack(13, t[&13]).unwrap();
-        // Only 10 (and a's events behind it) hold the batch: released.
-        assert_eq!(b.release(T0), vec![(0, Some(1)), (2, None), (5, None)]);
-        assert!(b.finished());
-        assert_eq!(b.ack(10, t[&10]), Err(Refused::Stale));
     }
 
     #[pg_test]
@@ -763,6 +868,7 @@ mod tests {
         b.ack(10, t[&10]).unwrap();
         // a's events: 10 done, 12 now handable, 15 waiting; 12 goes out.
         let t2 = out(&mut b, &[2], T0 + 30, 6);
+        assert_eq!(b.unfinished_positions(1), vec![2, 5]);
         assert_eq!(b.detach(&[0, 2, 5]), vec![(2, Some(2)), (5, None)]);
         assert_eq!(b.ack(12, t2[&12]), Err(Refused::Stale));
         assert_eq!(b.state(0), State::Done);
@@ -797,12 +903,12 @@ mod tests {
     }
 
     #[pg_test]
-    fn extend_moves_one_event_to_a_lease_of_its_own_and_never_shortens_it() {
+    fn extend_moves_one_event_to_a_lease_of_its_own() {
         let mut b = batch();
         let t = out(&mut b, &[0, 1, 3], T0 + 30, 5);
-        assert_eq!(b.extend(10, t[&10], T0 + 100), Ok((1, 2)));
+        assert_eq!(b.extend(10, t[&10], T0 + 50), Ok((1, 2)));
         // Its token still holds it; a second extension changes its own round only.
-        assert_eq!(b.extend(10, t[&10], T0 + 50), Ok((2, 2)));
+        assert_eq!(b.extend(10, t[&10], T0 + 100), Ok((2, 2)));
         assert_eq!(b.expiry(0), Some(T0 + 100));
         assert_eq!(b.expiry(1), Some(T0 + 30));
         assert_eq!(b.expiry(3), Some(T0 + 30));
@@ -816,9 +922,9 @@ mod tests {
     #[pg_test]
     fn tokens_round_trip_through_uuid_bytes() {
         for t in [
-            Token { batch: 0, pos: 0, random: 0 },
-            Token { batch: MAX_BATCH_ID, pos: u16::MAX, random: RANDOM_MASK },
-            Token { batch: 5, pos: 300, random: 0x1234_5678_9abc },
+            Token { batch: 0, tag: 0, random: 0 },
+            Token { batch: MAX_BATCH_ID, tag: u16::MAX, random: RANDOM_MASK },
+            Token { batch: 5, tag: 300, random: 0x1234_5678_9abc },
         ] {
             assert_eq!(Token::from_bytes(t.to_bytes()), t);
             assert_eq!(token_kind(&t.to_bytes()), TokenKind::Batch);
@@ -831,7 +937,7 @@ mod tests {
         assert_eq!(token_kind(&q), TokenKind::Foreign);
         assert_eq!(token_kind(&exception_token(0, 0)), TokenKind::Exception);
         // The random part keeps 48 bits; higher bits are dropped on both sides.
-        let t = Token { batch: 1, pos: 1, random: u64::MAX };
+        let t = Token { batch: 1, tag: 1, random: u64::MAX };
         assert_eq!(Token::from_bytes(t.to_bytes()).random, RANDOM_MASK);
     }
 
@@ -840,13 +946,16 @@ mod tests {
         let mut b = batch();
         let t = out(&mut b, &[0, 1, 3], T0 + 30, 77);
         b.ack(10, t[&10]).unwrap();
+        b.append(&[(5, None), (40, A)]); // a late committer below the batch's ids
         assert_eq!(Batch::decode(&b.encode()), Ok(b.clone()));
         let dense: Vec<(i64, Option<u32>)> = (0..500).map(|i| (1_000_000_000 + i, Some((i % 7) as u32))).collect();
         let big = Batch::new(&dense);
         let bytes = big.encode();
-        assert!(bytes.len() < 1600, "{} bytes", bytes.len());
+        assert!(bytes.len() < 2100, "{} bytes", bytes.len());
         assert_eq!(Batch::decode(&bytes), Ok(big));
-        assert_eq!(Batch::decode(&Batch::new::<u32>(&[]).encode()), Ok(Batch::new::<u32>(&[])));
+        assert_eq!(Batch::decode(&Batch::new(&[]).encode()), Ok(Batch::new(&[])));
+        let d = Batch::delivered(&[3, 9, 4]);
+        assert!(d.finished() && Batch::decode(&d.encode()) == Ok(d.clone()));
     }
 
     #[pg_test]

@@ -31,7 +31,7 @@
 //!    from its row like any cancelled event.
 
 use super::batch::State;
-use super::claim::{batch_lock_key, detach_positions, load_batch, own_filter, passes, BATCH_LOCK_KEY};
+use super::claim::{batch_lock_key, detach_positions, load_locked, own_filter, passes, put_loaded, BATCH_LOCK_KEY};
 use crate::pg;
 use crate::pg::plans;
 use crate::sql::log::{CANCEL_ROW, CANCEL_UNREAD, EVENT_BY_ID, LANE_FOR_CANCEL};
@@ -73,17 +73,22 @@ pub fn log_cancel(subscription: Option<&str>, id: Option<i64>) -> bool {
     }) else {
         return false; // no lanes (a subscription restored from a dump): nothing read, nothing to decide by
     };
-    if before || passed {
+    if before {
         return false;
     }
-    if !in_window {
+    if !passed && !in_window {
         return plans::run_latest(&CANCEL_UNREAD, &[subscription.into(), lane.into(), id.into()], |rows| rows.len())
             > 0;
     }
-    // Read into a batch: only one still waiting there can be cancelled.
+    // Read into the lane's batch (which slides past the lane's cursor: an
+    // event the cursor passed may still wait there): only one still waiting
+    // there can be cancelled.
     let Some(batch) = batch else { return false };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-    let Some(loaded) = load_batch(batch) else { return false };
+    let Some(mut loaded) = load_locked(batch) else { return false };
+    if loaded.changed {
+        put_loaded(batch, &mut loaded);
+    }
     let Some(at) = loaded.batch.position(id) else { return false };
     if loaded.batch.state(at) != State::Waiting {
         return false;

@@ -10,33 +10,35 @@
 //! 1. Exception rows first (src/log/exceptions.rs): retries, expired leases,
 //!    delayed and parked events whose time has come, subject heads only.
 //! 2. Then each lane of the subscription, starting at a rotating lane so
-//!    workers spread out, until it has `batch_size` events:
-//!    1. if the lane has a batch in flight, take the batch's lock without
-//!       waiting ([`BATCH_LOCK_KEY`]), move its expired events to the exception
-//!       table ([`Batch::expire`]), and, when nothing else of it can go while
-//!       the lane has newer events, its events out for longer than
-//!       [`LANE_HOLD_US`] (still leased to their holder: [`Batch::release`]),
-//!       or out at all when the claim would otherwise come back short and
-//!       runs outside a transaction block and none of them has a subject (a
-//!       second pass over those lanes: an event waits for its own subject's
-//!       earlier events, and for another worker's lease at most
-//!       [`LANE_HOLD_US`]);
-//!       send events outside the call's topics there too; hand out what the
-//!       batch allows now ([`Batch::handable`]) as a new round;
-//!    2. otherwise read the lane's window (src/log/mod.rs) from where the last
-//!       batch ended and cut a piece of it ([`piece_end`]): at most what the
-//!       claim still needs staying in the batch, at most
-//!       [`MAX_SUBJECT_EVENTS`] of one subject, and at most the claim's
-//!       [`DIVERT_BUDGET`] going to the exception table; events outside the
-//!       subscription's topics cost nothing. Make the events the subscription
-//!       takes the lane's batch: the subjects that continue in the exception
-//!       table, delayed events and events outside the call's own topics go
-//!       there ([`Batch::divert`]); the rest is handed out as the batch's
-//!       first round. A piece with nothing to hand out makes the next read
-//!       [`PIECE_GROWTH`] times longer, so a claim of a filtered subscription,
-//!       or of a lane behind a blocked subject, reads on instead of coming
-//!       back empty. An open window that has no more events moves the lane's
-//!       cursor to its end; a fresh window with no events writes nothing.
+//!    workers spread out, until it has `batch_size` events ([`Claim::serve`]):
+//!    1. if the lane has a batch, take its lock without waiting
+//!       ([`BATCH_LOCK_KEY`]; an ack holding it means the next claim serves
+//!       it), move its expired events to the exception table
+//!       ([`Batch::expire`]), and send events outside the call's topics there;
+//!    2. while the batch cannot hand out what the claim wants, read the next
+//!       piece of the lane's window (src/log/mod.rs) and append it to the
+//!       batch ([`Batch::append`]; a new batch when the lane has none). A
+//!       piece ([`piece_end`]) is at most what the claim still needs, at most
+//!       [`MAX_SUBJECT_EVENTS`] unfinished events of one subject in the batch,
+//!       and at most the claim's [`DIVERT_BUDGET`] going to the exception
+//!       table; events outside the subscription's topics cost a read only.
+//!       Subjects that continue in the exception table, delayed events and
+//!       events outside the call's own topics go there, each with its
+//!       subject's unfinished events in the batch ([`Claim::detach_keys`]): a
+//!       subject's unfinished events are in the batch or in the exception
+//!       table, never in both. A piece with nothing to hand out makes the next
+//!       read [`PIECE_GROWTH`] times longer, so a claim of a filtered
+//!       subscription reads on instead of coming back empty. An open window
+//!       that has no more events moves the lane's cursor to its end; a fresh
+//!       window with no events writes nothing;
+//!    3. drop the batch's finished events once they are much of it
+//!       ([`Batch::compact`], the acked ones kept in `outbox.log_delivered`),
+//!       and hand out what the batch allows now ([`Batch::handable`]) as a new
+//!       round.
+//!
+//!    So an event out, for however long and however often it is extended,
+//!    holds only the later events of its own subject: nothing depends on how
+//!    long a handler runs.
 //!
 //! The lane row is locked (with `_lock_row` semantics, [`pg::try_lock_row`]: a
 //! lane another claim holds is skipped, never waited for) only to change it,
@@ -46,28 +48,36 @@
 //! spares two claims the same read; it is gone as the claim returns.
 //!
 //! # Invariants, and why they hold
-//! 1. **Each committed event of a lane is put in exactly one batch.** A lane's
-//!    batches take consecutive pieces (`id > pos`, in id order) of consecutive
-//!    windows, and the cursor moves to a window's end only once a read past
-//!    `pos` finds nothing; windows read each committed event once (src/log/mod.rs).
-//!    Every lane write happens under the lane's row lock, and the row read is
-//!    the newest version (a changed row is skipped, not locked), so two claims
-//!    never extend one lane from the same position.
-//! 2. **A lane has at most one unfinished batch,** and a new one starts only
-//!    when the lane's batch is gone (an ack deletes a finished batch). With one
-//!    event per subject out at a time inside a batch (src/log/batch.rs), a
-//!    subject's events are handed out one after another in commit order.
-//! 3. **Fencing.** A token names its batch, round and random part; an ack
-//!    matches it against the batch's state under the batch lock. An event
-//!    leaves its batch at most once, and its later deliveries are leases of its
-//!    exception row, with their own tokens (src/log/exceptions.rs). A stale
-//!    token acks, fails and extends nothing.
+//! 1. **Each committed event of a lane is put in the lane's batch, or in the
+//!    exception table, exactly once.** A lane's pieces are consecutive
+//!    (`id > pos`, in id order) pieces of consecutive windows, and the cursor
+//!    moves to a window's end only once a read past `pos` finds nothing;
+//!    windows read each committed event once (src/log/mod.rs). Every lane
+//!    write happens under the lane's row lock, and the row read is the newest
+//!    version (a changed row is skipped, not locked), so two claims never
+//!    extend one lane from the same position.
+//! 2. **A subject has at most one event out, and they go out in commit
+//!    order.** Its events enter the batch in reading order, which per subject
+//!    is commit order, each behind the previous unfinished one of its subject
+//!    (src/log/batch.rs); an event leaving the batch takes its subject's later
+//!    ones with it, and a subject sent to the exception table goes whole, so
+//!    the exception table's own rule (a subject's earliest holding row first)
+//!    orders it there.
+//! 3. **Fencing.** A token names its batch, its event and a random part; an
+//!    ack matches it against the batch's state under the batch lock. An event
+//!    leaves its batch at most once, and its later deliveries are leases of
+//!    its exception row, with their own tokens (src/log/exceptions.rs). A
+//!    stale token acks, fails and extends nothing.
 //! 4. **No lost update of a batch.** Claims and acks change a batch only while
 //!    holding its advisory lock (claims try it, acks wait for it), and read it
 //!    under a snapshot taken after the lock: the version changed is the newest,
 //!    at every isolation level, with no serialization failure from the row.
+//! 5. **Retention keeps what a batch needs.** A batch slides past its lane's
+//!    cursor, so `outbox._log_readers_passed` also asks every batch for its
+//!    smallest unfinished id (`outbox._log_batch_min`).
 
 use super::batch::{Batch, Token, TokenKind};
+use super::deferred;
 use super::exceptions::{self, Kind, Moved, Request};
 use super::{cursor, window, Cursor, WindowEvent};
 use crate::errors;
@@ -76,10 +86,10 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    ANY_SUBJECT, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
-    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FAIL_INFO,
-    FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_HAS_MORE, LANE_LOCK, LANE_PUT, OF_SUBJECT,
-    PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
+    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, DELIVERED_INSERT, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE,
+    EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
+    PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -91,17 +101,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 /// First key of the batch advisory locks (0x6f62746c = "obtl"); the second is
 /// the batch id's low 32 bits (two batches that share them only serialise).
 pub const BATCH_LOCK_KEY: i32 = 0x6f62_746c;
-
-/// How long a batch's events may be out before a claim that finds nothing
-/// else of the batch to hand out, while the lane has newer events, moves them
-/// (still leased to their holder) to the exception table, so that the lane
-/// goes on (µs). A handler slower than this, on a lane with a backlog, costs
-/// one row per slow event; the lane's other subjects wait at most this long
-/// for it, not for its whole lease, even while other lanes keep every claim
-/// full. A claim that would come back short does not wait at all,
-/// outside a transaction block: it moves them aside at once and serves the
-/// lane's newer events.
-pub const LANE_HOLD_US: i64 = 1_000_000;
 
 /// How many window pieces one claim reads in one lane before it moves on: a
 /// piece whose events all go elsewhere (outside the topics, delayed) hands
@@ -189,11 +188,15 @@ fn put_lane(subscription: &str, l: &Lane) {
 /// A batch row: its state, lane and subscription.
 pub(super) struct Loaded {
     pub(super) batch: Batch,
-    lane: i16,
-    subscription: String,
+    pub(super) lane: i16,
+    pub(super) subscription: String,
     /// The worker of each round (round r at r - 1); None when its row keeps
     /// none.
     pub(super) holders: Holders,
+    /// Whether deferred calls wait to be applied to it (src/log/deferred.rs).
+    pub(super) deferred: bool,
+    /// Whether applying them changed it ([`load_locked`]): to be written.
+    pub(super) changed: bool,
 }
 
 /// Round workers of a batch ([`Loaded::holders`]).
@@ -209,15 +212,117 @@ pub(super) fn holder(holders: Option<&[Option<String>]>, round: Option<u16>) -> 
 /// The batch `id`, read after its lock was taken; None when it is finished
 /// (deleted) or its subscription was dropped.
 pub(super) fn load_batch(id: i64) -> Option<Loaded> {
-    let (bytes, lane, subscription, holders) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
+    let (bytes, lane, subscription, holders, deferred) = plans::run_latest(&BATCH_GET, &[id.into()], |rows| {
         let mut out = None;
-        rows.for_each(|r| out = Some((r.bytes(0), r.i16(1), r.text(2), r.text_array_with_nulls(3))));
+        rows.for_each(|r| {
+            out = Some((r.bytes(0), r.i16(1), r.text(2), r.text_array_with_nulls(3), r.bool(4) == Some(true)))
+        });
         out
     })?;
     let (Some(bytes), Some(lane), Some(subscription)) = (bytes, lane, subscription) else {
         errors::raise(errors::INTERNAL, format!("malformed outbox.log_batches row {id}"));
     };
-    Some(Loaded { batch: decode_batch(id, &bytes), lane, subscription, holders })
+    Some(Loaded { batch: decode_batch(id, &bytes), lane, subscription, holders, deferred, changed: false })
+}
+
+/// The batch `id` for the holder of its lock: read after the lock was taken,
+/// with the committed calls deferred on it applied (src/log/deferred.rs);
+/// `changed` says whether that changed it. None when it is gone (then its
+/// deferred calls go to their events' rows of their own).
+pub(super) fn load_locked(id: i64) -> Option<Loaded> {
+    let Some(mut l) = load_batch(id) else {
+        deferred::forward_gone(id);
+        return None;
+    };
+    if l.deferred {
+        l.changed = deferred::fold(id, &mut l);
+    }
+    Some(l)
+}
+
+/// Write batch `id` as loaded and changed (deleted when finished).
+pub(super) fn put_loaded(id: i64, l: &mut Loaded) {
+    store_batch(id, &l.batch);
+    l.changed = false;
+}
+
+/// Apply deferred call `d` to batch `batch` (`l`, its lock held); a call
+/// whose token no longer holds its event there goes to the event's row of its
+/// own. Returns whether the batch changed.
+pub(super) fn apply_deferred(batch: i64, l: &mut Loaded, d: &deferred::Deferred) -> bool {
+    let t = Token::from_bytes(d.token);
+    let applied = match &d.call {
+        deferred::Kind::Ack => l.batch.ack(d.id, t).is_ok(),
+        deferred::Kind::Extend { lease_us } => match l.batch.extend(d.id, t, d.at.saturating_add(*lease_us)) {
+            Ok((from, to)) => {
+                if deferred::extended_holders(&mut l.holders, from, to) {
+                    let h = l.holders.clone();
+                    plans::run_latest(&BATCH_PUT_HOLDERS, &[batch.into(), l.batch.encode().into(), h.into()], |_| ());
+                }
+                true
+            }
+            Err(_) => false,
+        },
+        deferred::Kind::Fail { error, retry_us, permanent } => {
+            fail_in_batch(batch, l, d.id, t, error, *retry_us, *permanent, d.at).is_some()
+        }
+    };
+    if !applied {
+        deferred::forward(d);
+    }
+    applied
+}
+
+/// fail() of event `id` of batch `batch` (`l`, its lock held) by token `t`
+/// at `now`: parks it and the later events of its subject, and writes their
+/// rows of their own (the failed one pending or dead). The new state, or
+/// None when `t` does not hold the event; "stale" when the subscription was
+/// dropped meanwhile. The caller writes the batch.
+#[allow(clippy::too_many_arguments)]
+fn fail_in_batch(
+    batch: i64,
+    l: &mut Loaded,
+    id: i64,
+    t: Token,
+    error: &str,
+    retry_in: Option<i64>,
+    permanent: bool,
+    now: i64,
+) -> Option<&'static str> {
+    let round = l.batch.position(id).and_then(|i| l.batch.round_of(i));
+    let parked = l.batch.park(id, t).ok()?;
+    let settings = crate::subscriptions::lookup(&l.subscription).unwrap_or_default();
+    let (max_attempts, base, cap) = deferred::fail_info(l.lane, id);
+    let (state, delay) = settings.failure(1, max_attempts, base, cap, retry_in, permanent);
+    if state == "dead" && settings.dead_letter_policy.is_none() {
+        // Before the dead letter is written: a concurrent alter_topic either
+        // is read by its insert (a snapshot taken after the lock) or sees it
+        // (invariant 4).
+        exceptions::lock_topic_of(l.lane, id);
+    }
+    let mut moved: Vec<Moved> = parked
+        .iter()
+        .map(|&p| {
+            if p == parked[0] {
+                Moved {
+                    id,
+                    kind: if state == "dead" { Kind::Dead } else { Kind::Retry },
+                    visible_at: now.saturating_add(delay),
+                    token: None,
+                    error: Some(error.to_string()),
+                    worker: holder(l.holders.as_deref(), round),
+                }
+            } else {
+                Moved::parked(l.batch.ids()[p], now)
+            }
+        })
+        .collect();
+    moved.sort_unstable_by_key(|m| m.id);
+    l.changed = true;
+    if !exceptions::insert(&l.subscription, &settings, l.lane, &moved, Some(batch)) {
+        return Some("stale"); // the subscription was dropped meanwhile
+    }
+    Some(state)
 }
 
 /// The state kept in batch row `id`; bytes that do not decode are refused, not trusted (XX001).
@@ -228,18 +333,34 @@ fn decode_batch(id: i64, bytes: &[u8]) -> Batch {
 }
 
 /// The batches among `ids` that exist, decoded (read under a snapshot taken
-/// now, after the caller took their locks).
-fn load_batches(ids: Vec<i64>) -> HashMap<i64, Batch> {
-    plans::run_latest(&BATCH_GET_MANY, &[ids.into()], |rows| {
+/// now, after the caller took their locks), each with whether deferred calls
+/// were applied to it (which changed it). A batch that is gone has its
+/// deferred calls forwarded ([`load_locked`]).
+fn load_batches(ids: Vec<i64>) -> HashMap<i64, (Batch, bool)> {
+    let found = plans::run_latest(&BATCH_GET_MANY, &[ids.clone().into()], |rows| {
         let mut out = HashMap::new();
         rows.for_each(|r| {
             let (Some(id), Some(bytes)) = (r.i64(0), r.bytes(1)) else {
                 errors::raise(errors::INTERNAL, "malformed outbox.log_batches row");
             };
-            out.insert(id, decode_batch(id, &bytes));
+            out.insert(id, (decode_batch(id, &bytes), r.bool(2) == Some(true)));
         });
         out
-    })
+    });
+    let mut out = HashMap::with_capacity(found.len());
+    for id in ids {
+        match found.get(&id) {
+            Some((_, true)) | None => {
+                if let Some(l) = load_locked(id) {
+                    out.insert(id, (l.batch, l.changed));
+                }
+            }
+            Some((b, false)) => {
+                out.insert(id, (b.clone(), false));
+            }
+        }
+    }
+    out
 }
 
 /// Write batch `id`; false when its row is gone (drop_subscription removed
@@ -281,13 +402,9 @@ struct Claim<'a> {
     /// Whether a round's lease depends on its events' topics: neither the
     /// call nor the subscription sets one, and some topic does.
     topic_leases: bool,
-    /// How long a batch's events must have been out before this pass moves
-    /// them aside for the lane's newer events ([`Batch::release`]):
-    /// [`LANE_HOLD_US`], then 0 for a claim that would come back short.
-    hold: Cell<i64>,
-    /// Lanes whose batch held newer events back, its events out for less
-    /// than `hold`: a claim that comes back short serves them again.
-    held: std::cell::RefCell<Vec<i16>>,
+    /// Lanes with nothing in their window up to a snapshot taken at the
+    /// claim's start ([`quiet_lanes`]): a claim appends nothing from them.
+    quiet: Vec<i16>,
     /// Whether the claim runs in a transaction block.
     in_block: bool,
     /// hashtext of the subscription's name ([`lane_lock_key`]).
@@ -297,6 +414,16 @@ struct Claim<'a> {
     /// How many more events this claim may send to the exception table from
     /// the pieces it reads ([`DIVERT_BUDGET`]).
     divert_budget: Cell<usize>,
+}
+
+/// What [`Claim::take_batch`] found.
+enum Taken {
+    /// Another session holds the batch's lock.
+    Busy,
+    /// The batch, its lock held: (id, state, its rounds' workers, changed).
+    Batch(Box<(Option<i64>, Batch, Holders, bool)>),
+    /// The batch is finished and gone.
+    Gone,
 }
 
 /// A round a claim handed out from a batch in flight, written and returned
@@ -315,19 +442,64 @@ struct Pending {
     expires: i64,
 }
 
-/// Whether picks (positions in a batch, ascending, with their event ids
-/// `ids`) span at most twice their number of the batch's positions, and ids
-/// that hold about four times their number of the lane's events (a lane
-/// holds about one id in 16): a first round, mostly, whose events are read as
-/// one index range ([`Claim::emit`]). The id test keeps a piece that starts
-/// with a late committer's small id from reading the lane's events between.
-fn dense(picks: &[usize], ids: &[i64]) -> bool {
-    match (picks.first(), picks.last(), ids.first(), ids.last()) {
-        (Some(&first), Some(&last), Some(&lo), Some(&hi)) => {
-            last - first < 2 * picks.len() && hi.saturating_sub(lo) < 64 * picks.len() as i64
-        }
+/// Whether the events `ids` (ascending) span ids that hold about four times
+/// their number of the lane's events (a lane holds about one id in 16): read
+/// as one index range ([`Claim::emit`]). A piece that starts with a late
+/// committer's small id is read id by id instead of the lane's events between.
+fn dense_ids(ids: &[i64]) -> bool {
+    match (ids.first(), ids.last()) {
+        (Some(&lo), Some(&hi)) => hi.saturating_sub(lo) < 64 * ids.len() as i64,
         _ => false,
     }
+}
+
+/// The ids of the events at `picks` of batch `id` (`b`), just handed out, in
+/// id order, with their tokens.
+fn sorted_picks(id: i64, b: &Batch, picks: &[usize]) -> (Vec<i64>, Vec<[u8; 16]>) {
+    let mut pairs: Vec<(i64, [u8; 16])> = picks.iter().map(|&p| b.ids()[p]).zip(tokens_of(id, b, picks)).collect();
+    pairs.sort_unstable_by_key(|p| p.0);
+    pairs.into_iter().unzip()
+}
+
+/// How many finished events a batch keeps at least before a claim drops them
+/// ([`Batch::compact`]): each compaction writes one row of
+/// `outbox.log_delivered`, so a trickle of claims of one event costs a few
+/// bytes per event there, not a row each.
+const COMPACT_AT: usize = 32;
+
+/// Write batch `id`'s state, with the whole list of its rounds' workers when
+/// `holders` is given (compaction renumbered the rounds).
+fn put_batch(id: i64, b: &Batch, holders: Option<&Holders>) {
+    match holders {
+        Some(Some(h)) => {
+            plans::run_latest(&BATCH_PUT_HOLDERS, &[id.into(), b.encode().into(), h.clone().into()], |_| ());
+        }
+        _ => {
+            plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |_| ());
+        }
+    }
+}
+
+/// The row of its own that event `i` of batch `id` (`b`) gets when it leaves
+/// the batch: one out in `round` stays leased to its holder, with its token
+/// and expiry; one not out is parked, due `now`.
+fn leave(id: i64, b: &Batch, i: usize, round: Option<u16>, holders: &Holders, now: i64) -> Moved {
+    match round.and_then(|r| Some((r, b.round_expiry(r)?, b.token_in_round(id, i, r)?))) {
+        Some((r, expires, t)) => Moved {
+            id: b.ids()[i],
+            kind: Kind::Leased,
+            visible_at: expires,
+            token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
+            error: None,
+            worker: holder(holders.as_deref(), Some(r)),
+        },
+        None => Moved::parked(b.ids()[i], now),
+    }
+}
+
+/// The key a batch keeps for an event's subject ([`Batch`]): its lane's hash.
+fn subject_key(subject: Option<&str>) -> Option<u32> {
+    subject.map(|s| pg::hashtext(s) as u32)
 }
 
 /// The tokens of the events at `picks` of batch `id` (`b`), just handed out.
@@ -351,14 +523,13 @@ impl Claim<'_> {
     /// transaction ends, so nothing else changes the batch meanwhile.
     #[allow(clippy::too_many_arguments)]
     fn defer_round(&self, id: i64, lane: i16, b: &Batch, holders: bool, picks: &[usize], round: u16, expires: i64) {
-        let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
-        let tokens = tokens_of(id, b, picks);
+        let (ids, tokens) = sorted_picks(id, b, picks);
         self.pending.borrow_mut().push(Pending {
             batch: id,
             holders,
             lane,
             state: b.encode(),
-            dense: dense(picks, &ids),
+            dense: dense_ids(&ids),
             ids,
             round,
             tokens,
@@ -467,80 +638,56 @@ impl Claim<'_> {
         }
     }
 
-    /// Move out of batch `id` (lane `lane`, read up to id `pos`) the events
-    /// whose lease expired ([`Batch::expire`]), then, if nothing else of the
-    /// batch can be handed out and the lane has newer events, the events out
-    /// for longer than [`LANE_HOLD_US`] ([`Batch::release`]), each with the
-    /// later events of its subject. Returns whether the batch changed.
-    fn move_out(&self, id: i64, lane: i16, pos: Option<i64>, b: &mut Batch, holders: &Holders) -> bool {
-        let rounds: Vec<Option<u16>> =
-            (0..b.len()).map(|i| if let super::batch::State::Out(r) = b.state(i) { Some(r) } else { None }).collect();
-        let token_of = |b: &Batch, i: usize| {
-            rounds[i].and_then(|r| b.token_in_round(id, i, r)).map(|t| pgrx::Uuid::from_bytes(t.to_bytes()))
-        };
-        // An event out in round r leaves still leased to its holder, with the
-        // round's token and expiry; one not out leaves parked, due now.
-        let leave = |b: &Batch, i: usize, round: Option<u16>| match round.and_then(|r| b.round_expiry(r)) {
-            Some(expires) => Moved {
-                id: b.ids()[i],
-                kind: Kind::Leased,
-                visible_at: expires,
-                token: token_of(b, i),
-                error: None,
-                worker: holder(holders.as_deref(), round),
-            },
-            None => Moved::parked(b.ids()[i], self.now),
-        };
+    /// Move out of batch `id` (lane `lane`) the events whose lease expired
+    /// ([`Batch::expire`]), each with the later events of its subject.
+    /// Returns whether the batch changed.
+    fn move_out(&self, id: i64, lane: i16, b: &mut Batch, holders: &Holders) -> bool {
+        let rounds: Vec<Option<u16>> = (0..b.len()).map(|i| b.round_of(i)).collect();
         let mut rows: Vec<Moved> = Vec::new();
-        for (i, was_out) in b.expire(self.now) {
+        // An event a transaction holds (a deferred ack, fail or extension
+        // waiting for its commit) stays: src/log/deferred.rs, invariant 2.
+        let expired: Vec<usize> =
+            b.expired_events(self.now).into_iter().filter(|&i| deferred::movable(id, b.ids()[i])).collect();
+        for (i, was_out) in b.expire_at(&expired) {
             // An expired event stays leased, its lease expired: its token
             // still acks until a claim takes it again, and that claim records
             // the expiry against the attempt.
-            rows.push(leave(b, i, if was_out { rounds[i] } else { None }));
-        }
-        if !rows.is_empty() {
-            // Expired events are due now: this claim hands them out (claim()).
-            self.moved.set(true);
-        }
-        let stuck = b.handable().is_empty() && !b.finished();
-        let released =
-            if stuck && plans::one::<bool>(&LANE_HAS_MORE, &[lane.into(), pos.unwrap_or(0).into()]) == Some(true) {
-                let released = if self.hold.get() == 0 && (b.has_waiting() || self.subjects_out(lane, b)) {
-                    // The second pass moves no subject's events (see claim()).
-                    vec![]
-                } else {
-                    b.release(self.now.saturating_sub(self.hold.get()))
-                };
-                if b.handable().is_empty() && !b.finished() && !b.has_waiting() {
-                    self.held.borrow_mut().push(lane);
-                }
-                released
-            } else {
-                vec![]
-            };
-        for (i, round) in released {
-            rows.push(leave(b, i, round));
+            rows.push(leave(id, b, i, if was_out { rounds[i] } else { None }, holders, self.now));
         }
         if rows.is_empty() {
             return false;
         }
+        // Expired events are due now: this claim hands them out (claim()).
+        self.moved.set(true);
         rows.sort_unstable_by_key(|m| m.id);
         exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, Some(id));
         true
     }
 
-    /// Whether an event out of batch `b` (lane `lane`) has a subject. Moved
-    /// aside, it would keep its subject in the exception table: the lane's
-    /// next batch then diverts every later event of that subject there too,
-    /// one row each, until the exception table catches up, and under a
-    /// steady drain of many subjects every batch's last round would start
-    /// that again.
-    fn subjects_out(&self, lane: i16, b: &Batch) -> bool {
-        if b.out_follows_subject() {
-            return true;
+    /// Move every unfinished event of the subjects `keys` out of batch `id`
+    /// (`b`, lane `lane`) to the exception table, for subjects whose later
+    /// events this claim sends there: a subject's unfinished events are in
+    /// the batch or in the exception table, never in both.
+    /// `id` is None for a batch not inserted yet, which has nothing out.
+    fn detach_keys(&self, id: Option<i64>, lane: i16, b: &mut Batch, holders: &Holders, keys: &HashSet<u32>) {
+        let mut positions: Vec<usize> = keys.iter().flat_map(|&k| b.unfinished_positions(k)).collect();
+        positions.sort_unstable();
+        let rounds: Vec<Option<u16>> = (0..b.len()).map(|i| b.round_of(i)).collect();
+        let mut rows: Vec<Moved> = b
+            .detach(&positions)
+            .into_iter()
+            .map(|(i, _)| leave(id.unwrap_or(0), b, i, rounds[i], holders, self.now))
+            .collect();
+        if rows.is_empty() {
+            return;
         }
-        let ids: Vec<i64> = b.out_positions().into_iter().map(|i| b.ids()[i]).collect();
-        !ids.is_empty() && plans::one::<bool>(&ANY_SUBJECT, &[lane.into(), ids.into()]) != Some(false)
+        rows.sort_unstable_by_key(|m| m.id);
+        if !exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, id) {
+            // The batch row is gone although this claim holds its lock:
+            // only drop_subscription deletes a locked batch's row, and the
+            // claim's lane rows went with it. Nothing may be dropped silently.
+            errors::raise(errors::INTERNAL, format!("batch {} of a claimed lane is gone", id.unwrap_or(0)));
+        }
     }
 
     /// Send to the exception table, with every waiting event of their
@@ -605,18 +752,27 @@ impl Claim<'_> {
         exceptions::open_subjects(self.req.subscription, lane, subjects)
     }
 
-    /// Cut `events` (a window read, in id order) to the piece this claim makes
-    /// a batch of ([`piece_end`]): at most `k` events that stay in the batch,
-    /// at most [`MAX_SUBJECT_EVENTS`] of one subject among them, and no more
+    /// Cut `events` (a window read, in id order) to the piece this claim adds
+    /// to the lane's batch ([`piece_end`]): at most `k` events that stay in the
+    /// batch, at most [`MAX_SUBJECT_EVENTS`] unfinished of one subject in it
+    /// (counting those of `batch`), and no more
     /// events sent to the exception table than the claim's budget has left
     /// ([`DIVERT_BUDGET`]), which it charges. False when the piece is empty:
     /// its first owed event must go to the exception table and the budget is
     /// spent.
-    fn cut(&self, events: &mut Vec<WindowEvent>, skips: &[i64], open: &HashSet<String>, k: usize) -> bool {
+    fn cut(
+        &self,
+        events: &mut Vec<WindowEvent>,
+        skips: &[i64],
+        open: &HashSet<String>,
+        k: usize,
+        batch: Option<&Batch>,
+    ) -> bool {
         let (end, diverted) = piece_end(
             events,
             |e| self.owed(e, skips),
             |e| self.diverts(e, open),
+            |s| batch.map_or(0, |b| b.unfinished_of(pg::hashtext(s) as u32)),
             k.min(super::batch::MAX_EVENTS),
             self.divert_budget.get(),
         );
@@ -631,7 +787,7 @@ impl Claim<'_> {
     /// subjects that do already), and return the batch.
     fn build(&self, lane: i16, events: &[WindowEvent], skips: &[i64], open: &HashSet<String>) -> Batch {
         let owed: Vec<&WindowEvent> = events.iter().filter(|e| self.owed(e, skips)).collect();
-        let mut b = Batch::new(&owed.iter().map(|e| (e.id, e.subject.as_deref())).collect::<Vec<_>>());
+        let mut b = Batch::new(&owed.iter().map(|e| (e.id, subject_key(e.subject.as_deref()))).collect::<Vec<_>>());
         let mut moved = Vec::new();
         for (i, e) in owed.iter().enumerate() {
             if b.state(i) != super::batch::State::Waiting {
@@ -648,11 +804,35 @@ impl Claim<'_> {
         b
     }
 
-    /// Hand out up to `left` events of lane `l`; returns how many. The lane row
-    /// is locked (without waiting: [`pg::try_lock_row`] on the version read)
-    /// only to change it: a claim that finds nothing in a lane, or only serves
-    /// the lane's batch in flight, holds no lock on it, so a claim left open in
-    /// a transaction holds only the lanes it moved.
+    /// Take batch `id`'s lock without waiting, then move out of it what must
+    /// go (events outside the call's topics, expired leases).
+    fn take_batch(&self, id: i64) -> Taken {
+        if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
+            return Taken::Busy;
+        }
+        match load_locked(id) {
+            Some(Loaded { batch: mut b, holders, lane, changed: folded, .. }) => {
+                if folded {
+                    // A deferred fail may have parked events due now.
+                    self.moved.set(true);
+                }
+                let changed = folded | self.narrow(lane, id, &mut b) | self.move_out(id, lane, &mut b, &holders);
+                Taken::Batch(Box::new((Some(id), b, holders, changed)))
+            }
+            None => Taken::Gone,
+        }
+    }
+
+    /// Hand out up to `left` events of lane `l`; returns how many.
+    ///
+    /// The lane's batch first: its lock is tried (an ack holding it means the
+    /// next claim serves it), its expired events move out, and what it can
+    /// hand out goes. While that is less than the claim wants, the lane's
+    /// next pieces are read and appended to the batch (a new batch when the
+    /// lane has none): an event out, however long, holds only the later
+    /// events of its own subject. The lane row is locked (without waiting:
+    /// [`pg::try_lock_row`] on the version read) only to move it, so a claim
+    /// that only serves the batch holds no lock on its lane.
     fn serve(&self, mut l: Lane, relid: pg_sys::Oid, left: usize) -> usize {
         let mut locked = false;
         let lock = |locked: &mut bool| {
@@ -660,109 +840,150 @@ impl Claim<'_> {
             *locked
         };
         let mut dirty = false;
+        let quiet = self.quiet.contains(&l.lane);
+        // The lane's batch, its lock held: (id, or None while not inserted;
+        // state; its rounds' workers; whether it changed).
+        let mut cur: Option<(Option<i64>, Batch, Holders, bool)> = None;
+        // The lane's batch when this claim has nothing to do with it but to
+        // append: its lock is taken only once there is something to append,
+        // so that its holders' acks do not wait for this claim (or, in a
+        // transaction block, for that transaction).
+        let mut later: Option<i64> = None;
         if let Some(id) = l.batch {
-            // A look without the lock first: a batch this claim has nothing to
-            // do with (its events out, none for long) is left alone, lock and
-            // all, so that its holder's acks do not wait for this claim to end
-            // (or, in a transaction block, for that transaction). Seen out of
-            // date, the next claim serves it.
-            if let Some(Loaded { batch: b, .. }) = load_batch(id) {
-                if !b.wants_claim(self.now, self.now.saturating_sub(self.hold.get())) {
-                    if !b.has_waiting() {
-                        self.held.borrow_mut().push(l.lane);
-                    }
-                    return 0;
-                }
-            }
-            if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id)) {
-                return 0; // an ack is changing it: the next claim serves it
-            }
-            if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(id) {
-                // Narrowed first: a batch whose handable events are all of other
-                // topics has nothing left for this claim once they move aside,
-                // and move_out then treats it as the stuck batch it is (its
-                // events out go aside for the lane's newer events, or the lane
-                // goes to the second pass), instead of seeing events to hand out.
-                let changed = self.narrow(l.lane, id, &mut b) | self.move_out(id, l.lane, l.pos, &mut b, &holders);
-                if !b.finished() {
-                    let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
-                    if picks.is_empty() {
-                        if changed {
-                            store_batch(id, &b);
-                        }
+            // A look without the lock first.
+            if let Some(Loaded { batch: b, deferred, .. }) = load_batch(id) {
+                // Deferred calls to apply make the claim take the batch too.
+                if !b.wants_claim(self.now) && !deferred {
+                    if quiet {
                         return 0;
                     }
-                    let expires = self.round_expires(l.lane, &b, &picks);
-                    let round = b.hand_out(&picks, self.now, expires, pg::strong_random());
-                    self.defer_round(id, l.lane, &b, holders.is_some(), &picks, round, expires);
-                    return picks.len();
+                    later = Some(id);
                 }
-                store_batch(id, &b);
             }
-            // The lane's batch is finished: the lane moves on.
-            if !lock(&mut locked) {
-                return 0;
+            if later.is_none() {
+                match self.take_batch(id) {
+                    Taken::Busy => return 0, // an ack is changing it: the next claim serves it
+                    Taken::Batch(c) => cur = Some(*c),
+                    Taken::Gone => {
+                        // Finished, and deleted by the ack that finished it.
+                        if !lock(&mut locked) {
+                            return 0;
+                        }
+                        l.batch = None;
+                        dirty = true;
+                    }
+                }
             }
-            l.batch = None;
-            dirty = true;
         }
-        // No batch in flight: the next piece of the open window, or a new window.
-        // The cursor may be taken before the lane is locked: the lock is taken
-        // on the version read before the cursor, or not at all, so the lane's
-        // last writer is visible in it.
-        let mut reading = self.in_block;
-        // A piece the claim hands nothing out of (outside the subscription's
-        // topics, delayed, behind a subject continuing in the exception table)
-        // makes the next read longer: a filtered subscription passes a
-        // stretch of other topics in one claim, not in one claim per `left`
-        // events of them.
-        let mut limit = left.min(super::batch::MAX_EVENTS);
-        for _ in 0..MAX_PIECES {
-            if !reading {
-                if !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
-                    break; // another claim is reading this lane
-                }
-                reading = true;
-            }
-            let (hi, fresh) = match &l.hi {
-                Some(h) => (h.clone(), false),
-                None => (cursor(), true),
+        let handable =
+            |cur: &Option<(Option<i64>, Batch, Holders, bool)>| cur.as_ref().map_or(0, |c| c.1.handable().len());
+        if handable(&cur) < left && !quiet {
+            // A claim outside a transaction block takes the lane's reading
+            // lock (see LANE_LOCK_KEY) before it reads the window.
+            let mut reading = self.in_block;
+            // A piece the claim hands nothing out of (outside the subscription's
+            // topics, delayed, behind a subject continuing in the exception
+            // table) makes the next read longer: a filtered subscription passes a
+            // stretch of other topics in one claim, not in one claim per `left`
+            // events of them.
+            let room = |cur: &Option<(Option<i64>, Batch, Holders, bool)>| {
+                super::batch::MAX_EVENTS - cur.as_ref().map_or(0, |c| c.1.len())
             };
-            let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(limit as i32));
-            if events.is_empty() && fresh {
-                break; // nothing new; the cursor stays (an empty window writes nothing)
-            }
-            if !lock(&mut locked) {
-                return 0;
-            }
-            if events.is_empty() {
-                // The open window is read to its end: the lane moves there.
-                l.lo = hi;
-                l.hi = None;
-                l.pos = None;
+            let mut limit = left.min(room(&cur));
+            for _ in 0..MAX_PIECES {
+                let want = left.saturating_sub(handable(&cur)).min(room(&cur));
+                if want == 0 {
+                    break;
+                }
+                if !reading {
+                    if !pg::try_advisory_xact_lock(LANE_LOCK_KEY, lane_lock_key(self.hash, l.lane)) {
+                        break; // another claim is reading this lane
+                    }
+                    reading = true;
+                }
+                let (hi, fresh) = match &l.hi {
+                    Some(h) => (h.clone(), false),
+                    None => (cursor(), true),
+                };
+                let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(limit.max(1) as i32));
+                if events.is_empty() && fresh {
+                    break; // nothing new; the cursor stays (an empty window writes nothing)
+                }
+                if !lock(&mut locked) {
+                    break;
+                }
+                if events.is_empty() {
+                    // The open window is read to its end: the lane moves there.
+                    l.lo = hi;
+                    l.hi = None;
+                    l.pos = None;
+                    dirty = true;
+                    continue;
+                }
+                if let Some(id) = later.take() {
+                    // Something to append: now the batch's lock.
+                    match self.take_batch(id) {
+                        Taken::Busy => break,
+                        Taken::Batch(c) => cur = Some(*c),
+                        Taken::Gone => {
+                            l.batch = None;
+                            dirty = true;
+                        }
+                    }
+                }
+                let skips = l.skips.clone();
+                let open = self.open_subjects(l.lane, &events, &skips);
+                if !self.cut(&mut events, &skips, &open, want, cur.as_ref().map(|c| &c.1)) {
+                    break; // the claim's budget of rows for the exception table is spent, or a subject is full
+                }
+                let piece = self.build(l.lane, &events, &skips, &open);
+                // Every event of the piece is read now: a skip among them is done
+                // with (each event is in exactly one window, src/log/mod.rs).
+                l.skips.retain(|id| !events.iter().any(|e| e.id == *id));
+                l.pos = events.last().map(|e| e.id);
+                l.hi = Some(hi);
                 dirty = true;
-                continue;
+                let gone: HashSet<u32> = (0..piece.len())
+                    .filter(|&i| piece.state(i) == super::batch::State::Parked)
+                    .filter_map(|i| piece.key(i))
+                    .collect();
+                let staying: Vec<(i64, Option<u32>)> = (0..piece.len())
+                    .filter(|&i| piece.state(i) == super::batch::State::Waiting)
+                    .map(|i| (piece.ids()[i], piece.key(i)))
+                    .collect();
+                match cur.as_mut() {
+                    Some((id, b, holders, changed)) => {
+                        if !gone.is_empty() {
+                            // Those subjects continue in the exception table,
+                            // whole (a batch not inserted yet has nothing out:
+                            // its id names no token).
+                            self.detach_keys(*id, l.lane, b, holders, &gone);
+                            *changed = true;
+                        }
+                        if !staying.is_empty() {
+                            b.append(&staying);
+                            *changed = true;
+                        }
+                    }
+                    None if !staying.is_empty() => cur = Some((None, Batch::new(&staying), None, true)),
+                    None => {}
+                }
+                if staying.is_empty() {
+                    limit = (limit * PIECE_GROWTH).min(MAX_PIECE_EVENTS.max(left)).min(room(&cur));
+                }
             }
-            let skips = l.skips.clone();
-            let open = self.open_subjects(l.lane, &events, &skips);
-            if !self.cut(&mut events, &skips, &open, left) {
-                break; // the claim's budget of rows for the exception table is spent
+        }
+        let Some((id, mut b, mut holders, mut changed)) = cur else {
+            if dirty {
+                put_lane(self.req.subscription, &l);
             }
-            let mut b = self.build(l.lane, &events, &skips, &open);
-            // Every event of the piece is read now: a skip among them is done
-            // with (each event is in exactly one window, src/log/mod.rs).
-            l.skips.retain(|id| !events.iter().any(|e| e.id == *id));
-            l.pos = events.last().map(|e| e.id);
-            l.hi = Some(hi);
-            dirty = true;
-            if b.finished() {
-                // Every event done or moved: nothing to lease here. Read on.
-                limit = (limit * PIECE_GROWTH).min(MAX_PIECE_EVENTS.max(left)).min(super::batch::MAX_EVENTS);
-                continue;
-            }
+            return 0;
+        };
+        let Some(id) = id else {
+            // A new batch: its first round goes out with its insert. The state
+            // does not depend on the batch id, which the insert draws: the
+            // tokens get it after.
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
-            // The state does not depend on the batch id, which the insert draws:
-            // the tokens get it after.
             let expires = self.round_expires(l.lane, &b, &picks);
             b.hand_out(&picks, self.now, expires, pg::strong_random());
             let args = [self.req.subscription.into(), l.lane.into(), b.encode().into(), self.req.worker.into()];
@@ -772,19 +993,69 @@ impl Claim<'_> {
                 id
             })
             .unwrap_or_else(|| errors::raise(errors::INTERNAL, "the batch insert returned no id"));
-            let tokens = tokens_of(id, &b, &picks);
             // A new batch id, known to nobody else yet: nobody holds its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             l.batch = Some(id);
             put_lane(self.req.subscription, &l);
-            let ids: Vec<i64> = picks.iter().map(|&p| b.ids()[p]).collect();
-            self.emit(l.lane, &ids, dense(&picks, &ids), &tokens, expires);
+            let (ids, tokens) = sorted_picks(id, &b, &picks);
+            self.emit(l.lane, &ids, dense_ids(&ids), &tokens, expires);
             return picks.len();
+        };
+        // Drop what is finished once it is much of the batch: the acked events
+        // go to outbox.log_delivered (their delivery time, at claim precision).
+        let mut compacted = false;
+        if b.finished() || b.finished_count() >= COMPACT_AT.max(b.len() / 2) {
+            let c = b.compact();
+            if !c.done.is_empty() {
+                let args = [self.req.subscription.into(), l.lane.into(), Batch::delivered(&c.done).encode().into()];
+                plans::run_latest(&DELIVERED_INSERT, &args, |_| ());
+            }
+            holders = holders.map(|h| c.rounds_from.iter().map(|&r| holder(Some(&h), Some(r))).collect());
+            compacted = true;
+            changed = true;
+        }
+        if b.is_empty() {
+            // Nothing left in flight: the batch goes, when the lane can move.
+            if lock(&mut locked) {
+                plans::run_latest(&BATCH_DELETE, &[id.into()], |_| ());
+                l.batch = None;
+                dirty = true;
+            } else if changed {
+                put_batch(id, &b, compacted.then_some(&holders));
+            }
+            if dirty {
+                put_lane(self.req.subscription, &l);
+            }
+            return 0;
+        }
+        let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
+        if picks.is_empty() {
+            if changed {
+                put_batch(id, &b, compacted.then_some(&holders));
+            }
+            if dirty {
+                put_lane(self.req.subscription, &l);
+            }
+            return 0;
+        }
+        let expires = self.round_expires(l.lane, &b, &picks);
+        let round = b.hand_out(&picks, self.now, expires, pg::strong_random());
+        if compacted {
+            // The rounds were renumbered: the whole list of workers is written.
+            if let Some(h) = holders.as_mut() {
+                h.resize(usize::from(round), None);
+                h[usize::from(round) - 1] = Some(self.req.worker.to_string());
+            }
+            put_batch(id, &b, Some(&holders));
+            let (ids, tokens) = sorted_picks(id, &b, &picks);
+            self.emit(l.lane, &ids, dense_ids(&ids), &tokens, expires);
+        } else {
+            self.defer_round(id, l.lane, &b, holders.is_some(), &picks, round, expires);
         }
         if dirty {
             put_lane(self.req.subscription, &l);
         }
-        0
+        picks.len()
     }
 }
 
@@ -798,9 +1069,10 @@ thread_local! {
 /// Most cursors [`SETTLED`] keeps (lanes move on; old cursors are never asked about again).
 const SETTLED_MAX: usize = 256;
 
-/// The lanes of `all` that a claim can pass by: no batch in flight, no window
-/// open, and nothing in the window from their cursor up to a snapshot taken
-/// now ([`LANES_WITH_NEWS`], one statement for them all).
+/// The lanes of `all` whose window is empty: no window open, and nothing in
+/// the window from their cursor up to a snapshot taken now
+/// ([`LANES_WITH_NEWS`], one statement for them all). A claim reads nothing
+/// from them, and passes them by unless their batch has something to hand out.
 ///
 /// **Passing such a lane by changes nothing a claim would have done.**
 /// [`Claim::serve`] reads the same window (the same definition, through the
@@ -831,7 +1103,7 @@ const SETTLED_MAX: usize = 256;
 /// lane, the cursor and the log) and only the branch of ids above `m` is
 /// probed for it.
 fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
-    let idle: Vec<&Lane> = all.iter().filter(|l| l.batch.is_none() && l.hi.is_none() && l.pos.is_none()).collect();
+    let idle: Vec<&Lane> = all.iter().filter(|l| l.hi.is_none() && l.pos.is_none()).collect();
     if idle.is_empty() {
         return Vec::new();
     }
@@ -908,6 +1180,7 @@ pub fn piece_end(
     events: &[WindowEvent],
     owed: impl Fn(&WindowEvent) -> bool,
     diverted: impl Fn(&WindowEvent) -> bool,
+    already: impl Fn(&str) -> usize,
     k: usize,
     budget: usize,
 ) -> (usize, usize) {
@@ -935,7 +1208,7 @@ pub fn piece_end(
                 return (i, sent);
             }
             if let Some(s) = subject {
-                let n = per_subject.entry(s).or_insert(0);
+                let n = per_subject.entry(s).or_insert_with(|| already(s));
                 if *n == MAX_SUBJECT_EVENTS {
                     return (i, sent);
                 }
@@ -993,6 +1266,8 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             plans::run_latest(&SUBSCRIBE_LISTED, &args, |_| ());
             all = lanes(req.subscription);
         }
+        let start = start_lane();
+        all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
         let claim = Claim {
             req,
             own: own_filter(req.settings),
@@ -1001,53 +1276,22 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             out: &out,
             moved: Cell::new(false),
             topic_leases: !req.lease_fixed && crate::topics::any_default_lease(),
-            hold: Cell::new(LANE_HOLD_US),
-            held: Default::default(),
+            quiet: quiet_lanes(&all),
             in_block: pg::in_transaction_block(),
             hash: pg::hashtext(req.subscription),
             pending: Default::default(),
             divert_budget: Cell::new(DIVERT_BUDGET),
         };
-        let start = start_lane();
-        all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
-        let quiet = quiet_lanes(&all);
         for l in all {
             if left == 0 {
                 break;
             }
-            if quiet.contains(&l.lane) {
+            if l.batch.is_none() && claim.quiet.contains(&l.lane) {
                 continue;
             }
             left -= claim.serve(l, relid, left);
         }
-        // Short: the lanes whose batch held newer events back go on now,
-        // whatever the age of the events out, when that batch has nothing
-        // left to hand out (its events are all out or done): the events out
-        // move aside, one row each, and the lane's newer events, which wait
-        // for no earlier event of theirs, go out. A batch with an event out
-        // that has a subject, or with events waiting behind one, is left to
-        // LANE_HOLD_US: moving it aside now would send that subject's later
-        // events, in this batch and the lane's next ones, to the exception
-        // table, one row each, and under a steady drain of many subjects
-        // every batch's last round would (bench scenario 10: 4 workers at
-        // batch 500 over 1,000 subjects fell to 0.04x without subjects).
-        // Not in a transaction block: moving events aside changes their batch,
-        // which would then stay locked until that transaction ends, and its
-        // holder's ack would wait for it (README, "Transactional workers").
-        // The second pass reads its batches afresh: this pass's rounds are
-        // written first.
         claim.flush();
-        let held = claim.held.take();
-        if left > 0 && !held.is_empty() && !claim.in_block {
-            claim.hold.set(0);
-            for l in lanes(req.subscription).into_iter().filter(|l| held.contains(&l.lane)) {
-                if left == 0 {
-                    break;
-                }
-                left -= claim.serve(l, relid, left);
-            }
-            claim.flush();
-        }
         if left > 0 && claim.moved.get() {
             // Expired events it moved are due now: hand them out at once.
             exceptions::claim(req, now, left, &out);
@@ -1169,7 +1413,7 @@ pub fn log_subscription_stats(
                 .map(|i| b.ids()[i])
                 .collect();
             lag += owed.len() as i64;
-            note(owed.first().copied(), l.lane);
+            note(owed.iter().min().copied(), l.lane);
             in_flight += b.out_unexpired(now) as i64;
         }
     }
@@ -1245,7 +1489,7 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
         return 0;
     };
     pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
-    let Some(loaded) = load_batch(batch) else { return 0 };
+    let Some(mut loaded) = load_locked(batch) else { return 0 };
     let ids = loaded.batch.ids().to_vec();
     let mine: Vec<i64> = plans::run_latest(&OF_SUBJECT, &[lane.into(), ids.into(), subject.into()], |rows| {
         let mut out = Vec::new();
@@ -1253,12 +1497,11 @@ pub fn log_detach_subject(subscription: Option<&str>, subject: Option<&str>) -> 
         out
     });
     let positions: Vec<usize> = mine.iter().filter_map(|id| loaded.batch.position(*id)).collect();
+    if loaded.changed {
+        put_loaded(batch, &mut loaded);
+    }
     detach_positions(subscription, lane, batch, loaded, &positions)
 }
-
-/// An event taken out of its batch: its position, and, when it was out, its
-/// round, token and lease expiry.
-type Detached = (usize, Option<(u16, Token, i64)>);
 
 /// Take the events at `positions` out of batch `batch` (`b`, lane `lane`,
 /// its advisory lock held) into the exception table: waiting ones parked,
@@ -1266,29 +1509,13 @@ type Detached = (usize, Option<(u16, Token, i64)>);
 /// Returns how many moved.
 pub(super) fn detach_positions(subscription: &str, lane: i16, batch: i64, loaded: Loaded, positions: &[usize]) -> i32 {
     let Loaded { batch: mut b, holders, .. } = loaded;
-    let rounds: Vec<Detached> = b
-        .detach(positions)
-        .into_iter()
-        .map(|(i, r)| (i, r.and_then(|r| Some((r, b.token_in_round(batch, i, r)?, b.round_expiry(r)?)))))
-        .collect();
-    if rounds.is_empty() {
+    let now = pg::now();
+    let detached = b.detach(positions);
+    if detached.is_empty() {
         return 0;
     }
-    let now = pg::now();
-    let mut rows: Vec<Moved> = rounds
-        .iter()
-        .map(|&(i, out)| match out {
-            Some((round, t, expires)) => Moved {
-                id: b.ids()[i],
-                kind: Kind::Leased,
-                visible_at: expires,
-                token: Some(pgrx::Uuid::from_bytes(t.to_bytes())),
-                error: None,
-                worker: holder(holders.as_deref(), Some(round)),
-            },
-            None => Moved::parked(b.ids()[i], now),
-        })
-        .collect();
+    let mut rows: Vec<Moved> =
+        detached.into_iter().map(|(i, round)| leave(batch, &b, i, round, &holders, now)).collect();
     rows.sort_unstable_by_key(|m| m.id);
     let settings = crate::subscriptions::lookup(subscription).unwrap_or_default();
     exceptions::insert(subscription, &settings, lane, &rows, None);
@@ -1310,9 +1537,25 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
         }
     }
     let mut acked = 0;
-    // Batches in id order: two acks of overlapping batches take their locks in
-    // one order and cannot deadlock on them. Then one read of them all, under
-    // a snapshot taken after the last lock.
+    if pg::in_transaction_block() {
+        // Deferred to the commit (src/log/deferred.rs): no batch row or lock.
+        for (batch, items) in by_batch {
+            for (id, token) in items {
+                match deferred::ack(batch, id, token) {
+                    Some(_) => acked += 1,
+                    None => rows.push((id, token)),
+                }
+            }
+        }
+        let (ids, tokens): (Vec<i64>, Vec<pgrx::Uuid>) = rows.into_iter().unzip();
+        return acked + exceptions::ack(ids, tokens).len();
+    }
+    // Holds first (a transaction's deferred call on one of these events
+    // commits before this reads it), then batches in id order: two acks of
+    // overlapping batches take their locks in one order and cannot deadlock
+    // on them. Then one read of them all, under a snapshot taken after the
+    // last lock.
+    deferred::wait_holds(by_batch.iter().flat_map(|(&b, items)| items.iter().map(move |(id, _)| (b, *id))).collect());
     let ids: Vec<i64> = by_batch.keys().copied().collect();
     for &batch in &ids {
         pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(batch));
@@ -1320,7 +1563,7 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
     let mut states = if ids.is_empty() { HashMap::new() } else { load_batches(ids) };
     let mut puts: (Vec<i64>, Vec<Vec<u8>>) = (Vec::new(), Vec::new());
     for (batch, items) in by_batch {
-        let Some(mut b) = states.remove(&batch) else {
+        let Some((mut b, folded)) = states.remove(&batch) else {
             rows.extend(items); // finished: a moved event may be in the exception table
             continue;
         };
@@ -1332,7 +1575,7 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
                 Err(_) => rows.push((id, token)),
             }
         }
-        if acked == before {
+        if acked == before && !folded {
             continue;
         }
         if b.finished() {
@@ -1353,47 +1596,21 @@ pub fn ack(pairs: Vec<(i64, pgrx::Uuid)>) -> usize {
 pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, permanent: bool) -> &'static str {
     if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
         let t = Token::from_bytes(*token.as_bytes());
-        pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
-        if let Some(Loaded { batch: mut b, lane, subscription, holders }) = load_batch(t.batch) {
-            let round = b.position(id).and_then(|i| b.round_of(i));
-            if let Ok(parked) = b.park(id, t) {
-                let settings = crate::subscriptions::lookup(&subscription).unwrap_or_default();
-                let (max_attempts, base, cap) = plans::run_latest(&FAIL_INFO, &[lane.into(), id.into()], |rows| {
-                    let mut out = (1, None, None);
-                    rows.for_each(|r| out = (r.i32(0).unwrap_or(1), r.interval(1), r.interval(2)));
-                    out
-                });
-                let (state, delay) = settings.failure(1, max_attempts, base, cap, retry_in, permanent);
-                if state == "dead" && settings.dead_letter_policy.is_none() {
-                    // Before the dead letter is written: a concurrent
-                    // alter_topic either is read by its insert (a snapshot
-                    // taken after the lock) or sees it (invariant 4).
-                    exceptions::lock_topic_of(lane, id);
-                }
-                let now = pg::now();
-                let mut moved: Vec<Moved> = parked
-                    .iter()
-                    .map(|&p| {
-                        if p == parked[0] {
-                            Moved {
-                                id,
-                                kind: if state == "dead" { Kind::Dead } else { Kind::Retry },
-                                visible_at: now.saturating_add(delay),
-                                token: None,
-                                error: Some(error.to_string()),
-                                worker: holder(holders.as_deref(), round),
-                            }
-                        } else {
-                            Moved::parked(b.ids()[p], now)
-                        }
-                    })
-                    .collect();
-                moved.sort_unstable_by_key(|m| m.id);
-                if !exceptions::insert(&subscription, &settings, lane, &moved, Some(t.batch)) {
-                    return "stale"; // the subscription was dropped meanwhile
-                }
-                store_batch(t.batch, &b);
+        if pg::in_transaction_block() {
+            if let Some(state) = deferred::fail(t.batch, id, token, error, retry_in, permanent) {
                 return state;
+            }
+        } else {
+            deferred::wait_holds(vec![(t.batch, id)]);
+            pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
+            if let Some(mut l) = load_locked(t.batch) {
+                let state = fail_in_batch(t.batch, &mut l, id, t, error, retry_in, permanent, pg::now());
+                if state != Some("stale") && l.changed {
+                    put_loaded(t.batch, &mut l);
+                }
+                if let Some(state) = state {
+                    return state;
+                }
             }
         }
     }
@@ -1404,23 +1621,34 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
 pub fn extend(id: i64, token: pgrx::Uuid, lease: Interval, lease_us: i64) -> Option<TimestampWithTimeZone> {
     if super::batch::token_kind(token.as_bytes()) == TokenKind::Batch {
         let t = Token::from_bytes(*token.as_bytes());
-        pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
-        if let Some(Loaded { batch: mut b, holders, .. }) = load_batch(t.batch) {
-            let expires = pg::now().saturating_add(lease_us);
-            if let Ok((from, to)) = b.extend(id, t, expires) {
-                match holders {
-                    // The event's lease of its own keeps its worker.
-                    Some(mut h) if from != to => {
-                        let worker = holder(Some(&h), Some(from));
-                        h.resize(usize::from(to), None);
-                        h[usize::from(to) - 1] = worker;
-                        plans::run_latest(&BATCH_PUT_HOLDERS, &[t.batch.into(), b.encode().into(), h.into()], |_| ());
-                    }
-                    _ => {
-                        store_batch(t.batch, &b);
-                    }
+        if pg::in_transaction_block() {
+            if let Some(at) = deferred::extend(t.batch, id, token, lease_us) {
+                return Some(at);
+            }
+        } else {
+            deferred::wait_holds(vec![(t.batch, id)]);
+            pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
+            if let Some(mut l) = load_locked(t.batch) {
+                let expires = pg::now().saturating_add(lease_us);
+                let d = deferred::Deferred {
+                    id,
+                    token: *token.as_bytes(),
+                    call: deferred::Kind::Extend { lease_us },
+                    at: pg::now(),
+                };
+                let extended = l.batch.position(id).is_some() && l.batch.holder(id, t).is_ok();
+                if extended {
+                    apply_deferred(t.batch, &mut l, &d);
+                    put_loaded(t.batch, &mut l);
+                    let round = l.batch.position(id).and_then(|i| l.batch.round_of(i));
+                    return round
+                        .and_then(|r| l.batch.round_expiry(r))
+                        .map(pg::timestamptz)
+                        .or(Some(pg::timestamptz(expires)));
                 }
-                return b.round_expiry(to).map(pg::timestamptz);
+                if l.changed {
+                    put_loaded(t.batch, &mut l);
+                }
             }
         }
     }
@@ -1446,19 +1674,19 @@ mod tests {
         events.push(ev(101, "a.x", None));
         events.push(ev(102, "a.x", None));
         // k = 1: the piece runs through the other topics to the first owed event.
-        assert_eq!(piece_end(&events, owed, |_| false, 1, 0), (101, 0));
-        assert_eq!(piece_end(&events, owed, |_| false, 2, 0), (102, 0));
+        assert_eq!(piece_end(&events, owed, |_| false, |_| 0, 1, 0), (101, 0));
+        assert_eq!(piece_end(&events, owed, |_| false, |_| 0, 2, 0), (102, 0));
     }
 
     #[pg_test]
     fn a_piece_caps_a_subject_that_stays_and_not_one_that_goes() {
         let events: Vec<WindowEvent> = (1..=40).map(|i| ev(i, "a.x", Some("s"))).collect();
-        assert_eq!(piece_end(&events, owed, |_| false, 100, 0), (MAX_SUBJECT_EVENTS, 0));
+        assert_eq!(piece_end(&events, owed, |_| false, |_| 0, 100, 0), (MAX_SUBJECT_EVENTS, 0));
         // Diverted (its subject continues in the exception table): no cap, the budget counts.
-        assert_eq!(piece_end(&events, owed, |_| true, 100, 1024), (40, 40));
-        assert_eq!(piece_end(&events, owed, |_| true, 100, 25), (25, 25));
+        assert_eq!(piece_end(&events, owed, |_| true, |_| 0, 100, 1024), (40, 40));
+        assert_eq!(piece_end(&events, owed, |_| true, |_| 0, 100, 25), (25, 25));
         // A spent budget ends the piece before its first diverted event.
-        assert_eq!(piece_end(&events, owed, |_| true, 100, 0), (0, 0));
+        assert_eq!(piece_end(&events, owed, |_| true, |_| 0, 100, 0), (0, 0));
     }
 
     #[pg_test]
@@ -1466,7 +1694,7 @@ mod tests {
         // s's second event is delayed: every later event of s goes too, and counts.
         let events =
             vec![ev(1, "a.x", Some("s")), ev(2, "a.x", Some("s")), ev(3, "a.x", Some("s")), ev(4, "a.x", None)];
-        assert_eq!(piece_end(&events, owed, |e| e.id == 2, 10, 2), (4, 2));
-        assert_eq!(piece_end(&events, owed, |e| e.id == 2, 10, 1), (2, 1));
+        assert_eq!(piece_end(&events, owed, |e| e.id == 2, |_| 0, 10, 2), (4, 2));
+        assert_eq!(piece_end(&events, owed, |e| e.id == 2, |_| 0, 10, 1), (2, 1));
     }
 }

@@ -82,6 +82,7 @@
 pub mod batch;
 pub mod cancel;
 pub mod claim;
+pub mod deferred;
 pub mod due;
 pub mod exceptions;
 pub mod restore;

@@ -130,3 +130,16 @@ pub fn log_delivered(
     });
     TableIterator::new(out)
 }
+
+/// `outbox._log_batch_min(state bytea) -> bigint`: the smallest id of the
+/// events of a batch (its `outbox.log_batches.state`) that still need their
+/// row in the log: waiting or out (a parked one has a row of its own, a done
+/// one needs nothing). NULL when there is none, or for bytes that are not a
+/// batch. For retention (`outbox._log_readers_passed`): a batch slides past
+/// its lane's cursor, so the cursor alone no longer says what the ring holds
+/// for a reader.
+#[pg_extern(name = "_log_batch_min", immutable, strict, parallel_safe)]
+pub fn log_batch_min(state: &[u8]) -> Option<i64> {
+    let b = Batch::decode(state).ok()?;
+    (0..b.len()).filter(|&i| matches!(b.state(i), State::Waiting | State::Out(_))).map(|i| b.ids()[i]).min()
+}

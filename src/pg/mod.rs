@@ -76,14 +76,23 @@ pub fn hashtext(s: &str) -> i32 {
 /// ends with its transaction.
 pub const LOCK_SPACE: u16 = 0x6f62;
 
+/// The lock space of the holds of calls deferred to their commit
+/// (src/log/deferred.rs): a transaction that acks, fails or extends a batch
+/// event in a transaction block holds (batch, event) here until it ends.
+pub const HOLD_SPACE: u16 = 0x6f63;
+
 fn lock_tag(k1: i32, k2: i32) -> pg_sys::LOCKTAG {
+    space_tag(k1, k2, LOCK_SPACE)
+}
+
+fn space_tag(k1: i32, k2: i32, space: u16) -> pg_sys::LOCKTAG {
     pg_sys::LOCKTAG {
         // SAFETY: MyDatabaseId is set once a backend has connected, before any
         // SQL function can run.
         locktag_field1: unsafe { pg_sys::MyDatabaseId }.to_u32(),
         locktag_field2: k1 as u32,
         locktag_field3: k2 as u32,
-        locktag_field4: LOCK_SPACE,
+        locktag_field4: space,
         locktag_type: pg_sys::LockTagType::LOCKTAG_ADVISORY as u8,
         locktag_lockmethodid: pg_sys::USER_LOCKMETHOD as u8,
     }
@@ -115,6 +124,33 @@ pub fn advisory_xact_lock_shared(k1: i32, k2: i32) {
 /// Take the lock (k1, k2) in share mode if no one holds it exclusively, never wait.
 pub fn try_advisory_xact_lock_shared(k1: i32, k2: i32) -> bool {
     acquire(k1, k2, pg_sys::ShareLock, true)
+}
+
+/// How a hold in [`HOLD_SPACE`] is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HoldMode {
+    /// One event's hold: conflicts with itself.
+    Event,
+    /// A transaction's hold of a whole batch (past its cap of event holds):
+    /// conflicts with [`HoldMode::Test`] only.
+    Coarse,
+    /// A claim's test that no transaction holds a batch coarsely: conflicts
+    /// with [`HoldMode::Coarse`] only.
+    Test,
+}
+
+/// Take the hold (k1, k2) in `mode` until transaction end; waits when `wait`,
+/// else returns false when another transaction holds a conflicting one.
+pub fn hold(k1: i32, k2: i32, mode: HoldMode, wait: bool) -> bool {
+    let tag = space_tag(k1, k2, HOLD_SPACE);
+    let mode = match mode {
+        HoldMode::Event => pg_sys::ExclusiveLock,
+        HoldMode::Coarse => pg_sys::ShareLock,
+        HoldMode::Test => pg_sys::RowExclusiveLock,
+    };
+    // SAFETY: a transaction-level lock on a tag of ours, as in acquire().
+    let r = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, !wait) };
+    r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
 }
 
 fn release(k1: i32, k2: i32, mode: u32) {

@@ -371,6 +371,17 @@ impl Row {
         unsafe { Vec::<u8>::from_datum(self.values[i], self.nulls[i]) }
     }
 
+    /// uuid column `i` (0-based), copied; None when NULL or of another type.
+    pub fn uuid(&self, i: usize) -> Option<[u8; 16]> {
+        if self.types[i] != pg_sys::UUIDOID || self.nulls[i] {
+            return None;
+        }
+        let mut out = [0u8; 16];
+        // SAFETY: a uuid datum points to its 16 bytes in the live tuple table.
+        unsafe { std::ptr::copy_nonoverlapping(self.values[i].cast_mut_ptr::<u8>(), out.as_mut_ptr(), 16) };
+        Some(out)
+    }
+
     pub(super) fn types(&self) -> &[pg_sys::Oid] {
         &self.types
     }

@@ -213,22 +213,6 @@ macro_rules! listed {
 pub const SUBSCRIBE_LISTED: Stmt =
     Stmt { sql: subscribe_sql!(", start_snap", ", $2::pg_snapshot", listed!()), types: SUBSCRIBE_TYPES };
 
-/// Whether lane $1 holds an event above id $2 (a batch's slow events would
-/// hold it back). The first such id in index order, not EXISTS: the planner
-/// drops an EXISTS subquery's LIMIT and read every later id of the lane into
-/// a bitmap (1.5 ms behind a backlog of 6,000, against 0.2 ms).
-pub const LANE_HAS_MORE: Stmt = Stmt {
-    sql: "/* generic plan */ SELECT (SELECT e.id FROM outbox.log e WHERE e.lane = $1 AND e.id > $2 \
-                                      ORDER BY e.id LIMIT 1) IS NOT NULL",
-    types: &[pg_sys::INT2OID, pg_sys::INT8OID],
-};
-
-/// Whether one of events $2 of lane $1 has a subject.
-pub const ANY_SUBJECT: Stmt = Stmt {
-    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2) AND l.subject IS NOT NULL)",
-    types: &[pg_sys::INT2OID, pg_sys::INT8ARRAYOID],
-};
-
 /// The topics of events $2 of lane $1.
 pub const TOPICS_OF: Stmt = Stmt {
     sql: "SELECT l.id, l.topic FROM outbox.log l WHERE l.lane = $1 AND l.id = ANY ($2)",
@@ -277,14 +261,65 @@ pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_
 /// A batch's state, lane, subscription and the workers of its rounds (read
 /// under the batch's advisory lock).
 pub const BATCH_GET: Stmt = Stmt {
-    sql: "SELECT state, lane, subscription, leased_by FROM outbox.log_batches WHERE id = $1",
+    sql: "SELECT state, lane, subscription, leased_by, \
+                 EXISTS (SELECT 1 FROM outbox.log_deferred d WHERE d.batch = $1) \
+            FROM outbox.log_batches WHERE id = $1",
     types: &[pg_sys::INT8OID],
 };
 
 /// The states of batches $1 (those that still exist), for an ack of
 /// events of several batches: one statement, not one per batch.
-pub const BATCH_GET_MANY: Stmt =
-    Stmt { sql: "SELECT id, state FROM outbox.log_batches WHERE id = ANY ($1)", types: &[pg_sys::INT8ARRAYOID] };
+pub const BATCH_GET_MANY: Stmt = Stmt {
+    sql: "SELECT b.id, b.state, EXISTS (SELECT 1 FROM outbox.log_deferred d WHERE d.batch = b.id) \
+            FROM outbox.log_batches b WHERE b.id = ANY ($1)",
+    types: &[pg_sys::INT8ARRAYOID],
+};
+
+/// A call deferred to its transaction's commit (src/log/deferred.rs): batch
+/// $1, event $2, token $3, call $4 ('a', 'f', 'e'), made at $5, with $6
+/// (microseconds), $7 (permanent) and $8 (error).
+pub const DEFERRED_INSERT: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_deferred (batch, id, token, call, at, us, permanent, error) \
+          VALUES ($1, $2, $3, $4::\"char\", $5, $6, $7, $8)",
+    types: &[
+        pg_sys::INT8OID,
+        pg_sys::INT8OID,
+        pg_sys::UUIDOID,
+        pg_sys::TEXTOID,
+        pg_sys::TIMESTAMPTZOID,
+        pg_sys::INT8OID,
+        pg_sys::BOOLOID,
+        pg_sys::TEXTOID,
+    ],
+};
+
+/// The deferred calls on batch $1 this transaction sees (committed ones not
+/// yet applied, and its own), in the order they were made.
+pub const DEFERRED_OF: Stmt = Stmt {
+    sql: "SELECT id, token, call::text, at, us, permanent, error FROM outbox.log_deferred \
+           WHERE batch = $1 ORDER BY seq",
+    types: &[pg_sys::INT8OID],
+};
+
+/// [`DEFERRED_OF`], deleting them: for the holder of the batch's lock, which
+/// applies them.
+pub const DEFERRED_TAKE: Stmt = Stmt {
+    sql: "WITH d AS (DELETE FROM outbox.log_deferred WHERE batch = $1 \
+                     RETURNING seq, id, token, call, at, us, permanent, error) \
+          SELECT id, token, call::text, at, us, permanent, error FROM d ORDER BY seq",
+    types: &[pg_sys::INT8OID],
+};
+
+/// Deferred calls whose batch is gone (finished, or its subscription
+/// dropped), deleted, for the maintenance sweep that forwards them to the
+/// events' rows of their own.
+pub const DEFERRED_ORPHANS: Stmt = Stmt {
+    sql: "WITH d AS (DELETE FROM outbox.log_deferred d \
+                      WHERE NOT EXISTS (SELECT 1 FROM outbox.log_batches b WHERE b.id = d.batch) \
+                     RETURNING seq, id, token, call, at, us, permanent, error) \
+          SELECT id, token, call::text, at, us, permanent, error FROM d ORDER BY seq",
+    types: &[],
+};
 
 /// Write the states $2 of batches $1 (in order) in one statement.
 pub const BATCH_PUT_MANY: Stmt = Stmt {
@@ -344,6 +379,15 @@ pub const BATCH_PUT: Stmt = Stmt {
 
 pub const BATCH_DELETE: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
+
+/// The acked events $3 (a finished batch's encoding) that a claim dropped
+/// from subscription $1's batch of lane $2 when it compacted it
+/// (src/log/claim.rs), with the time: their delivery time, for the views.
+pub const DELIVERED_INSERT: Stmt = Stmt {
+    sql: "INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
+          VALUES ($1, $2, statement_timestamp(), $3)",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
+};
 
 /// [`BATCH_DELETE`] that keeps the finished batch's encoding $2 in
 /// `outbox.log_delivered` when $3 (some event was acked from it).
