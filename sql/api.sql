@@ -119,7 +119,7 @@ COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
 'Mark a leased event delivered for its subscription (in its batch; an event with a row of its own keeps it, state delivered, as its attempt history until retention). Returns true when lease_token is the event''s current token, '
 'false otherwise (stale or unknown token, unknown id, NULL arguments): no error, nothing changes. '
 'The exception: in a read-only transaction or on a standby, PostgreSQL raises 25006 for any non-NULL id and token (the call writes, whatever the token). '
-'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. A fenced ack, as in awa.';
+'Inside a transaction block it takes effect iff that transaction commits, as it commits; until then the event stays out, even past its lease. At READ COMMITTED and REPEATABLE READ it raises neither 40001 nor 40P01, in autocommit or in a transaction block; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. A fenced ack, as in awa.';
 
 CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
 LANGUAGE c VOLATILE PARALLEL UNSAFE
@@ -146,7 +146,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 'Arguments: error (text kept as last_error and appended to the attempt history, which keeps the first failure, {"omitted": n} and the latest 18 once it holds 20 entries; NULL is stored as ''(no error text)''; truncated to 8 kB), '
 'retry_in (delay before the retry, >= 0 and <= 365 days; NULL = capped exponential backoff: base * 2^(attempt-1) capped at backoff_max, equal jitter, never zero), '
 'permanent (true dead-letters at once). max_attempts, the backoff and the dead-letter policy are the subscription''s (outbox.alter_subscription), else the topic''s, else the GUCs''. NULL id or lease_token returns ''stale''. Errors (raised before any change): 22004 NULL permanent; 22023 negative or over-long retry_in. '
-'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
+'Inside a transaction block it takes effect iff that transaction commits, as it commits; until then the event stays out, even past its lease. At READ COMMITTED and REPEATABLE READ it raises neither 40001 nor 40P01, in autocommit or in a transaction block; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
 'Backoff and dead letters after max_attempts as in River, Oban and pg-boss.';
 
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
@@ -157,7 +157,7 @@ AS 'MODULE_PATHNAME', 'outbox_extend_lease';
 COMMENT ON FUNCTION outbox.extend_lease(bigint, uuid, interval) IS
 'Heartbeat: set the lease expiry to clock_timestamp() + lease. Returns the new expiry (timestamptz), or NULL when the token is stale. '
 'Arguments: lease (interval > 0, <= outbox.max_lease). Errors: 22004 NULL lease; 22023 zero, negative or over-long lease. '
-'At READ COMMITTED and REPEATABLE READ, in a transaction of its own, it raises neither 40001 nor 40P01; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
+'Inside a transaction block it takes effect iff that transaction commits, as it commits; until then the event stays out, even past its lease. At READ COMMITTED and REPEATABLE READ it raises neither 40001 nor 40P01, in autocommit or in a transaction block; at SERIALIZABLE it may raise 40001, as any serializable transaction may: retry the transaction. '
 'Workers should extend about every lease/3, so one missed heartbeat does not lose the lease.';
 
 CREATE FUNCTION outbox.backoff_delay(

@@ -319,10 +319,12 @@ fn fail_in_batch(
         .collect();
     moved.sort_unstable_by_key(|m| m.id);
     l.changed = true;
-    if !exceptions::insert(&l.subscription, &settings, l.lane, &moved, Some(batch)) {
-        return Some("stale"); // the subscription was dropped meanwhile
+    match exceptions::insert(&l.subscription, &settings, l.lane, &moved, Some(batch)) {
+        None => Some("stale"), // the subscription was dropped meanwhile
+        // Lost to the subscription's max_lag: its holder's fail() is stale.
+        Some(missing) if missing.contains(&id) => Some("stale"),
+        Some(_) => Some(state),
     }
-    Some(state)
 }
 
 /// The state kept in batch row `id`; bytes that do not decode are refused, not trusted (XX001).
@@ -682,7 +684,7 @@ impl Claim<'_> {
             return;
         }
         rows.sort_unstable_by_key(|m| m.id);
-        if !exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, id) {
+        if exceptions::insert(self.req.subscription, self.req.settings, lane, &rows, id).is_none() {
             // The batch row is gone although this claim holds its lock:
             // only drop_subscription deletes a locked batch's row, and the
             // claim's lane rows went with it. Nothing may be dropped silently.
@@ -1605,7 +1607,7 @@ pub fn fail(id: i64, token: pgrx::Uuid, error: &str, retry_in: Option<i64>, perm
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(t.batch));
             if let Some(mut l) = load_locked(t.batch) {
                 let state = fail_in_batch(t.batch, &mut l, id, t, error, retry_in, permanent, pg::now());
-                if state != Some("stale") && l.changed {
+                if l.changed {
                     put_loaded(t.batch, &mut l);
                 }
                 if let Some(state) = state {

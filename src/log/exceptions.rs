@@ -62,8 +62,8 @@
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY, EXC_FAIL_LOCK,
-    EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC,
+    BATCH_EXISTS, EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY,
+    EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, NOTE_LOST, SUB_HAS_MAX_LAG,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, pg};
@@ -121,12 +121,26 @@ impl Moved {
 
 /// Copy the events `moved` of lane `lane` from the log into subscription
 /// `subscription`'s exception rows. With `batch`, only while that batch row
-/// exists (its key locked until commit): false when it is gone, because
+/// exists (its key locked until commit): None when it is gone, because
 /// drop_subscription removed it (which then waits for this transaction before
-/// it removes the rows, so none outlives the subscription).
-pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved], batch: Option<i64>) -> bool {
+/// it removes the rows, so none outlives the subscription). Else the ids of
+/// the events the log no longer holds.
+///
+/// Every id came from the lane's window and retention waits for readers, so
+/// the log holds them, except where a subscription's `max_lag` let retention
+/// pass it: then the missing events are lost to it, and those that were out
+/// or failed are counted in its `lost_events` now (the log step counted the
+/// waiting ones: `outbox._log_note_losses`). Without `max_lag` a missing
+/// event is a broken invariant, not a race: XX000.
+pub fn insert(
+    subscription: &str,
+    settings: &Settings,
+    lane: i16,
+    moved: &[Moved],
+    batch: Option<i64>,
+) -> Option<Vec<i64>> {
     if moved.is_empty() {
-        return true;
+        return Some(Vec::new());
     }
     let ids: Vec<i64> = moved.iter().map(|m| m.id).collect();
     let kinds: Vec<&str> = moved.iter().map(|m| m.kind.as_str()).collect();
@@ -146,19 +160,30 @@ pub fn insert(subscription: &str, settings: &Settings, lane: i16, moved: &[Moved
         batch.into(),
         workers.into(),
     ];
-    let n = plans::run_latest(&EXC_INSERT, &args, |rows| rows.len());
-    if n == 0 && batch.is_some() {
-        return false;
+    let placed: HashSet<i64> = plans::run_latest(&EXC_INSERT, &args, |rows| {
+        let mut out = HashSet::new();
+        rows.for_each(|r| out.extend(r.i64(0)));
+        out
+    });
+    if placed.len() == moved.len() {
+        return Some(Vec::new());
     }
-    if n != moved.len() {
-        // Every id came from the lane's window, so the log holds it (retention
-        // waits for readers): a missing one is a broken invariant, not a race.
+    if placed.is_empty() && batch.is_some_and(|b| plans::run_latest(&BATCH_EXISTS, &[b.into()], |rows| rows.is_empty()))
+    {
+        return None;
+    }
+    let missing: Vec<&Moved> = moved.iter().filter(|m| !placed.contains(&m.id)).collect();
+    if plans::run_latest(&SUB_HAS_MAX_LAG, &[subscription.into()], |rows| rows.is_empty()) {
         errors::raise(
             errors::INTERNAL,
-            format!("{} of {} events to park are missing from the log", moved.len() - n, moved.len()),
+            format!("{} of {} events to park are missing from the log", missing.len(), moved.len()),
         );
     }
-    true
+    let lost = missing.iter().filter(|m| !matches!(m.kind, Kind::Parked)).count() as i64;
+    if lost > 0 {
+        plans::run_latest(&NOTE_LOST, &[subscription.into(), lost.into()], |_| ());
+    }
+    Some(missing.iter().map(|m| m.id).collect())
 }
 
 /// The subjects among `subjects` whose events must continue in the exception

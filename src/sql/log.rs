@@ -275,6 +275,23 @@ pub const BATCH_GET_MANY: Stmt = Stmt {
     types: &[pg_sys::INT8ARRAYOID],
 };
 
+/// Whether batch $1 exists (an insert into the exception table that placed
+/// nothing: its batch gone, or its events lost to `max_lag`).
+pub const BATCH_EXISTS: Stmt =
+    Stmt { sql: "SELECT 1 FROM outbox.log_batches WHERE id = $1", types: &[pg_sys::INT8OID] };
+
+/// Whether subscription $1 has a `max_lag` (retention may pass it).
+pub const SUB_HAS_MAX_LAG: Stmt = Stmt {
+    sql: "SELECT 1 FROM outbox.subscription_catalog WHERE name = $1 AND max_lag IS NOT NULL",
+    types: &[pg_sys::TEXTOID],
+};
+
+/// Add $2 events to subscription $1's `lost_events`.
+pub const NOTE_LOST: Stmt = Stmt {
+    sql: "UPDATE outbox.subscription_activity SET lost_events = lost_events + $2, lost_at = now() WHERE name = $1",
+    types: &[pg_sys::TEXTOID, pg_sys::INT8OID],
+};
+
 /// A call deferred to its transaction's commit (src/log/deferred.rs): batch
 /// $1, event $2, token $3, call $4 ('a', 'f', 'e'), made at $5, with $6
 /// (microseconds), $7 (permanent) and $8 (error).
