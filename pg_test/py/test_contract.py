@@ -278,3 +278,51 @@ def test_fail_and_extend_in_a_transaction_take_effect_at_commit(plain):
     assert c.execute("SELECT last_error FROM outbox.deliveries WHERE subscription = 'd' AND event_id = %s",
                      (a,)).fetchone()[0] == "boom"
     assert c.execute("SELECT outbox.ack(%s, %s)", (b, rows[b])).fetchone()[0] is True
+
+
+@pytest.mark.parametrize("outcome", ["COMMIT PREPARED", "ROLLBACK PREPARED"])
+def test_an_ack_in_a_prepared_transaction_takes_effect_iff_it_commits(plain, outcome):
+    c, w = plain.conn(), plain.conn()
+    c.execute("SELECT outbox.create_subscription('d')")
+    first, second = publish(c, 2, subject="p")
+    ((i, tok),) = claim_sub(c, "d", 10, "1 s")
+    assert i == first
+    gid = f"outbox-ack-{outcome.split()[0].lower()}"
+    w.execute("BEGIN")
+    assert w.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0] is True
+    w.execute(f"PREPARE TRANSACTION '{gid}'")
+    time.sleep(1.3)
+    # Prepared, its lease run out: not handed out again, its subject waits.
+    assert claim_sub(c, "d", 10) == []
+    c.execute(f"{outcome} '{gid}'")
+    if outcome == "COMMIT PREPARED":
+        assert [r[0] for r in claim_sub(c, "d", 10)] == [second]
+        assert c.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0] is False
+    else:
+        # Nothing acked: the expired lease is handed out again (its token is
+        # still good until then).
+        got = claim_sub(c, "d", 10)
+        assert [r[0] for r in got] == [first]
+        assert c.execute("SELECT outbox.ack(%s, %s)", got[0]).fetchone()[0] is True
+
+
+@pytest.mark.xfail(strict=True, reason="issue 40 item 9: an ack that finishes a lane's batch still deletes it "
+                   "and writes one row of outbox.log_delivered for it (79 bytes per event in a trickle)")
+def test_a_trickle_of_claims_of_one_keeps_the_delivery_record_small(plain):
+    """Issue 40 measured about 120 bytes of outbox.log_delivered per event
+    when every batch held one event (claim(1), a trickle). The sliding batch
+    writes one row per compaction, but an ack that finishes the batch still
+    writes one for the batch it deletes."""
+    c = plain.conn()
+    c.execute("SELECT outbox.create_subscription('trickle')")
+    n = 2000
+    for _ in range(n):
+        publish(c, 1)
+        ((i, tok),) = claim_sub(c, "trickle", 1)
+        assert c.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0] is True
+    rows, size = c.execute("SELECT count(*), coalesce(sum(pg_column_size(d.*)), 0) FROM outbox.log_delivered d "
+                           "WHERE subscription = 'trickle'").fetchone()
+    print(f"{rows} rows of outbox.log_delivered, {size} bytes, for {n} events")
+    assert size / n <= 10, f"{size / n:.1f} bytes of outbox.log_delivered per event"
+    assert c.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'trickle' AND state = 'delivered'"
+                     ).fetchone()[0] == n
