@@ -180,22 +180,19 @@ fn check(batch: i64, id: i64, token: &pgrx::Uuid) -> Option<Loaded> {
     Some(l)
 }
 
-fn insert(
-    batch: i64,
-    id: i64,
-    token: pgrx::Uuid,
-    call: &str,
-    at: i64,
-    us: Option<i64>,
-    permanent: bool,
-    error: Option<&str>,
-) {
+/// Write deferred call `d` on batch `batch` (module docs, step 3).
+fn insert(batch: i64, d: &Deferred) {
+    let (call, us, permanent, error) = match &d.call {
+        Kind::Ack => ("a", None, false, None),
+        Kind::Fail { error, retry_us, permanent } => ("f", *retry_us, *permanent, Some(error.as_str())),
+        Kind::Extend { lease_us } => ("e", Some(*lease_us), false, None),
+    };
     let args: [DatumWithOid<'_>; 8] = [
         batch.into(),
-        id.into(),
-        token.into(),
+        d.id.into(),
+        pgrx::Uuid::from_bytes(d.token).into(),
         call.into(),
-        plans::ts_param(at),
+        plans::ts_param(d.at),
         us.into(),
         permanent.into(),
         error.into(),
@@ -208,7 +205,7 @@ fn insert(
 /// deferred, None when the token does not hold the event in the batch.
 pub(crate) fn ack(batch: i64, id: i64, token: pgrx::Uuid) -> Option<bool> {
     check(batch, id, &token)?;
-    insert(batch, id, token, "a", pg::now(), None, false, None);
+    insert(batch, &Deferred { id, token: *token.as_bytes(), call: Kind::Ack, at: pg::now() });
     Some(true)
 }
 
@@ -227,8 +224,8 @@ pub(crate) fn fail(
     let (max_attempts, base, cap) = fail_info(l.lane, id);
     let (state, _) = settings.failure(1, max_attempts, base, cap, retry_in, permanent);
     // Applied as decided now: a permanent failure, or one past the attempts.
-    let permanent = state == "dead";
-    insert(batch, id, token, "f", pg::now(), retry_in, permanent, Some(error));
+    let call = Kind::Fail { error: error.to_string(), retry_us: retry_in, permanent: state == "dead" };
+    insert(batch, &Deferred { id, token: *token.as_bytes(), call, at: pg::now() });
     Some(state)
 }
 
@@ -236,7 +233,7 @@ pub(crate) fn fail(
 pub(crate) fn extend(batch: i64, id: i64, token: pgrx::Uuid, lease_us: i64) -> Option<TimestampWithTimeZone> {
     check(batch, id, &token)?;
     let now = pg::now();
-    insert(batch, id, token, "e", now, Some(lease_us), false, None);
+    insert(batch, &Deferred { id, token: *token.as_bytes(), call: Kind::Extend { lease_us }, at: now });
     Some(pg::timestamptz(now.saturating_add(lease_us)))
 }
 
