@@ -68,10 +68,15 @@
 //!    leaves its batch at most once, and its later deliveries are leases of
 //!    its exception row, with their own tokens (src/log/exceptions.rs). A
 //!    stale token acks, fails and extends nothing.
-//! 4. **No lost update of a batch.** Claims and acks change a batch only while
-//!    holding its advisory lock (claims try it, acks wait for it), and read it
-//!    under a snapshot taken after the lock: the version changed is the newest,
-//!    at every isolation level, with no serialization failure from the row.
+//! 4. **No lost update of a batch.** Claims and direct (autocommit) acks
+//!    change a batch only while holding its advisory lock (claims try it, acks
+//!    wait for it), and read it under a snapshot taken after the lock: the
+//!    version changed is the newest, at every isolation level, with no
+//!    serialization failure from the row. Whoever holds the lock first applies
+//!    the committed calls deferred on the batch ([`load_locked`]): an ack,
+//!    fail or extend_lease inside a transaction block writes a row of
+//!    `outbox.log_deferred` instead of the batch, so it holds no batch lock
+//!    or row (src/log/deferred.rs proves its own invariants).
 //! 5. **Retention keeps what a batch needs.** A batch slides past its lane's
 //!    cursor, so `outbox._log_readers_passed` also asks every batch for its
 //!    smallest unfinished id (`outbox._log_batch_min`).

@@ -109,25 +109,41 @@ fn hold(batch: i64, id: i64) {
 }
 
 /// For a direct call: wait until no transaction holds any of the events
-/// `pairs` (batch, id), taking their holds in one order so two direct calls
-/// cannot wait for each other in a cycle; kept until the call's transaction
-/// ends.
+/// `pairs` (batch, id), so that a deferred call on one of them has committed
+/// (and is folded before this reads the batch) or is gone. Each hold is given
+/// back at once: a direct call over thousands of events must not fill the
+/// shared lock table (53200), and a deferred call made after this one read
+/// the batch can only be one by another holder of the same token.
 pub(crate) fn wait_holds(mut pairs: Vec<(i64, i64)>) {
     pairs.sort_unstable();
     pairs.dedup();
     for (batch, id) in pairs {
         let (k1, k2) = hold_key(batch, id);
         pg::hold(k1, k2, HoldMode::Event, true);
+        pg::unhold(k1, k2, HoldMode::Event);
     }
 }
 
 /// Whether a claim may move event `id` of `batch` out of the batch as
 /// expired: no transaction holds it or its batch (invariant 2). The holds
 /// taken stay until the claim's transaction ends, so no deferred call can
-/// check the event against the batch state the claim is replacing.
+/// check the event against the batch state the claim is replacing. At most
+/// [`HOLD_CAP`] per transaction (the lock table is shared): past them an
+/// expired event stays for the next claim.
 pub(crate) fn movable(batch: i64, id: i64) -> bool {
+    let n = HOLDS.with(|h| h.get());
+    if n >= HOLD_CAP {
+        return false;
+    }
     let (k1, k2) = hold_key(batch, id);
-    pg::hold(k1, COARSE, HoldMode::Test, false) && pg::hold(k1, k2, HoldMode::Event, false)
+    if !pg::hold(k1, COARSE, HoldMode::Test, false) {
+        return false;
+    }
+    if !pg::hold(k1, k2, HoldMode::Event, false) {
+        return false;
+    }
+    HOLDS.with(|h| h.set(n + 1));
+    true
 }
 
 fn rows(stmt: &plans::Stmt, args: &[DatumWithOid<'_>]) -> Vec<Deferred> {

@@ -143,14 +143,25 @@ pub enum HoldMode {
 /// else returns false when another transaction holds a conflicting one.
 pub fn hold(k1: i32, k2: i32, mode: HoldMode, wait: bool) -> bool {
     let tag = space_tag(k1, k2, HOLD_SPACE);
-    let mode = match mode {
+    // SAFETY: a transaction-level lock on a tag of ours, as in acquire().
+    let r = unsafe { pg_sys::LockAcquire(&tag, hold_mode(mode) as pg_sys::LOCKMODE, false, !wait) };
+    r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+}
+
+/// Give back one acquisition of the hold (k1, k2) in `mode` taken by [`hold`]
+/// in the same call.
+pub fn unhold(k1: i32, k2: i32, mode: HoldMode) {
+    let tag = space_tag(k1, k2, HOLD_SPACE);
+    // SAFETY: as in release(): one acquisition of a lock of ours taken in this call.
+    unsafe { pg_sys::LockRelease(&tag, hold_mode(mode) as pg_sys::LOCKMODE, false) };
+}
+
+fn hold_mode(mode: HoldMode) -> u32 {
+    match mode {
         HoldMode::Event => pg_sys::ExclusiveLock,
         HoldMode::Coarse => pg_sys::ShareLock,
         HoldMode::Test => pg_sys::RowExclusiveLock,
-    };
-    // SAFETY: a transaction-level lock on a tag of ours, as in acquire().
-    let r = unsafe { pg_sys::LockAcquire(&tag, mode as pg_sys::LOCKMODE, false, !wait) };
-    r != pg_sys::LockAcquireResult::LOCKACQUIRE_NOT_AVAIL
+    }
 }
 
 fn release(k1: i32, k2: i32, mode: u32) {
