@@ -163,22 +163,26 @@ CREATE TABLE outbox.log_deferred (
 ) WITH (vacuum_truncate = false);
 CREATE INDEX log_deferred_batch ON outbox.log_deferred (batch, seq);
 
--- Finished batches that acked something (0.10.0): the batch's encoding when
--- it finished (which events were acked from it: src/log/batch.rs) and when.
--- An event acked on its first try has no row of its own anywhere, so this is
+-- The delivery record (0.10.0): events acked from lane batches, as the
+-- encoding of a batch of delivered events (src/log/batch.rs), and when. An
+-- event acked on its first try has no row of its own anywhere, so this is
 -- its delivery time, at batch precision (src/log/views.rs), for
--- outbox.deliveries, outbox.events and outbox.stats: one small row per batch,
--- about a byte and a half per event. Written by the ack (or claim) that
--- finishes the batch, in the same statement that deletes it; removed by
--- retention after outbox.retention_delivered, and by drop_subscription.
+-- outbox.deliveries, outbox.events and outbox.stats. Written when a batch
+-- finishes or a claim drops its acked events; a record joins the lane's row
+-- opened in the last ten seconds (which takes the later time), so a trickle
+-- of one-event batches costs a few bytes per event, not a row each. Removed
+-- by retention after outbox.retention_delivered, and by drop_subscription.
 -- Dumped, like the log (sql/restore.sql).
 CREATE TABLE outbox.log_delivered (
     subscription text        NOT NULL,
     lane         smallint    NOT NULL,
     finished_at  timestamptz NOT NULL,
-    state        bytea       NOT NULL
+    state        bytea       NOT NULL,
+    opened_at    timestamptz NOT NULL DEFAULT statement_timestamp()
 ) WITH (vacuum_truncate = false);
 CREATE INDEX log_delivered_finished ON outbox.log_delivered (finished_at);
+-- A lane's latest row, which a new record joins for ten seconds.
+CREATE INDEX log_delivered_lane ON outbox.log_delivered (subscription, lane, finished_at);
 
 -- Per-event state of the log's subscriptions, only for the events that need
 -- one (src/log/exceptions.rs): an event that failed or whose lease expired,

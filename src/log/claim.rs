@@ -92,9 +92,9 @@ use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
     BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
-    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, DELIVERED_INSERT, EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE,
-    EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT,
-    PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, DELIVERED_INSERT, DELIVERED_JOIN, DELIVERED_TAIL, EXC_IN_FLIGHT,
+    EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_LOCK,
+    LANE_PUT, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -371,17 +371,64 @@ fn load_batches(ids: Vec<i64>) -> HashMap<i64, (Batch, bool)> {
 }
 
 /// Write batch `id`; false when its row is gone (drop_subscription removed
-/// it). A finished batch is deleted, and its encoding kept in
-/// `outbox.log_delivered` with the time it finished, when an event was acked
-/// from it: the delivery time of those events, at batch precision, with no
-/// write per event (src/log/views.rs).
+/// it). A finished batch is deleted, and its acked events recorded with the
+/// time ([`record_delivered`]).
 fn store_batch(id: i64, b: &Batch) -> bool {
     if b.finished() {
-        let acked = (0..b.len()).any(|i| b.state(i) == super::batch::State::Done);
-        plans::run_latest(&BATCH_FINISH, &[id.into(), b.encode().into(), acked.into()], |rows| rows.len()) > 0
+        let Some((subscription, lane)) = plans::run_latest(&BATCH_FINISH, &[id.into()], |rows| {
+            let mut out = None;
+            rows.for_each(|r| out = r.text(0).zip(r.i16(1)));
+            out
+        }) else {
+            return false;
+        };
+        let done: Vec<i64> =
+            (0..b.len()).filter(|&i| b.state(i) == super::batch::State::Done).map(|i| b.ids()[i]).collect();
+        record_delivered(&subscription, lane, &done);
+        true
     } else {
         plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |rows| rows.len()) > 0
     }
+}
+
+/// Most events one row of `outbox.log_delivered` records.
+const DELIVERED_ROW_EVENTS: usize = 4096;
+
+/// Record the events `done`, acked from lane `lane`'s batch of `subscription`,
+/// in `outbox.log_delivered` with the time: their delivery time, at batch
+/// precision, with no write per event (src/log/views.rs). They join the lane's
+/// row opened in the last ten seconds, which then takes the time of this
+/// record (so a recorded time is at most ten seconds after the ack): a trickle
+/// of batches of one event costs a few bytes per event there, not a row each
+/// (issue 40). A row only the lane's batch holder
+/// writes (one batch per lane at a time); one retention holds gets a new row.
+fn record_delivered(subscription: &str, lane: i16, done: &[i64]) {
+    if done.is_empty() {
+        return;
+    }
+    let tail = plans::run_latest(&DELIVERED_TAIL, &[subscription.into(), lane.into()], |rows| {
+        let mut out = None;
+        rows.for_each(|r| out = r.timestamptz(0).zip(r.bytes(1)));
+        out
+    });
+    if let Some((at, bytes)) = tail {
+        if let Ok(old) = Batch::decode(&bytes) {
+            let mut ids: Vec<i64> =
+                (0..old.len()).filter(|&i| old.state(i) == super::batch::State::Done).map(|i| old.ids()[i]).collect();
+            if ids.len() + done.len() <= DELIVERED_ROW_EVENTS {
+                ids.extend_from_slice(done);
+                ids.sort_unstable();
+                ids.dedup();
+                let args =
+                    [subscription.into(), lane.into(), plans::ts_param(at), Batch::delivered(&ids).encode().into()];
+                if plans::run_latest(&DELIVERED_JOIN, &args, |rows| rows.len()) > 0 {
+                    return;
+                }
+            }
+        }
+    }
+    let args = [subscription.into(), lane.into(), Batch::delivered(done).encode().into()];
+    plans::run_latest(&DELIVERED_INSERT, &args, |_| ());
 }
 
 /// Whether `topic` passes a filter (exact names, prefixes); None passes all.
@@ -913,7 +960,7 @@ impl Claim<'_> {
                     None => (cursor(), true),
                 };
                 let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(limit.max(1) as i32));
-                if events.is_empty() && fresh {
+                if events.is_empty() && fresh && hi.m.saturating_sub(l.lo.m) < FAR_BEHIND {
                     break; // nothing new; the cursor stays (an empty window writes nothing)
                 }
                 if !lock(&mut locked) {
@@ -1013,10 +1060,7 @@ impl Claim<'_> {
         let mut compacted = false;
         if b.finished() || b.finished_count() >= COMPACT_AT.max(b.len() / 2) {
             let c = b.compact();
-            if !c.done.is_empty() {
-                let args = [self.req.subscription.into(), l.lane.into(), Batch::delivered(&c.done).encode().into()];
-                plans::run_latest(&DELIVERED_INSERT, &args, |_| ());
-            }
+            record_delivered(self.req.subscription, l.lane, &c.done);
             holders = holders.map(|h| c.rounds_from.iter().map(|&r| holder(Some(&h), Some(r))).collect());
             compacted = true;
             changed = true;
@@ -1073,6 +1117,18 @@ thread_local! {
     static SETTLED: RefCell<HashSet<(i16, String, i64, u64)>> = RefCell::new(HashSet::new());
 }
 
+/// How many ids may be drawn past a lane's cursor before a claim that finds
+/// the lane's window empty moves the cursor anyway (a lane row write). The
+/// window's first branch reads the lane's index entries above the cursor's
+/// `m`, visible or not: a transaction still open with 100,000 events (ids
+/// above `m`, about one in 16 in each lane) would otherwise be passed over by
+/// every claim of every subscription until it commits. Once the cursor moves
+/// past them, its snapshot lists that transaction as running, and the second
+/// branch probes it only once it has committed. Moving a cursor across an
+/// empty window is what reading a window to its end does (src/log/mod.rs:
+/// consecutive windows).
+const FAR_BEHIND: i64 = 1024;
+
 /// Most cursors [`SETTLED`] keeps (lanes move on; old cursors are never asked about again).
 const SETTLED_MAX: usize = 256;
 
@@ -1126,14 +1182,21 @@ fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
     let args = [lanes.into(), snaps.into(), ms.into(), xns.into(), late.clone().into()];
     let rows = plans::run_latest(&LANES_WITH_NEWS, &args, |rows| {
         let mut out = Vec::with_capacity(rows.len());
-        rows.for_each(|r| out.push((r.i16(0), r.bool(1), r.text(2).and_then(|x| x.parse::<u64>().ok()))));
+        rows.for_each(|r| {
+            out.push((r.i16(0), r.bool(1), r.text(2).and_then(|x| x.parse::<u64>().ok()), r.i64(3).unwrap_or(0)))
+        });
         out
     });
     let mut quiet = Vec::new();
-    for (i, (lane, news, xmin)) in rows.into_iter().enumerate() {
+    for (i, (lane, news, xmin, drawn)) in rows.into_iter().enumerate() {
         let (Some(lane), Some(false)) = (lane, news) else { continue };
-        quiet.push(lane);
         let l = idle[i];
+        if drawn.saturating_sub(l.lo.m) >= FAR_BEHIND {
+            // Nothing new, but far behind the ids drawn: served, so that its
+            // empty window moves the cursor (see FAR_BEHIND).
+            continue;
+        }
+        quiet.push(lane);
         if late[i] && l.lane == lane && xmin.is_some_and(|x| x >= l.lo.xn) {
             SETTLED.with(|s| {
                 let mut s = s.borrow_mut();

@@ -44,6 +44,15 @@
 //! - (a) ids above `m`;
 //! - (b) ids at most `m` whose txid is in `xip(S)` or in `[xmax(S), xn)`.
 //!
+//! Branch (b) probes the `(txid, lane)` index only for the ids of `xip(S)`
+//! and of `[xmax(S), xn)` that `S'` sees committed: the definition asks
+//! that of every row it accepts, so nothing is lost, and a transaction still
+//! open costs the branch nothing however many events it holds. Branch (a)
+//! reads index entries above `m`, visible or not; a claim that finds a
+//! lane's window empty while many ids were drawn past its cursor moves the
+//! cursor anyway (src/log/claim.rs, `FAR_BEHIND`), so an open bulk publisher
+//! is passed once, not by every claim.
+//!
 //! A snapshot does not list its own transaction as running (its writes are
 //! visible to it); a cursor taken by a transaction that has an id lists it
 //! ([`with_running`]), so "visible in `S`" always means committed when `S` was

@@ -69,13 +69,16 @@ macro_rules! window_sql {
                  ORDER BY e.id LIMIT $7) \
                UNION ALL \
                (SELECT e.id, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
-                 WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip($2::pg_snapshot))) AND e.lane = $1 \
+                 WHERE e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip($2::pg_snapshot) AS x \
+                                           WHERE pg_visible_in_snapshot(x, $5::pg_snapshot))) AND e.lane = $1 \
                    AND e.id + 0 > $6 AND e.id + 0 <= $3 \
                    AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
                    AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot))) \
                UNION ALL \
                (SELECT e.id, e.subject, e.topic, e.deliver_at, e.published_at FROM outbox.log e \
-                 WHERE e.txid >= pg_snapshot_xmax((SELECT $2::pg_snapshot)) AND e.txid < $4::xid8 AND e.lane = $1 \
+                 WHERE e.txid = ANY (ARRAY(SELECT g::text::xid8 FROM generate_series( \
+                         pg_snapshot_xmax($2::pg_snapshot)::text::int8, $4::xid8::text::int8 - 1) AS g \
+                         WHERE pg_visible_in_snapshot(g::text::xid8, $5::pg_snapshot))) AND e.lane = $1 \
                    AND e.id + 0 > $6 AND e.id + 0 <= $3 \
                    AND pg_visible_in_snapshot(e.txid, (SELECT $5::pg_snapshot)) \
                    AND NOT pg_visible_in_snapshot(e.txid, (SELECT $2::pg_snapshot))) \
@@ -91,7 +94,11 @@ macro_rules! window_sql {
 /// transactions running at the cursor, and those begun after it with an id
 /// below xn (the `(txid, lane)` index: `id + 0` keeps the planner from reading
 /// the lane's whole history through `(lane, id)` instead). Each branch applies
-/// the definition (visible in $5, not in $2); src/log/mod.rs proves the
+/// the definition (visible in $5, not in $2; the second probes only the
+/// running transactions of $2 that $5 sees committed, the third only the ids
+/// in `[xmax($2), xn)` that $5 sees committed (a handful: xn is read just
+/// after the snapshot), so a transaction still open, however many events it
+/// holds, costs them nothing); src/log/mod.rs proves the
 /// branches find every event it accepts. The first branch, the one that grows
 /// with a lane's backlog, is read in id order through the index and stops at
 /// $7 rows (the first $7 of a union are among the first $7 of each branch);
@@ -104,7 +111,7 @@ pub const WINDOW: Stmt =
 /// For each of the lanes $1 (cursors: $2 snapshots, $3 m, $4 xn, one each):
 /// whether it has an event in its window up to this statement's snapshot
 /// (`pg_current_snapshot()` under [`plans::run_latest`]), with that
-/// snapshot's xmin. [`WINDOW`]'s three branches, with nothing read yet, as
+/// snapshot's xmin, and the largest event id drawn (read after it). [`WINDOW`]'s three branches, with nothing read yet, as
 /// one EXISTS each; the late committers' two only where $5 says so (a lane
 /// whose cursor's late committers were all found settled, src/log/claim.rs
 /// `quiet_lanes`). One statement for every lane a claim would otherwise
@@ -121,14 +128,20 @@ pub const LANES_WITH_NEWS: Stmt = Stmt {
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
                   AND NOT pg_visible_in_snapshot(e.txid, c.lo)) \
             OR (l.late AND (EXISTS (SELECT 1 FROM outbox.log e \
-                  WHERE e.txid = ANY (ARRAY(SELECT pg_snapshot_xip(c.lo))) AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
+                  WHERE e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(c.lo) AS x \
+                                            WHERE pg_visible_in_snapshot(x, (SELECT pg_current_snapshot())))) \
+                    AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
                   AND NOT pg_visible_in_snapshot(e.txid, c.lo)) \
              OR EXISTS (SELECT 1 FROM outbox.log e \
-                  WHERE e.txid >= pg_snapshot_xmax(c.lo) AND e.txid < c.xn AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
+                  WHERE e.txid = ANY (ARRAY(SELECT g::text::xid8 FROM generate_series( \
+                          pg_snapshot_xmax(c.lo)::text::int8, c.xn::text::int8 - 1) AS g \
+                          WHERE pg_visible_in_snapshot(g::text::xid8, (SELECT pg_current_snapshot())))) \
+                    AND e.lane + 0 = l.lane AND e.id + 0 <= l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
                   AND NOT pg_visible_in_snapshot(e.txid, c.lo)))), \
-            pg_snapshot_xmin((SELECT pg_current_snapshot()))::text \
+            pg_snapshot_xmin((SELECT pg_current_snapshot()))::text, \
+            (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
           FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[], $5::bool[]) AS l(lane, lo, m, xn, late) \
           CROSS JOIN LATERAL (SELECT l.lo::pg_snapshot AS lo, l.xn::xid8 AS xn) c",
     types: &[
@@ -397,23 +410,38 @@ pub const BATCH_PUT: Stmt = Stmt {
 pub const BATCH_DELETE: Stmt =
     Stmt { sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING id", types: &[pg_sys::INT8OID] };
 
-/// The acked events $3 (a finished batch's encoding) that a claim dropped
-/// from subscription $1's batch of lane $2 when it compacted it
-/// (src/log/claim.rs), with the time: their delivery time, for the views.
+/// The lane's latest delivery record row, when it was opened in the last
+/// ten seconds and no one else holds it: its time and encoding, locked, for a
+/// record that joins it ([`DELIVERED_JOIN`]).
+pub const DELIVERED_TAIL: Stmt = Stmt {
+    sql: "SELECT finished_at, state FROM outbox.log_delivered \
+           WHERE subscription = $1 AND lane = $2 AND finished_at > statement_timestamp() - interval '10 seconds' \
+             AND opened_at > statement_timestamp() - interval '10 seconds' \
+           ORDER BY finished_at DESC LIMIT 1 FOR UPDATE SKIP LOCKED",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID],
+};
+
+/// Rewrite subscription $1's record row of lane $2 written at $3 with the
+/// encoding $4 (its events and the ones joining it), delivered now.
+pub const DELIVERED_JOIN: Stmt = Stmt {
+    sql: "UPDATE outbox.log_delivered SET state = $4, finished_at = statement_timestamp() \
+           WHERE subscription = $1 AND lane = $2 AND finished_at = $3 RETURNING 1",
+    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::TIMESTAMPTZOID, pg_sys::BYTEAOID],
+};
+
+/// The acked events $3 (an encoding of delivered events) of subscription $1's
+/// lane $2, with the time: their delivery time, for the views.
 pub const DELIVERED_INSERT: Stmt = Stmt {
     sql: "INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
           VALUES ($1, $2, statement_timestamp(), $3)",
     types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID],
 };
 
-/// [`BATCH_DELETE`] that keeps the finished batch's encoding $2 in
-/// `outbox.log_delivered` when $3 (some event was acked from it).
+/// [`BATCH_DELETE`] for a finished batch: its subscription and lane, for
+/// its delivery record.
 pub const BATCH_FINISH: Stmt = Stmt {
-    sql: "WITH b AS (DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane), \
-               d AS (INSERT INTO outbox.log_delivered (subscription, lane, finished_at, state) \
-                     SELECT b.subscription, b.lane, statement_timestamp(), $2 FROM b WHERE $3) \
-          SELECT 1 FROM b",
-    types: &[pg_sys::INT8OID, pg_sys::BYTEAOID, pg_sys::BOOLOID],
+    sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane",
+    types: &[pg_sys::INT8OID],
 };
 
 /// The finished batches of subscription $1 since $2 (NULL: all), for

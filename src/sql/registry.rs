@@ -48,6 +48,8 @@ pub const STATEMENTS: &[(&str, &Stmt)] = &[
     ("log::BATCH_PUT", &log::BATCH_PUT),
     ("log::BATCH_DELETE", &log::BATCH_DELETE),
     ("log::DELIVERED_INSERT", &log::DELIVERED_INSERT),
+    ("log::DELIVERED_TAIL", &log::DELIVERED_TAIL),
+    ("log::DELIVERED_JOIN", &log::DELIVERED_JOIN),
     ("log::BATCH_FINISH", &log::BATCH_FINISH),
     ("log::DELIVERED_BATCHES", &log::DELIVERED_BATCHES),
     ("log::FETCH", &log::FETCH),
