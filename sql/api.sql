@@ -110,6 +110,15 @@ COMMENT ON FUNCTION outbox._try_policy_lock(text) IS
 'Internal (claim: rows it turns dead; no role is granted it). Take topic''s dead-letter policy lock in share mode without waiting, held until the transaction ends '
 '(a lock of the library''s own, which SQL''s advisory-lock functions cannot name). Result: true when the transaction now holds it; false when a policy change holds it. No errors.';
 
+CREATE FUNCTION outbox._releasable(lease_token uuid, id bigint) RETURNS boolean
+LANGUAGE c VOLATILE STRICT PARALLEL UNSAFE COST 100
+AS 'MODULE_PATHNAME', 'outbox_releasable';
+
+COMMENT ON FUNCTION outbox._releasable(uuid, bigint) IS
+'Internal (claim: rows of their own whose lease ran out; no role is granted it). Whether a claim may lease event id''s row again, its lease by lease_token having run out. '
+'For a token a lane batch handed out, it takes the event''s hold without waiting (held until the transaction ends) and checks that no committed deferred call by that batch waits to be applied. '
+'Result: true when the claim may lease the row; false when a transaction holds the event (an ack, fail or extend_lease inside a transaction block) or a committed call on it waits. No errors.';
+
 CREATE FUNCTION outbox.ack(id bigint, lease_token uuid) RETURNS boolean
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 SET enable_seqscan = off

@@ -95,6 +95,7 @@ v1_function!(outbox_publish_batch, pg_finfo_outbox_publish_batch, publish::publi
 v1_function!(outbox_claim, pg_finfo_outbox_claim, claim::claim);
 v1_function!(unpinned outbox_lock_row, pg_finfo_outbox_lock_row, claim::lock_row);
 v1_function!(unpinned outbox_try_policy_lock, pg_finfo_outbox_try_policy_lock, log::exceptions::try_policy_lock);
+v1_function!(unpinned outbox_releasable, pg_finfo_outbox_releasable, log::deferred::releasable_v1);
 v1_function!(outbox_ack, pg_finfo_outbox_ack, lease::ack);
 v1_function!(outbox_ack_batch, pg_finfo_outbox_ack_batch, lease::ack_batch);
 v1_function!(outbox_fail, pg_finfo_outbox_fail, lease::fail);

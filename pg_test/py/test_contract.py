@@ -228,6 +228,53 @@ def test_a_transaction_ack_holds_its_event_past_the_lease_until_it_commits(plain
                      (i,)).fetchone()[0] == "delivered"
 
 
+def test_a_transaction_ack_holds_its_event_when_its_subject_moves_to_rows_of_their_own(plain):
+    """A claim sends the subject of an event acked in an open transaction to
+    the exception table (a later event of the subject is delayed): the event
+    keeps its lease there. Before the fix its lease ran out, a claim handed
+    it out again, and the ack, applied at commit, acked nothing although it
+    had answered true."""
+    c, w = plain.conn(), plain.conn()
+    c.execute("SELECT outbox.create_subscription('d')")
+    (i,) = publish(c, 1, subject="order-1")
+    ((j, tok),) = claim_sub(c, "d", 10, "1 s")
+    assert j == i
+    w.execute("BEGIN")
+    assert w.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0] is True
+    later = c.execute("SELECT outbox.publish('t', '{}'::jsonb, subject => 'order-1', "
+                      "deliver_at => now() + interval '1 hour')").fetchone()[0]
+    assert claim_sub(c, "d", 10) == []
+    assert c.execute("SELECT count(*) FROM outbox.log_exceptions WHERE id = %s", (i,)).fetchone()[0] == 1
+    time.sleep(1.3)
+    assert claim_sub(c, "d", 10) == [], "an event acked in an open transaction was handed out again"
+    w.execute("COMMIT")
+    states = dict(c.execute("SELECT event_id, state FROM outbox.deliveries WHERE subscription = 'd'").fetchall())
+    assert states == {i: "delivered", later: "pending"}
+
+
+def test_a_transaction_ack_commits_when_its_batch_row_is_stored_out_of_line(plain):
+    """A batch of thousands of events with subjects is a row stored out of
+    line (TOAST). The acks deferred to the commit read it there, when no
+    statement's snapshot is active; after another session's catalog change
+    no catalog snapshot was registered either, and COMMIT raised XX000
+    ("cannot fetch toast data without an active snapshot"; found by the
+    checker with its four modes together)."""
+    c, w = plain.conn(), plain.conn()
+    c.execute("SELECT outbox.create_subscription('d')")
+    c.execute("SELECT count(outbox.publish('t', '{}'::jsonb, subject => 's' || g)) FROM generate_series(1, 20000) g")
+    rows = claim_sub(c, "d", 10000)
+    assert c.execute("SELECT pg_relation_size(reltoastrelid) > 0 FROM pg_class "
+                     "WHERE oid = 'outbox.log_batches'::regclass").fetchone()[0], "no batch row is stored out of line"
+    for k in range(3):
+        w.execute("BEGIN")
+        for i, tok in rows[3 * k:3 * k + 3]:
+            assert w.execute("SELECT outbox.ack(%s, %s)", (i, tok)).fetchone()[0] is True
+        c.execute("CREATE TABLE toast_probe (); DROP TABLE toast_probe")
+        w.execute("COMMIT")
+    done = c.execute("SELECT count(*) FROM outbox.deliveries WHERE subscription = 'd' AND state = 'delivered'")
+    assert done.fetchone()[0] == 9
+
+
 def test_a_rolled_back_ack_acks_nothing(plain):
     c, w = plain.conn(), plain.conn()
     c.execute("SELECT outbox.create_subscription('d')")

@@ -93,8 +93,9 @@ use crate::pg::plans;
 use crate::sql::log::{
     BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
     BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, DELIVERED_INSERT, DELIVERED_JOIN, DELIVERED_TAIL, EXC_IN_FLIGHT,
-    EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS, LANE_LOCK,
-    LANE_PUT, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
+    EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS,
+    LANES_WITH_NEWS_SETTLED, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SEQ_LAST, SUBSCRIBE,
+    SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -1166,28 +1167,48 @@ const SETTLED_MAX: usize = 256;
 /// lane, the cursor and the log) and only the branch of ids above `m` is
 /// probed for it.
 fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
-    let idle: Vec<&Lane> = all.iter().filter(|l| l.hi.is_none() && l.pos.is_none()).collect();
+    let mut idle: Vec<&Lane> = all.iter().filter(|l| l.hi.is_none() && l.pos.is_none()).collect();
     if idle.is_empty() {
         return Vec::new();
     }
     let key = |l: &Lane| (l.lane, l.lo.snapshot.clone(), l.lo.m, l.lo.xn);
-    let late: Vec<bool> = SETTLED.with(|s| {
-        let s = s.borrow();
-        idle.iter().map(|l| !s.contains(&key(l))).collect()
-    });
+    let is_settled = |l: &Lane| SETTLED.with(|s| s.borrow().contains(&key(l)));
+    // A settled cursor has news only if an id above its `m` was drawn (the
+    // check's first branch reads ids above `m`). Those lanes are quiet with
+    // no check at all: the check's plan is most of an idle worker's claim.
+    let mut quiet = Vec::new();
+    if idle.iter().any(|l| is_settled(l)) {
+        let drawn = plans::run_latest(&SEQ_LAST, &[], |rows| {
+            let mut d = i64::MAX;
+            rows.for_each(|r| d = r.i64(0).unwrap_or(i64::MAX));
+            d
+        });
+        idle.retain(|l| {
+            let q = drawn <= l.lo.m && is_settled(l);
+            if q {
+                quiet.push(l.lane);
+            }
+            !q
+        });
+        if idle.is_empty() {
+            return quiet;
+        }
+    }
+    let late: Vec<bool> = idle.iter().map(|l| !is_settled(l)).collect();
+    let settled = !late.contains(&true);
     let lanes: Vec<i16> = idle.iter().map(|l| l.lane).collect();
     let snaps: Vec<String> = idle.iter().map(|l| l.lo.snapshot.clone()).collect();
     let ms: Vec<i64> = idle.iter().map(|l| l.lo.m).collect();
     let xns: Vec<String> = idle.iter().map(|l| l.lo.xn.to_string()).collect();
     let args = [lanes.into(), snaps.into(), ms.into(), xns.into(), late.clone().into()];
-    let rows = plans::run_latest(&LANES_WITH_NEWS, &args, |rows| {
+    let stmt = if settled { &LANES_WITH_NEWS_SETTLED } else { &LANES_WITH_NEWS };
+    let rows = plans::run_latest(stmt, &args, |rows| {
         let mut out = Vec::with_capacity(rows.len());
         rows.for_each(|r| {
             out.push((r.i16(0), r.bool(1), r.text(2).and_then(|x| x.parse::<u64>().ok()), r.i64(3).unwrap_or(0)))
         });
         out
     });
-    let mut quiet = Vec::new();
     for (i, (lane, news, xmin, drawn)) in rows.into_iter().enumerate() {
         let (Some(lane), Some(false)) = (lane, news) else { continue };
         let l = idle[i];

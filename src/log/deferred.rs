@@ -40,7 +40,9 @@
 //!    the committed rows before it checks. A row whose event was meanwhile
 //!    moved to a row of its own with its token (a replayed earlier event of
 //!    its subject, a claim that sent the subject to the exception table) is
-//!    forwarded there by token.
+//!    forwarded there by token; that row keeps the lease, and a claim leases
+//!    it again only with the event's hold and once no committed call on it
+//!    waits ([`releasable`]), so the forwarded call finds its token there.
 //! 3. **No wait between two deferred callers on different events.** A
 //!    deferred call waits only for its event's hold (or its batch's coarse
 //!    hold), never for a batch row or lock: transactions that ack disjoint
@@ -55,7 +57,9 @@ use super::batch::Token;
 use super::claim::{self, Loaded, BATCH_LOCK_KEY};
 use super::exceptions;
 use crate::pg::{self, plans, HoldMode};
-use crate::sql::log::{DEFERRED_INSERT, DEFERRED_OF, DEFERRED_ORPHANS, DEFERRED_TAKE, FAIL_INFO};
+use crate::sql::log::{
+    BATCH_EXISTS, DEFERRED_INSERT, DEFERRED_OF, DEFERRED_ORPHANS, DEFERRED_PENDING, DEFERRED_TAKE, FAIL_INFO,
+};
 use pgrx::datum::{DatumWithOid, Interval, TimestampWithTimeZone};
 use pgrx::prelude::*;
 use std::cell::{Cell, RefCell};
@@ -73,6 +77,8 @@ thread_local! {
     static TOUCHED: RefCell<BTreeSet<i64>> = const { RefCell::new(BTreeSet::new()) };
     /// How many event holds this transaction took.
     static HOLDS: Cell<usize> = const { Cell::new(0) };
+    /// Batches whose committed calls a claim found waiting ([`releasable`]).
+    static STALLED: RefCell<BTreeSet<i64>> = const { RefCell::new(BTreeSet::new()) };
 }
 
 /// One deferred call.
@@ -144,6 +150,66 @@ pub(crate) fn movable(batch: i64, id: i64) -> bool {
     }
     HOLDS.with(|h| h.set(n + 1));
     true
+}
+
+/// Whether a claim may lease again event `id`'s row of its own whose lease
+/// by `token` ran out (invariant 2). A token a batch minted means the event
+/// left its batch with its lease (a subject sent to the exception table), so
+/// a deferred call by that token may be open: the claim takes the event's
+/// hold as [`movable`] does. One may also have committed and wait to be
+/// forwarded (its batch's lock was busy at that commit): the claim passes
+/// the row over, and [`forward_stalled`] forwards it when the batch is gone
+/// (a batch that exists has its deferred flag set, so the next claim of its
+/// lane applies it).
+pub(crate) fn releasable(token: [u8; 16], id: i64) -> bool {
+    if super::batch::token_kind(&token) != super::batch::TokenKind::Batch {
+        return true;
+    }
+    let batch = Token::from_bytes(token).batch;
+    if !movable(batch, id) {
+        return false;
+    }
+    let waiting = plans::run_latest(&DEFERRED_PENDING, &[batch.into(), id.into()], |rows| {
+        let mut w = false;
+        rows.for_each(|r| w = r.bool(0) == Some(true));
+        w
+    });
+    if waiting {
+        STALLED.with(|s| s.borrow_mut().insert(batch));
+    }
+    !waiting
+}
+
+/// After a claim's read of the exception table: forward the committed calls
+/// of the batches [`releasable`] found them waiting on, when the batch is
+/// gone and its lock free; the rows they answer are leased again by a later
+/// claim, with the calls applied.
+pub(crate) fn forward_stalled() {
+    let stalled = STALLED.with(|s| std::mem::take(&mut *s.borrow_mut()));
+    for batch in stalled {
+        let exists = plans::run_latest(&BATCH_EXISTS, &[batch.into()], |rows| !rows.is_empty());
+        if exists || !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, claim::batch_lock_key(batch)) {
+            continue;
+        }
+        forward_gone(batch);
+    }
+}
+
+/// `outbox._releasable(lease_token uuid, id bigint) -> boolean`: [`releasable`],
+/// for the claim's read of the exception table (`EXC_CLAIM` in src/sql/log.rs).
+///
+/// # Safety
+/// Called by PostgreSQL through the v1 calling convention (declared STRICT).
+pub unsafe fn releasable_v1(fcinfo: pg_sys::FunctionCallInfo) -> pg_sys::Datum {
+    // SAFETY: the frame of outbox._releasable(uuid, bigint) (sql/api.sql).
+    let call = unsafe { crate::pg::fcall::Call::new(fcinfo) };
+    let token: Option<pgrx::Uuid> = call.arg(0);
+    let id: Option<i64> = call.arg(1);
+    let ok = match (token, id) {
+        (Some(t), Some(id)) => releasable(*t.as_bytes(), id),
+        _ => true,
+    };
+    pg_sys::Datum::from(ok)
 }
 
 fn rows(stmt: &plans::Stmt, args: &[DatumWithOid<'_>]) -> Vec<Deferred> {
@@ -317,6 +383,16 @@ pub fn fold_orphans() -> i32 {
 /// applied by the next holder of their lock.
 pub(crate) fn on_pre_commit() {
     let touched = TOUCHED.with(|t| std::mem::take(&mut *t.borrow_mut()));
+    if touched.is_empty() {
+        return;
+    }
+    // No statement is running at PRE_COMMIT, so no snapshot is active, and a
+    // batch row stored out of line (TOAST) is read back only under one (or
+    // under a registered catalog snapshot, which any invalidation drops).
+    pg::with_active_snapshot(|| apply_touched(touched));
+}
+
+fn apply_touched(touched: BTreeSet<i64>) {
     for batch in touched {
         if !pg::try_advisory_xact_lock(BATCH_LOCK_KEY, claim::batch_lock_key(batch)) {
             continue;
@@ -332,6 +408,7 @@ pub(crate) fn on_pre_commit() {
 /// At transaction end.
 pub fn on_xact_end() {
     TOUCHED.with(|t| t.borrow_mut().clear());
+    STALLED.with(|t| t.borrow_mut().clear());
     HOLDS.with(|h| h.set(0));
 }
 

@@ -62,8 +62,8 @@
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_EXISTS, EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY,
-    EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, NOTE_LOST, SUB_HAS_MAX_LAG,
+    BATCH_EXISTS, EXC_ACK, EXC_ANY_READY, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND,
+    EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, NOTE_LOST, SUB_HAS_MAX_LAG,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, pg};
@@ -220,6 +220,14 @@ pub struct Request<'a> {
 
 /// Claim up to `left` exception rows into `out`; returns how many.
 pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize {
+    let any = plans::run_latest(&EXC_ANY_READY, &[req.subscription.into(), plans::ts_param(now)], |rows| {
+        let mut any = true;
+        rows.for_each(|r| any = r.bool(0) != Some(false));
+        any
+    });
+    if !any {
+        return 0;
+    }
     let token = pgrx::Uuid::from_bytes(super::batch::exception_token(pg::strong_random(), pg::strong_random()));
     let (exact, prefixes) = match &req.narrow {
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),
@@ -252,6 +260,7 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
         });
         n
     });
+    super::deferred::forward_stalled();
     if !dead.is_empty() && req.settings.dead_letter_policy.is_none() {
         // The claim holds these rows' topics' policy locks now: a snapshot
         // taken after them sees any policy change that took the lock first.

@@ -20,7 +20,7 @@
 //!   its update chain, which `FOR UPDATE SKIP LOCKED` does (it waits).
 //! - [`xid_assigned`], [`uses_xact_snapshot`], [`serializable`], [`read_only`],
 //!   [`assign_xid`]: transaction state the log's cursors, retention and claim
-//!   branch on.
+//!   branch on; [`with_active_snapshot`] for work in a transaction callback.
 //! - [`now`], [`timestamptz`], [`database_id`], [`SharedLatch`], [`notify`]:
 //!   small accessors for the background worker and the wake-ups.
 //! - [`quiet_rust_backtraces`]: keep Rust backtraces out of error DETAIL lines.
@@ -320,6 +320,20 @@ pub fn try_lock_row(relid: pg_sys::Oid, tid: pg_sys::ItemPointerData) -> RowLock
 pub fn xid_assigned() -> bool {
     // SAFETY: reads backend-local transaction state.
     unsafe { pg_sys::GetTopTransactionIdIfAny() != pg_sys::InvalidTransactionId }
+}
+
+/// Run `f` with the transaction's snapshot active, for work done where no
+/// statement runs (a transaction callback): reading a value stored out of
+/// line needs an active or registered snapshot. An error in `f` leaves the
+/// stack to the abort, which resets it.
+pub fn with_active_snapshot<R>(f: impl FnOnce() -> R) -> R {
+    // SAFETY: inside a transaction (the callers are its callbacks); the
+    // snapshot pushed here is popped before returning.
+    unsafe { pg_sys::PushActiveSnapshot(pg_sys::GetTransactionSnapshot()) };
+    let r = f();
+    // SAFETY: pops the snapshot pushed above; `f` leaves the stack as it found it.
+    unsafe { pg_sys::PopActiveSnapshot() };
+    r
 }
 
 /// Run the current transaction at READ COMMITTED if it has taken no snapshot

@@ -114,7 +114,10 @@ pub const WINDOW: Stmt =
 /// snapshot's xmin, and the largest event id drawn (read after it). [`WINDOW`]'s three branches, with nothing read yet, as
 /// one EXISTS each; the late committers' two only where $5 says so (a lane
 /// whose cursor's late committers were all found settled, src/log/claim.rs
-/// `quiet_lanes`). One statement for every lane a claim would otherwise
+/// `quiet_lanes`). The first is not probed when no id above the cursor's `m`
+/// was drawn at all (the sequence's last value, read after the snapshot:
+/// an id drawn later belongs to a transaction this snapshot does not see),
+/// which is every lane of an idle log. One statement for every lane a claim would otherwise
 /// visit with a window of its own: the window's plan (twelve index scans over
 /// the ring) costs more to start than to run on an empty lane, and sixteen of
 /// those made a claim of a quiet subscription take 3 ms. The late committers'
@@ -124,9 +127,10 @@ pub const WINDOW: Stmt =
 /// [`plans::run_latest`]: crate::pg::plans::run_latest
 pub const LANES_WITH_NEWS: Stmt = Stmt {
     sql: "/* generic plan */ SELECT l.lane, \
-            EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = l.lane AND e.id > l.m \
+            (l.m < (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
+             AND EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = l.lane AND e.id > l.m \
                   AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
-                  AND NOT pg_visible_in_snapshot(e.txid, c.lo)) \
+                  AND NOT pg_visible_in_snapshot(e.txid, c.lo))) \
             OR (l.late AND (EXISTS (SELECT 1 FROM outbox.log e \
                   WHERE e.txid = ANY (ARRAY(SELECT x FROM pg_snapshot_xip(c.lo) AS x \
                                             WHERE pg_visible_in_snapshot(x, (SELECT pg_current_snapshot())))) \
@@ -152,6 +156,41 @@ pub const LANES_WITH_NEWS: Stmt = Stmt {
         pg_sys::BOOLARRAYOID,
     ],
 };
+
+/// [`LANES_WITH_NEWS`] for cursors that are all settled (no late-committer
+/// branches, `$5` unused): a third of its plan to start, which is most of an
+/// idle worker's claim.
+pub const LANES_WITH_NEWS_SETTLED: Stmt = Stmt {
+    sql: "/* generic plan */ SELECT l.lane, \
+            (l.m < (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
+             AND EXISTS (SELECT 1 FROM outbox.log e WHERE e.lane = l.lane AND e.id > l.m \
+                  AND pg_visible_in_snapshot(e.txid, (SELECT pg_current_snapshot())) \
+                  AND NOT pg_visible_in_snapshot(e.txid, l.lo::pg_snapshot))), \
+            pg_snapshot_xmin((SELECT pg_current_snapshot()))::text, \
+            (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
+          FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[], $5::bool[]) AS l(lane, lo, m, xn, late)",
+    types: &[
+        pg_sys::INT2ARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::INT8ARRAYOID,
+        pg_sys::TEXTARRAYOID,
+        pg_sys::BOOLARRAYOID,
+    ],
+};
+
+/// Whether subscription $1 has a row of its own that may be claimable at $2
+/// (pending or leased, its time come): [`EXC_CLAIM`]'s plan costs more to
+/// start than this probe, and an idle worker's claim finds none.
+pub const EXC_ANY_READY: Stmt = Stmt {
+    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log_exceptions e \
+           WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2)",
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
+/// The largest event id drawn so far (0 before the first): no event has a
+/// larger one, committed or not.
+pub const SEQ_LAST: Stmt =
+    Stmt { sql: "SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)", types: &[] };
 
 /// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id,
 /// of those a subscription's topic filter passes ($8 exact topics, $9
@@ -338,6 +377,13 @@ pub const DEFERRED_TAKE: Stmt = Stmt {
                      RETURNING seq, id, token, call, at, us, permanent, error) \
           SELECT id, token, call::text, at, us, permanent, error FROM d ORDER BY seq",
     types: &[pg_sys::INT8OID],
+};
+
+/// Whether committed deferred calls on event $2 of batch $1 wait to be
+/// applied or forwarded.
+pub const DEFERRED_PENDING: Stmt = Stmt {
+    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log_deferred WHERE batch = $1 AND id = $2)",
+    types: &[pg_sys::INT8OID, pg_sys::INT8OID],
 };
 
 /// Deferred calls whose batch is gone (finished, or its subscription
@@ -605,6 +651,9 @@ macro_rules! exc_exhausted {
 /// taken only with that topic's dead-letter policy lock (first key $12) in
 /// share mode, tried without waiting (src/log/exceptions.rs, invariant 4);
 /// [`EXC_DEAD_POLICY`] then reads the policy again under a newer snapshot.
+/// A row whose expired lease a batch handed out is taken only with its
+/// event's hold (`outbox._releasable`, src/log/deferred.rs): a deferred call
+/// by that token may still be open, or committed and not yet forwarded.
 ///
 /// The subject test is two probes, each bounded by an index
 /// (`log_exceptions_open`; `log_exceptions_leased`), not one probe
@@ -616,7 +665,7 @@ pub const EXC_CLAIM: Stmt = Stmt {
     sql: concat!(
         "WITH cand AS ( \
            SELECT r.id FROM ( \
-             SELECT e.id, e.ctid AS row, e.topic, $10::text IS NULL AND ",
+             SELECT e.id, e.ctid AS row, e.topic, e.lease_token AS tok, $10::text IS NULL AND ",
         exc_exhausted!(),
         " AS dies \
                FROM outbox.log_exceptions e \
@@ -632,7 +681,8 @@ pub const EXC_CLAIM: Stmt = Stmt {
                         AND p.state = 'leased' AND p.visible_at > $2 AND p.id <> e.id))) \
               ORDER BY e.visible_at, e.id OFFSET 0) r \
             WHERE (NOT r.dies OR outbox._try_policy_lock(r.topic)) \
-              AND outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) LIMIT $3 \
+              AND CASE WHEN outbox._lock_row('outbox.log_exceptions'::regclass::oid, r.row) \
+                       THEN r.tok IS NULL OR outbox._releasable(r.tok, r.id) ELSE false END LIMIT $3 \
          ), upd AS ( \
            UPDATE outbox.log_exceptions e SET \
              state = CASE WHEN ",
