@@ -44,14 +44,17 @@ def run_agent(kind, out_q, barrier, kw):
         out_q.put({"error": f"{kind}: " + traceback.format_exc()})
 
 
-def _claim_ack(conn, system, worker, batch):
-    """One claim and one ack, separate autocommit statements. Returns (n_claimed,
-    n_acked, t_claim_returned, ids)."""
+def _claim_ack(conn, system, worker, batch, handler_ms=0):
+    """One claim and one ack, separate autocommit statements; between them, when
+    handler_ms is set, a handler that sleeps handler_ms per claimed event (one
+    sleep for the batch). Returns (n_claimed, n_acked, t_claim_returned, ids)."""
     q = S.DRAIN[system]
     rows = conn.execute(q["claim"], {"worker": worker, "batch": batch}).fetchall()
     t_claim = now_ns()
     if not rows:
         return 0, 0, t_claim, []
+    if handler_ms:
+        time.sleep(handler_ms * len(rows) / 1000)
     ids = [r[0] for r in rows]
     if system.startswith("outbox"):
         acked = conn.execute(q["ack"], {"ids": ids, "tokens": [r[1] for r in rows]}).fetchone()[0]
@@ -165,6 +168,36 @@ def _pgq_consumer(*, barrier, dsn, deadline_s):
     return {"n": n, "t0": t0, "t1": t1, "batches": batches}
 
 
+def _pgq_stream_consumer(*, barrier, dsn, handler_ms, poll_s, stop_evt, counter):
+    """PgQ's one consumer of a stream (scenario 12): next_batch, get_batch_events,
+    a handler sleeping handler_ms per event, finish_batch; when next_batch finds
+    no batch, wait poll_s (PgQ sends no notification) and try again, until
+    stop_evt is set. Records (ev_id, t_events_returned)."""
+    conn = connect(dsn)
+    q = S.DRAIN["pgq"]
+    recs = []
+    batches = polls = 0
+    barrier.wait()
+    while True:
+        bid = conn.execute(q["next"]).fetchone()[0]
+        if bid is None:
+            if stop_evt.is_set():
+                break
+            polls += 1
+            time.sleep(poll_s)
+            continue
+        rows = conn.execute(q["events"], {"batch_id": bid}).fetchall()
+        t = now_ns()
+        if rows:
+            time.sleep(handler_ms * len(rows) / 1000)
+        conn.execute(q["finish"], {"batch_id": bid})
+        batches += 1
+        recs.extend((r[0], t) for r in rows)
+        with counter.get_lock():
+            counter.value += len(rows)
+    conn.close()
+    return {"recs": recs, "claims": batches, "timeouts": polls, "wakeups": 0}
+
 
 def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, notify, record, pid):
     """Publish one event per autocommit statement at `rate` events/s in total,
@@ -230,9 +263,10 @@ def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, noti
 
 
 
-def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s):
-    """LISTEN outbox; claim until a claim returns less than a full batch, then
-    wait for a notification (or poll_s). Records (id, t_claim, t_ack)."""
+def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, handler_ms=0, wait_empty=False):
+    """LISTEN outbox; claim until a claim returns less than a full batch (with
+    wait_empty: until a claim returns nothing), then wait for a notification (or
+    poll_s). handler_ms: see _claim_ack. Records (id, t_claim, t_ack)."""
     conn = connect(dsn)
     conn.execute("LISTEN outbox")
     worker = f"bench-e2e-{wid}"
@@ -240,7 +274,7 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s):
     claims = wakeups = timeouts = 0
     barrier.wait()
     while True:
-        got, acked, t_claim, ids = _claim_ack(conn, system, worker, batch)
+        got, acked, t_claim, ids = _claim_ack(conn, system, worker, batch, handler_ms)
         t_ack = now_ns()
         claims += 1
         if acked != got:
@@ -249,7 +283,7 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s):
             with counter.get_lock():
                 counter.value += got
             recs.extend((i, t_claim, t_ack) for i in ids)
-        if got >= batch:
+        if got >= batch or (wait_empty and got):
             continue
         if stop_evt.is_set():
             break
@@ -320,6 +354,7 @@ AGENTS = {
     "drain_worker": _drain_worker,
     "log_drain_worker": _log_drain_worker,
     "pgq_consumer": _pgq_consumer,
+    "pgq_stream_consumer": _pgq_stream_consumer,
     "publisher": _publisher,
     "e2e_worker": _e2e_worker,
     "wake_listener": _wake_listener,

@@ -78,6 +78,21 @@ FULL = {
     # 11: bench/relay.py (the relay into JetStream and webhooks), one run
     "s11_events": 50_000, "s11_subjects": 1000, "s11_latency_seconds": 10, "s11_webhook_events": 10_000,
     "s11_timeout": 1800,
+    # 6d: the drain of 6b's backlog (steady_backlog; no publisher) while another
+    # session holds one claimed event in an open transaction; if the workers ack
+    # nothing for s6d_stall s, the holder rolls back then (the run is stalled)
+    "s6d_stall": 5,
+    # 12: streaming: publishers at s12_rate ev/s in total for s12_seconds
+    # (s12_pub_conns connections, as in 8), s12_workers LISTEN workers claiming up
+    # to s12_batch, a handler of s12_handler_ms per event, the batch ack; when a
+    # claim returns nothing they wait for a notification or s12_poll s. PgQ: one
+    # consumer, the harness ticks every s12_pgq_tick s. Each system gets
+    # s12_drain_wait s after the publishers stop to deliver the rest;
+    # s12_reps runs (None: reps)
+    "s12_rate": 800, "s12_seconds": 60, "s12_workers": 16, "s12_batch": 100, "s12_handler_ms": 1,
+    "s12_poll": 0.5, "s12_pub_conns": 16, "s12_pgq_tick": 0.1, "s12_drain_wait": 60, "s12_reps": 1,
+    # 13: an idle worker's poll: s13_polls empty claims per system and repetition
+    "s13_polls": 5_000,
 }
 
 # Quick: every scenario and target, smaller and shorter; fewer client counts and
@@ -99,6 +114,7 @@ QUICK = dict(FULL, **{
     "s10_log_cells": [(2, 100), (2, 500)], "s10_outbox_cells": [(2, 100)], "s10_plain_workers": [2],
     "s10_subject_cells": [(2, 100)], "s10_fanout_n": 5_000, "s10_reps": 1,
     "s11_events": 5_000, "s11_latency_seconds": 3, "s11_webhook_events": 2_000, "s11_timeout": 600,
+    "s12_seconds": 10, "s12_drain_wait": 30, "s13_polls": 1_000,
 })
 
 SCENARIOS = [
@@ -113,9 +129,12 @@ SCENARIOS = [
     ("s9", "9. payload output", scenarios.s9_payload),
     ("s10", "10. log drain", scenarios.s10_log_drain),
     ("s11", "11. relay", relay_scenario.s11_relay),
+    ("s12", "12. streaming", scenarios.s12_streaming),
+    ("s13", "13. empty poll", scenarios.s13_empty_poll),
     ("s6a", "6a. history", scenarios.s6_history),
     ("s6b", "6b. held snapshot", scenarios.s6_xmin),
     ("s6c", "6c. ring TRUNCATE", scenarios.s6_rotate),
+    ("s6d", "6d. held claim", scenarios.s6_held_claim),
     ("plans", "claim plans", scenarios.explain_claims),
 ]
 

@@ -1013,6 +1013,163 @@ def s6_rotate(ctx):  # noqa: C901
               f"ring tables truncated per run: {trunc}")
 
 
+def _held_claim_drain(ctx, backlog, hold):
+    """6d: 2 workers (batch 100, autocommit claim and ack) drain a backlog of
+    `default`, no publisher, from an empty log; with hold, another session has
+    claimed one event in a transaction it keeps open (idle) until the drain
+    ends, then rolls back. The drain ends when every event but the held one is
+    acked (all of them without hold). If the workers ack nothing for s6d_stall
+    seconds before that, the holder rolls back then (so the drain ends; its
+    time includes the wait) and the run counts as stalled."""
+    p = ctx.p
+    _fresh_outbox(ctx)
+    ctx.load_outbox(backlog)
+    ctx.sql(S.LOG_VACUUM)
+    ctx.checkpoint()
+    dsn = ctx.cluster.dsn()
+    holder = state = stalled = None
+    if hold:
+        holder = agents.connect(dsn)  # autocommit: BEGIN ... ROLLBACK explicitly
+        holder.execute(S.HOLD_CLAIM_STMTS[0])
+        if len(holder.execute(S.HOLD_CLAIM_STMTS[1]).fetchall()) != 1:
+            holder.close()
+            raise HarnessError("6d: the holder's outbox.claim(..., 1) did not return one event")
+    total = backlog - (1 if hold else 0)
+    counter = ctx.mp.Value("q", 0)
+    g = ctx.agents([("drain_worker", dict(dsn=dsn, system="outbox", wid=w, batch=100, total=total, counter=counter,
+                                          deadline_s=p["drain_deadline"])) for w in range(2)])
+    try:
+        g.start()
+        last, t_last = -1, time.monotonic()
+        while counter.value < total and any(pr.is_alive() for pr in g.procs):
+            if counter.value != last:
+                last, t_last = counter.value, time.monotonic()
+            elif holder is not None and stalled is None and time.monotonic() - t_last > p["s6d_stall"]:
+                state = ctx.sql(S.HOLDER_STATE, (holder.info.backend_pid,)).fetchone()
+                holder.execute("ROLLBACK")
+                stalled = total - last
+            time.sleep(0.05)
+        ws = g.collect(2, p["drain_deadline"] + 30)
+        g.join()
+        if holder is not None and stalled is None:
+            state = ctx.sql(S.HOLDER_STATE, (holder.info.backend_pid,)).fetchone()
+    finally:
+        g.kill()
+        if holder is not None:
+            try:
+                holder.execute("ROLLBACK")  # a no-op (a warning) after the stall's
+            finally:
+                holder.close()
+    if hold and (state is None or state[0] != "idle in transaction"):
+        raise HarnessError(f"6d: the holder was not idle in its transaction (pg_stat_activity: {state})")
+    acked = sum(r["n"] for r in ws)
+    left = ctx.one(S.DEFAULT_LEFT)
+    # after a stall the drain may end before or after the held event came back
+    want = [(backlog - 1, 1)] if hold and stalled is None else [(backlog, 0)] + ([(backlog - 1, 1)] if hold else [])
+    if (acked, left) not in want:
+        raise HarnessError(f"6d: backlog {backlog}, acked {acked} and {left} left for default after the holder "
+                           f"ended; expected (acked, left) in {want}")
+    secs = (max(r["t1"] for r in ws) - min(r["t0"] for r in ws)) / ns
+    return {"eps": acked / secs, "secs": secs, "acked": acked, "stalled": stalled}
+
+
+def s6_held_claim(ctx):
+    p = ctx.p
+    b = p["steady_backlog"]
+    prm = {"backlog": b}
+    for rep in range(p["reps"]):
+        for variant, hold in (("no_holder", False), ("held_claim", True)):
+            r = _held_claim_drain(ctx, b, hold)
+            ctx.rec("s6_held_claim", variant, prm, rep, "events_per_s", r["eps"], "ev/s")
+            ctx.rec("s6_held_claim", variant, prm, rep, "drain_seconds", r["secs"], "s")
+            if hold:
+                ctx.rec("s6_held_claim", variant, prm, rep, "stalled_left", r["stalled"] or 0, "events")
+            ctx.say(f"  s6d {variant} rep={rep}: {r['eps']:.0f} ev/s, {r['acked']} acked in {r['secs']:.1f}s"
+                    + (f"; STALLED with {r['stalled']} events left until the holder rolled back" if r["stalled"]
+                       else ""))
+    a = ctx.med("s6_held_claim", "no_holder", prm, "events_per_s")
+    h = ctx.med("s6_held_claim", "held_claim", prm, "events_per_s")
+    r = _ratio(h, a)
+    stalls = ctx.values("s6_held_claim", "held_claim", prm, "stalled_left")
+    md = (f"A backlog of {b:,} events (no subject, scenario 3's payload) published on an empty log, the ring and "
+          "`log_lanes` `VACUUM ANALYZE`d and a checkpoint taken; then 2 workers claim 100 from the install's "
+          "`default` subscription and ack each claim with the batch `outbox.ack` (autocommit, two round trips per "
+          "batch), with no publisher (unlike 6b), so that every event acked is one of the backlog and the end of the "
+          "drain is exact. **held_claim**: before the workers start, another session runs `BEGIN` and "
+          "`outbox.claim('bench-holder', 1)` and stays idle in that transaction until the drain ends, then rolls "
+          "back (the harness checks in `pg_stat_activity` that it is `idle in transaction`). The held event comes "
+          "back only when the holder ends, so the drain is done when **every event but the held one** is acked; "
+          "afterwards the harness checks that `default` has exactly that one event left (none without the holder). "
+          f"If the workers ack nothing for {p['s6d_stall']} s (`s6d_stall`) before that, the holder rolls back "
+          "there and then, the drain finishes (the held event included) and the run counts as **stalled**: its "
+          "time includes the wait. **no_holder** (the baseline, interleaved with it in each repetition): the same "
+          f"drain of all {b:,} events. Throughput = events acked / (last ack - first claim); median of "
+          f"{p['reps']} runs.\n\n"
+          "| variant | events/s | drain time (s) | stalled runs (events left when it stalled) |\n|---|---|---|---|\n"
+          f"| no_holder | {_fmt(a)} | {_fmt(ctx.med('s6_held_claim', 'no_holder', prm, 'drain_seconds'), 2)} | |\n"
+          f"| held_claim | {_fmt(h)} | {_fmt(ctx.med('s6_held_claim', 'held_claim', prm, 'drain_seconds'), 2)} | "
+          f"{sum(1 for x in stalls if x)} of {len(stalls)}"
+          + (f" ({', '.join(str(int(x)) for x in stalls if x)})" if any(stalls) else "") + " |\n\n"
+          f"with the holder / without = **{_fmt(r, 2)}x** (target >= 0.9x)\n\n"
+          "The holding session:\n\n" + _code(S.HOLD_CLAIM)
+          + "Workers (claim, then ack):\n\n" + _code(S.DRAIN["outbox"]["claim"] + ";\n" + S.DRAIN["outbox"]["ack"]
+                                                      + ";"))
+    ctx.section("6d. Drain while a claim is held in an open transaction", md)
+    ctx.target("6d", "drain throughput of default while another session holds one claimed event in an open "
+               "transaction / without", r, ">=", 0.9)
+
+
+# ---------------------------------------------------------------------------
+# 13. Empty poll: what an idle worker's claim costs
+# ---------------------------------------------------------------------------
+def _empty_polls(ctx, system, n):
+    """n claims of 100 that find nothing, from one connection (prepared after
+    psycopg's threshold; 20 untimed first); returns the per-call times (ms)."""
+    conn = agents.connect(ctx.cluster.dsn())
+    q = S.DRAIN[system]["claim"]
+    lat = []
+    for i in range(n + 20):
+        t = time.monotonic_ns()
+        rows = conn.execute(q, {"worker": "idle", "batch": 100}).fetchall()
+        dt = (time.monotonic_ns() - t) / 1e6
+        if rows:
+            raise HarnessError(f"s13: an empty poll of {system} returned {len(rows)} rows")
+        if i >= 20:
+            lat.append(dt)
+    conn.close()
+    return lat
+
+
+def s13_empty_poll(ctx):
+    p = ctx.p
+    n = p["s13_polls"]
+    prm = {"polls": n}
+    _fresh_outbox(ctx)
+    ctx.reset_plain()
+    ctx.sql("CHECKPOINT")
+    for rep in range(p["reps"]):
+        # Interleaved, in turns, so that drift hits neither system alone.
+        for system in (("plain", "outbox") if rep % 2 == 0 else ("outbox", "plain")):
+            lat = _empty_polls(ctx, system, n)
+            ctx.rec("s13_empty_poll", system, prm, rep, "p50", pct(lat, 50), "ms")
+            ctx.rec("s13_empty_poll", system, prm, rep, "p99", pct(lat, 99), "ms")
+            ctx.say(f"  s13 {system} rep={rep}: p50 {pct(lat, 50):.3f} ms, p99 {pct(lat, 99):.3f} ms")
+    med = {s: (ctx.med("s13_empty_poll", s, prm, "p50"), ctx.med("s13_empty_poll", s, prm, "p99"))
+           for s in ("plain", "outbox")}
+    r = _ratio(med["outbox"][0], med["plain"][0])
+    md = (f"An idle worker's poll: {n:,} claims of up to 100 that find nothing, one after another from one "
+          "connection (the statement prepared; 20 untimed first), on an empty log (`default` only, its lanes "
+          "read up to now) and an empty `bench_plain`, the two systems in turns, "
+          f"{p['reps']} repetitions. Time per call as the client sees it (the round trip included, the same "
+          "for both); medians of the repetitions.\n\n"
+          "| system | p50 (ms) | p99 (ms) |\n|---|---|---|\n"
+          + "".join(f"| {s} | {_fmt(med[s][0], 3)} | {_fmt(med[s][1], 3)} |\n" for s in ("plain", "outbox"))
+          + f"\noutbox / plain SKIP LOCKED, p50: **{_fmt(r, 2)}x** (target <= 2x)\n\n"
+          + "outbox:\n\n" + _code(S.DRAIN["outbox"]["claim"]) + "plain:\n\n" + _code(S.DRAIN["plain"]["claim"]))
+    ctx.section("13. Empty poll", md)
+    ctx.target("13", "an empty claim of default / the empty poll of plain SKIP LOCKED (p50)", r, "<=", 2.0)
+
+
 # ---------------------------------------------------------------------------
 # Claim plans: auto_explain of the log claim's statements (src/sql/log.rs)
 # ---------------------------------------------------------------------------
@@ -2229,3 +2386,268 @@ def _s10_report(ctx, n, reps, log_cells, outbox_cells, subj_cells, batches, alon
            + "Backlog loading of outbox.claim, plain and PgQ (not timed): scenario 3's; before outbox.claim's, "
            "the log reset above (no named subscription, an empty log).\n")
     ctx.section("10. Drain the log", md)
+
+
+# ---------------------------------------------------------------------------
+# 12. Streaming: events at a steady rate, LISTEN + claim workers with a 1 ms
+#     handler; server CPU and rows written per event, pickup latency
+# ---------------------------------------------------------------------------
+S12 = "s12_streaming"
+S12_SYSTEMS = [
+    # (name, key of E2E_PUBLISH and ROWS_WRITTEN, outbox.notify, the workers' DRAIN)
+    ("outbox_background", "outbox", "background", "outbox"),
+    ("plain_notify", "plain_notify", None, "plain"),
+    ("pgq", "pgq", None, "pgq"),
+]
+
+
+def _proc_stat(pid):
+    """/proc/<pid>/stat after the command: [state, ppid, ..., utime (11), stime, cutime, cstime, ...]."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()
+
+
+def _server_cpu(ctx):
+    """CPU seconds used so far by the cluster: its postmaster's utime, stime,
+    cutime and cstime (children that exited and were reaped) plus utime and
+    stime of every live child of the postmaster (backends, background
+    workers, autovacuum, ...). Returns (seconds, processes read): each
+    process's figures are whole clock ticks."""
+    pm = _proc_stat(ctx.admin.info.backend_pid)[1]
+    ticks = sum(int(x) for x in _proc_stat(pm)[11:15])
+    n = 1
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = _proc_stat(d)
+            except OSError:  # exited meanwhile
+                continue
+            if f[1] == pm:
+                ticks += int(f[11]) + int(f[12])
+                n += 1
+    return ticks / os.sysconf("SC_CLK_TCK"), n
+
+
+def _s12_rows(ctx, key):
+    """(rows written, rows inserted into outbox.log_exceptions) so far in the
+    system's own tables, once the statistics were flushed: backends flush
+    theirs at most once a second while busy, and when they exit."""
+    time.sleep(1.1)
+    ctx.sql("SELECT pg_stat_clear_snapshot()")
+    return ctx.sql(S.ROWS_WRITTEN[key]).fetchone()
+
+
+def _s12_once(ctx, name, key, notify, drain):  # noqa: C901
+    """One phase: publishers at s12_rate for s12_seconds, s12_workers workers
+    (PgQ: one consumer and the harness's ticker), until every published event
+    is delivered. Returns the pickup latencies (publish commit returned -> the
+    claim returning the event, ms), the server CPU and the rows written over the
+    phase."""
+    p = ctx.p
+    if key == "outbox":
+        _fresh_outbox(ctx)
+    elif key == "pgq":
+        ctx.reset_pgq()
+        for q in S.PGQ_STREAM_CONFIG:
+            ctx.sql(q)
+    else:
+        ctx.reset_plain()
+    ctx.checkpoint()
+    conns = p["s12_pub_conns"]
+    procs = 1 if conns <= 2 else 2
+    per = [conns // procs + (1 if i < conns % procs else 0) for i in range(procs)]
+    counter = ctx.mp.Value("q", 0)
+    stop = ctx.mp.Event()
+    dsn = ctx.cluster.dsn()
+    specs = [("publisher", dict(dsn=dsn, system=key, rate=p["s12_rate"] * per[i] / conns, nconns=per[i],
+                                duration_s=p["s12_seconds"], stop_evt=stop, notify=notify, record=True, pid=i))
+             for i in range(procs)]
+    if key == "pgq":
+        nworkers = 1
+        specs.append(("pgq_stream_consumer", dict(dsn=dsn, handler_ms=p["s12_handler_ms"], poll_s=p["s12_poll"],
+                                                  stop_evt=stop, counter=counter)))
+    else:
+        nworkers = p["s12_workers"]
+        specs += [("e2e_worker", dict(dsn=dsn, system=drain, wid=w, batch=p["s12_batch"], stop_evt=stop,
+                                      counter=counter, poll_s=p["s12_poll"], handler_ms=p["s12_handler_ms"],
+                                      wait_empty=True)) for w in range(nworkers)]
+    g = ctx.agents(specs)
+    tick_stop = threading.Event()
+    ticks = [0]
+
+    def ticker():
+        c = agents.connect(dsn)
+        while not tick_stop.is_set():
+            if c.execute(S.PGQ_TICK).fetchone()[0] is not None:
+                ticks[0] += 1
+            tick_stop.wait(p["s12_pgq_tick"])
+        c.close()
+
+    tt = None
+    rows0 = _s12_rows(ctx, key)
+    try:
+        g.start()
+        cpu0, procs0 = _server_cpu(ctx)
+        if key == "pgq":
+            tt = threading.Thread(target=ticker)
+            tt.start()
+        pubs = g.collect(procs, p["s12_seconds"] + 60)
+        total = sum(r["n"] for r in pubs)
+        deadline = time.monotonic() + p["s12_drain_wait"]
+        while counter.value < total and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stop.set()
+        works = g.collect(nworkers, 30)
+        g.join()
+    finally:
+        stop.set()
+        tick_stop.set()
+        if tt:
+            tt.join()
+        g.kill()
+    rows1 = _s12_rows(ctx, key)  # the agents' backends have exited (and flushed) by then
+    cpu1, procs1 = _server_cpu(ctx)
+    commit = {}
+    for r in pubs:
+        commit.update(dict(r["recs"]))
+    claimed = {}
+    n_recs = 0
+    for r in works:
+        for rec in r["recs"]:
+            n_recs += 1
+            claimed[rec[0]] = min(rec[1], claimed.get(rec[0], rec[1]))
+    if len(commit) != total or set(claimed) != set(commit):
+        raise HarnessError(f"s12 {name}: published {total}, delivered {len(set(claimed) & set(commit))} of them "
+                           f"({len(set(claimed) - set(commit))} unknown ids) {p['s12_drain_wait']} s after the "
+                           "publishers stopped")
+    if key != "pgq":
+        left = ctx.one(S.DEFAULT_LEFT if key == "outbox" else "SELECT count(*) FROM bench_plain")
+        if left:
+            raise HarnessError(f"s12 {name}: every event was claimed and acked, but {left} are left")
+    lat = [(claimed[i] - t) / 1e6 for i, t in commit.items()]
+    pub_secs = (max(r["t1"] for r in pubs) - min(r["t0"] for r in pubs)) / ns
+    return {
+        "n": total, "lat": lat, "achieved": total / pub_secs, "late": sum(r["late"] for r in pubs),
+        "cpu_us": (cpu1 - cpu0) * 1e6 / total, "cpu_s": cpu1 - cpu0,
+        # each process read is truncated to whole ticks, at either end
+        "cpu_res_us": (procs0 + procs1) * 1e6 / os.sysconf("SC_CLK_TCK") / total,
+        "rows": (rows1[0] - rows0[0]) / total, "own_share": 100.0 * (rows1[1] - rows0[1]) / total,
+        "redelivered": n_recs - len(claimed), "claims": sum(r["claims"] for r in works),
+        "timeouts": sum(r["timeouts"] for r in works), "ticks": ticks[0],
+    }
+
+
+S12_METRICS = [  # (metric, key of _s12_once's result or a function of it, unit)
+    ("achieved_rate", "achieved", "ev/s"), ("delivered", "n", "events"),
+    ("cpu_per_event", "cpu_us", "us"), ("cpu_seconds", "cpu_s", "s"), ("cpu_resolution", "cpu_res_us", "us"),
+    ("rows_per_event", "rows", "rows"),
+    ("pickup_p50", lambda r: pct(r["lat"], 50), "ms"), ("pickup_p99", lambda r: pct(r["lat"], 99), "ms"),
+    ("pickup_max", lambda r: max(r["lat"]), "ms"),
+    ("claims", "claims", "claims"), ("poll_timeouts", "timeouts", "waits"), ("redelivered", "redelivered", "events"),
+    ("publisher_late", "late", "events"),
+]
+
+
+def s12_streaming(ctx):  # noqa: C901
+    p = ctx.p
+    prm = {"rate": p["s12_rate"], "workers": p["s12_workers"]}
+    nrep = p["s12_reps"] or p["reps"]
+    for rep in range(nrep):
+        for name, key, notify, drain in S12_SYSTEMS:
+            r = _s12_once(ctx, name, key, notify, drain)
+            for metric, k, unit in S12_METRICS:
+                ctx.rec(S12, name, prm, rep, metric, k(r) if callable(k) else r[k], unit)
+            if key == "outbox":
+                ctx.rec(S12, name, prm, rep, "own_row_share", r["own_share"], "%")
+            if key == "pgq":
+                ctx.rec(S12, name, prm, rep, "ticks", r["ticks"], "ticks")
+            ctx.say(f"  s12 {name} rep={rep}: {r['n']} events at {r['achieved']:.0f}/s (late {r['late']}); server "
+                    f"CPU {r['cpu_us']:.0f} us/event ({r['cpu_s']:.1f} s, ± {r['cpu_res_us']:.1f}); rows written "
+                    f"{r['rows']:.2f}/event"
+                    + (f", {r['own_share']:.2f}% with a log_exceptions row" if key == "outbox" else "")
+                    + f"; pickup p50/p99/max {pct(r['lat'], 50):.1f}/{pct(r['lat'], 99):.1f}/{max(r['lat']):.1f} ms; "
+                    f"{r['claims']} claims, {r['timeouts']} poll timeouts"
+                    + (f", {r['ticks']} ticks" if key == "pgq" else ""))
+    m = {name: {k: ctx.med(S12, name, prm, k) for k in [x[0] for x in S12_METRICS] + ["own_row_share", "ticks"]}
+         for name, *_ in S12_SYSTEMS}
+    o, pl = m["outbox_background"], m["plain_notify"]
+    r_cpu = _ratio(o["cpu_per_event"], pl["cpu_per_event"])
+    r_rows = _ratio(o["rows_per_event"], pl["rows_per_event"])
+    r_p99 = _ratio(o["pickup_p99"], pl["pickup_p99"])
+    md = (f"Events arrive at a steady {p['s12_rate']:,} events/s for {p['s12_seconds']} s: publishers commit one "
+          f"event per autocommit statement ({p['s12_pub_conns']} connections in 2 processes, the paced publisher "
+          "of scenarios 4 and 8). Each system runs alone in its own phase, from an empty outbox, table or queue. "
+          f"{p['s12_workers']} workers `LISTEN outbox`, claim up to {p['s12_batch']} events, run a handler of "
+          f"{p['s12_handler_ms']:g} ms per event (one sleep of that times the events claimed), ack the batch in one "
+          "statement and claim again; when a claim returns nothing they wait for a notification or "
+          f"{p['s12_poll']:g} s, whichever comes first. The same for every system: **outbox_background** "
+          "(`outbox.publish` with `outbox.notify = background`; `outbox.claim` from the install's `default` "
+          "subscription and the batch `outbox.ack(ids[], tokens[])`) and **plain_notify** (plain SKIP LOCKED, "
+          "`pg_notify` in the publishing transaction). **pgq**: PgQ has no competing consumers, so it runs with "
+          "**one consumer** (`next_batch`, `get_batch_events`, the handler, `finish_batch`; when there is no batch "
+          f"it waits {p['s12_poll']:g} s: PgQ sends no notification) and the harness as its ticker (pgqd's job; "
+          "scenarios 3 and 10 tick from the harness too): a session of its own calls `pgq.ticker('bench_q')` "
+          f"every {p['s12_pgq_tick']:g} s, the queue set to tick on every call that finds new events (a batch is "
+          "the events between two ticks); no PgQ maintenance runs during the phase. Every published event must be "
+          f"delivered (acked; PgQ: in a finished batch) within {p['s12_drain_wait']} s after the publishers stop, "
+          "or the scenario fails.\n\n"
+          "- **server CPU per event**: `/proc/<postmaster pid>/stat` (utime, stime, cutime, cstime: children that "
+          "exited are in the last two) plus utime + stime of every live child of the postmaster, read right after "
+          "the agents (connected, before their first statement) are released and again once every event was "
+          "delivered, the agents disconnected and 1.1 s passed; the difference (clock ticks, `SC_CLK_TCK`) over "
+          "the delivered events. Everything the server did counts: backends, the outbox background worker, "
+          "autovacuum, checkpointer, WAL writer (and the ticker's session for PgQ); the clients' own CPU does "
+          "not. Each process's figures are whole ticks: ± is (processes read at both ends) x one tick over the "
+          "events, the most the rounding can move the figure.\n"
+          "- **rows written per event**: `n_tup_ins + n_tup_upd + n_tup_del` summed over `pg_stat_user_tables` "
+          "of the system's own tables (outbox: every table in schema `outbox`; plain: `bench_plain`; PgQ: every "
+          "table in schema `pgq`, its event tables and ticks included), before the agents start and after they "
+          "disconnected (backends flush their statistics when they exit; 1.1 s of sleep and "
+          "`pg_stat_clear_snapshot()` before each read; PG 15's `pg_stat_force_next_flush()` flushes only the "
+          "calling backend's), over the delivered events. **with a row of its own**: outbox only, rows inserted "
+          "into `outbox.log_exceptions` over the delivered events.\n"
+          "- **pickup latency**: from the publisher's commit returning to the claim (PgQ: `get_batch_events`) "
+          "returning the event, on one system-wide monotonic clock, as in scenario 8.\n\n"
+          + ("One run of each system (`--set s12_reps=N` for medians of N)" if nrep == 1 else
+             f"Medians over {nrep} runs") + ".\n\n"
+          "| system | consumers | published (ev/s) | delivered | server CPU (µs/event) | ± | rows written/event | "
+          "with a row of its own | pickup p50 (ms) | p99 (ms) | max (ms) | claims | poll timeouts | redelivered |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for name, key, *_ in S12_SYSTEMS:
+        x = m[name]
+        md += (f"| {name} | {1 if key == 'pgq' else p['s12_workers']} | {_fmt(x['achieved_rate'])} | "
+               f"{_fmt(x['delivered'])} | {_fmt(x['cpu_per_event'])} | {_fmt(x['cpu_resolution'], 1)} | "
+               f"{_fmt(x['rows_per_event'], 2)} | "
+               + (f"{_fmt(x['own_row_share'], 2)}%" if key == "outbox" else "") + " | "
+               f"{_fmt(x['pickup_p50'], 1)} | {_fmt(x['pickup_p99'], 1)} | {_fmt(x['pickup_max'], 1)} | "
+               f"{_fmt(x['claims'])}{' batches (' + _fmt(x['ticks']) + ' ticks)' if key == 'pgq' else ''} | "
+               f"{_fmt(x['poll_timeouts'])} | {_fmt(x['redelivered'])} |\n")
+    short = [n for n, *_ in S12_SYSTEMS if (m[n]["achieved_rate"] or 0) < 0.95 * p["s12_rate"]]
+    if short:
+        md += (f"\n**The publishers fell behind {p['s12_rate']:,} events/s** for {', '.join(short)}: the machine "
+               "did not sustain the load (latency counts from the commit).\n")
+    md += (f"\noutbox / plain_notify: server CPU per event **{_fmt(r_cpu, 2)}x** (target <= 1.5x), rows written per "
+           f"event **{_fmt(r_rows, 2)}x** (target <= 1.0x), pickup p99 **{_fmt(r_p99, 2)}x** (target <= 2x); "
+           f"outbox events with a row of their own **{_fmt(o['own_row_share'], 2)}%** (target <= 5%). PgQ "
+           "(one consumer, ticks by the harness) is a reference, not a target.\n\n")
+    md += ("**publish** (outbox_background, plain_notify, pgq)\n\n"
+           + _code(";\n".join(S.E2E_PUBLISH[k] for k in ("outbox", "plain_notify", "pgq")) + ";")
+           + "**workers** (outbox_background: `LISTEN outbox`, then per batch claim, handler, ack)\n\n"
+           + _code(S.DRAIN["outbox"]["claim"] + ";\n" + S.DRAIN["outbox"]["ack"] + ";")
+           + "**workers** (plain_notify: `LISTEN outbox`, then per batch claim, handler, ack)\n\n"
+           + _code(S.DRAIN["plain"]["claim"] + ";\n" + S.DRAIN["plain"]["ack"] + ";")
+           + f"**pgq**: the queue's configuration, the ticker (every {p['s12_pgq_tick']:g} s) and the consumer "
+           "(per batch)\n\n"
+           + _code(";\n".join(S.PGQ_STREAM_CONFIG) + ";\n" + S.PGQ_TICK + ";\n" + ";\n".join(S.DRAIN["pgq"].values())
+                   + ";")
+           + "**rows written** (outbox_background, plain_notify, pgq)\n\n"
+           + _code(";\n".join(S.ROWS_WRITTEN[k] for k in ("outbox", "plain_notify", "pgq")) + ";"))
+    ctx.section("12. Streaming", md)
+    ctx.target("12a", f"streaming: server CPU per event, outbox background / plain_notify "
+               f"({_fmt(o['cpu_per_event'])} / {_fmt(pl['cpu_per_event'])} µs)", r_cpu, "<=", 1.5)
+    ctx.target("12b", f"streaming: rows written per event, outbox / plain_notify ({_fmt(o['rows_per_event'], 2)} / "
+               f"{_fmt(pl['rows_per_event'], 2)})", r_rows, "<=", 1.0)
+    ctx.target("12c", "streaming: outbox events with a row of their own (outbox.log_exceptions)",
+               o["own_row_share"], "<=", 5.0, "%")
+    ctx.target("12d", f"streaming: pickup p99, outbox background / plain_notify ({_fmt(o['pickup_p99'], 1)} / "
+               f"{_fmt(pl['pickup_p99'], 1)} ms)", r_p99, "<=", 2.0)

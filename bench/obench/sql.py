@@ -189,6 +189,8 @@ E2E_PUBLISH = {
         "WITH i AS (INSERT INTO bench_plain (topic, payload) VALUES ('bench.e2e', %(payload)s::jsonb) RETURNING id)\n"
         "SELECT id, pg_notify('outbox', 'bench.e2e') FROM i"
     ),
+    # scenario 12
+    "pgq": "SELECT pgq.insert_event('bench_q', 'bench.e2e', %(payload)s)",
 }
 
 # ---------------------------------------------------------------------------
@@ -350,3 +352,32 @@ LOG_DRAIN = {
 }
 # column of lease_token in LOG_DRAIN['claim']
 LOG_TOKEN_COL = 5
+
+# ---------------------------------------------------------------------------
+# Scenario 6d: a session holds one claimed event of `default` in an open
+# transaction (idle) while 2 workers drain a backlog.
+HOLD_CLAIM_STMTS = ["BEGIN", "SELECT id, lease_token FROM outbox.claim('bench-holder', 1)"]
+HOLD_CLAIM = ("BEGIN;\nSELECT id, lease_token FROM outbox.claim('bench-holder', 1);\n"
+              "-- idle in transaction until the drain ends, then\nROLLBACK;")
+
+# ---------------------------------------------------------------------------
+# Scenario 12: streaming. Publish: E2E_PUBLISH; workers: LISTEN outbox + the
+# claim and ack of DRAIN (outbox, plain); PgQ: one consumer (DRAIN['pgq']) and
+# a ticker session of the harness, after the queue's configuration below.
+PGQ_STREAM_CONFIG = [
+    "SELECT pgq.set_queue_config('bench_q', 'ticker_max_count', '100')",
+    # every ticker call that finds new events ticks
+    "SELECT pgq.set_queue_config('bench_q', 'ticker_max_lag', '0')",
+]
+PGQ_TICK = "SELECT pgq.ticker('bench_q')"
+# Rows written (inserted + updated + deleted) in each system's own tables, and
+# (outbox) the rows inserted into outbox.log_exceptions; read after the
+# statistics were flushed (pg_stat_clear_snapshot() first).
+_ROWS = ("SELECT coalesce(sum(n_tup_ins + n_tup_upd + n_tup_del), 0)::bigint,"
+         " coalesce(sum(n_tup_ins) FILTER (WHERE relname = 'log_exceptions'), 0)::bigint"
+         " FROM pg_stat_user_tables WHERE ")
+ROWS_WRITTEN = {
+    "outbox": _ROWS + "schemaname = 'outbox'",
+    "plain_notify": _ROWS + "relid = 'bench_plain'::regclass",
+    "pgq": _ROWS + "schemaname = 'pgq'",
+}

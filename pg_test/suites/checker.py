@@ -105,15 +105,55 @@ checked for `default`, sub_a and sub_b alike:
   claim_no_wait     no claim waited on a lock (sampled) or hit lock_timeout
   dispatch_keys     re-publishing a committed dispatch key returns its event id
 
+Opt-in modes (issue 40; none is on by default, and checker.sh runs none), each adding
+load that the invariants above then cover, and any of them combinable:
+
+  --txn-holders     two more workers, on `default` and on sub_a: BEGIN, claim 1-5 events
+                    (leases of 1-10 s), hold the transaction open and idle 2-8 s, ack
+                    in it (a tenth: fail) and COMMIT, or ROLLBACK (a fifth); journaled
+                    as worker_tx is. Prints how many of the other workers' claims came
+                    back empty during a hold, and of those how many left a ready event
+                    (no subject, no delay, committed before the claim began, first
+                    handed out after it ended: approximate, by wall clock)
+  --bulk-publisher  a publisher whose transaction publishes 5,000-20,000 events
+                    (publish_batch calls of 2,500; topics chk.fast, chk.slow, chk.unreg,
+                    chk.big; a tenth with subjects of a pool of 40 of its own), stays
+                    open 5-15 s and commits (4 in 5) or rolls back. Its drain is long:
+                    give it --drain-max 300
+  --max-lag         one more named subscription, sub_l (every topic, max_lag 2 s), whose
+                    only worker is slow (0.5-3 s per claim, some tokens reported 3-8 s
+                    later), while a thread per database runs the log's retention step
+                    (outbox._log_rotate() until it returns 0, retention_delivered 1 s)
+                    every 0.5 s, and another keeps the other subscriptions up with the
+                    load (claims of 500, one array ack), so that ring tables get
+                    truncated behind sub_l. Invariant max_lag: per database, sub_l's committed
+                    events never acked are no more than its lost_events (delivered +
+                    lost >= committed); a fail() of an event it never got returned
+                    'stale'; the subscriptions without max_lag lost nothing (and keep
+                    every invariant above; the log check then accepts committed events
+                    retention removed, whose rows come from the journal). A claim
+                    waiting for the truncation's lock is counted, not a violation
+  --serializable    two workers whose sessions default to SERIALIZABLE: a claim in
+                    autocommit or after BEGIN ISOLATION LEVEL SERIALIZABLE must be
+                    refused at once with 0A000 (contract item 3); they then claim at
+                    READ COMMITTED and ack / fail / extend_lease + ack in SERIALIZABLE
+                    transactions, run again whole on 40001 (at a call or at COMMIT);
+                    publishers pick SERIALIZABLE half the time. Invariant serializable:
+                    a claim at SERIALIZABLE that returns rows or fails otherwise.
+                    Prints 40001/40P01 by call (claim, ack, fail, extend_lease,
+                    publisher transaction (publish / commit), commit) and the 0A000s
+
 Usage:
   .venv/bin/python pg_test/suites/checker.py --duration 60 --seed 1     # own cluster
   .venv/bin/python pg_test/suites/checker.py --duration 1800 --seed 7   # long run
   .venv/bin/python pg_test/suites/checker.py --port 5491 --no-cluster   # running server
+  .venv/bin/python pg_test/suites/checker.py --duration 90 --seed 1 --txn-holders --serializable
 The last line is `N passed, N failed`; exit 1 on any violation, 2 if the checker
 itself broke. The full operation log is written to <logdir>/ops.jsonl.
 """
 
 import argparse
+import bisect
 import json
 import os
 import queue
@@ -169,6 +209,14 @@ NAMED = {
                   backoff_base="10 ms", backoff_max="100 ms", default_lease="400 ms", dead_letter_policy="skip"),
 }
 SUBS = ["default"] + list(NAMED)
+# The named subscriptions the load threads (sworker, soperator, serializable workers) serve.
+LOADED = list(NAMED)
+# --max-lag: one more subscription, with an age cap, served only by a slow worker
+# (lagger) while a thread runs the log's retention step (rotator); added to NAMED and
+# SUBS by main(), so the drain and the analysis cover it.
+LAG_SUB = "sub_l"
+LAG_SPEC = dict(topics=None, max_attempts=None, backoff_base=None, backoff_max=None, default_lease="2 s",
+                dead_letter_policy=None, max_lag="2 s")
 
 
 def subarg(sub):
@@ -290,6 +338,8 @@ class Ctx:
         self.big = threading.Semaphore(1)
         self.big_db = None        # the database bigops is filling now
         self.conns = []           # every connection (for the final close)
+        self.holds = []           # --txn-holders: (db, sub, claim end, transaction end) of each hold
+        self.claim_wall = []      # --txn-holders: (db, sub, worker, start, end, ids, topics) of every claim
 
     # -- bookkeeping ------------------------------------------------------------
     def op(self, **rec):
@@ -379,6 +429,9 @@ class Ctx:
         if detail and ("backtrace" in detail.lower() or ".rs:" in detail or "rust_begin_unwind" in detail):
             self.violation("server_errors", f"backtrace in DETAIL ({where}: {st} {msg[:120]})",
                            detail=detail[:2000], **ctx)
+        if st in RETRY:   # counted by call (and the stage of a transaction: publish, commit)
+            with self.lock:
+                self.count[f"{st} at {where}" + (f" ({ctx['stage']})" if ctx.get("stage") else "")] += 1
         if st in RETRY or st in accepted:
             return st
         if st == "0A000" and "PREPARE" in msg:
@@ -476,7 +529,7 @@ def pick_key(ctx, rnd, db, tag, k, j):
 
 
 def pub_tx(ctx, rnd, c, db, tag):
-    iso = rnd.choices(ISOS, weights=[5, 3, 2])[0]
+    iso = rnd.choices(ISOS, weights=[3, 2, 5] if ctx.args.serializable else [5, 3, 2])[0]
     mode = rnd.choices(["commit", "rollback", "2pc", "hold"], weights=[60, 10, 18, 12])[0]
     if quiet() and mode in ("2pc", "hold"):
         mode = "commit"
@@ -484,6 +537,7 @@ def pub_tx(ctx, rnd, c, db, tag):
     with ctx.lock:
         ctx.pubtx[tag] = tx
     first_subject = None
+    stage = "publish"
     try:
         c.execute(f"BEGIN ISOLATION LEVEL {iso}")
         if iso != "READ COMMITTED" and rnd.random() < 0.7 and not quiet():
@@ -534,6 +588,7 @@ def pub_tx(ctx, rnd, c, db, tag):
         if mode == "hold":
             # Keeps the subject locks: acks must defer promotions, claims must not wait.
             time.sleep(rnd.uniform(1.0, 2.0))
+        stage = "commit"
         if mode == "2pc":
             gid = f"chk-{tag}"
             tx["gid"] = gid
@@ -557,7 +612,7 @@ def pub_tx(ctx, rnd, c, db, tag):
         ctx.op(k="pub_commit", db=db, tag=tag)
         note_committed_keys(ctx, tx)
     except psycopg.Error as ex:
-        st = ctx.server_error(ex, "publisher transaction", tag=tag, db=db)
+        st = ctx.server_error(ex, "publisher transaction", tag=tag, db=db, stage=stage)
         tx["client"] = "error"
         tx["error"] = st
         safe_rollback(c)
@@ -678,12 +733,14 @@ WORKER_SETTINGS = ["SET lock_timeout = '2s'", "SET statement_timeout = '10s'"]
 DRAIN_SETTINGS = ["SET lock_timeout = '2s'", "SET statement_timeout = '120s'"]
 
 
-def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
+def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None, accepted=()):
     """One claim call (sub None: 'default'). Journals every event handed out with its
-    token, attempt, and when the call returned (wall clock and journal tick)."""
+    token, attempt, and when the call returned (wall clock and journal tick).
+    accepted: SQLSTATEs expected here (0A000 at SERIALIZABLE)."""
     sname = sub or "default"
     ctx.inc("claims" if sub is None else "named claims")
     t_start = ctx.tick()
+    w_start = time.time()
     try:
         rows = c.execute(CLAIM_SQL, (wname, batch, lease, topics, sub)).fetchall()
     except psycopg.Error as ex:
@@ -697,11 +754,14 @@ def claim(ctx, c, db, wname, wtx, batch, lease, topics, sub=None):
             with ctx.lock:
                 ctx.errors[st] += 1
         else:
-            ctx.server_error(ex, "claim", db=db, wtx=wtx, sub=sname)
+            ctx.server_error(ex, "claim", db=db, wtx=wtx, sub=sname, accepted=accepted)
         raise
     t_end = time.time()
     seq = ctx.tick()
     ids = [r[0] for r in rows]
+    if ctx.args.txn_holders:
+        with ctx.lock:
+            ctx.claim_wall.append((db, sname, wname, w_start, t_end, ids, topics))
     with ctx.lock:
         for r in rows:
             ctx.claimed.append((db, r[0], r[3], wtx, sname, str(r[5]), r[4], r[2], t_end, seq, t_start))
@@ -991,7 +1051,7 @@ def sworker(ctx, idx):
     while not ctx.stop.is_set():
         db = pick_db(rnd)
         # 'default' gets these workers' claims too (late acks, bulk)
-        sub = rnd.choices(list(NAMED) + ["default"], weights=[3, 2, 2])[0]
+        sub = rnd.choices(LOADED + ["default"], weights=[3, 2, 2])[0]
         n += 1
         c = None
         try:
@@ -1161,7 +1221,7 @@ def soperator(ctx):
     s = Session(ctx, "soperator", ["SET statement_timeout = '30s'"])
     while not ctx.stop.is_set():
         db = pick_db(rnd)
-        sub = rnd.choice(list(NAMED))
+        sub = rnd.choice(LOADED)
         c = None
         try:
             c = s.get(db)
@@ -1628,6 +1688,368 @@ def sampler(ctx, done, db):
 
 
 # ---------------------------------------------------------------------------
+# Opt-in modes (issue 40): --txn-holders, --bulk-publisher, --max-lag, --serializable
+# ---------------------------------------------------------------------------
+
+def ack_in_tx(ctx, c, db, row, wtx, acks, sub):
+    """ack() inside the caller's transaction; the outcome joins ctx.acks in flush_acks."""
+    seq = ctx.tick()
+    ok = c.execute("SELECT outbox.ack(%s, %s)", (row[0], row[5])).fetchone()[0]
+    acks.append((row[0], bool(ok), str(row[5]), seq))
+    ctx.op(k="ack", db=db, id=row[0], ok=ok, wtx=wtx, subj=row[2], intx=True, sub=sub)
+    return ok
+
+
+def flush_acks(ctx, db, wtx, acks, sub):
+    with ctx.lock:
+        for eid, ok, tok, seq in acks:
+            ctx.acks.append((db, eid, wtx, ok, sub, tok, seq))
+    ctx.inc("acks true (in tx)" if sub == "default" else "named acks true (in tx)", sum(1 for a in acks if a[1]))
+
+
+def end_tx(ctx, c, db, wtx, rec, rollback, sub):
+    """Ends a worker transaction as worker_tx does: its xid first, then COMMIT (with the
+    journal tick it committed at) or ROLLBACK."""
+    rec["xid"] = c.execute("SELECT pg_current_xact_id_if_assigned()::text").fetchone()[0]
+    if rollback:
+        c.execute("ROLLBACK")
+        rec["client"] = "rollback"
+        ctx.op(k="wrollback", db=db, wtx=wtx, xid=rec["xid"], sub=sub)
+    else:
+        c.execute("COMMIT")
+        rec["cseq"] = ctx.tick()
+        rec["client"] = "commit"
+        ctx.op(k="wcommit", db=db, wtx=wtx, xid=rec["xid"], sub=sub)
+
+
+def tx_failed(ctx, c, db, wtx, rec, ex, where, sub, accepted=()):
+    """A worker transaction failed: classify the error, roll back, journal it."""
+    rec["client"] = "unknown" if is_conn_error(ex) and rec["xid"] else "error"
+    st = ctx.server_error(ex, where, db=db, wtx=wtx, sub=sub, accepted=accepted)
+    safe_rollback(c)
+    ctx.op(k="wabort", db=db, wtx=wtx, st=getattr(ex, "sqlstate", None), sub=sub)
+    return st
+
+
+def new_wtx(ctx, wtx, db, iso):
+    rec = {"db": db, "xid": None, "client": None, "iso": iso, "tx": True}
+    with ctx.lock:
+        ctx.wtx[wtx] = rec
+    return rec
+
+
+def holder(ctx, idx, sub):
+    """--txn-holders: BEGIN, claim 1-5 events (leases of 1-10 s), keep the transaction
+    open and idle for 2-8 s, then ack them in it (a tenth: fail) and COMMIT, or ROLLBACK
+    (a fifth). A hold ends before the calm window (cut short to fit, not below 2 s)."""
+    rnd = random.Random(ctx.args.seed * 10007 + idx)
+    wname = f"hold{idx}"
+    s = Session(ctx, f"holder{idx}", WORKER_SETTINGS)
+    n = 0
+    while not ctx.stop.is_set():
+        hold = min(rnd.uniform(2.0, 8.0), CYCLE - CALM - phase() - 0.3)
+        if hold < 2.0:
+            ctx.stop.wait(CYCLE - phase() + 0.05)
+            continue
+        db = pick_db(rnd)
+        n += 1
+        wtx = f"{wname}-t{n}"
+        iso = rnd.choice(CLAIM_ISOS)
+        rec = new_wtx(ctx, wtx, db, iso)
+        acks, stage, c = [], "begin", None
+        try:
+            c = s.get(db)
+            c.execute(f"BEGIN ISOLATION LEVEL {iso}")
+            ctx.op(k="wbegin", db=db, wtx=wtx, iso=iso, sub=sub, hold=round(hold, 2))
+            stage = "claim"
+            rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 5), rnd.choice(["1 s", "3 s", "5 s", "10 s"]),
+                         WORK_TOPICS if sub == "default" else None, subarg(sub))
+            t_hold = time.time()
+            if rows:
+                ctx.stop.wait(hold)
+            stage = "ack/fail"
+            for row in rows:
+                if rnd.random() < 0.9:
+                    ack_in_tx(ctx, c, db, row, wtx, acks, sub)
+                else:
+                    fail_call(ctx, c, db, row, False, wtx, subarg(sub))
+            stage = "end"
+            rb = rnd.random() < 0.2
+            end_tx(ctx, c, db, wtx, rec, rb, sub)
+            if rows:
+                with ctx.lock:
+                    ctx.holds.append((db, sub, t_hold, time.time()))
+                ctx.inc("holds " + ("rolled back" if rb else "committed"))
+        except psycopg.Error as ex:
+            tx_failed(ctx, c, db, wtx, rec, ex, f"holder transaction ({stage})", sub,
+                      accepted=("55P03",) if stage == "ack/fail" else ())
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+        finally:
+            flush_acks(ctx, db, wtx, acks, sub)
+        ctx.stop.wait(rnd.uniform(0.1, 0.5))
+    s.close()
+
+
+def bulk_publisher(ctx):
+    """--bulk-publisher: each round one transaction publishes 5,000-20,000 events
+    (publish_batch calls of up to 2,500: one topic each; a tenth with subjects of a
+    pool of 40 of its own), stays open 5-15 s, then commits (4 in 5) or rolls back."""
+    rnd = random.Random(ctx.args.seed * 11003)
+    s = Session(ctx, "bulkpub", ["SET statement_timeout = '60s'"])
+    n = 0
+    while not ctx.stop.is_set():
+        n += 1
+        db, tag, m = pick_db(rnd), f"bk-{n}", rnd.randint(5000, 20000)
+        tx = {"tag": tag, "db": db, "iso": "READ COMMITTED", "mode": "bulk", "ops": [], "xid": None, "client": None}
+        with ctx.lock:
+            ctx.pubtx[tag] = tx
+        stage, c = "publish", None
+        try:
+            c = s.get(db)
+            c.execute("BEGIN")
+            for k in range((m + 2499) // 2500):
+                if ctx.stop.is_set():
+                    break
+                cnt = min(2500, m - 2500 * k)
+                topic = rnd.choice(["chk.fast", "chk.slow", "chk.unreg", "chk.big"])
+                # mostly without subject: a subject's events are handed out one at a time
+                subjs = [None if rnd.random() < 0.9 else f"{tag}-{rnd.randrange(40)}" for _ in range(cnt)]
+                op = {"k": k, "ids": [], "sp": None, "sp_rb": False, "topic": topic, "subjs": subjs}
+                tx["ops"].append(op)
+                pks = [f"{tag}.{k}.{j}" for j in range(cnt)]
+                for j, pk in enumerate(pks):
+                    ctx.pubops[pk] = (tag, k, j)
+                ctx.op(k="publish_batch", db=db, tag=tag, n=cnt, topic=topic, bulk=True)
+                ids = [r[0] for r in c.execute(
+                    "SELECT * FROM outbox.publish_batch(%s, %s::text[]::jsonb[], %s::text[])",
+                    (topic, [json.dumps({"pk": pk}) for pk in pks], subjs)).fetchall()]
+                op["ids"].extend(ids)
+                ctx.note_pub(db, ids, topic, subjs)
+                ctx.op(k="published_batch", db=db, tag=tag, ids=ids, topic=topic, bulk=True)
+                if tx["xid"] is None:
+                    tx["xid"] = c.execute("SELECT pg_current_xact_id()::text").fetchone()[0]
+                    ctx.op(k="pub_xid", db=db, tag=tag, xid=tx["xid"], iso="READ COMMITTED", mode="bulk")
+            hold = rnd.uniform(5.0, 15.0)
+            ctx.op(k="bulk_hold", db=db, tag=tag, n=sum(len(o["ids"]) for o in tx["ops"]), secs=round(hold, 2))
+            ctx.stop.wait(hold)
+            stage = "commit"
+            commit = rnd.random() < 0.8
+            c.execute("COMMIT" if commit else "ROLLBACK")
+            tx["client"] = "commit" if commit else "rollback"
+            ctx.inc("bulk transactions " + ("committed" if commit else "rolled back"))
+            ctx.inc("bulk events " + ("committed" if commit else "rolled back"), sum(len(o["ids"]) for o in tx["ops"]))
+            ctx.op(k="pub_commit" if commit else "pub_rollback", db=db, tag=tag, bulk=True)
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "bulk publisher", db=db, tag=tag, stage=stage)
+            tx["client"] = "error"
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+            else:
+                safe_rollback(c)
+        ctx.stop.wait(rnd.uniform(0.5, 2.0))
+    s.close()
+
+
+def lagger(ctx):
+    """--max-lag: the only worker of sub_l, a slow one: claims of 1-10 events, 0.5-3 s
+    of work, then ack (7 in 10) or fail (retry); the other tokens are reported 3-8 s
+    later (fail mostly, else ack), when the event may be lost to max_lag."""
+    rnd = random.Random(ctx.args.seed * 12007)
+    s = Session(ctx, "lagger", WORKER_SETTINGS)
+    held, n = [], 0
+    while not ctx.stop.is_set():
+        db = pick_db(rnd)
+        n += 1
+        c = None
+        try:
+            c = s.get(db)
+            now = time.time()
+            for h in [h for h in held if h[0] <= now and h[1] == db]:
+                held.remove(h)
+                if rnd.random() < 0.7:
+                    fail_call(ctx, c, db, h[2], False, f"lag-late{n}", LAG_SUB)
+                else:
+                    ack_auto(ctx, c, db, "lag", h[2], LAG_SUB)
+            wtx = f"lag-c{n}"
+            with ctx.lock:
+                ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+            rows = claim(ctx, c, db, "lag", wtx, rnd.randint(1, 10), rnd.choice([None, "1 s", "3 s"]), None, LAG_SUB)
+            ctx.stop.wait(rnd.uniform(0.5, 3.0) if rows else 0.2)
+            for row in rows:
+                a = rnd.random()
+                if a < 0.7:
+                    ack_auto(ctx, c, db, "lag", row, LAG_SUB)
+                elif a < 0.8:
+                    fail_call(ctx, c, db, row, False, wtx, LAG_SUB)
+                else:
+                    held.append((time.time() + rnd.uniform(3.0, 8.0), db, row))
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "lagger", db=db, sub=LAG_SUB, accepted=("55P03",))
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+            else:
+                safe_rollback(c)
+    s.close()
+
+
+def keeper(ctx, db):
+    """--max-lag: keeps the subscriptions without max_lag up with the load (claims of 500,
+    one array ack), so that retention has ring tables only sub_l still holds."""
+    s = Session(ctx, "keeper", WORKER_SETTINGS)
+    n = 0
+    while not ctx.stop.is_set():
+        got = 0
+        for sub in ["default"] + LOADED:
+            n += 1
+            try:
+                c = s.get(db)
+                wtx = f"keep-{db}-{n}"
+                with ctx.lock:
+                    ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+                rows = claim(ctx, c, db, "keep", wtx, 500, "5 s", None, subarg(sub))
+                if rows:
+                    ack_array_named(ctx, c, db, rows, f"keep-b-{db}-{n}", sub)
+                got += len(rows)
+            except psycopg.Error as ex:
+                ctx.server_error(ex, "keeper", db=db, sub=sub, accepted=("55P03",))
+                s.drop(db)
+        if not got:
+            ctx.stop.wait(0.1)
+    s.close()
+
+
+def rotator(ctx, db):
+    """--max-lag: the log's retention step every 0.5 s with outbox.retention_delivered
+    = 1 s: outbox._log_rotate() until a call returns 0, as run_maintenance does."""
+    s = Session(ctx, "rotator", ["SET statement_timeout = '30s'", "SET outbox.retention_delivered = 1"])
+    while not ctx.stop.wait(0.5):
+        try:
+            c = s.get(db)
+            for _ in range(8):
+                r = c.execute("SELECT outbox._log_rotate()").fetchone()[0]
+                ctx.inc("log rotate calls")
+                if not r:
+                    break
+                ctx.inc("ring tables truncated", r)
+                ctx.op(k="truncated", db=db, n=r)
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "log rotate", db=db)
+            s.drop(db)
+    s.close()
+
+
+def ser_worker(ctx, idx):
+    """--serializable: a worker whose session defaults to SERIALIZABLE. Its claim (in
+    autocommit, or after BEGIN ISOLATION LEVEL SERIALIZABLE) must be refused at once with
+    0A000; then it claims at READ COMMITTED and reports the events in SERIALIZABLE
+    transactions, retried whole on 40001 (at a call or at COMMIT)."""
+    rnd = random.Random(ctx.args.seed * 13001 + idx)
+    wname = f"sz{idx}"
+    s = Session(ctx, f"serworker{idx}", WORKER_SETTINGS + ["SET default_transaction_isolation = 'serializable'"])
+    n = 0
+    while not ctx.stop.is_set():
+        db, sub = pick_db(rnd), rnd.choice(LOADED + ["default"])
+        n += 1
+        c = None
+        try:
+            c = s.get(db)
+            ser_refused_claim(ctx, rnd, c, db, sub, wname, n)
+            wtx = f"{wname}-t{n}"
+            rec = new_wtx(ctx, wtx, db, "READ COMMITTED")
+            try:
+                c.execute("BEGIN ISOLATION LEVEL READ COMMITTED")
+                rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 8), rnd.choice([None, "1 s", "2 s"]), None,
+                             subarg(sub))
+                end_tx(ctx, c, db, wtx, rec, False, sub)
+            except psycopg.Error as ex:
+                tx_failed(ctx, c, db, wtx, rec, ex, "claim", sub)
+                raise
+            k = 0
+            while rows:
+                m = rnd.randint(1, 4)
+                ser_report(ctx, rnd, c, db, sub, rows[:m], f"{wname}-s{n}.{k}")
+                rows, k = rows[m:], k + 1
+        except psycopg.Error as ex:
+            ctx.server_error(ex, "serializable worker", db=db, sub=sub)
+            if c is None or is_conn_error(ex):
+                s.drop(db)
+            else:
+                safe_rollback(c)
+            time.sleep(0.05)
+        time.sleep(rnd.uniform(0, 0.03))
+    s.close()
+
+
+def ser_refused_claim(ctx, rnd, c, db, sub, wname, n):
+    """A claim at SERIALIZABLE: 0A000 at once, or a violation (rows, another error)."""
+    explicit = rnd.random() < 0.5
+    wtx = f"{wname}-z{n}"
+    if explicit:
+        rec = new_wtx(ctx, wtx, db, "SERIALIZABLE")
+        c.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+    else:
+        with ctx.lock:
+            ctx.wtx[wtx] = {"db": db, "xid": None, "client": "commit"}
+    how = "in BEGIN ISOLATION LEVEL SERIALIZABLE" if explicit else "in autocommit (session default SERIALIZABLE)"
+    try:
+        rows = claim(ctx, c, db, wname, wtx, rnd.randint(1, 8), None, None, subarg(sub), accepted=("0A000",))
+    except psycopg.Error as ex:
+        st = getattr(ex, "sqlstate", None)
+        if explicit:
+            safe_rollback(c)
+            rec["client"] = "rollback"
+        if st == "0A000":
+            ctx.inc("serializable claims refused (0A000)")
+        elif not is_conn_error(ex):
+            ctx.violation("serializable", f"[{sub}] claim at SERIALIZABLE {how} in {db} failed with {st}, not 0A000",
+                          db=db, wtx=wtx, sub=sub)
+        else:
+            raise
+        return
+    ctx.violation("serializable", f"[{sub}] claim at SERIALIZABLE {how} in {db} returned {len(rows)} rows, "
+                  f"not 0A000", db=db, wtx=wtx, sub=sub, ids=[r[0] for r in rows])
+    if explicit:
+        end_tx(ctx, c, db, wtx, rec, True, sub)
+
+
+def ser_report(ctx, rnd, c, db, sub, rows, tag):
+    """ack / fail / extend_lease + ack of rows in one SERIALIZABLE transaction, run
+    again whole (same plan, same tokens) on 40001 or 40P01, at a call or at COMMIT."""
+    plan = rnd.choices(["ack", "fail", "extend"], weights=[7, 1.5, 1.5], k=len(rows))
+    for attempt in range(6):
+        wtx = f"{tag}a{attempt}"
+        rec = new_wtx(ctx, wtx, db, "SERIALIZABLE")
+        acks, stage = [], "begin"
+        try:
+            c.execute("BEGIN ISOLATION LEVEL SERIALIZABLE")
+            ctx.op(k="wbegin", db=db, wtx=wtx, iso="SERIALIZABLE", sub=sub)
+            for row, act in zip(rows, plan):
+                if act == "fail":
+                    stage = "fail"
+                    fail_call(ctx, c, db, row, False, wtx, subarg(sub))
+                    continue
+                if act == "extend":
+                    stage = "extend_lease"
+                    until = c.execute("SELECT outbox.extend_lease(%s, %s, '1 s')", (row[0], row[5])).fetchone()[0]
+                    ctx.op(k="extend", db=db, id=row[0], ok=until is not None, sub=sub, wtx=wtx)
+                stage = "ack"
+                ack_in_tx(ctx, c, db, row, wtx, acks, sub)
+            stage = "commit"
+            end_tx(ctx, c, db, wtx, rec, False, sub)
+            ctx.inc("serializable report transactions committed")
+            return
+        except psycopg.Error as ex:
+            st = tx_failed(ctx, c, db, wtx, rec, ex, stage, sub, accepted=("55P03",))
+            if st not in RETRY:
+                raise
+            ctx.inc("serializable report transactions retried")
+        finally:
+            flush_acks(ctx, db, wtx, acks, sub)
+    ctx.inc("serializable report transactions given up (6 attempts)")
+
+
+# ---------------------------------------------------------------------------
 # Quiesce and drain
 # ---------------------------------------------------------------------------
 
@@ -1872,7 +2294,39 @@ class Analysis:
                 self.named_stats[(db, name)] = (lag, leases, dead)
             self.load_times[f"{db}/log"] += t1 - t0
             self.load_times[f"{db}/subscriptions"] += time.time() - t1
+        if self.ctx.args.max_lag:
+            self.journal_rows(rows)
         return rows
+
+    def journal_rows(self, rows):
+        """--max-lag: retention truncated ring tables, so the log no longer holds every
+        committed event; their topic, subject and pk come from the journal: from the
+        first publish that returned the id (a later one re-published its dispatch key)."""
+        ctx = self.ctx
+        first = {}   # (db, id) -> (topic, subject, tag)
+        for r in ctx.ops:
+            if r.get("k") == "published":
+                first.setdefault((r["db"], r["id"]), (r["topic"], r["subj"], r["tag"]))
+            elif r.get("k") == "published_batch" and isinstance(r.get("ids"), list):
+                for i, eid in enumerate(r["ids"]):
+                    first.setdefault((r["db"], eid), (r["topic"], r["subjs"][i] if r.get("subjs") else None, r["tag"]))
+        self.retained_out = 0
+        for tag, t in ctx.pubtx.items():
+            for op in t["ops"]:
+                for j, eid in enumerate(op["ids"]):
+                    key = (t["db"], eid)
+                    if key in rows or key not in self.committed:
+                        continue
+                    if t.get("big"):
+                        topic, subj = "chk.big", f"{tag}-{j}"
+                    elif "topic" in op:   # bulk
+                        topic, subj = op["topic"], op["subjs"][j]
+                    else:
+                        topic, subj, otag = first[key]
+                        if otag != tag:
+                            continue   # a re-publish: its row comes with the original's ops
+                    rows[key] = (topic, subj, None, f"{tag}.{op['k']}.{j}", None, None)
+                    self.retained_out += 1
 
     def pk_status(self, pk):
         """'committed', 'aborted' or 'unknown' for the publish op named by a payload pk."""
@@ -1937,6 +2391,80 @@ class Analysis:
             self.check_cancels(sub)
         self.check_keys()
         self.check_lockwaits()
+        if ctx.args.max_lag:
+            self.check_lag()
+        if ctx.args.txn_holders:
+            self.hold_figures = self.holds_figure()
+
+    def check_lag(self):
+        """--max-lag: per database, sub_l's committed events never acked are no more than
+        its lost_events; a fail() of an event lost to it returned 'stale' (any other
+        answer kept a row of its own, which the drain delivers); the subscriptions
+        without max_lag lost nothing."""
+        ctx = self.ctx
+        self.lag_stats = {}
+        for db in DBS:
+            lost = dict(self.c[db].execute("SELECT name, lost_events FROM outbox.subscriptions").fetchall())
+            for sub in SUBS:
+                if sub != LAG_SUB and lost.get(sub):
+                    ctx.violation("max_lag", f"[{sub}] (no max_lag) lost {lost[sub]} events in {db}", db=db, sub=sub)
+            stranded = [eid for d, eid in self.stranded[LAG_SUB] if d == db]
+            exp = sum(1 for k in self.expected(LAG_SUB) if k[0] == db)
+            self.lag_stats[db] = dict(committed=exp, delivered=exp - len(stranded), lost_events=lost.get(LAG_SUB))
+            if len(stranded) > (lost.get(LAG_SUB) or 0):
+                ctx.violation("max_lag", f"[{LAG_SUB}] {db}: {exp - len(stranded)} delivered + {lost.get(LAG_SUB)} "
+                              f"lost_events < {exp} committed events ({len(stranded)} never acked, first "
+                              f"{sorted(stranded)[:10]})", db=db, id=min(stranded), sub=LAG_SUB)
+        never = set(self.stranded[LAG_SUB])
+        fails = [r for r in ctx.ops if r.get("k") == "fail" and r.get("sub") == LAG_SUB]
+        self.lag_stats["fails"] = dict(Counter(r["res"] for r in fails))
+        self.lag_stats["fails of events never delivered"] = dict(Counter(r["res"] for r in fails
+                                                                         if (r["db"], r["id"]) in never))
+        bad = [r for r in fails if (r["db"], r["id"]) in never and r["res"] != "stale"]
+        for r in bad[:20]:
+            ctx.violation("max_lag", f"[{LAG_SUB}] fail() of {r['db']}/{r['id']} returned {r['res']!r}, yet the "
+                          f"event was never delivered", db=r["db"], id=r["id"], sub=LAG_SUB)
+
+    def holds_figure(self):
+        """--txn-holders: the other workers' claims that came back empty while a holder
+        kept a claim of the same database and subscription open, and how many of those
+        left a ready event: one without a subject or delay, committed before the claim
+        began and first handed out only after it ended (approximate: wall clocks)."""
+        ctx = self.ctx
+        holds = defaultdict(list)
+        for db, sub, h0, h1 in ctx.holds:
+            holds[(db, sub)].append((h0, h1))
+        first = {}
+        for db, sub, w, t0, t1, ids, tps in ctx.claim_wall:
+            for i in ids:
+                first[(db, sub, i)] = min(t0, first.get((db, sub, i), t0))
+        delayed = {r["pk"] for r in ctx.ops if r.get("k") == "publish" and r.get("delay")}
+        tag_ts = {tag: self.xinfo.get(t["xid"], (None, None))[1] for tag, t in ctx.pubtx.items() if t["xid"]}
+        ready = defaultdict(list)   # (db, sub, topic) -> [(commit time, first hand-out start)]
+        for sub in set(s for _, s in holds):
+            for key, tag in self.expected(sub).items():
+                row, ts, fs = self.final.get(key), tag_ts.get(tag), first.get((key[0], sub, key[1]))
+                if row and row[1] is None and row[3] not in delayed and ts and fs and key not in ctx.cancelled[sub]:
+                    ready[(key[0], sub, row[0])].append((ts.timestamp(), fs))
+        pref = {}
+        for k, v in ready.items():
+            v.sort()
+            mx, m = [], 0.0
+            for _, fs in v:
+                m = max(m, fs)
+                mx.append(m)
+            pref[k] = ([a for a, _ in v], mx)
+        empty = with_ready = 0
+        for db, sub, w, t0, t1, ids, tps in ctx.claim_wall:
+            if ids or w.startswith("hold") or w == "drain" or not any(h0 < t1 and t0 < h1 for h0, h1 in holds[(db, sub)]):
+                continue
+            empty += 1
+            for (d, s, topic), (cts, mx) in pref.items():
+                i = bisect.bisect_left(cts, t0) if d == db and s == sub and topic_matches(topic, tps) else 0
+                if i and mx[i - 1] > t1:
+                    with_ready += 1
+                    break
+        return empty, with_ready
 
     def check_log(self, final):
         """The log (what named subscriptions read) holds exactly the committed events."""
@@ -1949,7 +2477,8 @@ class Analysis:
                 if bad <= 20:
                     ctx.violation("uncommitted", f"outbox.log holds {db}/{eid} ({pk}, txid {txid}) of a {st} publish",
                                   db=db, id=eid, pk=pk)
-        missing = [k for k in self.committed if k not in self.log_rows]
+        # (--max-lag: retention removes what every subscription without max_lag has read)
+        missing = [k for k in self.committed if k not in self.log_rows and not ctx.args.max_lag]
         for db, eid in missing[:20]:
             ctx.violation("delivery", f"committed event {db}/{eid} ({self.committed[(db, eid)]}) is missing from "
                           f"outbox.log: no named subscription can receive it", db=db, id=eid)
@@ -2020,7 +2549,8 @@ class Analysis:
                     ctx.violation("delivery", f"[{sub}] acked event {key[0]}/{key[1]} of topic {final[key][0]}, "
                                   f"outside its topics", db=key[0], id=key[1], sub=sub)
         self.stranded[sub] = stranded
-        self.describe_stranded_named(stranded, sub)
+        if sub != LAG_SUB:   # sub_l's loss is judged by check_lag
+            self.describe_stranded_named(stranded, sub)
 
     def describe_stranded_named(self, stranded, sub):
         """One violation per stranded subject (its first stranded event, in full)
@@ -2318,12 +2848,20 @@ class Analysis:
 
     def check_lockwaits(self):
         ctx = self.ctx
-        for rec in ctx.lockwaits[:30]:
+        waits = ctx.lockwaits
+        if ctx.args.max_lag:
+            # a claim waits for a truncation's lock (20 ms lock_timeout + the truncation): documented;
+            # also a wait on a relation whose lock and blocker were gone when the sample read them
+            rot = [r for r in waits if any((b or {}).get("app") == "chk-rotator" for b in (r["blockers"] or []))
+                   or (r["wait"] == "Lock:relation" and not r["blockers"] and not r["lock"])]
+            self.rotator_waits = len(rot)
+            waits = [r for r in waits if r not in rot]
+        for rec in waits[:30]:
             ctx.violation("claim_no_wait", f"claim ({rec['app']}) waited on a lock in {rec['db']} ({rec['wait']} "
                           f"{json.dumps(rec['lock'])}); blockers: {json.dumps(rec['blockers'])[:700]}",
                           **{k: v for k, v in rec.items() if k not in ('blockers', 'db')})
-        if len(ctx.lockwaits) > 30:
-            ctx.violation("claim_no_wait", f"... {len(ctx.lockwaits) - 30} more distinct lock waits of claims")
+        if len(waits) > 30:
+            ctx.violation("claim_no_wait", f"... {len(waits) - 30} more distinct lock waits of claims")
 
 
 def fmt_row(r):
@@ -2421,9 +2959,9 @@ def setup(ctx):
         for name, a in NAMED.items():
             c.execute("SELECT outbox.create_subscription(%s, topics => %s, max_attempts => %s, "
                       "backoff_base => %s::interval, backoff_max => %s::interval, default_lease => %s::interval, "
-                      "dead_letter_policy => %s)",
+                      "dead_letter_policy => %s, max_lag => %s::interval)",
                       (name, a["topics"], a["max_attempts"], a["backoff_base"], a["backoff_max"], a["default_lease"],
-                       a["dead_letter_policy"]))
+                       a["dead_letter_policy"], a.get("max_lag")))
         c.close()
     log(f"extension outbox_ext {v} in databases {', '.join(DBS)}; named subscriptions {', '.join(NAMED)}")
 
@@ -2447,7 +2985,22 @@ def main():
                     help="hard limit for the whole run in seconds (default: duration + drain-max + 180)")
     ap.add_argument("--big-ack", type=int, default=5000,
                     help="bigops acks one database's big events in one batch once it has this many")
+    ap.add_argument("--txn-holders", action="store_true",
+                    help="two more workers (default, sub_a) that claim in a transaction and hold it open 2-8 s")
+    ap.add_argument("--bulk-publisher", action="store_true",
+                    help="a publisher of 5,000-20,000 events per transaction, held open 5-15 s")
+    ap.add_argument("--max-lag", action="store_true",
+                    help=f"subscription {LAG_SUB} with max_lag {LAG_SPEC['max_lag']} and one slow worker, while the "
+                         f"log's retention step (retention_delivered 1 s) runs every 0.5 s")
+    ap.add_argument("--serializable", action="store_true",
+                    help="two workers at SERIALIZABLE (claims refused with 0A000), more SERIALIZABLE publishers")
     args = ap.parse_args()
+    if args.max_lag:
+        NAMED[LAG_SUB] = LAG_SPEC
+        SUBS.append(LAG_SUB)
+        INVARIANTS.append("max_lag")
+    if args.serializable:
+        INVARIANTS.append("serializable")
     if args.seed is None:
         args.seed = random.randrange(1 << 31)
     print(f"seed {args.seed}", flush=True)
@@ -2483,6 +3036,21 @@ def main():
         threads.append(threading.Thread(target=idler, args=(ctx,), name="idler", daemon=True))
         threads.append(threading.Thread(target=bigops, args=(ctx,), name="bigops", daemon=True))
         threads.append(threading.Thread(target=scenario_replay, args=(ctx,), name="scen-replay", daemon=True))
+        modes = [m for m in ("txn_holders", "bulk_publisher", "max_lag", "serializable") if getattr(args, m)]
+        if modes:
+            log(f"modes: {', '.join('--' + m.replace('_', '-') for m in modes)}")
+        if args.txn_holders:
+            threads += [threading.Thread(target=holder, args=(ctx, i, sub), name=f"holder{i}", daemon=True)
+                        for i, sub in enumerate(["default", "sub_a"])]
+        if args.bulk_publisher:
+            threads.append(threading.Thread(target=bulk_publisher, args=(ctx,), name="bulkpub", daemon=True))
+        if args.max_lag:
+            threads.append(threading.Thread(target=lagger, args=(ctx,), name="lagger", daemon=True))
+            threads += [threading.Thread(target=f, args=(ctx, db), name=f"{f.__name__}-{db}", daemon=True)
+                        for db in DBS for f in (rotator, keeper)]
+        if args.serializable:
+            threads += [threading.Thread(target=ser_worker, args=(ctx, i), name=f"serworker{i}", daemon=True)
+                        for i in range(2)]
         res_t = threading.Thread(target=resolver, args=(ctx,), name="resolver", daemon=True)
         samp_done = threading.Event()
         samp_ts = [threading.Thread(target=sampler, args=(ctx, samp_done, db), name=f"sampler-{db}", daemon=True)
@@ -2586,6 +3154,7 @@ def report(ctx, an, drain_time):
             f"acked once, {len(an.stranded[sub])} stranded; "
             f"{sum(len(v) for k, v in an.good_acks[sub].items())} committed acks")
     log(f"errors by SQLSTATE: {dict(sorted(ctx.errors.items()))}; lock-wait samples {cnt['lock-wait samples']}")
+    report_modes(ctx, an)
     for sub in SUBS:
         log(f"order check {sub}: {an.order_stats.get(sub)}")
     for inv in INVARIANTS:
@@ -2622,6 +3191,32 @@ def report(ctx, an, drain_time):
             f"on the violating events/subjects:")
         for r in rel:
             print("    " + json.dumps(r, separators=(",", ":"), default=str), flush=True)
+
+
+def report_modes(ctx, an):
+    """The figures of the opt-in modes."""
+    a, cnt = ctx.args, ctx.count
+    if a.txn_holders:
+        empty, ready = getattr(an, "hold_figures", (None, None))
+        log(f"txn-holders: holds committed {cnt['holds committed']}, rolled back {cnt['holds rolled back']}; "
+            f"other workers' claims during holds that came back empty: {empty}, of them with a ready event "
+            f"(no subject, committed before, first handed out after; approximate): {ready}")
+    if a.bulk_publisher:
+        log(f"bulk-publisher: transactions committed {cnt['bulk transactions committed']} "
+            f"({cnt['bulk events committed']} events), rolled back {cnt['bulk transactions rolled back']} "
+            f"({cnt['bulk events rolled back']} events)")
+    if a.max_lag:
+        log(f"max-lag: {LAG_SUB} {getattr(an, 'lag_stats', None)}; log rotate calls {cnt['log rotate calls']}, "
+            f"ring tables truncated {cnt['ring tables truncated']}, committed events no longer in the log "
+            f"{getattr(an, 'retained_out', None)}; claims that waited for a truncation "
+            f"{getattr(an, 'rotator_waits', None)}")
+    if a.serializable:
+        log(f"serializable: claims refused with 0A000 {cnt['serializable claims refused (0A000)']}; report "
+            f"transactions committed {cnt['serializable report transactions committed']}, retried "
+            f"{cnt['serializable report transactions retried']}, given up "
+            f"{cnt['serializable report transactions given up (6 attempts)']}")
+        log(f"serializable: 40001/40P01 by call: "
+            f"{dict(sorted((k, v) for k, v in cnt.items() if k.startswith(('40001 at', '40P01 at'))))}")
 
 
 if __name__ == "__main__":
