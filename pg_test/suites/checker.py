@@ -477,6 +477,14 @@ class Session:
             except Exception:
                 pass
 
+    def recover(self, db, c, ex):
+        """After an error on connection c of db: drop a lost connection, else
+        roll back what it left open."""
+        if c is None or is_conn_error(ex):
+            self.drop(db)
+        else:
+            safe_rollback(c)
+
     def close(self):
         for db in list(self.c):
             self.drop(db)
@@ -843,10 +851,7 @@ def worker(ctx, idx):
                 worker_tx(ctx, rnd, c, db, wname, n)
         except psycopg.Error as ex:
             ctx.server_error(ex, "worker", db=db)
-            if is_conn_error(ex) or c is None:
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
             time.sleep(0.05)
         time.sleep(rnd.uniform(0, 0.03))
     s.close()
@@ -1068,10 +1073,7 @@ def sworker(ctx, idx):
                 sworker_tx(ctx, rnd, c, db, sub, wname, n, held)
         except psycopg.Error as ex:
             ctx.server_error(ex, "named worker", db=db, sub=sub)
-            if is_conn_error(ex) or c is None:
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
             time.sleep(0.05)
         time.sleep(rnd.uniform(0, 0.03))
     s.close()
@@ -1228,10 +1230,7 @@ def soperator(ctx):
             soperator_step(ctx, rnd, c, db, sub)
         except psycopg.Error as ex:
             ctx.server_error(ex, "named operator", db=db, sub=sub)
-            if c is None or is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
         ctx.stop.wait(rnd.uniform(0.05, 0.25))
     s.close()
 
@@ -1411,6 +1410,7 @@ def operator(ctx):
     s = Session(ctx, "operator", ["SET statement_timeout = '30s'"])
     while not ctx.stop.is_set():
         db = pick_db(rnd)
+        c = None
         try:
             c = s.get(db)
             a = rnd.random()
@@ -1431,10 +1431,7 @@ def operator(ctx):
                 ctx.op(k="alter_topic", db=db, topic=topic, policy=pol, max_attempts=ma)
         except psycopg.Error as ex:
             ctx.server_error(ex, "operator", db=db)
-            if is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
         ctx.stop.wait(rnd.uniform(0.05, 0.25))
     s.close()
 
@@ -1843,10 +1840,7 @@ def bulk_publisher(ctx):
         except psycopg.Error as ex:
             ctx.server_error(ex, "bulk publisher", db=db, tag=tag, stage=stage)
             tx["client"] = "error"
-            if c is None or is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
         ctx.stop.wait(rnd.uniform(0.5, 2.0))
     s.close()
 
@@ -1886,10 +1880,7 @@ def lagger(ctx):
                     held.append((time.time() + rnd.uniform(3.0, 8.0), db, row))
         except psycopg.Error as ex:
             ctx.server_error(ex, "lagger", db=db, sub=LAG_SUB, accepted=("55P03",))
-            if c is None or is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
     s.close()
 
 
@@ -1972,10 +1963,7 @@ def ser_worker(ctx, idx):
                 rows, k = rows[m:], k + 1
         except psycopg.Error as ex:
             ctx.server_error(ex, "serializable worker", db=db, sub=sub)
-            if c is None or is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
             time.sleep(0.05)
         time.sleep(rnd.uniform(0, 0.03))
     s.close()
@@ -2190,10 +2178,7 @@ def drain_one(ctx, db, sub, t0, res):
                 left = drain_left(c, sub, db)
         except psycopg.Error as ex:
             ctx.server_error(ex, "drain", db=db, sub=sub)
-            if c is None or is_conn_error(ex):
-                s.drop(db)
-            else:
-                safe_rollback(c)
+            s.recover(db, c, ex)
             left = None
         if got:
             last_progress = time.time()

@@ -1172,29 +1172,34 @@ fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
         return Vec::new();
     }
     let key = |l: &Lane| (l.lane, l.lo.snapshot.clone(), l.lo.m, l.lo.xn);
-    let is_settled = |l: &Lane| SETTLED.with(|s| s.borrow().contains(&key(l)));
+    let mut late: Vec<bool> = SETTLED.with(|s| {
+        let s = s.borrow();
+        idle.iter().map(|l| !s.contains(&key(l))).collect()
+    });
     // A settled cursor has news only if an id above its `m` was drawn (the
     // check's first branch reads ids above `m`). Those lanes are quiet with
     // no check at all: the check's plan is most of an idle worker's claim.
     let mut quiet = Vec::new();
-    if idle.iter().any(|l| is_settled(l)) {
+    if late.contains(&false) {
         let drawn = plans::run_latest(&SEQ_LAST, &[], |rows| {
             let mut d = i64::MAX;
             rows.for_each(|r| d = r.i64(0).unwrap_or(i64::MAX));
             d
         });
-        idle.retain(|l| {
-            let q = drawn <= l.lo.m && is_settled(l);
-            if q {
+        let (mut keep, mut keep_late) = (Vec::new(), Vec::new());
+        for (l, is_late) in idle.into_iter().zip(late) {
+            if !is_late && drawn <= l.lo.m {
                 quiet.push(l.lane);
+            } else {
+                keep.push(l);
+                keep_late.push(is_late);
             }
-            !q
-        });
-        if idle.is_empty() {
+        }
+        if keep.is_empty() {
             return quiet;
         }
+        (idle, late) = (keep, keep_late);
     }
-    let late: Vec<bool> = idle.iter().map(|l| !is_settled(l)).collect();
     let settled = !late.contains(&true);
     let lanes: Vec<i16> = idle.iter().map(|l| l.lane).collect();
     let snaps: Vec<String> = idle.iter().map(|l| l.lo.snapshot.clone()).collect();
@@ -1385,7 +1390,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
         claim.flush();
         if left > 0 && claim.moved.get() {
             // Expired events it moved are due now: hand them out at once.
-            exceptions::claim(req, now, left, &out);
+            exceptions::claim_due(req, now, left, &out);
         }
     }
     call.finish_set()

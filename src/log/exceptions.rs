@@ -228,6 +228,12 @@ pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize
     if !any {
         return 0;
     }
+    claim_due(req, now, left, out)
+}
+
+/// [`claim`] without its first probe, for a claim that has just moved rows
+/// here that are due now.
+pub fn claim_due(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize {
     let token = pgrx::Uuid::from_bytes(super::batch::exception_token(pg::strong_random(), pg::strong_random()));
     let (exact, prefixes) = match &req.narrow {
         Some((e, p)) => (Some(e.clone()), Some(p.clone())),

@@ -111,14 +111,15 @@ pub const WINDOW: Stmt =
 /// For each of the lanes $1 (cursors: $2 snapshots, $3 m, $4 xn, one each):
 /// whether it has an event in its window up to this statement's snapshot
 /// (`pg_current_snapshot()` under [`plans::run_latest`]), with that
-/// snapshot's xmin, and the largest event id drawn (read after it). [`WINDOW`]'s three branches, with nothing read yet, as
-/// one EXISTS each; the late committers' two only where $5 says so (a lane
-/// whose cursor's late committers were all found settled, src/log/claim.rs
-/// `quiet_lanes`). The first is not probed when no id above the cursor's `m`
-/// was drawn at all (the sequence's last value, read after the snapshot:
-/// an id drawn later belongs to a transaction this snapshot does not see),
-/// which is every lane of an idle log. One statement for every lane a claim would otherwise
-/// visit with a window of its own: the window's plan (twelve index scans over
+/// snapshot's xmin, and the largest event id drawn (read after it).
+/// [`WINDOW`]'s three branches, with nothing read yet, as one EXISTS each;
+/// the late committers' two only where $5 says so (a lane whose cursor's
+/// late committers were all found settled, src/log/claim.rs `quiet_lanes`).
+/// The first is not probed when no id above the cursor's `m` was drawn at
+/// all (the sequence's last value, read after the snapshot: an id drawn
+/// later belongs to a transaction this snapshot does not see), which is
+/// every lane of an idle log. One statement for every lane a claim would
+/// otherwise visit with a window of its own: the window's plan (twelve index scans over
 /// the ring) costs more to start than to run on an empty lane, and sixteen of
 /// those made a claim of a quiet subscription take 3 ms. The late committers'
 /// branches compare `lane + 0` so that every ring table is read through its
@@ -148,14 +149,14 @@ pub const LANES_WITH_NEWS: Stmt = Stmt {
             (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
           FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[], $5::bool[]) AS l(lane, lo, m, xn, late) \
           CROSS JOIN LATERAL (SELECT l.lo::pg_snapshot AS lo, l.xn::xid8 AS xn) c",
-    types: &[
-        pg_sys::INT2ARRAYOID,
-        pg_sys::TEXTARRAYOID,
-        pg_sys::INT8ARRAYOID,
-        pg_sys::TEXTARRAYOID,
-        pg_sys::BOOLARRAYOID,
-    ],
+    types: LANES_NEWS_TYPES,
 };
+
+/// Parameters of [`LANES_WITH_NEWS`] and [`LANES_WITH_NEWS_SETTLED`]: lanes,
+/// cursor snapshots, m, xn, and whether each cursor's late committers may
+/// still appear.
+const LANES_NEWS_TYPES: &[pg_sys::Oid] =
+    &[pg_sys::INT2ARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::INT8ARRAYOID, pg_sys::TEXTARRAYOID, pg_sys::BOOLARRAYOID];
 
 /// [`LANES_WITH_NEWS`] for cursors that are all settled (no late-committer
 /// branches, `$5` unused): a third of its plan to start, which is most of an
@@ -169,13 +170,7 @@ pub const LANES_WITH_NEWS_SETTLED: Stmt = Stmt {
             pg_snapshot_xmin((SELECT pg_current_snapshot()))::text, \
             (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)) \
           FROM unnest($1::int2[], $2::text[], $3::int8[], $4::text[], $5::bool[]) AS l(lane, lo, m, xn, late)",
-    types: &[
-        pg_sys::INT2ARRAYOID,
-        pg_sys::TEXTARRAYOID,
-        pg_sys::INT8ARRAYOID,
-        pg_sys::TEXTARRAYOID,
-        pg_sys::BOOLARRAYOID,
-    ],
+    types: LANES_NEWS_TYPES,
 };
 
 /// Whether subscription $1 has a row of its own that may be claimable at $2
