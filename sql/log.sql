@@ -202,7 +202,10 @@ CREATE INDEX log_delivered_lane ON outbox.log_delivered (subscription, lane, fin
 --               batch lease expired keeps the batch's token, so its holder can
 --               still ack it until a claim hands it out again;
 --   blocks      a dead letter holds its subject's later events (the
---               dead-letter policy 'block'), or lets them go on ('skip').
+--               dead-letter policy 'block'), or lets them go on ('skip');
+--   parked_behind  an earlier row of the same subject that held it when this
+--               one was written: while that row holds the subject, claims do
+--               not read this one (src/log/exceptions.rs, invariant 5).
 -- Dumped, like the log (sql/restore.sql).
 CREATE TABLE outbox.log_exceptions (
     subscription text        NOT NULL,
@@ -226,11 +229,20 @@ CREATE TABLE outbox.log_exceptions (
     dead_at      timestamptz,
     delivered_at timestamptz,
     cancelled_at timestamptz,
+    parked_behind bigint,
     PRIMARY KEY (subscription, id)
 ) WITH (fillfactor = 70, vacuum_truncate = false);
--- Claims: claimable rows in (visible_at, id) order.
+-- Wake-ups (src/log/due.rs) and monitoring: claimable rows in (visible_at,
+-- id) order, piles included.
 CREATE INDEX log_exceptions_ready ON outbox.log_exceptions (subscription, visible_at, id)
     WHERE state IN ('pending', 'leased');
+-- Claims: the claimable rows that wait behind no other row of their subject.
+CREATE INDEX log_exceptions_claimable ON outbox.log_exceptions (subscription, visible_at, id)
+    WHERE state IN ('pending', 'leased') AND parked_behind IS NULL;
+-- Claims: the rows that wait behind another, by the row they wait behind
+-- (a walk of the distinct ones, then each pile's first row).
+CREATE INDEX log_exceptions_piles ON outbox.log_exceptions (subscription, parked_behind, id)
+    WHERE state IN ('pending', 'leased') AND parked_behind IS NOT NULL;
 -- Rows that hold their subject: the head check of a claim, and a new batch's
 -- check for subjects that must continue here.
 CREATE INDEX log_exceptions_open ON outbox.log_exceptions (subscription, lane, subject, id)

@@ -177,9 +177,13 @@ def _pgq_stream_consumer(*, barrier, dsn, handler_ms, poll_s, stop_evt, counter)
     q = S.DRAIN["pgq"]
     recs = []
     batches = polls = 0
+    # Warm, like the e2e workers: a first next_batch before the phase (a batch
+    # it opens is taken up by the loop).
+    bid = conn.execute(q["next"]).fetchone()[0]
     barrier.wait()
     while True:
-        bid = conn.execute(q["next"]).fetchone()[0]
+        if bid is None:
+            bid = conn.execute(q["next"]).fetchone()[0]
         if bid is None:
             if stop_evt.is_set():
                 break
@@ -191,6 +195,7 @@ def _pgq_stream_consumer(*, barrier, dsn, handler_ms, poll_s, stop_evt, counter)
         if rows:
             time.sleep(handler_ms * len(rows) / 1000)
         conn.execute(q["finish"], {"batch_id": bid})
+        bid = None
         batches += 1
         recs.extend((r[0], t) for r in rows)
         with counter.get_lock():
@@ -263,18 +268,23 @@ def _publisher(*, barrier, dsn, system, rate, nconns, duration_s, stop_evt, noti
 
 
 
-def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, handler_ms=0, wait_empty=False):
+def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, handler_ms=0, wait_empty=False,
+                warm=False):
     """LISTEN outbox; claim until a claim returns less than a full batch (with
     wait_empty: until a claim returns nothing), then wait for a notification (or
-    poll_s). handler_ms: see _claim_ack. Records (id, t_claim, t_ack)."""
+    poll_s). handler_ms: see _claim_ack. Records (id, t_claim, t_ack).
+    warm: one claim before the barrier, so that a connection's first use
+    (catalog caches, prepared statements) falls before the phase, as for a
+    worker that has been running; its events, if any, count like the others."""
     conn = connect(dsn)
     conn.execute("LISTEN outbox")
     worker = f"bench-e2e-{wid}"
     recs = []
     claims = wakeups = timeouts = 0
+    pending = [_claim_ack(conn, system, worker, batch, handler_ms)] if warm else []
     barrier.wait()
     while True:
-        got, acked, t_claim, ids = _claim_ack(conn, system, worker, batch, handler_ms)
+        got, acked, t_claim, ids = pending.pop() if pending else _claim_ack(conn, system, worker, batch, handler_ms)
         t_ack = now_ns()
         claims += 1
         if acked != got:

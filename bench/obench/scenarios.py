@@ -1605,7 +1605,7 @@ def _s8_once(ctx):  # noqa: C901
              for i in range(procs)]
     specs += [("e2e_worker", dict(dsn=dsn, system="outbox", wid=w, batch=p["s8_batch"],
                                   stop_evt=work_stop,
-                                  counter=counter, poll_s=p["s8_poll"]))
+                                  counter=counter, poll_s=p["s8_poll"], warm=True))
               for w in range(nworkers)]
     g = ctx.agents(specs)
     holder = agents.connect(dsn)  # autocommit: BEGIN ... COMMIT explicitly
@@ -2470,7 +2470,7 @@ def _s12_once(ctx, name, key, notify, drain):  # noqa: C901
         nworkers = p["s12_workers"]
         specs += [("e2e_worker", dict(dsn=dsn, system=drain, wid=w, batch=p["s12_batch"], stop_evt=stop,
                                       counter=counter, poll_s=p["s12_poll"], handler_ms=p["s12_handler_ms"],
-                                      wait_empty=True)) for w in range(nworkers)]
+                                      wait_empty=True, warm=True)) for w in range(nworkers)]
     g = ctx.agents(specs)
     tick_stop = threading.Event()
     ticks = [0]

@@ -147,3 +147,77 @@ def test_claim_work_does_not_grow_with_a_million_retained_events(loaded, fresh):
     # probe) and the statistics the loaded log gives its plans.
     assert loaded_blocks <= 2 * fresh_blocks + 200, (
         f"claim(100) read {loaded_blocks} buffers after {HISTORY:,} events, {fresh_blocks} on a fresh install")
+
+
+PILE = 20_000
+BLOCKED = "outbox_plans_blocked"
+
+
+def block_a_subject(c, pile):
+    """Subscription 's' (dead letters block): subject 'S' gets a dead letter,
+    then `pile` more events of 'S' are published in one transaction and read
+    past by claims (each parked behind the dead letter)."""
+    c.execute("SELECT outbox.drop_subscription('default', true)")
+    c.execute("SELECT outbox.create_subscription('s', dead_letter_policy => 'block')")
+    c.execute("SELECT outbox.publish('t', '{}'::jsonb, subject => 'S')")
+    (eid, tok), = c.execute("SELECT id, lease_token FROM outbox.claim('w', 1, subscription => 's')").fetchall()
+    assert c.execute("SELECT outbox.fail(%s, %s, 'boom', permanent => true)", (eid, tok)).fetchone()[0] == "dead"
+    if pile:
+        c.execute("SELECT count(outbox.publish('t', '{}'::jsonb, subject => 'S')) FROM generate_series(1, %s)",
+                  (pile,))
+        for _ in range(10 * pile // 100 + 10):
+            assert c.execute("SELECT count(*) FROM outbox.claim('w', 100, subscription => 's')").fetchone()[0] == 0
+            if c.execute("SELECT count(*) FROM outbox.log_exceptions").fetchone()[0] == pile + 1:
+                break
+    assert c.execute("SELECT count(*) FROM outbox.log_exceptions").fetchone()[0] == pile + 1
+    c.execute("VACUUM ANALYZE")
+
+
+def other_subjects_claim_buffers(dsn):
+    """Shared buffers of claim(100) of 100 fresh events of other subjects."""
+    with connect(dsn) as c:
+        c.execute("SELECT count(outbox.publish('t', '{}'::jsonb, subject => 'o' || g)) FROM generate_series(1, 100) g")
+        plan = c.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
+                         "SELECT * FROM outbox.claim('w', 100, subscription => 's')").fetchone()[0]
+        top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
+        assert top["Actual Rows"] == 100
+        return top["Shared Hit Blocks"] + top["Shared Read Blocks"]
+
+
+def test_claim_work_does_not_grow_with_the_events_behind_a_dead_letter(plain_dsn):
+    """Contract item 4: 20,000 events parked behind one dead letter under
+    'block' cost a claim of other subjects nothing that grows with them (0.16
+    tested every parked row before its LIMIT stopped)."""
+    dsn = create_db(plain_dsn, BLOCKED)
+    try:
+        with connect(dsn) as c:
+            block_a_subject(c, 0)
+        base = other_subjects_claim_buffers(dsn)
+        drop_db(plain_dsn, BLOCKED)
+        dsn = create_db(plain_dsn, BLOCKED)
+        with connect(dsn) as c:
+            block_a_subject(c, PILE)
+        piled = other_subjects_claim_buffers(dsn)
+        print(f"claim(100) of other subjects, buffers: one dead letter {base}, with {PILE:,} events behind it {piled}")
+        assert piled <= 2 * base + 100, (
+            f"claim(100) read {piled} buffers with {PILE:,} events behind a dead letter, {base} without them")
+        with connect(dsn) as c:
+            # Nothing behind the dead letter is handed out while it blocks ...
+            assert c.execute("SELECT count(*) FROM outbox.claim('w', 100, subscription => 's')").fetchone()[0] == 0
+            # ... and after a replay the dead letter comes first, then the pile in order.
+            assert c.execute("SELECT outbox.replay_dead(subscription => 's')").fetchone()[0] == 1
+            got = []
+            while True:
+                rows = c.execute("SELECT id, lease_token FROM outbox.claim('w', 100, subscription => 's')").fetchall()
+                if not rows:
+                    break
+                assert len(rows) == 1, "one event per subject at a time"
+                got.append(rows[0][0])
+                assert c.execute("SELECT outbox.ack(%s, %s)", rows[0]).fetchone()[0]
+                if len(got) > 50:
+                    break
+            ids = [r[0] for r in c.execute(
+                "SELECT id FROM outbox.log_exceptions WHERE subject = 'S' ORDER BY id LIMIT 51").fetchall()]
+            assert got == ids
+    finally:
+        drop_db(plain_dsn, BLOCKED)

@@ -2836,9 +2836,14 @@ class Analysis:
         waits = ctx.lockwaits
         if ctx.args.max_lag:
             # a claim waits for a truncation's lock (20 ms lock_timeout + the truncation): documented;
-            # also a wait on a relation whose lock and blocker were gone when the sample read them
+            # also a wait on a relation whose lock and blocker were gone when the sample read them, and
+            # a wait for ACCESS SHARE on a ring table whose blocker was gone: only ACCESS EXCLUSIVE
+            # conflicts with it, and only the log step's TRUNCATE takes that on a ring table
             rot = [r for r in waits if any((b or {}).get("app") == "chk-rotator" for b in (r["blockers"] or []))
-                   or (r["wait"] == "Lock:relation" and not r["blockers"] and not r["lock"])]
+                   or (r["wait"] == "Lock:relation" and not r["blockers"]
+                       and (not r["lock"] or all(lk.get("mode") == "AccessShareLock"
+                                                 and re.fullmatch(r"outbox\.log_[0-3]", lk.get("rel") or "")
+                                                 for lk in r["lock"])))]
             self.rotator_waits = len(rot)
             waits = [r for r in waits if r not in rot]
         for rec in waits[:30]:

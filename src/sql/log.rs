@@ -173,12 +173,51 @@ pub const LANES_WITH_NEWS_SETTLED: Stmt = Stmt {
     types: LANES_NEWS_TYPES,
 };
 
+/// The rows of their own that wait behind an earlier row of their subject
+/// (`parked_behind`, src/log/exceptions.rs, invariant 5), as CTEs over
+/// subscription $1 and time $2: `heads` walks the distinct rows they wait
+/// behind (one index probe each, a loose index scan of
+/// `log_exceptions_piles`), and `pile_first` is, for each head that no longer
+/// holds its subject, the pile's first unfinished row if it is due. No other
+/// row of a pile can be claimable (it follows that one).
+macro_rules! piles_cte {
+    () => {
+        "heads(h) AS ( \
+           SELECT (SELECT min(p.parked_behind) FROM outbox.log_exceptions p \
+                    WHERE p.subscription = $1 AND p.parked_behind IS NOT NULL AND p.state IN ('pending', 'leased')) \
+           UNION ALL \
+           SELECT (SELECT min(p.parked_behind) FROM outbox.log_exceptions p \
+                    WHERE p.subscription = $1 AND p.parked_behind > heads.h AND p.state IN ('pending', 'leased')) \
+             FROM heads WHERE heads.h IS NOT NULL \
+         ), pile_first AS ( \
+           SELECT f.* FROM heads \
+            CROSS JOIN LATERAL (SELECT f.id, f.ctid AS row, f.topic, f.lease_token, f.attempts, f.max_attempts, \
+                                       f.visible_at, f.subject, f.lane \
+                                  FROM outbox.log_exceptions f \
+                                 WHERE f.subscription = $1 AND f.parked_behind = heads.h \
+                                   AND f.state IN ('pending', 'leased') \
+                                 ORDER BY f.id LIMIT 1) f \
+            WHERE heads.h IS NOT NULL AND f.visible_at <= $2 \
+              AND NOT EXISTS (SELECT 1 FROM outbox.log_exceptions x \
+                               WHERE x.subscription = $1 AND x.id = heads.h \
+                                 AND (x.state IN ('pending', 'leased') OR (x.state = 'dead' AND x.blocks))) \
+         )"
+    };
+}
+
 /// Whether subscription $1 has a row of its own that may be claimable at $2
-/// (pending or leased, its time come): [`EXC_CLAIM`]'s plan costs more to
-/// start than this probe, and an idle worker's claim finds none.
+/// (pending or leased, its time come, and not waiting behind a row that holds
+/// its subject): [`EXC_CLAIM`]'s plan costs more to start than this probe,
+/// and an idle worker's claim finds none.
 pub const EXC_ANY_READY: Stmt = Stmt {
-    sql: "SELECT EXISTS (SELECT 1 FROM outbox.log_exceptions e \
-           WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2)",
+    sql: concat!(
+        "WITH RECURSIVE ",
+        piles_cte!(),
+        " SELECT EXISTS (SELECT 1 FROM outbox.log_exceptions e \
+           WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.parked_behind IS NULL \
+             AND e.visible_at <= $2) \
+           OR EXISTS (SELECT 1 FROM pile_first)"
+    ),
     types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
 };
 
@@ -569,11 +608,14 @@ macro_rules! dead_blocks {
 /// With $9, only while batch $9 exists (key-share locked: a drop_subscription
 /// that removed it first makes this insert nothing). $10: per event, the worker
 /// that held it in the batch (its row's leased_by and the history's worker).
+/// A row with a subject waits behind (`parked_behind`) the subject's first row
+/// that holds it here, else the subject's first event of this insert
+/// (src/log/exceptions.rs, invariant 5).
 pub const EXC_INSERT: Stmt = Stmt {
     sql: concat!(
         "INSERT INTO outbox.log_exceptions AS e (subscription, id, lane, topic, subject, dispatch_key, payload, headers, \
            max_attempts, published_at, state, attempts, visible_at, lease_token, last_error, errors, blocks, dead_at, \
-           leased_by) \
+           leased_by, parked_behind) \
          SELECT $1, l.id, l.lane, l.topic, l.subject, l.dispatch_key, l.payload, l.headers, l.max_attempts, l.published_at, \
                 y.state, y.attempts, greatest(x.visible_at, l.deliver_at), \
                 CASE WHEN x.kind = 'leased' THEN x.token END, \
@@ -584,7 +626,12 @@ pub const EXC_INSERT: Stmt = Stmt {
         dead_blocks!("l", "$8"),
         " ELSE true END, \
                 CASE WHEN y.state = 'dead' THEN clock_timestamp() END, \
-                x.worker \
+                x.worker, \
+                CASE WHEN l.subject IS NOT NULL THEN COALESCE( \
+                  (SELECT min(p.id) FROM outbox.log_exceptions p \
+                    WHERE p.subscription = $1 AND p.lane = $2 AND p.subject = l.subject AND p.id < l.id \
+                      AND (p.state IN ('pending', 'leased') OR (p.state = 'dead' AND p.blocks))), \
+                  NULLIF(min(l.id) OVER (PARTITION BY l.subject), l.id)) END \
            FROM unnest($3::int8[], $4::text[], $5::timestamptz[], $6::uuid[], $7::text[], $10::text[]) \
                   AS x(id, kind, visible_at, token, error, worker) \
            JOIN outbox.log l ON l.lane = $2 AND l.id = x.id \
@@ -641,7 +688,9 @@ macro_rules! exc_exhausted {
 /// kind 1, as [`crate::log::batch::exception_token`] spells one), lease $5 (with $11 false, the lease of the row's
 /// topic when it sets one, else $5) and worker $8; an expired lease on the
 /// last attempt goes dead instead ($10: the subscription's dead-letter
-/// policy). Columns 1-10 are claim's result; 11 is false for a row that went
+/// policy). Rows that wait behind a row holding their subject are not read:
+/// the candidates are the rows that wait behind none, and the first row of
+/// each pile whose head has finished (`piles_cte`). Columns 1-10 are claim's result; 11 is false for a row that went
 /// dead (not returned). A row it would turn dead under its topic's policy is
 /// taken only with that topic's dead-letter policy lock (first key $12) in
 /// share mode, tried without waiting (src/log/exceptions.rs, invariant 4);
@@ -658,14 +707,23 @@ macro_rules! exc_exhausted {
 /// SIGKILL test).
 pub const EXC_CLAIM: Stmt = Stmt {
     sql: concat!(
-        "WITH cand AS ( \
+        "WITH RECURSIVE ",
+        piles_cte!(),
+        ", src AS ( \
+           SELECT e.id, e.ctid AS row, e.topic, e.lease_token, e.attempts, e.max_attempts, e.visible_at, \
+                  e.subject, e.lane \
+             FROM outbox.log_exceptions e \
+            WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.parked_behind IS NULL \
+              AND e.visible_at <= $2 \
+           UNION ALL \
+           SELECT * FROM pile_first \
+         ), cand AS ( \
            SELECT r.id FROM ( \
-             SELECT e.id, e.ctid AS row, e.topic, e.lease_token AS tok, $10::text IS NULL AND ",
+             SELECT e.id, e.row, e.topic, e.lease_token AS tok, $10::text IS NULL AND ",
         exc_exhausted!(),
         " AS dies \
-               FROM outbox.log_exceptions e \
-              WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.visible_at <= $2 \
-                AND ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
+               FROM src e \
+              WHERE ($6::text[] IS NULL OR e.topic = ANY ($6) OR e.topic ^@ ANY ($7)) \
                 AND (e.subject IS NULL OR (NOT EXISTS ( \
                      SELECT 1 FROM outbox.log_exceptions p \
                       WHERE p.subscription = $1 AND p.lane = e.lane AND p.subject = e.subject AND p.id < e.id \
