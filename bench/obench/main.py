@@ -43,7 +43,7 @@ FULL = {
     # ev/s; 6c: another session runs the log step of maintenance every 0.1 s
     # with outbox.retention_delivered = rotate_retention s
     "steady_backlog": 50_000, "steady_rate": 1000, "rotate_backlog": 500_000, "rotate_retention": 0,
-    "explain_blocked": 10_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
+    "explain_blocked": 10_000, "explain_dead_pile": 20_000, "explain_active": 10_000, "explain_future": 100_000, "explain_ready": 10_000,
     # 7: s7_clients spread evenly over s7_dbs databases; s7_probes wake-up probes per
     # database and run; wait up to s7_attach_wait s for the databases' workers to
     # attach, and s7_probe_grace s after the load for the last notifications

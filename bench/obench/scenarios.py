@@ -1281,6 +1281,36 @@ def explain_claims(ctx):
                _ratio(ms, base_ms), "<=", 1.5)
     ctx.series["explain_blocked"] = (ms, base_ms)
 
+    # The same active subjects, with a dead letter under 'block' and a pile
+    # parked behind it, against the dead letter alone (issue 40, contract item 4).
+    pile = p["explain_dead_pile"]
+
+    def dead_letter(n):
+        _fresh_outbox(ctx)
+        for stmt in S.SETUP_DEAD_STMTS[:2]:
+            ctx.sql(stmt, {"payload": S.PAYLOAD})
+        if n:
+            ctx.sql(S.SETUP_DEAD_STMTS[2], {"payload": S.PAYLOAD, "pile": n})
+            for _ in range(n // 100 + 50):
+                if ctx.one(S.DEAD_PARKED) >= n:
+                    break
+                ctx.sql(S.SETUP_DEAD_STMTS[3])
+            if ctx.one(S.DEAD_PARKED) != n:
+                raise HarnessError(f"{ctx.one(S.DEAD_PARKED)} of {n} events behind the dead letter were parked")
+        active_subjects()
+        ctx.sql(S.LOG_VACUUM)
+        return _claim_ms(ctx)
+
+    base3 = dead_letter(0)
+    ms3 = dead_letter(pile)
+    ctx.rec("explain", "dead_letter_pile", {"active": active, "pile": pile}, 0, "claim_ms", ms3, "ms")
+    ctx.rec("explain", "dead_letter_only", {"active": active}, 0, "claim_ms", base3, "ms")
+    md += (f"\n**{active:,} active subjects + one dead letter under `block` with {pile:,} events of its subject "
+           f"parked behind it**: claim time {ms3:.1f} ms vs {base3:.1f} ms with the dead letter alone "
+           f"({_fmt(_ratio(ms3, base3), 2)}x)\n\n" + _code(S.SETUP_DEAD))
+    ctx.target("3-plan-c", f"claim time with {pile:,} events behind a dead letter / the dead letter alone",
+               _ratio(ms3, base3), "<=", 1.2)
+
     future, ready = p["explain_future"], p["explain_ready"]
     # Same ready events measured before and after the future ones are added.
     _fresh_outbox(ctx)

@@ -265,6 +265,20 @@ SETUP_BLOCKED_STMTS = [
 ]
 SETUP_BLOCKED = ";\n".join(SETUP_BLOCKED_STMTS) + ";"
 
+# A dead letter under 'block' (the default policy) with a pile parked behind it:
+# its subject's first event fails for good, then `pile` more events of it are
+# published and read past by claims (each parked behind the dead letter, in
+# outbox.log_exceptions); the last statement runs until they all are.
+SETUP_DEAD_STMTS = [
+    "SELECT outbox.publish('bench.subjects', %(payload)s::jsonb, subject => 'dead-subject')",
+    "SELECT outbox.fail(c.id, c.lease_token, 'bench', permanent => true) FROM outbox.claim('bench-dlq', 1) c",
+    "SELECT count(outbox.publish('bench.subjects', %(payload)s::jsonb, subject => 'dead-subject'))\n"
+    "  FROM generate_series(1, %(pile)s::int)",
+    "SELECT count(*) FROM outbox.claim('bench-park', 100)",
+]
+SETUP_DEAD = ";\n".join(SETUP_DEAD_STMTS) + ";  -- (the last one until every event of the pile is parked)"
+DEAD_PARKED = "SELECT count(*) FROM outbox.log_exceptions WHERE subject = 'dead-subject' AND state = 'pending'"
+
 SETUP_FUTURE_STMTS = [  # the ready events are published first
     "SELECT count(outbox.publish('bench.future', %(payload)s::jsonb, deliver_at => now() + interval '1 day'))\n"
     "  FROM generate_series(1, %(future)s::int)",
