@@ -52,7 +52,10 @@ COMMENT ON FUNCTION outbox.publish_batch(text, jsonb[], text[], text[]) IS
 -- whole table look cheapest (issue 40: claim(100) read 174,645 buffers after
 -- a million events published in one transaction, 1,690 on a fresh install).
 -- Each of their statements has an index to read instead
--- (pg_test/py/test_plans.py).
+-- (pg_test/py/test_plans.py). A plan that must still scan a small table
+-- (the subscription catalog, the topics) then costs 1e10, past every JIT
+-- threshold, so they plan with jit off too: JIT-compiling the subscriptions'
+-- lookup made a session's first claim take 450-850 ms.
 CREATE FUNCTION outbox.claim(
     worker       text,
     batch_size   integer  DEFAULT 100,
@@ -73,6 +76,7 @@ CREATE FUNCTION outbox.claim(
 )
 LANGUAGE c VOLATILE PARALLEL UNSAFE ROWS 100
 SET enable_seqscan = off
+SET jit = off
 AS 'MODULE_PATHNAME', 'outbox_claim';
 
 COMMENT ON FUNCTION outbox.claim(text, integer, interval, text[], text) IS
@@ -122,6 +126,7 @@ COMMENT ON FUNCTION outbox._releasable(uuid, bigint) IS
 CREATE FUNCTION outbox.ack(id bigint, lease_token uuid) RETURNS boolean
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 SET enable_seqscan = off
+SET jit = off
 AS 'MODULE_PATHNAME', 'outbox_ack';
 
 COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
@@ -133,6 +138,7 @@ COMMENT ON FUNCTION outbox.ack(bigint, uuid) IS
 CREATE FUNCTION outbox.ack(ids bigint[], lease_tokens uuid[]) RETURNS integer
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 SET enable_seqscan = off
+SET jit = off
 AS 'MODULE_PATHNAME', 'outbox_ack_batch';
 
 COMMENT ON FUNCTION outbox.ack(bigint[], uuid[]) IS
@@ -148,6 +154,7 @@ CREATE FUNCTION outbox.fail(
 ) RETURNS text
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 SET enable_seqscan = off
+SET jit = off
 AS 'MODULE_PATHNAME', 'outbox_fail';
 
 COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
@@ -161,6 +168,7 @@ COMMENT ON FUNCTION outbox.fail(bigint, uuid, text, interval, boolean) IS
 CREATE FUNCTION outbox.extend_lease(id bigint, lease_token uuid, lease interval) RETURNS timestamptz
 LANGUAGE c VOLATILE PARALLEL UNSAFE
 SET enable_seqscan = off
+SET jit = off
 AS 'MODULE_PATHNAME', 'outbox_extend_lease';
 
 COMMENT ON FUNCTION outbox.extend_lease(bigint, uuid, interval) IS

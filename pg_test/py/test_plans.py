@@ -107,6 +107,37 @@ def test_the_hot_functions_plan_without_sequential_scans(loaded):
         assert "enable_seqscan=off" in (config or []), f"{fn} plans with enable_seqscan on"
 
 
+def test_no_hot_statement_is_jit_compiled(loaded):
+    """Under the settings claim plans with (its `SET` clauses, read from
+    pg_proc), no statement of the registry gets a JIT-compiled plan. A forced
+    scan of a small table costs 1e10 with enable_seqscan off, past every JIT
+    threshold: the subscriptions' lookup was compiled with inlining and
+    optimization, and a session's first claim took 450-850 ms."""
+    jitted = []
+    with connect(loaded, prepare_threshold=None) as c:
+        config = c.execute("SELECT proconfig FROM pg_proc WHERE oid = "
+                           "'outbox.claim(text, integer, interval, text[], text)'::regprocedure").fetchone()[0]
+        for setting in config or []:
+            k, v = setting.split("=", 1)
+            c.execute("SELECT set_config(%s, %s, false)", (k, v))
+        c.execute("SET plan_cache_mode = force_generic_plan")
+        for name, sql, types in c.execute("SELECT name, sql, types FROM outbox._statements()").fetchall():
+            c.execute("BEGIN")
+            try:
+                c.execute("DEALLOCATE ALL")
+                names = [r[0] for r in c.execute("SELECT format_type(t, NULL) FROM unnest(%s::oid[]) "
+                                                 "WITH ORDINALITY AS u(t, n) ORDER BY n", (types,)).fetchall()]
+                params = f"({', '.join(names)})" if names else ""
+                args = f"({', '.join(['NULL'] * len(names))})" if names else ""
+                c.execute(f"PREPARE s{params} AS {sql}")
+                plan = c.execute(f"EXPLAIN (FORMAT JSON) EXECUTE s{args}").fetchone()[0]
+            finally:
+                c.execute("ROLLBACK")
+            if "JIT" in (plan if isinstance(plan, str) else json.dumps(plan)):
+                jitted.append(name)
+    assert not jitted, f"JIT-compiled under claim's settings ({config}): {', '.join(jitted)}"
+
+
 def test_no_hot_statement_reads_a_ring_table_or_the_exception_table_whole(loaded):
     # The claim, ack, fail and extend_lease functions plan their statements with
     # enable_seqscan off (sql/api.sql): so does this test, as they would.

@@ -143,6 +143,9 @@ struct Lane {
     /// Events cancelled before the lane read them (src/log/cancel.rs): the
     /// claim that reads one leaves it out of its batch and drops it from here.
     skips: Vec<i64>,
+    /// The batch as the lane's row was read, without its lock, and whether
+    /// deferred calls wait on it: the look of [`Claim::serve`].
+    look: Option<(Batch, bool)>,
 }
 
 fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option<Cursor> {
@@ -157,14 +160,17 @@ fn lanes(subscription: &str) -> Vec<Lane> {
             else {
                 errors::raise(errors::INTERNAL, "malformed outbox.log_lanes row");
             };
+            let batch = r.i64(9);
+            let look = batch.zip(r.bytes(11)).map(|(id, bytes)| (decode_batch(id, &bytes), r.bool(12) == Some(true)));
             out.push(Lane {
                 tid,
                 lane,
                 lo,
                 hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
                 pos: r.i64(8),
-                batch: r.i64(9),
+                batch,
                 skips: r.i64_array(10).unwrap_or_default(),
+                look,
             });
         });
         out
@@ -905,8 +911,8 @@ impl Claim<'_> {
         // transaction block, for that transaction).
         let mut later: Option<i64> = None;
         if let Some(id) = l.batch {
-            // A look without the lock first.
-            if let Some(Loaded { batch: b, deferred, .. }) = load_batch(id) {
+            // A look without the lock first (read with the lane).
+            if let Some((b, deferred)) = l.look.take() {
                 // Deferred calls to apply make the claim take the batch too.
                 if !b.wants_claim(self.now) && !deferred {
                     if quiet {

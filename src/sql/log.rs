@@ -311,10 +311,14 @@ pub const TOPICS_OF: Stmt = Stmt {
 };
 
 /// A subscription's lanes, with each row's ctid for `_lock_row`, and the
-/// events cancelled before the lane read them.
+/// events cancelled before the lane read them; with each lane's batch state
+/// and whether deferred calls wait on it: a claim's look at a batch before it
+/// tries the batch's lock (src/log/claim.rs, `Claim::serve`), read here in
+/// the same statement, not in one more per lane.
 pub const LANES: Stmt = Stmt {
     sql: "SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
-                 n.pos, b.id, n.skips \
+                 n.pos, b.id, n.skips, b.state, \
+                 b.id IS NOT NULL AND EXISTS (SELECT 1 FROM outbox.log_deferred d WHERE d.batch = b.id) \
             FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
            WHERE n.subscription = $1",
     types: &[pg_sys::TEXTOID],
