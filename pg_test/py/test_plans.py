@@ -86,15 +86,16 @@ def test_the_registry_lists_every_statement_of_the_hot_paths(loaded):
     assert listed - want == set(), "src/sql/registry.rs lists statements that no longer exist"
 
 
-def generic_plan(c, sql, types):
-    """The generic plan of `sql` with parameter types `types` (oids)."""
+def generic_plan(c, sql, types, options="COSTS OFF"):
+    """The generic plan of `sql` with parameter types `types` (oids), as
+    EXPLAIN (`options`) prints it."""
     c.execute("DEALLOCATE ALL")
     names = [r[0] for r in c.execute("SELECT format_type(t, NULL) FROM unnest(%s::oid[]) WITH ORDINALITY AS u(t, n) "
                                      "ORDER BY n", (types,)).fetchall()]
     params = f"({', '.join(names)})" if names else ""
     args = f"({', '.join(['NULL'] * len(names))})" if names else ""
     c.execute(f"PREPARE s{params} AS {sql}")
-    return "\n".join(r[0] for r in c.execute(f"EXPLAIN (COSTS OFF) EXECUTE s{args}").fetchall())
+    return "\n".join(str(r[0]) for r in c.execute(f"EXPLAIN ({options}) EXECUTE s{args}").fetchall())
 
 
 def test_the_hot_functions_plan_without_sequential_scans(loaded):
@@ -124,16 +125,10 @@ def test_no_hot_statement_is_jit_compiled(loaded):
         for name, sql, types in c.execute("SELECT name, sql, types FROM outbox._statements()").fetchall():
             c.execute("BEGIN")
             try:
-                c.execute("DEALLOCATE ALL")
-                names = [r[0] for r in c.execute("SELECT format_type(t, NULL) FROM unnest(%s::oid[]) "
-                                                 "WITH ORDINALITY AS u(t, n) ORDER BY n", (types,)).fetchall()]
-                params = f"({', '.join(names)})" if names else ""
-                args = f"({', '.join(['NULL'] * len(names))})" if names else ""
-                c.execute(f"PREPARE s{params} AS {sql}")
-                plan = c.execute(f"EXPLAIN (FORMAT JSON) EXECUTE s{args}").fetchone()[0]
+                plan = generic_plan(c, sql, types, "FORMAT JSON")  # with costs: the JIT section shows
             finally:
                 c.execute("ROLLBACK")
-            if "JIT" in (plan if isinstance(plan, str) else json.dumps(plan)):
+            if "JIT" in plan:
                 jitted.append(name)
     assert not jitted, f"JIT-compiled under claim's settings ({config}): {', '.join(jitted)}"
 
@@ -157,10 +152,12 @@ def test_no_hot_statement_reads_a_ring_table_or_the_exception_table_whole(loaded
         f"{n}:\n{p}" for n, p in offenders.items())
 
 
-def claim_buffers(dsn):
-    """Shared buffers (hit + read) that claim(100) of 100 fresh events touches."""
+def claim_buffers(dsn, subjects=False):
+    """Shared buffers (hit + read) that claim(100) of 100 fresh events touches
+    (with `subjects`, each of its own subject), which must take all of them."""
+    subject = "'o' || g" if subjects else "NULL"
     with connect(dsn) as c:
-        c.execute("SELECT count(outbox.publish('t', '{}'::jsonb)) FROM generate_series(1, 100)")
+        c.execute(f"SELECT count(outbox.publish('t', '{{}}'::jsonb, subject => {subject})) FROM generate_series(1, 100) g")
         plan = c.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
                          "SELECT * FROM outbox.claim('w', 100, subscription => 's')").fetchone()[0]
         top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
@@ -204,17 +201,6 @@ def block_a_subject(c, pile):
     c.execute("VACUUM ANALYZE")
 
 
-def other_subjects_claim_buffers(dsn):
-    """Shared buffers of claim(100) of 100 fresh events of other subjects."""
-    with connect(dsn) as c:
-        c.execute("SELECT count(outbox.publish('t', '{}'::jsonb, subject => 'o' || g)) FROM generate_series(1, 100) g")
-        plan = c.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) "
-                         "SELECT * FROM outbox.claim('w', 100, subscription => 's')").fetchone()[0]
-        top = (plan if isinstance(plan, list) else json.loads(plan))[0]["Plan"]
-        assert top["Actual Rows"] == 100
-        return top["Shared Hit Blocks"] + top["Shared Read Blocks"]
-
-
 def test_claim_work_does_not_grow_with_the_events_behind_a_dead_letter(plain_dsn):
     """Contract item 4: 20,000 events parked behind one dead letter under
     'block' cost a claim of other subjects nothing that grows with them (0.16
@@ -223,12 +209,12 @@ def test_claim_work_does_not_grow_with_the_events_behind_a_dead_letter(plain_dsn
     try:
         with connect(dsn) as c:
             block_a_subject(c, 0)
-        base = other_subjects_claim_buffers(dsn)
+        base = claim_buffers(dsn, subjects=True)
         drop_db(plain_dsn, BLOCKED)
         dsn = create_db(plain_dsn, BLOCKED)
         with connect(dsn) as c:
             block_a_subject(c, PILE)
-        piled = other_subjects_claim_buffers(dsn)
+        piled = claim_buffers(dsn, subjects=True)
         print(f"claim(100) of other subjects, buffers: one dead letter {base}, with {PILE:,} events behind it {piled}")
         assert piled <= 2 * base + 100, (
             f"claim(100) read {piled} buffers with {PILE:,} events behind a dead letter, {base} without them")
