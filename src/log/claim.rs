@@ -91,11 +91,11 @@ use crate::pg::catalog::outbox_relid;
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_DELETE, BATCH_FINISH, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_INSERT, BATCH_PUT, BATCH_PUT_HOLDERS,
-    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, DELIVERED_INSERT, DELIVERED_JOIN, DELIVERED_TAIL, EXC_IN_FLIGHT,
-    EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS,
-    LANES_WITH_NEWS_SETTLED, LANE_LOCK, LANE_PUT, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY, SEQ_LAST, SUBSCRIBE,
-    SUBSCRIBE_LISTED, TOPICS_OF,
+    BATCH_DELETE, BATCH_FINISH, BATCH_FINISH_TAIL, BATCH_GET, BATCH_GET_MANY, BATCH_IDS, BATCH_PUT, BATCH_PUT_HOLDERS,
+    BATCH_PUT_MANY, BATCH_PUT_ROUNDS, BATCH_STATES, CLAIM_LANES, DELIVERED_INSERT, DELIVERED_JOIN, DELIVERED_TAIL,
+    EXC_IN_FLIGHT, EXC_LOCK_ALL, EXC_READY_SINCE, EXC_STATS, FETCH, FETCH_MANY, FETCH_RANGE, LANES, LANES_WITH_NEWS,
+    LANES_WITH_NEWS_SETTLED, LANE_LOCK, LANE_PUT, LANE_PUT_NEW_BATCH, OF_SUBJECT, PUBLISHED_AT, PUBLISHED_BY,
+    SUBSCRIBE, SUBSCRIBE_LISTED, TOPICS_OF,
 };
 use crate::subscriptions::Settings;
 use crate::validate;
@@ -155,33 +155,79 @@ fn cursor_at(snap: Option<String>, m: Option<i64>, xn: Option<String>) -> Option
 fn lanes(subscription: &str) -> Vec<Lane> {
     plans::run_latest(&LANES, &[subscription.into()], |rows| {
         let mut out = Vec::with_capacity(rows.len());
+        rows.for_each(|r| out.push(lane_of(r)));
+        out
+    })
+}
+
+/// What a claim reads first ([`CLAIM_LANES`]): the subscription's lanes, the
+/// largest event id drawn, and whether a row of its own may be claimable.
+struct Start {
+    lanes: Vec<Lane>,
+    drawn: i64,
+    exceptions: bool,
+}
+
+fn claim_lanes(subscription: &str, now: i64) -> Start {
+    plans::run_latest(&CLAIM_LANES, &[subscription.into(), plans::ts_param(now)], |rows| {
+        let mut out = Start { lanes: Vec::with_capacity(rows.len()), drawn: i64::MAX, exceptions: false };
         rows.for_each(|r| {
-            let (Some(tid), Some(lane), Some(lo)) = (r.tid(0), r.i16(1), cursor_at(r.text(2), r.i64(3), r.text(4)))
-            else {
-                errors::raise(errors::INTERNAL, "malformed outbox.log_lanes row");
-            };
-            let batch = r.i64(9);
-            let look = batch.zip(r.bytes(11)).map(|(id, bytes)| (decode_batch(id, &bytes), r.bool(12) == Some(true)));
-            out.push(Lane {
-                tid,
-                lane,
-                lo,
-                hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
-                pos: r.i64(8),
-                batch,
-                skips: r.i64_array(10).unwrap_or_default(),
-                look,
-            });
+            out.lanes.push(lane_of(r));
+            out.drawn = r.i64(13).unwrap_or(i64::MAX);
+            out.exceptions = r.bool(14) != Some(false);
         });
         out
     })
 }
 
+/// A row of [`LANES`] (the first columns of [`CLAIM_LANES`]).
+fn lane_of(r: &mut plans::Row) -> Lane {
+    let (Some(tid), Some(lane), Some(lo)) = (r.tid(0), r.i16(1), cursor_at(r.text(2), r.i64(3), r.text(4))) else {
+        errors::raise(errors::INTERNAL, "malformed outbox.log_lanes row");
+    };
+    let batch = r.i64(9);
+    let look = batch.zip(r.bytes(11)).map(|(id, bytes)| (decode_batch(id, &bytes), r.bool(12) == Some(true)));
+    Lane {
+        tid,
+        lane,
+        lo,
+        hi: cursor_at(r.text(5), r.i64(6), r.text(7)),
+        pos: r.i64(8),
+        batch,
+        skips: r.i64_array(10).unwrap_or_default(),
+        look,
+    }
+}
+
 fn put_lane(subscription: &str, l: &Lane) {
+    lane_args(subscription, l, None, |args| plans::run_latest(&LANE_PUT, args, |_| ()));
+}
+
+/// Write lane `l` with a new batch of state `state` whose first round is
+/// `worker`'s, inserted by the same statement; returns the batch's id.
+fn put_lane_new_batch(subscription: &str, l: &Lane, state: Vec<u8>, worker: &str) -> i64 {
+    lane_args(subscription, l, Some((state, worker)), |args| {
+        plans::run_latest(&LANE_PUT_NEW_BATCH, args, |rows| {
+            let mut id = None;
+            rows.for_each(|r| id = r.i64(0));
+            id
+        })
+    })
+    .unwrap_or_else(|| errors::raise(errors::INTERNAL, "the batch insert returned no id"))
+}
+
+/// The arguments of [`LANE_PUT`] for lane `l`, or of [`LANE_PUT_NEW_BATCH`]
+/// with `new` (the batch's state and first worker), handed to `f`.
+fn lane_args<R>(
+    subscription: &str,
+    l: &Lane,
+    new: Option<(Vec<u8>, &str)>,
+    f: impl FnOnce(&[DatumWithOid<'_>]) -> R,
+) -> R {
     let xn = |c: &Cursor| c.xn.to_string();
     let (lo_xn, hi_xn) = (xn(&l.lo), l.hi.as_ref().map(xn));
     let skips = if l.skips.is_empty() { None } else { Some(l.skips.clone()) };
-    let args: Vec<DatumWithOid<'_>> = vec![
+    let mut args: Vec<DatumWithOid<'_>> = vec![
         subscription.into(),
         l.lane.into(),
         l.lo.snapshot.as_str().into(),
@@ -191,10 +237,20 @@ fn put_lane(subscription: &str, l: &Lane) {
         l.hi.as_ref().map(|h| h.m).into(),
         hi_xn.as_deref().into(),
         l.pos.into(),
-        l.batch.into(),
-        skips.into(),
     ];
-    plans::run_latest(&LANE_PUT, &args, |_| ());
+    match new {
+        None => {
+            args.push(l.batch.into());
+            args.push(skips.into());
+            f(&args)
+        }
+        Some((state, worker)) => {
+            args.push(state.into());
+            args.push(skips.into());
+            args.push(worker.into());
+            f(&args)
+        }
+    }
 }
 
 /// A batch row: its state, lane and subscription.
@@ -381,21 +437,23 @@ fn load_batches(ids: Vec<i64>) -> HashMap<i64, (Batch, bool)> {
 /// it). A finished batch is deleted, and its acked events recorded with the
 /// time ([`record_delivered`]).
 fn store_batch(id: i64, b: &Batch) -> bool {
-    if b.finished() {
-        let Some((subscription, lane)) = plans::run_latest(&BATCH_FINISH, &[id.into()], |rows| {
-            let mut out = None;
-            rows.for_each(|r| out = r.text(0).zip(r.i16(1)));
-            out
-        }) else {
-            return false;
-        };
-        let done: Vec<i64> =
-            (0..b.len()).filter(|&i| b.state(i) == super::batch::State::Done).map(|i| b.ids()[i]).collect();
-        record_delivered(&subscription, lane, &done);
-        true
-    } else {
-        plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |rows| rows.len()) > 0
+    if !b.finished() {
+        return plans::run_latest(&BATCH_PUT, &[id.into(), b.encode().into()], |rows| rows.len()) > 0;
     }
+    let done: Vec<i64> =
+        (0..b.len()).filter(|&i| b.state(i) == super::batch::State::Done).map(|i| b.ids()[i]).collect();
+    if done.is_empty() {
+        return plans::run_latest(&BATCH_FINISH, &[id.into()], |rows| rows.len()) > 0;
+    }
+    let Some((subscription, lane, tail)) = plans::run_latest(&BATCH_FINISH_TAIL, &[id.into()], |rows| {
+        let mut out = None;
+        rows.for_each(|r| out = r.text(0).zip(r.i16(1)).map(|(s, l)| (s, l, r.timestamptz(2).zip(r.bytes(3)))));
+        out
+    }) else {
+        return false;
+    };
+    record_with_tail(&subscription, lane, &done, tail);
+    true
 }
 
 /// Most events one row of `outbox.log_delivered` records.
@@ -418,6 +476,12 @@ fn record_delivered(subscription: &str, lane: i16, done: &[i64]) {
         rows.for_each(|r| out = r.timestamptz(0).zip(r.bytes(1)));
         out
     });
+    record_with_tail(subscription, lane, done, tail);
+}
+
+/// [`record_delivered`] with the lane's row to join, `tail` (its time and
+/// encoding, locked), already read.
+fn record_with_tail(subscription: &str, lane: i16, done: &[i64], tail: Option<(i64, Vec<u8>)>) {
     if let Some((at, bytes)) = tail {
         if let Ok(old) = Batch::decode(&bytes) {
             let mut ids: Vec<i64> =
@@ -966,7 +1030,13 @@ impl Claim<'_> {
                     Some(h) => (h.clone(), false),
                     None => (cursor(), true),
                 };
-                let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(limit.max(1) as i32));
+                let asked = limit.max(1);
+                let mut events = window(l.lane, &l.lo, &hi.snapshot, l.pos.unwrap_or(0), Some(asked as i32));
+                // Fewer events than asked: the window holds no more above
+                // `pos` (its branches stop only at the limit, src/sql/log.rs
+                // WINDOW), so a piece that keeps them all reads it to its end.
+                let read = events.len();
+                let short = read < asked;
                 if events.is_empty() && fresh && hi.m.saturating_sub(l.lo.m) < FAR_BEHIND {
                     break; // nothing new; the cursor stays (an empty window writes nothing)
                 }
@@ -1001,8 +1071,21 @@ impl Claim<'_> {
                 // Every event of the piece is read now: a skip among them is done
                 // with (each event is in exactly one window, src/log/mod.rs).
                 l.skips.retain(|id| !events.iter().any(|e| e.id == *id));
-                l.pos = events.last().map(|e| e.id);
-                l.hi = Some(hi);
+                // A window read to its end moves the cursor to its upper
+                // snapshot in this same write, as the empty read that would
+                // follow does; one taken by this claim ends the reading, since
+                // the next window could only hold what committed during the
+                // claim (a claim outside a block steady-streaming one event
+                // read its lane three times, two of them empty).
+                let done = short && events.len() == read;
+                if done {
+                    l.lo = hi;
+                    l.hi = None;
+                    l.pos = None;
+                } else {
+                    l.pos = events.last().map(|e| e.id);
+                    l.hi = Some(hi);
+                }
                 dirty = true;
                 let gone: HashSet<u32> = (0..piece.len())
                     .filter(|&i| piece.state(i) == super::batch::State::Parked)
@@ -1029,6 +1112,9 @@ impl Claim<'_> {
                     None if !staying.is_empty() => cur = Some((None, Batch::new(&staying), None, true)),
                     None => {}
                 }
+                if done && fresh {
+                    break;
+                }
                 if staying.is_empty() {
                     limit = (limit * PIECE_GROWTH).min(MAX_PIECE_EVENTS.max(left)).min(room(&cur));
                 }
@@ -1047,17 +1133,10 @@ impl Claim<'_> {
             let picks: Vec<usize> = b.handable().into_iter().take(left).collect();
             let expires = self.round_expires(l.lane, &b, &picks);
             b.hand_out(&picks, self.now, expires, pg::strong_random());
-            let args = [self.req.subscription.into(), l.lane.into(), b.encode().into(), self.req.worker.into()];
-            let id = plans::run_latest(&BATCH_INSERT, &args, |rows| {
-                let mut id = None;
-                rows.for_each(|r| id = r.i64(0));
-                id
-            })
-            .unwrap_or_else(|| errors::raise(errors::INTERNAL, "the batch insert returned no id"));
+            let id = put_lane_new_batch(self.req.subscription, &l, b.encode(), self.req.worker);
             // A new batch id, known to nobody else yet: nobody holds its lock.
             pg::advisory_xact_lock(BATCH_LOCK_KEY, batch_lock_key(id));
             l.batch = Some(id);
-            put_lane(self.req.subscription, &l);
             let (ids, tokens) = sorted_picks(id, &b, &picks);
             self.emit(l.lane, &ids, dense_ids(&ids), &tokens, expires);
             return picks.len();
@@ -1172,7 +1251,7 @@ const SETTLED_MAX: usize = 256;
 /// asked afresh; not by subscription, since the window depends only on the
 /// lane, the cursor and the log) and only the branch of ids above `m` is
 /// probed for it.
-fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
+fn quiet_lanes(all: &[Lane], drawn: i64) -> Vec<i16> {
     let mut idle: Vec<&Lane> = all.iter().filter(|l| l.hi.is_none() && l.pos.is_none()).collect();
     if idle.is_empty() {
         return Vec::new();
@@ -1187,11 +1266,6 @@ fn quiet_lanes(all: &[Lane]) -> Vec<i16> {
     // no check at all: the check's plan is most of an idle worker's claim.
     let mut quiet = Vec::new();
     if late.contains(&false) {
-        let drawn = plans::run_latest(&SEQ_LAST, &[], |rows| {
-            let mut d = i64::MAX;
-            rows.for_each(|r| d = r.i64(0).unwrap_or(i64::MAX));
-            d
-        });
         let (mut keep, mut keep_late) = (Vec::new(), Vec::new());
         for (l, is_late) in idle.into_iter().zip(late) {
             if !is_late && drawn <= l.lo.m {
@@ -1353,10 +1427,11 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
     super::restore::rebase_if_pending();
     let now = pg::now();
     let out = SetResult::begin(call);
-    let mut left = batch_size - exceptions::claim(req, now, batch_size, &out);
+    let mut begin = claim_lanes(req.subscription, now);
+    // Rows of their own first (retries, expired leases, due and parked events).
+    let mut left = batch_size - if begin.exceptions { exceptions::claim_due(req, now, batch_size, &out) } else { 0 };
     if left > 0 {
-        let mut all = lanes(req.subscription);
-        if all.is_empty() {
+        if begin.lanes.is_empty() {
             // Lanes are made by create_subscription and by a restore's rebase
             // (src/log/restore.rs); a subscription whose lanes are missing
             // anyway (rows deleted by hand) starts here. One dropped meanwhile
@@ -1366,8 +1441,9 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             let args: [DatumWithOid<'_>; 4] =
                 [req.subscription.into(), c.snapshot.as_str().into(), c.m.into(), xn.as_str().into()];
             plans::run_latest(&SUBSCRIBE_LISTED, &args, |_| ());
-            all = lanes(req.subscription);
+            begin = claim_lanes(req.subscription, now);
         }
+        let mut all = begin.lanes;
         let start = start_lane();
         all.sort_by_key(|l| (l.lane as usize + super::LANES as usize - start) % super::LANES as usize);
         let claim = Claim {
@@ -1378,7 +1454,7 @@ pub fn claim(call: &Call, req: &Request<'_>, batch_size: usize) -> pg_sys::Datum
             out: &out,
             moved: Cell::new(false),
             topic_leases: !req.lease_fixed && crate::topics::any_default_lease(),
-            quiet: quiet_lanes(&all),
+            quiet: quiet_lanes(&all, begin.drawn),
             in_block: pg::in_transaction_block(),
             hash: pg::hashtext(req.subscription),
             pending: Default::default(),

@@ -63,7 +63,7 @@
 //!    row here that holds it (pending, leased, or dead under 'block'), else
 //!    the subject's first event of the same insert ([`EXC_INSERT`]): always a
 //!    row of the same subscription, lane and subject with a smaller id. A
-//!    claim ([`EXC_CLAIM`], [`EXC_ANY_READY`]) reads such a row only while
+//!    claim ([`EXC_CLAIM`], and `CLAIM_LANES`' probe) reads such a row only while
 //!    that head no longer holds the subject, and then only the pile's first
 //!    unfinished row. Why that hides nothing: while the head holds the
 //!    subject, it is an earlier row that holds it, so invariant 1's test
@@ -80,8 +80,8 @@
 use crate::pg::fcall::{Call, SetResult};
 use crate::pg::plans;
 use crate::sql::log::{
-    BATCH_EXISTS, EXC_ACK, EXC_ANY_READY, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND,
-    EXC_FAIL_APPLY, EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, NOTE_LOST, SUB_HAS_MAX_LAG,
+    BATCH_EXISTS, EXC_ACK, EXC_APPLY_POLICY, EXC_CLAIM, EXC_DEAD_POLICY, EXC_EVENT_TOPIC, EXC_EXTEND, EXC_FAIL_APPLY,
+    EXC_FAIL_LOCK, EXC_INSERT, EXC_OPEN_SUBJECTS, LOG_EVENT_TOPIC, NOTE_LOST, SUB_HAS_MAX_LAG,
 };
 use crate::subscriptions::Settings;
 use crate::{errors, pg};
@@ -236,20 +236,9 @@ pub struct Request<'a> {
     pub narrow: Option<(Vec<String>, Vec<String>)>,
 }
 
-/// Claim up to `left` exception rows into `out`; returns how many.
-pub fn claim(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize {
-    let any = plans::run_latest(&EXC_ANY_READY, &[req.subscription.into(), plans::ts_param(now)], |rows| {
-        let mut any = true;
-        rows.for_each(|r| any = r.bool(0) != Some(false));
-        any
-    });
-    if !any {
-        return 0;
-    }
-    claim_due(req, now, left, out)
-}
-
-/// [`claim`] without its first probe, for a claim that has just moved rows
+/// Claim up to `left` exception rows into `out`; returns how many. A claim
+/// calls it when its first statement found one that may be claimable
+/// (src/sql/log.rs `CLAIM_LANES`), and again when it has just moved rows
 /// here that are due now.
 pub fn claim_due(req: &Request<'_>, now: i64, left: usize, out: &SetResult) -> usize {
     let token = pgrx::Uuid::from_bytes(super::batch::exception_token(pg::strong_random(), pg::strong_random()));

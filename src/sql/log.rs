@@ -210,27 +210,6 @@ macro_rules! piles_cte {
     };
 }
 
-/// Whether subscription $1 has a row of its own that may be claimable at $2
-/// (pending or leased, its time come, and not waiting behind a row that holds
-/// its subject): [`EXC_CLAIM`]'s plan costs more to start than this probe,
-/// and an idle worker's claim finds none.
-pub const EXC_ANY_READY: Stmt = Stmt {
-    sql: concat!(
-        "WITH RECURSIVE ",
-        piles_cte!(),
-        " SELECT EXISTS (SELECT 1 FROM outbox.log_exceptions e \
-           WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.parked_behind IS NULL \
-             AND e.visible_at <= $2) \
-           OR EXISTS (SELECT 1 FROM pile_first)"
-    ),
-    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
-};
-
-/// The largest event id drawn so far (0 before the first): no event has a
-/// larger one, committed or not.
-pub const SEQ_LAST: Stmt =
-    Stmt { sql: "SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)", types: &[] };
-
 /// [`WINDOW`] counted, with $7 NULL: how many events, and the smallest id,
 /// of those a subscription's topic filter passes ($8 exact topics, $9
 /// prefixes; both NULL: every topic; the filter of src/log/claim.rs `passes`)
@@ -324,6 +303,32 @@ pub const LANES: Stmt = Stmt {
     types: &[pg_sys::TEXTOID],
 };
 
+/// [`LANES`] for a claim at $2, each row with two values computed once: the
+/// largest event id drawn (0 before the first; no event has a larger one,
+/// committed or not: src/log/claim.rs `quiet_lanes`), and whether subscription
+/// $1 has a row of its own that may be claimable (pending or leased, its time
+/// come, and not waiting behind a row that holds its subject), without which
+/// the claim does not run [`EXC_CLAIM`], whose plan costs more to start than
+/// this probe. Three statements a claim made in turn are one: an idle
+/// worker's claim made four in all, and each costs more to start than to run.
+pub const CLAIM_LANES: Stmt = Stmt {
+    sql: concat!(
+        "WITH RECURSIVE ",
+        piles_cte!(),
+        " SELECT n.ctid, n.lane, n.lo_snap::text, n.lo_m, n.lo_xn::text, n.hi_snap::text, n.hi_m, n.hi_xn::text, \
+                 n.pos, b.id, n.skips, b.state, \
+                 b.id IS NOT NULL AND EXISTS (SELECT 1 FROM outbox.log_deferred d WHERE d.batch = b.id), \
+                 (SELECT COALESCE(pg_sequence_last_value('outbox.event_id_seq'), 0)), \
+                 (SELECT EXISTS (SELECT 1 FROM outbox.log_exceptions e \
+                          WHERE e.subscription = $1 AND e.state IN ('pending', 'leased') AND e.parked_behind IS NULL \
+                            AND e.visible_at <= $2) \
+                     OR EXISTS (SELECT 1 FROM pile_first)) \
+            FROM outbox.log_lanes n LEFT JOIN outbox.log_batches b ON b.id = n.batch \
+           WHERE n.subscription = $1"
+    ),
+    types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
+};
+
 /// The UPDATE of a lane's cursor, window and batch, with `$extra` columns.
 macro_rules! lane_put {
     ($extra:literal) => {
@@ -352,6 +357,33 @@ const LANE_PUT_TYPES: [pg_sys::Oid; 11] = [
 
 /// Write a lane's cursor, window, batch and skips (the caller holds its row).
 pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_PUT_TYPES };
+
+/// [`LANE_PUT`] of a lane whose new batch is inserted by the same statement:
+/// state $10, its first round worker $12's, with a fresh id (returned). A
+/// claim that starts a batch wrote it and then the lane in two statements;
+/// in a steady stream that is most claims.
+pub const LANE_PUT_NEW_BATCH: Stmt = Stmt {
+    sql: "WITH b AS (INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
+                     VALUES (nextval('outbox.log_batch_seq'), $1, $2, $10, ARRAY[$12]) RETURNING id) \
+          UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
+                 hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = (SELECT id FROM b), \
+                 skips = $11 \
+           WHERE subscription = $1 AND lane = $2 RETURNING batch",
+    types: &[
+        pg_sys::TEXTOID,
+        pg_sys::INT2OID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::TEXTOID,
+        pg_sys::INT8OID,
+        pg_sys::BYTEAOID,
+        pg_sys::INT8ARRAYOID,
+        pg_sys::TEXTOID,
+    ],
+};
 
 /// A batch's state, lane, subscription and the workers of its rounds (read
 /// under the batch's advisory lock).
@@ -483,14 +515,6 @@ pub const EXC_LOCK_ALL: Stmt =
 pub const BATCH_STATES: Stmt =
     Stmt { sql: "SELECT state FROM outbox.log_batches WHERE subscription = $1", types: &[pg_sys::TEXTOID] };
 
-/// A new batch of subscription $1, lane $2, state $3, whose first round is
-/// worker $4's, with a fresh id (returned).
-pub const BATCH_INSERT: Stmt = Stmt {
-    sql: "INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
-          VALUES (nextval('outbox.log_batch_seq'), $1, $2, $3, ARRAY[$4]) RETURNING id",
-    types: &[pg_sys::TEXTOID, pg_sys::INT2OID, pg_sys::BYTEAOID, pg_sys::TEXTOID],
-};
-
 pub const BATCH_PUT: Stmt = Stmt {
     sql: "UPDATE outbox.log_batches SET state = $2 WHERE id = $1 RETURNING id",
     types: &[pg_sys::INT8OID, pg_sys::BYTEAOID],
@@ -530,6 +554,21 @@ pub const DELIVERED_INSERT: Stmt = Stmt {
 /// its delivery record.
 pub const BATCH_FINISH: Stmt = Stmt {
     sql: "DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane",
+    types: &[pg_sys::INT8OID],
+};
+
+/// [`BATCH_FINISH`] with the lane's [`DELIVERED_TAIL`] (time and encoding,
+/// locked; NULL when there is none), for a finished batch whose acked events
+/// are to be recorded: one statement where an ack that finished its batch
+/// made two.
+pub const BATCH_FINISH_TAIL: Stmt = Stmt {
+    sql: "WITH d AS (DELETE FROM outbox.log_batches WHERE id = $1 RETURNING subscription, lane) \
+          SELECT d.subscription, d.lane, t.finished_at, t.state FROM d \
+            LEFT JOIN LATERAL (SELECT x.finished_at, x.state FROM outbox.log_delivered x \
+                  WHERE x.subscription = d.subscription AND x.lane = d.lane \
+                    AND x.finished_at > statement_timestamp() - interval '10 seconds' \
+                    AND x.opened_at > statement_timestamp() - interval '10 seconds' \
+                  ORDER BY x.finished_at DESC LIMIT 1 FOR UPDATE SKIP LOCKED) t ON true",
     types: &[pg_sys::INT8OID],
 };
 
