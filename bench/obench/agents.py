@@ -44,11 +44,17 @@ def run_agent(kind, out_q, barrier, kw):
         out_q.put({"error": f"{kind}: " + traceback.format_exc()})
 
 
+# When the last _claim_ack of this process sent its claim (ns).
+LAST_CLAIM_START = 0
+
+
 def _claim_ack(conn, system, worker, batch, handler_ms=0):
     """One claim and one ack, separate autocommit statements; between them, when
     handler_ms is set, a handler that sleeps handler_ms per claimed event (one
     sleep for the batch). Returns (n_claimed, n_acked, t_claim_returned, ids)."""
     q = S.DRAIN[system]
+    global LAST_CLAIM_START
+    LAST_CLAIM_START = now_ns()
     rows = conn.execute(q["claim"], {"worker": worker, "batch": batch}).fetchall()
     t_claim = now_ns()
     if not rows:
@@ -280,6 +286,7 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, 
     conn.execute("LISTEN outbox")
     worker = f"bench-e2e-{wid}"
     recs = []
+    empties = []  # (sent, returned) of each claim that returned nothing
     claims = wakeups = timeouts = 0
     pending = [_claim_ack(conn, system, worker, batch, handler_ms)] if warm else []
     barrier.wait()
@@ -287,6 +294,8 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, 
         got, acked, t_claim, ids = pending.pop() if pending else _claim_ack(conn, system, worker, batch, handler_ms)
         t_ack = now_ns()
         claims += 1
+        if not got:
+            empties.append((LAST_CLAIM_START, t_claim))
         if acked != got:
             raise RuntimeError(f"{system}: claimed {got} but acked {acked}")
         if got:
@@ -305,7 +314,8 @@ def _e2e_worker(*, barrier, dsn, system, wid, batch, stop_evt, counter, poll_s, 
         else:
             timeouts += 1
     conn.close()
-    return {"wid": wid, "recs": recs, "claims": claims, "wakeups": wakeups, "timeouts": timeouts}
+    return {"wid": wid, "recs": recs, "claims": claims, "wakeups": wakeups, "timeouts": timeouts,
+            "empties": empties}
 
 
 

@@ -1,5 +1,6 @@
 """The benchmark scenarios (numbers as in bench/README.md)."""
 
+import bisect
 import os
 import re
 import shutil
@@ -2555,6 +2556,14 @@ def _s12_once(ctx, name, key, notify, drain):  # noqa: C901
         if left:
             raise HarnessError(f"s12 {name}: every event was claimed and acked, but {left} are left")
     lat = [(claimed[i] - t) / 1e6 for i, t in commit.items()]
+    # Claims that came back empty while an event waited: sent after its
+    # commit returned and returned before the claim that got it.
+    empty = sorted(e for r in works for e in r.get("empties", []))
+    sent = [e[0] for e in empty]
+    passed = []
+    for i, t in commit.items():
+        k = bisect.bisect_right(sent, t)
+        passed.append(sum(1 for e in empty[k:bisect.bisect_left(sent, claimed[i], lo=k)] if e[1] < claimed[i]))
     pub_secs = (max(r["t1"] for r in pubs) - min(r["t0"] for r in pubs)) / ns
     return {
         "n": total, "lat": lat, "achieved": total / pub_secs, "late": sum(r["late"] for r in pubs),
@@ -2563,6 +2572,7 @@ def _s12_once(ctx, name, key, notify, drain):  # noqa: C901
         "cpu_res_us": (procs0 + procs1) * 1e6 / os.sysconf("SC_CLK_TCK") / total,
         "rows": (rows1[0] - rows0[0]) / total, "own_share": 100.0 * (rows1[1] - rows0[1]) / total,
         "redelivered": n_recs - len(claimed), "claims": sum(r["claims"] for r in works),
+        "passed": passed,
         "timeouts": sum(r["timeouts"] for r in works), "ticks": ticks[0],
     }
 
@@ -2574,6 +2584,8 @@ S12_METRICS = [  # (metric, key of _s12_once's result or a function of it, unit)
     ("pickup_p50", lambda r: pct(r["lat"], 50), "ms"), ("pickup_p99", lambda r: pct(r["lat"], 99), "ms"),
     ("pickup_max", lambda r: max(r["lat"]), "ms"),
     ("claims", "claims", "claims"), ("poll_timeouts", "timeouts", "waits"), ("redelivered", "redelivered", "events"),
+    ("passed_over_share", lambda r: 100.0 * sum(1 for x in r["passed"] if x) / max(1, len(r["passed"])), "%"),
+    ("passed_over_p90", lambda r: pct(r["passed"], 90), "claims"),
     ("publisher_late", "late", "events"),
 ]
 
@@ -2596,7 +2608,9 @@ def s12_streaming(ctx):  # noqa: C901
                     f"{r['rows']:.2f}/event"
                     + (f", {r['own_share']:.2f}% with a log_exceptions row" if key == "outbox" else "")
                     + f"; pickup p50/p99/max {pct(r['lat'], 50):.1f}/{pct(r['lat'], 99):.1f}/{max(r['lat']):.1f} ms; "
-                    f"{r['claims']} claims, {r['timeouts']} poll timeouts"
+                    f"{r['claims']} claims, {r['timeouts']} poll timeouts; events passed over by an empty claim "
+                    f"{100.0 * sum(1 for x in r['passed'] if x) / max(1, len(r['passed'])):.0f}%, "
+                    f"empty claims per event p90 {pct(r['passed'], 90):.0f}"
                     + (f", {r['ticks']} ticks" if key == "pgq" else ""))
     m = {name: {k: ctx.med(S12, name, prm, k) for k in [x[0] for x in S12_METRICS] + ["own_row_share", "ticks"]}
          for name, *_ in S12_SYSTEMS}
@@ -2652,6 +2666,14 @@ def s12_streaming(ctx):  # noqa: C901
                f"{_fmt(x['pickup_p50'], 1)} | {_fmt(x['pickup_p99'], 1)} | {_fmt(x['pickup_max'], 1)} | "
                f"{_fmt(x['claims'])}{' batches (' + _fmt(x['ticks']) + ' ticks)' if key == 'pgq' else ''} | "
                f"{_fmt(x['poll_timeouts'])} | {_fmt(x['redelivered'])} |\n")
+    md += ("\nEvents passed over: an event is passed over when a claim sent after its publish returned came back "
+           "empty before the claim that returned it (a claim that skipped a lane or batch another session held, "
+           "or that ran before the event was visible to it).\n\n| system | events passed over (%) | empty claims "
+           "per event, p90 |\n|---|---|---|\n")
+    for name, key, *_ in S12_SYSTEMS:
+        if key != "pgq":
+            md += (f"| {name} | {_fmt(m[name]['passed_over_share'], 1)} | "
+                   f"{_fmt(m[name]['passed_over_p90'], 1)} |\n")
     short = [n for n, *_ in S12_SYSTEMS if (m[n]["achieved_rate"] or 0) < 0.95 * p["s12_rate"]]
     if short:
         md += (f"\n**The publishers fell behind {p['s12_rate']:,} events/s** for {', '.join(short)}: the machine "
