@@ -305,3 +305,18 @@ def test_later_rounds_of_many_lanes_come_back_whole_with_their_tokens_and_payloa
     want = [(a, n) for a, _ in lanes for n in range(3, 7)]
     assert sorted(rest) == sorted(want)
     assert [n for s, n in rest if s == lanes[0][0]] == [3, 4, 5, 6]
+
+
+def test_a_subscription_whose_lanes_are_gone_still_gets_its_due_rows_of_their_own(logdb):
+    # A claim reads the lanes first, and with them whether a row of its own
+    # may be claimable; a subscription with no lane rows (deleted by hand)
+    # must still be handed its due retry by the claim that makes its lanes.
+    c = logdb.conn()
+    c.execute("SELECT outbox.create_subscription('s')")
+    e = c.execute("SELECT outbox.publish('x.t', '{}', 'k')").fetchone()[0]
+    (row,) = claim(c, "s", 10, "30 s")
+    assert c.execute("SELECT outbox.fail(%s, %s, 'boom', retry_in => '0 s')", (e, row[2])).fetchone()[0] == "pending"
+    c.execute("DELETE FROM outbox.log_lanes WHERE subscription = 's'")
+    again = claim(c, "s", 10, "30 s")
+    assert [r[0] for r in again] == [e]
+    assert c.execute("SELECT count(*) FROM outbox.log_lanes WHERE subscription = 's'").fetchone()[0] == 16

@@ -51,7 +51,9 @@
 //! 1. **Each committed event of a lane is put in the lane's batch, or in the
 //!    exception table, exactly once.** A lane's pieces are consecutive
 //!    (`id > pos`, in id order) pieces of consecutive windows, and the cursor
-//!    moves to a window's end only once a read past `pos` finds nothing;
+//!    moves to a window's end only once a read past `pos` finds nothing, or
+//!    returns fewer events than it asked for and the piece keeps them all
+//!    (the window's branches stop only at the limit);
 //!    windows read each committed event once (src/log/mod.rs). Every lane
 //!    write happens under the lane's row lock, and the row read is the newest
 //!    version (a changed row is skipped, not locked), so two claims never
@@ -170,7 +172,9 @@ struct Start {
 
 fn claim_lanes(subscription: &str, now: i64) -> Start {
     plans::run_latest(&CLAIM_LANES, &[subscription.into(), plans::ts_param(now)], |rows| {
-        let mut out = Start { lanes: Vec::with_capacity(rows.len()), drawn: i64::MAX, exceptions: false };
+        // No lane rows (a subscription whose lanes are still to be made)
+        // tells nothing about its rows of their own: claim them.
+        let mut out = Start { lanes: Vec::with_capacity(rows.len()), drawn: i64::MAX, exceptions: true };
         rows.for_each(|r| {
             out.lanes.push(lane_of(r));
             out.drawn = r.i64(13).unwrap_or(i64::MAX);
