@@ -329,14 +329,14 @@ pub const CLAIM_LANES: Stmt = Stmt {
     types: &[pg_sys::TEXTOID, pg_sys::TIMESTAMPTZOID],
 };
 
-/// The UPDATE of a lane's cursor, window and batch, with `$extra` columns.
+/// The UPDATE of a lane's cursor, window, skips and batch (`$batch`).
 macro_rules! lane_put {
-    ($extra:literal) => {
+    ($batch:literal) => {
         concat!(
             "UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
-             hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = $10",
-            $extra,
-            " WHERE subscription = $1 AND lane = $2"
+             hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = ",
+            $batch,
+            ", skips = $11 WHERE subscription = $1 AND lane = $2"
         )
     };
 }
@@ -356,33 +356,32 @@ const LANE_PUT_TYPES: [pg_sys::Oid; 11] = [
 ];
 
 /// Write a lane's cursor, window, batch and skips (the caller holds its row).
-pub const LANE_PUT: Stmt = Stmt { sql: lane_put!(", skips = $11"), types: &LANE_PUT_TYPES };
+pub const LANE_PUT: Stmt = Stmt { sql: lane_put!("$10"), types: &LANE_PUT_TYPES };
+
+/// [`LANE_PUT_TYPES`] with $10 the new batch's state and $12 its first worker.
+const LANE_PUT_NEW_BATCH_TYPES: [pg_sys::Oid; 12] = {
+    let mut t = [pg_sys::TEXTOID; 12];
+    let mut i = 0;
+    while i < LANE_PUT_TYPES.len() {
+        t[i] = LANE_PUT_TYPES[i];
+        i += 1;
+    }
+    t[9] = pg_sys::BYTEAOID;
+    t
+};
 
 /// [`LANE_PUT`] of a lane whose new batch is inserted by the same statement:
 /// state $10, its first round worker $12's, with a fresh id (returned). A
 /// claim that starts a batch wrote it and then the lane in two statements;
 /// in a steady stream that is most claims.
 pub const LANE_PUT_NEW_BATCH: Stmt = Stmt {
-    sql: "WITH b AS (INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
-                     VALUES (nextval('outbox.log_batch_seq'), $1, $2, $10, ARRAY[$12]) RETURNING id) \
-          UPDATE outbox.log_lanes SET lo_snap = $3::pg_snapshot, lo_m = $4, lo_xn = $5::xid8, \
-                 hi_snap = $6::pg_snapshot, hi_m = $7, hi_xn = $8::xid8, pos = $9, batch = (SELECT id FROM b), \
-                 skips = $11 \
-           WHERE subscription = $1 AND lane = $2 RETURNING batch",
-    types: &[
-        pg_sys::TEXTOID,
-        pg_sys::INT2OID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTOID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::TEXTOID,
-        pg_sys::INT8OID,
-        pg_sys::BYTEAOID,
-        pg_sys::INT8ARRAYOID,
-        pg_sys::TEXTOID,
-    ],
+    sql: concat!(
+        "WITH b AS (INSERT INTO outbox.log_batches (id, subscription, lane, state, leased_by) \
+                    VALUES (nextval('outbox.log_batch_seq'), $1, $2, $10, ARRAY[$12]) RETURNING id) ",
+        lane_put!("(SELECT id FROM b)"),
+        " RETURNING batch"
+    ),
+    types: &LANE_PUT_NEW_BATCH_TYPES,
 };
 
 /// A batch's state, lane, subscription and the workers of its rounds (read
